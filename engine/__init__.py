@@ -1,0 +1,1 @@
+"""Engine adapter: torch tensors <-> snapstore through a bounded staging buffer."""

@@ -1,0 +1,63 @@
+"""snapstore: an embedded, SQLite-indexed, content-addressed store for LLM inference-state snapshots.
+
+Save the state an engine holds after reading a prompt prefix; restore it exactly in a later
+request, process or restart that starts with the same tokens. See docs/api.md.
+"""
+
+from __future__ import annotations
+
+from ._config import Budget
+from ._errors import (
+    ConfigError,
+    CorruptChunkError,
+    CorruptionError,
+    DestinationError,
+    IdentityError,
+    InvalidInputError,
+    LayoutError,
+    NotFoundError,
+    RestoreError,
+    SnapshotUnavailableError,
+    SnapstoreError,
+    StateError,
+    StoreFormatError,
+    StoreIOError,
+)
+from ._identity import Identity
+from ._layout import Fixed, Layout, Rows
+from ._maintenance import GcReport, VerifyReport
+from ._results import Match, RestoreResult, SaveResult, SnapshotInfo, Stats
+from ._store import Store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Budget",
+    "ConfigError",
+    "CorruptChunkError",
+    "CorruptionError",
+    "DestinationError",
+    "Fixed",
+    "GcReport",
+    "Identity",
+    "IdentityError",
+    "InvalidInputError",
+    "Layout",
+    "LayoutError",
+    "Match",
+    "NotFoundError",
+    "RestoreError",
+    "RestoreResult",
+    "Rows",
+    "SaveResult",
+    "SnapshotInfo",
+    "SnapshotUnavailableError",
+    "SnapstoreError",
+    "StateError",
+    "Stats",
+    "Store",
+    "StoreFormatError",
+    "StoreIOError",
+    "VerifyReport",
+    "__version__",
+]

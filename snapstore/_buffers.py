@@ -1,0 +1,172 @@
+"""Engine buffers as byte ranges: part sources for save, part destinations for restore.
+
+A part is a buffer-protocol object (numpy array, memoryview, bytearray) or an object with
+``read_into(offset, out)`` (source) / ``write_from(offset, data)`` (destination) — the hook the
+torch adapter uses to stream device tensors through its staging buffer. Contiguous buffers are
+read and written in place (no copy); strided numpy arrays go element-wise through ``.flat``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ._errors import DestinationError, LayoutError
+from ._layout import Fixed, PartSpec, Rows, dtype_size
+
+__all__ = ["PartReader", "PartWriter", "Source", "Sink", "as_sink", "as_source"]
+
+
+@runtime_checkable
+class PartReader(Protocol):
+    """A save source that is not a host buffer: fills ``out`` with bytes from ``offset``."""
+
+    nbytes: int
+
+    def read_into(self, offset: int, out: memoryview) -> None: ...
+
+
+@runtime_checkable
+class PartWriter(Protocol):
+    """A restore destination that is not a host buffer: receives bytes at ``offset``."""
+
+    nbytes: int
+
+    def write_from(self, offset: int, data: memoryview) -> None: ...
+
+
+class Source:
+    """Bytes of one part for the chunker: ``view`` (zero copy) or ``copy_into`` (staged)."""
+
+    def __init__(self, name: str, nbytes: int, mv: memoryview | None = None,
+                 arr: np.ndarray | None = None, reader: PartReader | None = None):
+        self.name, self.nbytes, self.mv, self.arr, self.reader = name, nbytes, mv, arr, reader
+
+    @property
+    def zero_copy(self) -> bool:
+        """True when byte ranges can be handed out as views of the engine's own buffer."""
+        return self.mv is not None
+
+    def view(self, start: int, end: int) -> memoryview:
+        """A view of bytes [start, end) (only for zero-copy sources)."""
+        assert self.mv is not None
+        return self.mv[start:end]
+
+    def copy_into(self, start: int, out: memoryview) -> None:
+        """Copy bytes [start, start + len(out)) into ``out``."""
+        if self.mv is not None:
+            out[:] = self.mv[start:start + len(out)]
+        elif self.reader is not None:
+            self.reader.read_into(start, out)
+        else:
+            assert self.arr is not None
+            item = self.arr.dtype.itemsize
+            i0, i1 = start // item, (start + len(out)) // item
+            np.frombuffer(out, dtype=self.arr.dtype)[:] = self.arr.flat[i0:i1]
+
+
+class Sink:
+    """A destination for restore: ``write`` copies bytes in; ``view`` is a writable slice if any."""
+
+    def __init__(self, name: str, nbytes: int, mv: memoryview | None = None,
+                 arr: np.ndarray | None = None, writer: PartWriter | None = None):
+        self.name, self.nbytes, self.mv, self.arr, self.writer = name, nbytes, mv, arr, writer
+
+    def view(self, start: int, end: int) -> memoryview | None:
+        """A writable view of bytes [start, end), or None when the destination is not contiguous."""
+        return self.mv[start:end] if self.mv is not None else None
+
+    def write(self, start: int, data: memoryview) -> None:
+        """Write ``data`` at byte ``start``."""
+        if self.mv is not None:
+            self.mv[start:start + len(data)] = data
+        elif self.writer is not None:
+            self.writer.write_from(start, data)
+        else:
+            assert self.arr is not None
+            item = self.arr.dtype.itemsize
+            i0 = start // item
+            self.arr.flat[i0:i0 + len(data) // item] = np.frombuffer(data, dtype=self.arr.dtype)
+
+
+def _raw_bytes_like(arr: np.ndarray) -> bool:
+    return arr.dtype in (np.uint8, np.int8) or arr.dtype.kind == "V"
+
+
+def _check_array(name: str, arr: np.ndarray, spec: PartSpec, rows: int, err: type[LayoutError]) -> None:
+    """dtype/shape of a numpy array against the part spec (raw byte arrays pass on size alone)."""
+    if _raw_bytes_like(arr) and arr.dtype.name != spec.dtype:
+        return
+    if arr.dtype.name != spec.dtype:
+        raise err(f"part {name!r}: dtype is {arr.dtype.name}, the layout says {spec.dtype}")
+    if isinstance(spec, Fixed):
+        if tuple(arr.shape) != spec.shape:
+            raise err(f"part {name!r}: shape is {tuple(arr.shape)}, the layout says {spec.shape}")
+    else:
+        if arr.ndim < 1 or tuple(arr.shape[1:]) != spec.row_shape:
+            raise err(f"part {name!r}: row shape is {tuple(arr.shape[1:])}, the layout says {spec.row_shape} "
+                      "(the token axis must be the leading one; the torch adapter reorders others)")
+        if arr.shape[0] < rows:
+            raise err(f"part {name!r}: holds {arr.shape[0]} rows, {rows} are needed")
+
+
+def _needed(spec: PartSpec, rows: int) -> int:
+    return spec.nbytes if isinstance(spec, Fixed) else rows * spec.row_bytes
+
+
+def as_source(name: str, obj: Any, spec: PartSpec, rows: int) -> Source:
+    """Check a save buffer against its spec and wrap it; LayoutError explains any mismatch."""
+    need = _needed(spec, rows)
+    if isinstance(obj, PartReader) and not isinstance(obj, (np.ndarray, memoryview, bytes, bytearray)):
+        if obj.nbytes < need:
+            raise LayoutError(f"part {name!r}: source has {obj.nbytes} bytes, {need} are needed")
+        return Source(name, need, reader=obj)
+    if isinstance(obj, np.ndarray):
+        _check_array(name, obj, spec, rows, LayoutError)
+        if obj.nbytes < need:
+            raise LayoutError(f"part {name!r}: buffer has {obj.nbytes} bytes, {need} are needed")
+        if obj.flags.c_contiguous:
+            return Source(name, need, mv=memoryview(obj.reshape(-1).view(np.uint8)))
+        return Source(name, need, arr=obj)
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise LayoutError(f"part {name!r}: {type(obj).__name__} is not a buffer (pass a numpy array, "
+                          "memoryview or bytes; torch tensors go through snapstore.engine)") from None
+    if not mv.c_contiguous:
+        return as_source(name, np.asarray(mv), spec, rows)
+    if mv.nbytes < need:
+        raise LayoutError(f"part {name!r}: buffer has {mv.nbytes} bytes, {need} are needed")
+    return Source(name, need, mv=mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+
+
+def as_sink(name: str, obj: Any, spec: PartSpec, rows: int) -> Sink:
+    """Check a restore destination (writable, large enough, dtype/shape) before anything is written."""
+    need = _needed(spec, rows)
+    if isinstance(obj, PartWriter) and not isinstance(obj, (np.ndarray, memoryview, bytearray)):
+        if obj.nbytes < need:
+            raise DestinationError(f"part {name!r}: destination has {obj.nbytes} bytes, {need} are needed")
+        return Sink(name, need, writer=obj)
+    if isinstance(obj, np.ndarray):
+        _check_array(name, obj, spec, rows, DestinationError)
+        if not obj.flags.writeable:
+            raise DestinationError(f"part {name!r}: destination array is read-only")
+        if obj.nbytes < need:
+            raise DestinationError(f"part {name!r}: destination has {obj.nbytes} bytes, {need} are needed")
+        if obj.flags.c_contiguous:
+            return Sink(name, need, mv=memoryview(obj.reshape(-1).view(np.uint8)))
+        if isinstance(spec, Rows) and obj.dtype.itemsize != dtype_size(spec.dtype):
+            raise DestinationError(f"part {name!r}: a strided destination must have the part's dtype")
+        return Sink(name, need, arr=obj)
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise DestinationError(f"part {name!r}: {type(obj).__name__} is not a writable buffer") from None
+    if mv.readonly:
+        raise DestinationError(f"part {name!r}: destination buffer is read-only")
+    if not mv.c_contiguous:
+        return as_sink(name, np.asarray(mv), spec, rows)
+    if mv.nbytes < need:
+        raise DestinationError(f"part {name!r}: destination has {mv.nbytes} bytes, {need} are needed")
+    return Sink(name, need, mv=mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)

@@ -1,0 +1,154 @@
+"""Chunk files: a fixed 64-byte self-describing header, then the (optionally compressed) payload.
+
+See docs/format.md. The chunk id is the BLAKE3-256 of the *raw* bytes, so changing the codec
+never changes ids; the header carries an XXH3-128 of the raw bytes (fast enough to check on
+every restore) and an XXH3-64 of itself.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+import blake3
+import numpy as np
+import xxhash
+import zstandard
+
+from ._errors import CorruptionError
+
+__all__ = [
+    "CODECS",
+    "CODEC_RAW",
+    "CODEC_ZSTD",
+    "CODEC_ZSTD_SHUFFLE2",
+    "HEADER_SIZE",
+    "ChunkHeader",
+    "chunk_id",
+    "checksum",
+    "decode_payload",
+    "encode_payload",
+    "is_hex_id",
+    "parse_header",
+]
+
+MAGIC = b"SNAPCHK\x00"
+FORMAT_VERSION = 1
+HEADER_SIZE = 64
+CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_SHUFFLE2 = 0, 1, 2
+CODECS = {"raw": CODEC_RAW, "zstd": CODEC_ZSTD, "zstd-shuffle2": CODEC_ZSTD_SHUFFLE2}
+CODEC_NAMES = {v: k for k, v in CODECS.items()}
+MAX_RAW = 1 << 32  # no chunk is larger than 4 GiB; a header claiming more is corrupt
+_HEAD = struct.Struct("<8sHBBIQQ16s")  # magic, version, codec, flags, header size, raw, payload, xxh3-128
+_HEX = frozenset("0123456789abcdef")
+
+
+def chunk_id(raw: bytes | memoryview) -> bytes:
+    """Content address of raw bytes: BLAKE3-256."""
+    return blake3.blake3(raw).digest()
+
+
+def checksum(raw: bytes | memoryview) -> bytes:
+    """XXH3-128 of raw bytes (big-endian digest), checked on every restore."""
+    return xxhash.xxh3_128_digest(raw)
+
+
+def is_hex_id(name: str) -> bool:
+    """True for a 64-char lowercase hex string: the only names chunk paths are built from."""
+    return len(name) == 64 and set(name) <= _HEX
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """The parsed header of a chunk file."""
+
+    codec: int
+    raw_len: int
+    payload_len: int
+    checksum: bytes
+
+    def pack(self) -> bytes:
+        """Serialize to exactly HEADER_SIZE bytes."""
+        head = _HEAD.pack(MAGIC, FORMAT_VERSION, self.codec, 0, HEADER_SIZE, self.raw_len,
+                          self.payload_len, self.checksum)
+        return head + xxhash.xxh3_64_digest(head) + bytes(8)
+
+
+def parse_header(data: bytes) -> ChunkHeader:
+    """Parse and check a header; CorruptionError says what is wrong with it."""
+    if len(data) < HEADER_SIZE:
+        raise CorruptionError(f"chunk header truncated ({len(data)} of {HEADER_SIZE} bytes)")
+    head = bytes(data[:48])
+    magic, version, codec, flags, hsize, raw_len, payload_len, csum = _HEAD.unpack(head)
+    if magic != MAGIC:
+        raise CorruptionError("not a snapstore chunk file (bad magic)")
+    if xxhash.xxh3_64_digest(head) != bytes(data[48:56]):
+        raise CorruptionError("chunk header checksum mismatch")
+    if version != FORMAT_VERSION or hsize != HEADER_SIZE:
+        raise CorruptionError(f"chunk format version {version} (header {hsize} bytes) is not supported")
+    if codec not in CODEC_NAMES or flags != 0:
+        raise CorruptionError(f"unknown chunk codec {codec} / flags {flags}")
+    if raw_len > MAX_RAW or payload_len > MAX_RAW + 1024:
+        raise CorruptionError(f"chunk claims {raw_len} raw / {payload_len} payload bytes (over the 4 GiB limit)")
+    if codec == CODEC_RAW and payload_len != raw_len:
+        raise CorruptionError("raw chunk whose payload length differs from its raw length")
+    return ChunkHeader(codec, raw_len, payload_len, csum)
+
+
+def _shuffle2(raw: memoryview) -> bytes:
+    a = np.frombuffer(raw, dtype=np.uint8)
+    even = len(a) & ~1
+    return a[:even].reshape(-1, 2).T.tobytes() + a[even:].tobytes()
+
+
+def _unshuffle2(data: bytes | memoryview, out: memoryview) -> None:
+    a = np.frombuffer(data, dtype=np.uint8)
+    even = len(a) & ~1
+    dst = np.frombuffer(out, dtype=np.uint8)
+    dst[:even].reshape(-1, 2)[:] = a[:even].reshape(2, -1).T
+    dst[even:] = a[even:]
+
+
+
+
+def encode_payload(raw: memoryview, codec: int) -> tuple[int, bytes | memoryview]:
+    """Compress raw bytes with a codec; falls back to raw when compression does not pay."""
+    if codec == CODEC_RAW:
+        return CODEC_RAW, raw
+    data = _shuffle2(raw) if codec == CODEC_ZSTD_SHUFFLE2 else raw
+    packed = zstandard.ZstdCompressor(level=1).compress(data)
+    if len(packed) >= len(raw):
+        return CODEC_RAW, raw
+    return codec, packed
+
+
+def decode_payload(header: ChunkHeader, payload: bytes | memoryview, out: memoryview) -> None:
+    """Decode a payload into ``out`` (exactly raw_len bytes); CorruptionError if it does not decode."""
+    if len(out) != header.raw_len:
+        raise CorruptionError("destination slice does not match the chunk's raw length")
+    if header.codec == CODEC_RAW:
+        if len(payload) != header.raw_len:
+            raise CorruptionError("raw chunk payload has the wrong length")
+        out[:] = payload
+        return
+    try:
+        data = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_len)
+    except zstandard.ZstdError as e:
+        raise CorruptionError(f"chunk payload does not decompress: {e}") from None
+    if len(data) != header.raw_len:
+        raise CorruptionError("chunk payload decompresses to the wrong length")
+    if header.codec == CODEC_ZSTD_SHUFFLE2:
+        _unshuffle2(data, out)
+    else:
+        out[:] = data
+
+
+def read_exact(fd: int, out: memoryview, offset: int) -> None:
+    """pread until ``out`` is full; CorruptionError on a short file."""
+    done = 0
+    while done < len(out):
+        n = os.preadv(fd, [out[done:]], offset + done)
+        if n == 0:
+            raise CorruptionError("chunk file is shorter than its header says (truncated)")
+        done += n

@@ -1,0 +1,99 @@
+"""Configuration: keyword arguments, then SNAPSTORE_* environment variables, then defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import platformdirs
+
+from ._errors import ConfigError
+from ._layout import Layout
+
+__all__ = ["Budget", "default_dir", "env_int"]
+
+MIB = 1 << 20
+DEFAULT_DISK_MIB = 51200
+DEFAULT_RAM_MIB = 2048
+DEFAULT_RESERVE_MIB = 1024
+
+
+def env_int(name: str) -> int | None:
+    """An integer environment variable, or None when unset; ConfigError when malformed."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"${name} must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise ConfigError(f"${name} must be >= 0, got {value}")
+    return value
+
+
+def default_dir() -> str:
+    """``$SNAPSTORE_DIR``, else the platform's per-user cache directory for snapstore."""
+    return os.environ.get("SNAPSTORE_DIR") or platformdirs.user_cache_dir("snapstore", appauthor=False)
+
+
+def _nonneg(name: str, value: int | float | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+        raise ConfigError(f"Budget.{name} must be a non-negative number or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Capacity limits of a store. ``None`` means: from the environment, else the default.
+
+    disk_bytes: stored bytes (each chunk once) — default 51200 MiB (``SNAPSTORE_DISK_MIB``).
+    ram_bytes: the in-process RAM tier of decoded chunks — 2048 MiB (``SNAPSTORE_RAM_MIB``; 0 = off).
+    max_entries: matchable snapshots — unlimited (``SNAPSTORE_MAX_ENTRIES``).
+    ttl: seconds since last use before a snapshot expires — none (``SNAPSTORE_TTL``).
+    reserve_bytes: free space always left on the file system — 1024 MiB (``SNAPSTORE_RESERVE_MIB``).
+    """
+
+    disk_bytes: int | None = None
+    ram_bytes: int | None = None
+    max_entries: int | None = None
+    ttl: float | None = None
+    reserve_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("disk_bytes", "ram_bytes", "max_entries", "ttl", "reserve_bytes"):
+            _nonneg(name, getattr(self, name))
+
+    def resolved(self) -> Budget:
+        """A copy with every unset field taken from the environment or the default."""
+        def pick(value: int | float | None, env: str, default: int | None, scale: int = 1) -> int | float | None:
+            if value is not None:
+                return value
+            e = env_int(env)
+            if e is not None:
+                return e * scale
+            return default * scale if default is not None else None
+
+        ttl = pick(self.ttl, "SNAPSTORE_TTL", None)
+        max_entries = pick(self.max_entries, "SNAPSTORE_MAX_ENTRIES", None)
+        return replace(
+            self,
+            disk_bytes=int(pick(self.disk_bytes, "SNAPSTORE_DISK_MIB", DEFAULT_DISK_MIB, MIB) or 0),
+            ram_bytes=int(pick(self.ram_bytes, "SNAPSTORE_RAM_MIB", DEFAULT_RAM_MIB, MIB) or 0),
+            max_entries=int(max_entries) if max_entries is not None else None,
+            ttl=float(ttl) if ttl is not None and ttl > 0 else None,
+            reserve_bytes=int(pick(self.reserve_bytes, "SNAPSTORE_RESERVE_MIB", DEFAULT_RESERVE_MIB, MIB) or 0),
+        )
+
+    @classmethod
+    def for_model(cls, layout: Layout, *, conversations: int, tokens: int, headroom: float = 1.25,
+                  **kw: int | float | None) -> Budget:
+        """A disk budget that holds ``conversations`` conversations of ``tokens`` tokens each.
+
+        Per conversation: ``tokens`` rows of every stream plus one set of fixed parts (supersede
+        keeps one matchable snapshot per session; ancestors keep only their rows), times
+        ``headroom`` for branches and boundary snapshots still pinned.
+        """
+        if conversations < 1 or tokens < 1 or headroom < 1:
+            raise ConfigError("for_model needs conversations >= 1, tokens >= 1 and headroom >= 1")
+        per = tokens * layout.bytes_per_token + layout.fixed_bytes
+        return cls(disk_bytes=int(conversations * per * headroom), **kw)  # type: ignore[arg-type]

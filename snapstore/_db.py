@@ -1,0 +1,576 @@
+"""The one data-access module: every SQL statement of snapstore lives here (and in migrations/).
+
+A :class:`Database` holds one apsw connection per thread (a connection is never shared between
+concurrent transactions) and runs functions in IMMEDIATE write or deferred read transactions,
+retrying when SQLite reports busy so that "database is locked" never reaches the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+
+import apsw
+import apsw.bestpractice
+
+from ._errors import CorruptionError, StoreFormatError, StoreIOError
+
+__all__ = ["APPLICATION_ID", "MIN_SQLITE", "ChunkRow", "Database", "PartRow", "SnapRow"]
+
+T = TypeVar("T")
+APPLICATION_ID = 0x534E5053  # "SNPS"
+MIN_SQLITE = (3, 51, 3)
+_BUSY_TIMEOUT_MS = 10_000
+_BUSY_RETRIES = 50
+
+Conn = apsw.Connection
+
+_SNAP_COLS = ("id, identity_id, namespace, parent_id, depth, n_tokens, base_tokens, token_width, tokens, "
+              "anchor, prefix_key, content_key, session, state, owner, matchable, created, last_used, "
+              "hits, logical_bytes")
+
+
+@dataclass(frozen=True)
+class SnapRow:
+    """One row of ``snapshots``."""
+
+    id: int
+    identity_id: int
+    namespace: str
+    parent_id: int | None
+    depth: int
+    n_tokens: int
+    base_tokens: int
+    token_width: int
+    tokens: bytes
+    anchor: bytes
+    prefix_key: bytes
+    content_key: bytes
+    session: str | None
+    state: int
+    owner: str | None
+    matchable: int
+    created: float
+    last_used: float
+    hits: int
+    logical_bytes: int
+
+
+@dataclass(frozen=True)
+class PartRow:
+    """One row of ``parts``: a fixed part whole, or a row-stream segment."""
+
+    snapshot_id: int
+    name: str
+    kind: int
+    dtype: str
+    shape: tuple[int, ...]
+    component: str | None
+    row_start: int
+    row_end: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    """One row of ``chunks``."""
+
+    id: bytes
+    raw_len: int
+    stored_len: int
+    codec: int
+    checksum: bytes
+    refs: int
+    created: float
+
+
+def _snap(row: Sequence[Any]) -> SnapRow:
+    return SnapRow(*row)
+
+
+def _part(row: Sequence[Any]) -> PartRow:
+    sid, name, kind, dtype, shape, comp, rs, re_, nb = row
+    try:
+        dims = json.loads(shape)
+        if not isinstance(dims, list) or not all(isinstance(d, int) and d >= 0 for d in dims):
+            raise ValueError(shape)
+    except ValueError:
+        raise CorruptionError(f"snapshot {sid} part {name!r} has a malformed shape {shape!r}") from None
+    return PartRow(sid, name, kind, dtype, tuple(dims), comp, rs, re_, nb)
+
+
+def migrations_dir() -> list[tuple[int, str, str]]:
+    """The shipped migrations as (number, name, sql), in order."""
+    found: list[tuple[int, str, str]] = []
+    try:
+        root: Any = resources.files("snapstore.migrations")
+        entries = [(p.name, p.read_text()) for p in root.iterdir() if p.name.endswith(".sql")]
+    except (ModuleNotFoundError, FileNotFoundError):
+        src = Path(__file__).resolve().parent.parent / "migrations"
+        entries = [(p.name, p.read_text()) for p in src.glob("*.sql")]
+    for name, sql in entries:
+        found.append((int(name.split("_", 1)[0]), name, sql))
+    found.sort()
+    return found
+
+
+def translate(e: BaseException) -> BaseException:
+    """Map apsw errors onto the snapstore hierarchy with a message an engine author can act on."""
+    if isinstance(e, apsw.FullError):
+        return StoreIOError(28, f"the store's database could not grow (disk full): {e}")
+    if isinstance(e, (apsw.CorruptError, apsw.NotADBError)):
+        return CorruptionError(f"the store database is damaged ({e}); run `snapstore verify --repair`")
+    if isinstance(e, (apsw.IOError, apsw.CantOpenError, apsw.ReadOnlyError, apsw.PermissionsError)):
+        return StoreIOError(5, f"the store database could not be accessed: {e}")
+    return e
+
+
+class Database:
+    """Thread-safe access to ``snapstore.db``: a connection per thread, retried transactions."""
+
+    def __init__(self, path: str, *, readonly: bool = False):
+        if apsw.sqlite_lib_version().split(".") and tuple(
+            int(x) for x in apsw.sqlite_lib_version().split(".")[:3]
+        ) < MIN_SQLITE:
+            raise StoreFormatError(
+                f"SQLite {apsw.sqlite_lib_version()} is too old; snapstore needs >= "
+                f"{'.'.join(map(str, MIN_SQLITE))} (install a newer apsw wheel)"
+            )
+        self.path = path
+        self.readonly = readonly
+        self._local = threading.local()
+        self._all: list[Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        if not readonly and not os.path.exists(path):
+            try:  # create 0600 before SQLite does (its -wal/-shm files copy these permissions)
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise StoreIOError(e.errno or 5, f"cannot create {path}: {e.strerror}") from None
+        conn = self.conn()
+        if not readonly:
+            self._migrate(conn)
+        else:
+            self._check_version(conn)
+
+    # -- connections -------------------------------------------------------------------------
+    def conn(self) -> Conn:
+        """This thread's connection (opened on first use)."""
+        c: Conn | None = getattr(self._local, "conn", None)
+        if c is not None:
+            return c
+        if self._closed:
+            raise StoreFormatError("the store is closed")
+        flags = apsw.SQLITE_OPEN_READONLY if self.readonly else apsw.SQLITE_OPEN_READWRITE
+        try:
+            c = apsw.Connection(self.path, flags=flags | apsw.SQLITE_OPEN_NOFOLLOW)
+            c.set_busy_timeout(_BUSY_TIMEOUT_MS)
+            if not self.readonly:
+                apsw.bestpractice.connection_wal(c)
+            apsw.bestpractice.connection_enable_foreign_keys(c)
+            apsw.bestpractice.connection_dqs(c)
+            apsw.bestpractice.connection_recursive_triggers(c)
+            # FULL: a commit is durable when it returns (WAL fsync per commit), so a save the API
+            # reported survives power loss, not only a process crash.
+            c.pragma("synchronous", "FULL")
+        except apsw.Error as e:
+            raise translate(e) from None
+        self._local.conn = c
+        with self._lock:
+            self._all.append(c)
+        return c
+
+    def close(self) -> None:
+        """Close every connection this object opened (all threads)."""
+        with self._lock:
+            self._closed = True
+            conns, self._all = self._all, []
+        for c in conns:
+            try:
+                c.close(True)
+            except apsw.Error:
+                pass
+        self._local = threading.local()
+
+    # -- transactions ------------------------------------------------------------------------
+    def write(self, fn: Callable[[Conn], T]) -> T:
+        """Run ``fn`` in an IMMEDIATE transaction, retried while the database is busy."""
+        return self._transact(fn, "BEGIN IMMEDIATE")
+
+    def read(self, fn: Callable[[Conn], T]) -> T:
+        """Run ``fn`` in a read transaction (a consistent snapshot of the database)."""
+        return self._transact(fn, "BEGIN")
+
+    def _transact(self, fn: Callable[[Conn], T], begin: str) -> T:
+        c = self.conn()
+        for attempt in range(_BUSY_RETRIES):
+            try:
+                c.execute(begin)
+            except apsw.BusyError:
+                time.sleep(min(0.5, 0.005 * 2**min(attempt, 7)) * random.random())
+                continue
+            except apsw.Error as e:
+                raise translate(e) from None
+            try:
+                result = fn(c)
+                c.execute("COMMIT")
+                return result
+            except apsw.BusyError:
+                self._rollback(c)
+                time.sleep(min(0.5, 0.005 * 2**min(attempt, 7)) * random.random())
+                continue
+            except BaseException as e:
+                self._rollback(c)
+                if isinstance(e, apsw.Error):
+                    raise translate(e) from None
+                raise
+        raise StoreIOError(16, "the store database stayed locked by another process for too long")
+
+    @staticmethod
+    def _rollback(c: Conn) -> None:
+        if not c.get_autocommit():
+            try:
+                c.execute("ROLLBACK")
+            except apsw.Error:
+                pass
+
+    # -- schema ------------------------------------------------------------------------------
+    def _check_version(self, c: Conn) -> int:
+        try:
+            app = c.pragma("application_id")
+            ver = c.pragma("user_version")
+        except apsw.Error as e:
+            raise StoreFormatError(f"{self.path} is not a readable SQLite database: {e}") from None
+        known = migrations_dir()
+        latest = known[-1][0] if known else 0
+        if ver and app != APPLICATION_ID:
+            raise StoreFormatError(f"{self.path} is an SQLite database but not a snapstore store")
+        if ver > latest:
+            raise StoreFormatError(
+                f"{self.path} has schema version {ver}, newer than this snapstore ({latest}); upgrade snapstore"
+            )
+        return int(ver)
+
+    def _migrate(self, c: Conn) -> None:
+        ver = self._check_version(c)
+        todo = [m for m in migrations_dir() if m[0] > ver]
+        if not todo:
+            return
+
+        def apply(c: Conn) -> None:
+            current = int(c.pragma("user_version"))
+            for num, _name, sql in todo:
+                if num <= current:
+                    continue  # another process migrated first
+                c.execute(sql)
+                c.pragma("user_version", num)
+            c.pragma("application_id", APPLICATION_ID)
+
+        self.write(apply)
+
+    # -- identities --------------------------------------------------------------------------
+    @staticmethod
+    def ensure_identity(c: Conn, key: str, canonical: str, now: float) -> int:
+        row = c.execute("SELECT id FROM identities WHERE key = ?", (key,)).fetchone()
+        if row:
+            c.execute("UPDATE identities SET last_open = ? WHERE id = ?", (now, row[0]))
+            return int(row[0])
+        c.execute("INSERT INTO identities(key, canonical, created, last_open) VALUES (?, ?, ?, ?)",
+                  (key, canonical, now, now))
+        return int(c.last_insert_rowid())
+
+    @staticmethod
+    def identity_id(c: Conn, key: str) -> int | None:
+        row = c.execute("SELECT id FROM identities WHERE key = ?", (key,)).fetchone()
+        return int(row[0]) if row else None
+
+    @staticmethod
+    def identities(c: Conn) -> list[tuple[int, str, str, float, float]]:
+        return list(c.execute("SELECT id, key, canonical, created, last_open FROM identities ORDER BY id"))
+
+    @staticmethod
+    def delete_identity(c: Conn, identity_id: int) -> None:
+        c.execute("DELETE FROM identities WHERE id = ? AND NOT EXISTS "
+                  "(SELECT 1 FROM snapshots WHERE identity_id = ?)", (identity_id, identity_id))
+
+    # -- snapshots ---------------------------------------------------------------------------
+    @staticmethod
+    def snapshot(c: Conn, sid: int) -> SnapRow | None:
+        row = c.execute(f"SELECT {_SNAP_COLS} FROM snapshots WHERE id = ?", (sid,)).fetchone()
+        return _snap(row) if row else None
+
+    @staticmethod
+    def snapshots(c: Conn, identity_id: int | None = None) -> list[SnapRow]:
+        if identity_id is None:
+            cur = c.execute(f"SELECT {_SNAP_COLS} FROM snapshots ORDER BY id")
+        else:
+            cur = c.execute(f"SELECT {_SNAP_COLS} FROM snapshots WHERE identity_id = ? ORDER BY id",
+                            (identity_id,))
+        return [_snap(r) for r in cur]
+
+    @staticmethod
+    def match_candidates(c: Conn, identity_id: int, namespace: str, anchors: Sequence[bytes],
+                         max_tokens: int, not_before: float, committed_only: bool = True) -> list[SnapRow]:
+        """Snapshots whose anchor is one of ``anchors``, deepest first (one indexed statement)."""
+        if not anchors:
+            return []
+        marks = ",".join("?" * len(anchors))
+        state = "AND state = 1 AND matchable = 1" if committed_only else ""
+        sql = (f"SELECT {_SNAP_COLS} FROM snapshots WHERE identity_id = ? AND namespace = ? "
+               f"AND anchor IN ({marks}) AND n_tokens <= ? AND last_used >= ? {state} "
+               "ORDER BY n_tokens DESC, id DESC")
+        return [_snap(r) for r in c.execute(sql, (identity_id, namespace, *anchors, max_tokens, not_before))]
+
+    @staticmethod
+    def same_content(c: Conn, identity_id: int, namespace: str, prefix_key: bytes,
+                     content_key: bytes) -> SnapRow | None:
+        row = c.execute(
+            f"SELECT {_SNAP_COLS} FROM snapshots WHERE identity_id = ? AND namespace = ? AND prefix_key = ? "
+            "AND content_key = ? AND state = 1 AND matchable = 1 LIMIT 1",
+            (identity_id, namespace, prefix_key, content_key)).fetchone()
+        return _snap(row) if row else None
+
+    @staticmethod
+    def chain(c: Conn, sid: int) -> list[SnapRow]:
+        """The snapshot and its ancestors, root first."""
+        rows = c.execute(
+            f"WITH RECURSIVE ch(x, lvl) AS (SELECT ?, 0 UNION ALL "
+            f"SELECT s.parent_id, ch.lvl + 1 FROM snapshots s JOIN ch ON s.id = ch.x "
+            f"WHERE s.parent_id IS NOT NULL AND ch.lvl < 100000) "
+            f"SELECT {_SNAP_COLS} FROM snapshots JOIN ch ON snapshots.id = ch.x ORDER BY ch.lvl DESC",
+            (sid,)).fetchall()
+        return [_snap(r[:20]) for r in rows]
+
+    @staticmethod
+    def insert_snapshot(c: Conn, **v: Any) -> int:
+        c.execute(
+            "INSERT INTO snapshots(identity_id, namespace, parent_id, depth, n_tokens, base_tokens, "
+            "token_width, tokens, anchor, prefix_key, content_key, session, state, owner, matchable, "
+            "created, last_used, hits, logical_bytes) VALUES (:identity_id, :namespace, :parent_id, :depth, "
+            ":n_tokens, :base_tokens, :token_width, :tokens, :anchor, :prefix_key, :content_key, :session, "
+            ":state, :owner, 1, :now, :now, 0, :logical_bytes)", v)
+        return int(c.last_insert_rowid())
+
+    @staticmethod
+    def insert_part(c: Conn, sid: int, name: str, kind: int, dtype: str, shape: Sequence[int],
+                    component: str | None, row_start: int, row_end: int, nbytes: int,
+                    chunk_ids: Sequence[bytes]) -> None:
+        c.execute("INSERT INTO parts(snapshot_id, name, kind, dtype, shape, component, row_start, row_end, "
+                  "nbytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                  (sid, name, kind, dtype, json.dumps(list(shape)), component, row_start, row_end, nbytes))
+        c.executemany("INSERT INTO part_chunks(snapshot_id, name, seq, chunk_id) VALUES (?, ?, ?, ?)",
+                      [(sid, name, i, cid) for i, cid in enumerate(chunk_ids)])
+        for cid in chunk_ids:
+            c.execute("UPDATE chunks SET refs = refs + 1 WHERE id = ?", (cid,))
+
+    @staticmethod
+    def children(c: Conn, sid: int) -> list[int]:
+        return [int(r[0]) for r in c.execute("SELECT id FROM snapshots WHERE parent_id = ?", (sid,))]
+
+    @staticmethod
+    def has_children(c: Conn, sid: int) -> bool:
+        return c.execute("SELECT 1 FROM snapshots WHERE parent_id = ? LIMIT 1", (sid,)).fetchone() is not None
+
+    @staticmethod
+    def set_state(c: Conn, sid: int, state: int, owner: str | None, now: float) -> None:
+        c.execute("UPDATE snapshots SET state = ?, owner = ?, last_used = ? WHERE id = ?",
+                  (state, owner, now, sid))
+
+    @staticmethod
+    def touch(c: Conn, sid: int, now: float, hit: bool) -> None:
+        c.execute("UPDATE snapshots SET last_used = max(last_used, ?), hits = hits + ? WHERE id = ?",
+                  (now, 1 if hit else 0, sid))
+
+    @staticmethod
+    def set_unmatchable(c: Conn, sid: int) -> None:
+        c.execute("UPDATE snapshots SET matchable = 0 WHERE id = ?", (sid,))
+
+    @staticmethod
+    def session_prefixes(c: Conn, identity_id: int, namespace: str, session: str,
+                         below_tokens: int, exclude: int) -> list[SnapRow]:
+        return [_snap(r) for r in c.execute(
+            f"SELECT {_SNAP_COLS} FROM snapshots WHERE identity_id = ? AND namespace = ? AND session = ? "
+            "AND state = 1 AND matchable = 1 AND n_tokens < ? AND id != ?",
+            (identity_id, namespace, session, below_tokens, exclude))]
+
+    @staticmethod
+    def lru_leaves(c: Conn, exclude: Iterable[int], limit: int = 64) -> list[SnapRow]:
+        """Committed snapshots without children, least recently used first."""
+        ex = list(exclude)
+        marks = ",".join("?" * len(ex)) or "NULL"
+        return [_snap(r) for r in c.execute(
+            f"SELECT {_SNAP_COLS} FROM snapshots s WHERE state = 1 AND id NOT IN ({marks}) AND NOT EXISTS "
+            f"(SELECT 1 FROM snapshots k WHERE k.parent_id = s.id) ORDER BY last_used, id LIMIT ?",
+            (*ex, limit))]
+
+    @staticmethod
+    def expired(c: Conn, before: float) -> list[SnapRow]:
+        return [_snap(r) for r in c.execute(
+            f"SELECT {_SNAP_COLS} FROM snapshots WHERE state = 1 AND last_used < ? ORDER BY depth DESC",
+            (before,))]
+
+    @staticmethod
+    def pending(c: Conn) -> list[SnapRow]:
+        return [_snap(r) for r in c.execute(f"SELECT {_SNAP_COLS} FROM snapshots WHERE state = 0")]
+
+    @staticmethod
+    def descendants(c: Conn, sid: int) -> list[int]:
+        """Every snapshot below ``sid`` (children, grandchildren, ...), deepest first."""
+        rows = c.execute(
+            "WITH RECURSIVE d(x, lvl) AS (SELECT id, 1 FROM snapshots WHERE parent_id = ? UNION ALL "
+            "SELECT s.id, d.lvl + 1 FROM snapshots s JOIN d ON s.parent_id = d.x) "
+            "SELECT x FROM d ORDER BY lvl DESC", (sid,)).fetchall()
+        return [int(r[0]) for r in rows]
+
+    @staticmethod
+    def delete_snapshot(c: Conn, sid: int) -> list[bytes]:
+        """Delete one snapshot (it must have no children); return chunk ids whose refs fell to 0."""
+        return Database._drop_parts(c, sid, None) + Database._delete_row(c, sid)
+
+    @staticmethod
+    def _delete_row(c: Conn, sid: int) -> list[bytes]:
+        c.execute("DELETE FROM snapshots WHERE id = ?", (sid,))
+        return []
+
+    @staticmethod
+    def drop_fixed_parts(c: Conn, sid: int) -> list[bytes]:
+        """Drop a snapshot's fixed parts (kept as a chain link only); return freed chunk ids."""
+        return Database._drop_parts(c, sid, 0)
+
+    @staticmethod
+    def _drop_parts(c: Conn, sid: int, kind: int | None) -> list[bytes]:
+        cond = "" if kind is None else " AND name IN (SELECT name FROM parts WHERE snapshot_id = ? AND kind = ?)"
+        args: tuple[Any, ...] = (sid,) if kind is None else (sid, sid, kind)
+        ids = [bytes(r[0]) for r in c.execute(f"SELECT chunk_id FROM part_chunks WHERE snapshot_id = ?{cond}", args)]
+        c.execute(f"DELETE FROM part_chunks WHERE snapshot_id = ?{cond}", args)
+        if kind is None:
+            c.execute("DELETE FROM parts WHERE snapshot_id = ?", (sid,))
+        else:
+            c.execute("DELETE FROM parts WHERE snapshot_id = ? AND kind = ?", (sid, kind))
+        freed: list[bytes] = []
+        for cid in ids:
+            c.execute("UPDATE chunks SET refs = refs - 1 WHERE id = ?", (cid,))
+        for cid in set(ids):
+            row = c.execute("SELECT refs, stored_len FROM chunks WHERE id = ?", (cid,)).fetchone()
+            if row and row[0] <= 0:
+                c.execute("DELETE FROM chunks WHERE id = ?", (cid,))
+                Database.add_counter(c, "stored_bytes", -int(row[1]))
+                freed.append(cid)
+        return freed
+
+    # -- parts and chunks --------------------------------------------------------------------
+    @staticmethod
+    def parts(c: Conn, sid: int) -> list[PartRow]:
+        return [_part(r) for r in c.execute(
+            "SELECT snapshot_id, name, kind, dtype, shape, component, row_start, row_end, nbytes "
+            "FROM parts WHERE snapshot_id = ? ORDER BY name", (sid,))]
+
+    @staticmethod
+    def part_chunks(c: Conn, sid: int, name: str) -> list[ChunkRow | None]:
+        """The chunks of one part in order; None where a referenced chunk row is missing."""
+        out: list[ChunkRow | None] = []
+        for r in c.execute(
+                "SELECT pc.chunk_id, c.raw_len, c.stored_len, c.codec, c.checksum, c.refs, c.created "
+                "FROM part_chunks pc LEFT JOIN chunks c ON c.id = pc.chunk_id "
+                "WHERE pc.snapshot_id = ? AND pc.name = ? ORDER BY pc.seq", (sid, name)):
+            out.append(None if r[1] is None else ChunkRow(bytes(r[0]), *r[1:]))
+        return out
+
+    @staticmethod
+    def existing_chunks(c: Conn, ids: Iterable[bytes]) -> set[bytes]:
+        found: set[bytes] = set()
+        for cid in ids:
+            if c.execute("SELECT 1 FROM chunks WHERE id = ?", (cid,)).fetchone():
+                found.add(cid)
+        return found
+
+    @staticmethod
+    def add_chunk(c: Conn, cid: bytes, raw_len: int, stored_len: int, codec: int, csum: bytes,
+                  now: float) -> bool:
+        """Insert a chunk row with refs 0 unless present; True if it was new."""
+        c.execute("INSERT INTO chunks(id, raw_len, stored_len, codec, checksum, refs, created) "
+                  "VALUES (?, ?, ?, ?, ?, 0, ?) ON CONFLICT(id) DO NOTHING",
+                  (cid, raw_len, stored_len, codec, csum, now))
+        if c.changes():
+            Database.add_counter(c, "stored_bytes", stored_len)
+            return True
+        return False
+
+    @staticmethod
+    def chunk(c: Conn, cid: bytes) -> ChunkRow | None:
+        r = c.execute("SELECT id, raw_len, stored_len, codec, checksum, refs, created FROM chunks WHERE id = ?",
+                      (cid,)).fetchone()
+        return ChunkRow(bytes(r[0]), *r[1:]) if r else None
+
+    @staticmethod
+    def all_chunks(c: Conn) -> Iterator[ChunkRow]:
+        for r in c.execute("SELECT id, raw_len, stored_len, codec, checksum, refs, created FROM chunks"):
+            yield ChunkRow(bytes(r[0]), *r[1:])
+
+    @staticmethod
+    def chunk_users(c: Conn, cid: bytes) -> list[int]:
+        return [int(r[0]) for r in c.execute(
+            "SELECT DISTINCT snapshot_id FROM part_chunks WHERE chunk_id = ?", (cid,))]
+
+    @staticmethod
+    def dangling_refs(c: Conn) -> list[tuple[int, bytes]]:
+        """(snapshot, chunk) pairs whose chunk row is missing."""
+        return [(int(r[0]), bytes(r[1])) for r in c.execute(
+            "SELECT DISTINCT pc.snapshot_id, pc.chunk_id FROM part_chunks pc "
+            "LEFT JOIN chunks c ON c.id = pc.chunk_id WHERE c.id IS NULL")]
+
+    @staticmethod
+    def refcount_mismatches(c: Conn) -> list[tuple[bytes, int, int]]:
+        return [(bytes(r[0]), int(r[1]), int(r[2])) for r in c.execute(
+            "SELECT c.id, c.refs, (SELECT count(*) FROM part_chunks pc WHERE pc.chunk_id = c.id) AS n "
+            "FROM chunks c WHERE c.refs != n")]
+
+    # -- accounting and counters -------------------------------------------------------------
+    @staticmethod
+    def add_counter(c: Conn, name: str, delta: int) -> None:
+        c.execute("INSERT INTO counters(name, value) VALUES (?, ?) "
+                  "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value", (name, delta))
+
+    @staticmethod
+    def counters(c: Conn) -> dict[str, int]:
+        return {str(k): int(v) for k, v in c.execute("SELECT name, value FROM counters")}
+
+    @staticmethod
+    def totals(c: Conn) -> tuple[int, int, int, int]:
+        """(stored bytes, logical bytes, committed matchable entries, all snapshots) from the tables."""
+        stored = c.execute("SELECT coalesce(sum(stored_len), 0) FROM chunks").fetchone()[0]
+        logical, entries, allsnaps = c.execute(
+            "SELECT coalesce(sum(CASE WHEN matchable = 1 THEN logical_bytes ELSE 0 END), 0), "
+            "coalesce(sum(state = 1 AND matchable = 1), 0), count(*) FROM snapshots").fetchone()
+        return int(stored), int(logical), int(entries), int(allsnaps)
+
+    @staticmethod
+    def stored_bytes(c: Conn) -> int:
+        row = c.execute("SELECT value FROM counters WHERE name = 'stored_bytes'").fetchone()
+        return int(row[0]) if row else 0
+
+    @staticmethod
+    def entry_count(c: Conn) -> int:
+        return int(c.execute("SELECT count(*) FROM snapshots WHERE state = 1 AND matchable = 1").fetchone()[0])
+
+    @staticmethod
+    def set_counter(c: Conn, name: str, value: int) -> None:
+        c.execute("INSERT INTO counters(name, value) VALUES (?, ?) "
+                  "ON CONFLICT(name) DO UPDATE SET value = excluded.value", (name, value))
+
+    @staticmethod
+    def integrity_check(c: Conn) -> list[str]:
+        return [str(r[0]) for r in c.execute("PRAGMA integrity_check") if r[0] != "ok"]
+
+    @staticmethod
+    def foreign_key_check(c: Conn) -> list[tuple[Any, ...]]:
+        return [tuple(r) for r in c.execute("PRAGMA foreign_key_check")]

@@ -1,0 +1,149 @@
+"""Layout: the named parts of an engine state (fixed parts and row streams) and their dtypes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ._errors import LayoutError
+from ._identity import canonical_json
+
+__all__ = ["DTYPE_SIZES", "Fixed", "Layout", "PartSpec", "Rows", "dtype_size"]
+
+# Element sizes by dtype name. Names follow numpy, plus the ML names torch and ml_dtypes use,
+# so the core can describe bf16/fp8 state without importing either.
+DTYPE_SIZES: dict[str, int] = {
+    "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
+    "int64": 8, "uint64": 8, "float16": 2, "float32": 4, "float64": 8,
+    "bfloat16": 2, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "complex64": 8, "complex128": 16,
+}
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:/[]")
+
+
+def dtype_size(dtype: str) -> int:
+    """Bytes per element of a dtype name; LayoutError for an unknown name."""
+    try:
+        return DTYPE_SIZES[dtype]
+    except (KeyError, TypeError):
+        raise LayoutError(
+            f"unknown dtype {dtype!r}; use one of: {', '.join(sorted(DTYPE_SIZES))}"
+        ) from None
+
+
+def _check_shape(shape: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise LayoutError(f"{what} must be a tuple of non-negative ints, got {shape!r}")
+    return tuple(shape)
+
+
+def _check_component(component: Any) -> str | None:
+    if component is not None and (not isinstance(component, str) or not component
+                                  or not set(component) <= _NAME_CHARS):
+        raise LayoutError(f"component must be None or a short name, got {component!r}")
+    return component  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A fixed part: stored whole in every snapshot (recurrent/conv state, running state)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    component: str | None = None
+
+    def __post_init__(self) -> None:
+        dtype_size(self.dtype)
+        object.__setattr__(self, "shape", _check_shape(self.shape, "Fixed shape"))
+        _check_component(self.component)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole part."""
+        return math.prod(self.shape) * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A row stream: one row of ``row_shape`` per token, append-only (K/V arenas)."""
+
+    dtype: str
+    row_shape: tuple[int, ...]
+    component: str | None = None
+
+    def __post_init__(self) -> None:
+        dtype_size(self.dtype)
+        object.__setattr__(self, "row_shape", _check_shape(self.row_shape, "Rows row_shape"))
+        _check_component(self.component)
+        if self.row_bytes == 0:
+            raise LayoutError("a row stream's rows must have at least one byte")
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row."""
+        return math.prod(self.row_shape) * dtype_size(self.dtype)
+
+
+PartSpec = Fixed | Rows
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parts of a state: ``fixed`` parts and ``rows`` streams, each by a unique name."""
+
+    fixed: Mapping[str, Fixed] = field(default_factory=dict)
+    rows: Mapping[str, Rows] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for kind, parts, cls in (("fixed", self.fixed, Fixed), ("rows", self.rows, Rows)):
+            for name, spec in parts.items():
+                if not isinstance(name, str) or not name or len(name) > 200 or not set(name) <= _NAME_CHARS:
+                    raise LayoutError(f"part name {name!r} must be 1-200 chars of [A-Za-z0-9._-:/[]]")
+                if not isinstance(spec, cls):
+                    raise LayoutError(f"Layout.{kind}[{name!r}] must be a {cls.__name__}, got {spec!r}")
+        dup = set(self.fixed) & set(self.rows)
+        if dup:
+            raise LayoutError(f"part names used twice (fixed and rows): {sorted(dup)}")
+        if not self.fixed and not self.rows:
+            raise LayoutError("a layout needs at least one part")
+        object.__setattr__(self, "fixed", dict(self.fixed))
+        object.__setattr__(self, "rows", dict(self.rows))
+
+    @property
+    def parts(self) -> dict[str, PartSpec]:
+        """Every part by name (fixed first, then row streams)."""
+        out: dict[str, PartSpec] = dict(self.fixed)
+        out.update(self.rows)
+        return out
+
+    @property
+    def components(self) -> frozenset[str]:
+        """Named optional components (e.g. ``draft``); the base state has component None."""
+        return frozenset(s.component for s in self.parts.values() if s.component is not None)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes of all fixed parts together."""
+        return sum(s.nbytes for s in self.fixed.values())
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one row of every stream together."""
+        return sum(s.row_bytes for s in self.rows.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able description (stored with each snapshot's parts)."""
+        return {
+            "fixed": {n: {"dtype": s.dtype, "shape": list(s.shape), "component": s.component}
+                      for n, s in sorted(self.fixed.items())},
+            "rows": {n: {"dtype": s.dtype, "row_shape": list(s.row_shape), "component": s.component}
+                     for n, s in sorted(self.rows.items())},
+        }
+
+    @property
+    def canonical(self) -> str:
+        """Canonical JSON of the layout."""
+        return canonical_json(self.to_dict())

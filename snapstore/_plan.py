@@ -1,0 +1,136 @@
+"""Restore plans: walk a snapshot's chain and check everything before a byte is written.
+
+The plan is built inside one read transaction: chain complete and contiguous from row 0,
+segment sizes = rows × row bytes, chunk sizes add up, every chunk row present, destination
+dtype/shape/size right. Only a plan that passes all of this is streamed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ._buffers import Sink, as_sink
+from ._db import ChunkRow, Conn, Database, PartRow, SnapRow
+from ._errors import DestinationError, SnapshotUnavailableError
+from ._layout import Fixed, Layout, PartSpec, Rows
+
+__all__ = ["PlanItem", "RestorePlan", "build_plan"]
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """Write chunk ``chunk`` to ``sink`` at byte ``offset``."""
+
+    sink: Sink
+    offset: int
+    chunk: ChunkRow
+
+
+@dataclass
+class RestorePlan:
+    """Everything a restore will write, validated."""
+
+    snapshot_id: int
+    n_tokens: int
+    chain: list[int]
+    rows: dict[str, int]
+    missing_components: set[str]
+    items: list[PlanItem] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the restore writes."""
+        return sum(i.chunk.raw_len for i in self.items)
+
+
+def _spec_matches(p: PartRow, spec: PartSpec) -> bool:
+    if isinstance(spec, Fixed):
+        return p.kind == 0 and p.dtype == spec.dtype and tuple(p.shape) == spec.shape
+    return p.kind == 1 and p.dtype == spec.dtype and tuple(p.shape) == spec.row_shape
+
+
+def _chunks(c: Conn, sid: int, part: PartRow) -> list[ChunkRow]:
+    chunks = Database.part_chunks(c, sid, part.name)
+    if any(ch is None for ch in chunks):
+        raise SnapshotUnavailableError(
+            f"snapshot {sid} part {part.name!r} references a chunk that is gone; nothing was written",
+            snapshot_id=sid)
+    out = [ch for ch in chunks if ch is not None]
+    if sum(ch.raw_len for ch in out) != part.nbytes:
+        raise SnapshotUnavailableError(
+            f"snapshot {sid} part {part.name!r}: chunks hold {sum(ch.raw_len for ch in out)} bytes, "
+            f"the part records {part.nbytes}; run `snapstore verify`", snapshot_id=sid)
+    return out
+
+
+def build_plan(c: Conn, sid: int, chain: list[SnapRow], layout: Layout, into: Mapping[str, Any],
+               components: set[str]) -> RestorePlan:
+    """Validate the chain and the destinations and list every chunk to write, in order."""
+    leaf = chain[-1]
+    prev_n = 0
+    for i, link in enumerate(chain):
+        if i == 0 and link.parent_id is not None:
+            raise SnapshotUnavailableError(
+                f"snapshot {sid}: ancestor {link.parent_id} is missing (broken chain); nothing was written",
+                snapshot_id=sid)
+        if link.base_tokens != prev_n or link.n_tokens < link.base_tokens:
+            raise SnapshotUnavailableError(
+                f"snapshot {sid}: chain is not contiguous at snapshot {link.id} "
+                f"(starts at token {link.base_tokens}, parent ends at {prev_n})", snapshot_id=sid)
+        prev_n = link.n_tokens
+    parts_by_link = [{p.name: p for p in Database.parts(c, link.id)} for link in chain]
+    plan = RestorePlan(sid, leaf.n_tokens, [s.id for s in chain], {}, set())
+    for name, spec in layout.parts.items():
+        if spec.component is not None and spec.component not in components:
+            continue  # a component the caller did not ask for
+        present = [links.get(name) for links in parts_by_link]
+        leaf_part = present[-1]
+        absent = leaf_part is None or (isinstance(spec, Rows) and any(p is None for p in present))
+        if absent:
+            if spec.component is not None:
+                plan.missing_components.add(spec.component)
+                continue
+            raise SnapshotUnavailableError(
+                f"snapshot {sid} has no part {name!r} (saved with another layout?); nothing was written",
+                snapshot_id=sid)
+        if name not in into:
+            raise DestinationError(f"no destination for part {name!r}; pass it in `into` "
+                                   "(or leave its component out of `components`)")
+        for p in present:
+            if p is not None and not _spec_matches(p, spec):
+                raise DestinationError(
+                    f"part {name!r} was saved as {p.dtype} {list(p.shape)}, the layout says "
+                    f"{spec.dtype} {list(spec.shape if isinstance(spec, Fixed) else spec.row_shape)}")
+        if isinstance(spec, Fixed):
+            assert leaf_part is not None
+            if leaf_part.nbytes != spec.nbytes:
+                raise SnapshotUnavailableError(f"snapshot {sid} part {name!r} has a wrong size", snapshot_id=sid)
+            sink = as_sink(name, into[name], spec, 0)
+            off = 0
+            for ch in _chunks(c, leaf.id, leaf_part):
+                plan.items.append(PlanItem(sink, off, ch))
+                off += ch.raw_len
+            continue
+        rows = 0
+        segments: list[tuple[int, PartRow]] = []
+        for link, p in zip(chain, present):
+            assert p is not None
+            if p.row_start != rows or p.row_end < p.row_start:
+                raise SnapshotUnavailableError(
+                    f"snapshot {sid} part {name!r}: rows not contiguous at snapshot {link.id} "
+                    f"(segment starts at {p.row_start}, expected {rows})", snapshot_id=sid)
+            if p.nbytes != (p.row_end - p.row_start) * spec.row_bytes:
+                raise SnapshotUnavailableError(
+                    f"snapshot {sid} part {name!r}: segment of snapshot {link.id} has {p.nbytes} bytes "
+                    f"for {p.row_end - p.row_start} rows", snapshot_id=sid)
+            rows = p.row_end
+            segments.append((link.id, p))
+        sink = as_sink(name, into[name], spec, rows)
+        for link_id, p in segments:
+            off = p.row_start * spec.row_bytes
+            for ch in _chunks(c, link_id, p):
+                plan.items.append(PlanItem(sink, off, ch))
+                off += ch.raw_len
+        plan.rows[name] = rows
+    return plan

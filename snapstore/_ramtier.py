@@ -1,0 +1,62 @@
+"""RAM tier: recently restored chunks kept decoded in process memory, LRU, up to ``ram_bytes``."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+__all__ = ["RamTier"]
+
+
+class RamTier:
+    """An LRU of verified, decoded chunk bytes keyed by chunk id (content-addressed: never stale)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self.hits = 0
+        self._items: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, cid: bytes) -> bytes | None:
+        """The chunk's bytes, or None; a hit refreshes its place."""
+        with self._lock:
+            data = self._items.get(cid)
+            if data is not None:
+                self._items.move_to_end(cid)
+                self.hits += 1
+            return data
+
+    def __contains__(self, cid: bytes) -> bool:
+        with self._lock:
+            return cid in self._items
+
+    def put(self, cid: bytes, data: bytes | memoryview) -> None:
+        """Keep a verified chunk (copied); evicts the least recently used to make room."""
+        n = len(data)
+        if n == 0 or n > self.capacity // 2:
+            return
+        with self._lock:
+            if cid in self._items:
+                self._items.move_to_end(cid)
+                return
+        copy = bytes(data)
+        with self._lock:
+            while self.used + n > self.capacity and self._items:
+                _, old = self._items.popitem(last=False)
+                self.used -= len(old)
+            self._items[cid] = copy
+            self.used += n
+
+    def discard(self, cid: bytes) -> None:
+        """Forget a chunk (it was found corrupt or dropped)."""
+        with self._lock:
+            old = self._items.pop(cid, None)
+            if old is not None:
+                self.used -= len(old)
+
+    def clear(self) -> None:
+        """Forget everything."""
+        with self._lock:
+            self._items.clear()
+            self.used = 0

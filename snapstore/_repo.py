@@ -1,0 +1,128 @@
+"""A store directory on disk: its paths, its catalog, and the safe removal of chunk files.
+
+Shared by :class:`snapstore.Store` (an engine's view, bound to one identity) and the CLI
+(maintenance across identities).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Iterable
+
+from ._chunkfile import is_hex_id
+from ._db import Conn, Database
+from ._errors import ConfigError, StoreFormatError
+from ._publish import ensure_dir, fsync_dir
+
+__all__ = ["Repo", "owner_token", "owner_alive"]
+
+DB_NAME = "snapstore.db"
+_HEX2 = [f"{i:02x}" for i in range(256)]
+
+
+def _proc_start(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return data.rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return "?"
+
+
+def owner_token() -> str:
+    """Who owns a pending capture: host, pid and process start time (pids are reused)."""
+    pid = os.getpid()
+    return f"{socket.gethostname()}:{pid}:{_proc_start(pid)}"
+
+
+def owner_alive(token: str | None) -> bool:
+    """False when the process that owns a pending capture is certainly gone."""
+    if not token:
+        return False
+    try:
+        host, pid_s, start = token.rsplit(":", 2)
+        pid = int(pid_s)
+    except ValueError:
+        return False
+    if host != socket.gethostname():
+        return True  # another machine sharing the directory: cannot tell, keep it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return start == "?" or _proc_start(pid) in (start, "?")
+
+
+class Repo:
+    """Paths and catalog of one store directory."""
+
+    def __init__(self, root: str, *, readonly: bool = False, create: bool = True):
+        if not isinstance(root, (str, os.PathLike)):
+            raise ConfigError(f"store path must be a path, got {root!r}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.blobs = os.path.join(self.root, "blobs")
+        self.tmp = os.path.join(self.root, "tmp")
+        self.db_path = os.path.join(self.root, DB_NAME)
+        self.readonly = readonly
+        if readonly or not create:
+            if not os.path.isfile(self.db_path):
+                raise StoreFormatError(f"{self.root} is not a snapstore store (no {DB_NAME})")
+        else:
+            fresh = not os.path.exists(self.blobs)
+            os.makedirs(os.path.dirname(self.root) or ".", mode=0o700, exist_ok=True)
+            ensure_dir(self.root)
+            ensure_dir(self.blobs)
+            ensure_dir(self.tmp)
+            if fresh or not os.path.isdir(os.path.join(self.blobs, "ff")):
+                for h in _HEX2:
+                    ensure_dir(os.path.join(self.blobs, h))
+                fsync_dir(self.blobs)
+                fsync_dir(self.root)
+        self.db = Database(self.db_path, readonly=readonly)
+
+    def blob_path(self, cid: bytes) -> str:
+        """blobs/<2 hex>/<64 hex>: built only from a 32-byte digest."""
+        if len(cid) != 32:
+            raise ValueError("chunk ids are 32 bytes")
+        h = cid.hex()
+        return os.path.join(self.blobs, h[:2], h)
+
+    def blob_files(self) -> Iterable[tuple[bytes, str]]:
+        """Every chunk-named file under blobs/ (other names are reported by verify, never followed)."""
+        for sub in _HEX2:
+            d = os.path.join(self.blobs, sub)
+            try:
+                with os.scandir(d) as it:
+                    for e in it:
+                        if is_hex_id(e.name) and e.name.startswith(sub):
+                            yield bytes.fromhex(e.name), e.path
+            except FileNotFoundError:
+                continue
+
+    def unlink_unreferenced(self, ids: Iterable[bytes]) -> int:
+        """Unlink chunk files whose rows are gone, inside a write transaction (so no concurrent save
+        can commit a reference to a file between the check and the unlink). Returns bytes freed."""
+        todo = list(dict.fromkeys(ids))
+        if not todo or self.readonly:
+            return 0
+
+        def run(c: Conn) -> int:
+            freed = 0
+            for cid in todo:
+                if Database.chunk(c, cid) is None:
+                    path = self.blob_path(cid)
+                    try:
+                        freed += os.stat(path, follow_symlinks=False).st_size
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+            return freed
+
+        return self.db.write(run)
+
+    def close(self) -> None:
+        """Close the catalog."""
+        self.db.close()

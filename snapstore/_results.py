@@ -1,0 +1,108 @@
+"""Value objects the API returns: frozen, slotted, JSON-friendly."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Match", "RestoreResult", "SaveResult", "SnapshotInfo", "Stats"]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """Outcome of save(): a snapshot id, or ``skipped`` with the reason (budget, not an error)."""
+
+    snapshot_id: int | None
+    skipped: str | None
+    parent_id: int | None
+    stored_bytes: int
+    logical_bytes: int
+    n_tokens: int = 0
+    pending: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """True when the snapshot was stored (or already present)."""
+        return self.snapshot_id is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """The longest saved prefix of a prompt: restore it, then read tokens from ``n_tokens`` on."""
+
+    snapshot_id: int
+    n_tokens: int
+    namespace: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    """What a restore wrote: tokens covered, valid rows per stream, components absent, the chain."""
+
+    n_tokens: int
+    rows: dict[str, int]
+    missing_components: frozenset[str]
+    chain: list[int]
+    bytes_restored: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """One snapshot as listed by ``Store.snapshots()``."""
+
+    snapshot_id: int
+    identity: str
+    namespace: str | None
+    parent_id: int | None
+    n_tokens: int
+    depth: int
+    session: str | None
+    pending: bool
+    matchable: bool
+    pinned: bool
+    created: float
+    last_used: float
+    hits: int
+    logical_bytes: int
+    segment_bytes: int
+    rows: dict[str, int] = field(default_factory=dict)
+    components: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Counters an operator can graph; persisted across restarts (hits and misses flushed on use)."""
+
+    entries: int
+    snapshots: int
+    pending: int
+    inserts: int
+    hits: int
+    misses: int
+    hit_tokens: int
+    restores: int
+    evictions: int
+    supersedes: int
+    expired: int
+    abandoned: int
+    stale_dropped: int
+    skipped: dict[str, int]
+    stored_bytes: int
+    logical_bytes: int
+    dedup_ratio: float
+    ram_hits: int
+    ram_bytes: int
+    disk_budget: int
+    chunks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        return asdict(self)
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)

@@ -1,0 +1,727 @@
+"""The Store: save / match / restore / commit / abandon for one identity, with budgets.
+
+Save: validate → pick the parent → (optional) check the rows the caller vouches for → capacity
+pre-check → chunker publishes chunk files (durable) → one metadata transaction that inserts the
+snapshot, supersedes, evicts to the budget or skips → unlink what it freed. Restore: one read
+transaction builds and validates the plan, then the chunks stream into the destination.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Mapping
+
+import blake3
+import numpy as np
+
+from ._buffers import Source, as_source
+from ._chunker import Chunker, Piece, StagingBuffer
+from ._chunkfile import CODECS, HEADER_SIZE, checksum, parse_header
+from ._config import MIB, Budget, default_dir, env_int
+from ._db import Conn, Database, SnapRow
+from ._errors import (
+    ConfigError,
+    CorruptionError,
+    IdentityError,
+    InvalidInputError,
+    LayoutError,
+    NotFoundError,
+    RestoreError,
+    SnapshotUnavailableError,
+    StateError,
+)
+from ._identity import Identity
+from ._layout import Fixed, Layout, Rows
+from ._lifecycle import drop_subtree, evict_until, supersede
+from ._plan import build_plan
+from ._ramtier import RamTier
+from ._repo import Repo, owner_alive, owner_token
+from ._restore import stream_plan
+from ._results import Match, RestoreResult, SaveResult, SnapshotInfo, Stats
+from ._tokens import TokenIndex, as_token_array, decode_tokens, encode_tokens
+
+__all__ = ["Store"]
+
+DEFAULT_CHUNK_MIB = 16
+DEFAULT_STAGING_MIB = 64
+
+
+class _Skip(Exception):
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class _Retry(Exception):
+    """The commit found a chunk file gone (concurrent eviction) or the parent gone: redo."""
+
+    def __init__(self, missing: set[bytes] | None = None):
+        self.missing = missing or set()
+
+
+def _snapshot_id(ref: Any) -> int:
+    sid = getattr(ref, "snapshot_id", ref)
+    if isinstance(sid, (int, np.integer)) and not isinstance(sid, bool):
+        return int(sid)
+    raise InvalidInputError(f"expected a snapshot id, Match or SaveResult, got {ref!r}")
+
+
+def _ns(namespace: str | None) -> str:
+    if namespace is None:
+        return ""
+    if not isinstance(namespace, str) or not namespace or len(namespace) > 256:
+        raise InvalidInputError(f"namespace must be None or a non-empty string (<= 256 chars), got {namespace!r}")
+    return namespace
+
+
+class Store:
+    """An open snapstore directory, bound to one identity and layout. Thread-safe.
+
+    Open with :meth:`Store.open`; see docs/api.md.
+    """
+
+    def __init__(self, repo: Repo, identity: Identity, layout: Layout, budget: Budget, *,
+                 chunk_bytes: int, codec: int, staging_bytes: int, check_rows: bool):
+        self._repo = repo
+        self.identity = identity
+        self.layout = layout
+        self.budget = budget
+        self.chunk_bytes = chunk_bytes
+        self.codec = codec
+        self.check_rows = check_rows
+        self.staging_bytes = staging_bytes
+        self._owner = owner_token()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapstore")
+        self._staging = StagingBuffer(staging_bytes, chunk_bytes)
+        self._ram = RamTier(budget.ram_bytes or 0) if budget.ram_bytes else None
+        self._mem_counters: dict[str, int] = {}
+        self._counter_lock = threading.Lock()
+        self._closed = False
+        now = time.time()
+        self._identity_id: int = repo.db.write(
+            lambda c: Database.ensure_identity(c, identity.key, identity.canonical, now))
+        self._chunker = Chunker(repo.blob_path, repo.tmp, chunk_bytes, codec, self._staging, self._pool,
+                                self._chunk_known)
+
+    # -- opening -----------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike[str] | None = None, *, identity: Identity, layout: Layout,
+             budget: Budget | None = None, drop_stale: bool = True, chunk_bytes: int | None = None,
+             codec: str | None = None, staging_bytes: int | None = None,
+             check_rows: bool | None = None) -> Store:
+        """Open (creating if needed) the store at ``path`` for ``identity``.
+
+        path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove every
+        snapshot of other identities now (one transaction, no chunk-file scan). chunk_bytes
+        (``SNAPSTORE_CHUNK_MIB``, 16 MiB), codec (``SNAPSTORE_CODEC``: raw | zstd | zstd-shuffle2;
+        raw), staging_bytes (``SNAPSTORE_STAGING_MIB``, 64 MiB), check_rows
+        (``SNAPSTORE_CHECK_ROWS=1``: verify the rows a delta vouches for against the parent chain).
+        """
+        if not isinstance(identity, Identity):
+            raise ConfigError("Store.open needs identity=snapstore.Identity(...)")
+        if not isinstance(layout, Layout):
+            raise ConfigError("Store.open needs layout=snapstore.Layout(...)")
+        budget = (budget or Budget()).resolved()
+        chunk = chunk_bytes if chunk_bytes is not None else (env_int("SNAPSTORE_CHUNK_MIB") or DEFAULT_CHUNK_MIB) * MIB
+        staging = staging_bytes if staging_bytes is not None else (
+            env_int("SNAPSTORE_STAGING_MIB") or DEFAULT_STAGING_MIB) * MIB
+        if not isinstance(chunk, int) or chunk < 4096 or chunk % 4096:
+            raise ConfigError(f"chunk_bytes must be a multiple of 4096 and >= 4096, got {chunk!r}")
+        if not isinstance(staging, int) or staging < chunk:
+            raise ConfigError(f"staging_bytes ({staging}) must be >= chunk_bytes ({chunk}): chunks are "
+                              "bounded by the staging buffer")
+        codec_name = codec if codec is not None else os.environ.get("SNAPSTORE_CODEC", "raw")
+        if codec_name not in CODECS:
+            raise ConfigError(f"codec must be one of {sorted(CODECS)}, got {codec_name!r}")
+        if check_rows is None:
+            check_rows = os.environ.get("SNAPSTORE_CHECK_ROWS", "0") not in ("", "0", "false", "no")
+        repo = Repo(os.fspath(path) if path is not None else default_dir())
+        try:
+            store = cls(repo, identity, layout, budget, chunk_bytes=chunk, codec=CODECS[codec_name],
+                        staging_bytes=staging, check_rows=bool(check_rows))
+            store._housekeeping(drop_stale=drop_stale)
+        except BaseException:
+            repo.close()
+            raise
+        return store
+
+    @property
+    def path(self) -> str:
+        """The store directory."""
+        return self._repo.root
+
+    def _housekeeping(self, *, drop_stale: bool) -> None:
+        """At open: drop pending captures of dead processes, stale identities, expired snapshots."""
+        now = time.time()
+        ttl = self.budget.ttl
+
+        def run(c: Conn) -> list[bytes]:
+            freed: list[bytes] = []
+            for snap in Database.pending(c):
+                if not owner_alive(snap.owner) and Database.snapshot(c, snap.id) is not None:
+                    f, gone = drop_subtree(c, snap.id)
+                    freed += f
+                    Database.add_counter(c, "abandoned", len(gone))
+            if drop_stale:
+                for ident_id, key, *_ in Database.identities(c):
+                    if ident_id == self._identity_id:
+                        continue
+                    n = 0
+                    for snap in sorted(Database.snapshots(c, ident_id), key=lambda s: -s.depth):
+                        if Database.snapshot(c, snap.id) is not None:
+                            f, gone = drop_subtree(c, snap.id)
+                            freed += f
+                            n += len(gone)
+                    Database.delete_identity(c, ident_id)
+                    Database.add_counter(c, "stale_dropped", n)
+            if ttl:
+                freed += self._expire(c, now - ttl)
+            return freed
+
+        self._repo.unlink_unreferenced(self._repo.db.write(run))
+
+    def _expire(self, c: Conn, before: float) -> list[bytes]:
+        freed: list[bytes] = []
+        n = 0
+        for snap in Database.expired(c, before):
+            if Database.snapshot(c, snap.id) is None or Database.has_children(c, snap.id):
+                continue
+            f, gone = drop_subtree(c, snap.id)
+            freed += f
+            n += len(gone)
+        if n:
+            Database.add_counter(c, "expired", n)
+        return freed
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("the store is closed")
+
+    def _chunk_known(self, cid: bytes) -> bool:
+        return self._repo.db.conn().execute("SELECT 1 FROM chunks WHERE id = ?", (cid,)).fetchone() is not None
+
+    def _count(self, name: str, delta: int = 1) -> None:
+        with self._counter_lock:
+            self._mem_counters[name] = self._mem_counters.get(name, 0) + delta
+
+    def _flush_counters(self, c: Conn) -> None:
+        with self._counter_lock:
+            pending, self._mem_counters = self._mem_counters, {}
+        for k, v in pending.items():
+            Database.add_counter(c, k, v)
+
+    def _tokens_of(self, c: Conn, chain: list[SnapRow]) -> np.ndarray:
+        segs = [decode_tokens(s.tokens, s.token_width, s.n_tokens - s.base_tokens) for s in chain]
+        return np.concatenate(segs) if segs else np.zeros(0, dtype="<u8")
+
+    def _own(self, snap: SnapRow | None, namespace: str | None = None) -> SnapRow:
+        if snap is None:
+            raise NotFoundError("no such snapshot (evicted, superseded, abandoned or never saved)")
+        if snap.identity_id != self._identity_id:
+            raise IdentityError(f"snapshot {snap.id} belongs to another identity than this store was opened for")
+        if namespace is not None and snap.namespace != namespace:
+            raise IdentityError(f"snapshot {snap.id} belongs to another namespace")
+        return snap
+
+    # -- save --------------------------------------------------------------------------------
+    def _validate_parts(self, parts: Mapping[str, Any], rows: Any, n: int) -> tuple[dict[str, Source], dict[str, int]]:
+        if not isinstance(parts, Mapping):
+            raise LayoutError("parts must be a mapping of part name to buffer")
+        specs = self.layout.parts
+        unknown = sorted(set(parts) - set(specs))
+        if unknown:
+            raise LayoutError(f"parts not in the layout: {unknown}; layout parts are {sorted(specs)}")
+        present_components = {specs[name].component for name in parts}
+        missing = sorted(name for name, s in specs.items() if name not in parts and (
+            s.component is None or s.component in present_components))
+        if missing:
+            raise LayoutError(f"parts missing from save(): {missing} (a component is saved whole or not at all)")
+        if rows is None:
+            row_counts = {name: n for name in parts if isinstance(specs[name], Rows)}
+        elif isinstance(rows, Mapping):
+            extra = sorted(set(rows) - {k for k in parts if isinstance(specs[k], Rows)})
+            if extra:
+                raise LayoutError(f"rows given for parts that are not saved row streams: {extra}")
+            row_counts = {name: int(rows.get(name, n)) for name in parts if isinstance(specs[name], Rows)}
+        elif isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
+            row_counts = {name: int(rows) for name in parts if isinstance(specs[name], Rows)}
+        else:
+            raise InvalidInputError(f"rows must be None, an int or a mapping of stream to int, got {rows!r}")
+        for name, r in row_counts.items():
+            if r < 0:
+                raise InvalidInputError(f"rows[{name!r}] must be >= 0, got {r}")
+        sources = {name: as_source(name, obj, specs[name], row_counts.get(name, 0)) for name, obj in parts.items()}
+        return sources, row_counts
+
+    def _resolve_parent(self, c: Conn, parent: Any, index: TokenIndex, ns: str,
+                        row_counts: dict[str, int]) -> tuple[SnapRow | None, dict[str, int]]:
+        n = len(index)
+
+        def parent_rows(p: SnapRow) -> dict[str, int] | None:
+            stored = {q.name: q for q in Database.parts(c, p.id) if q.kind == 1}
+            out: dict[str, int] = {}
+            for name, r in row_counts.items():
+                q = stored.get(name)
+                if q is None or q.row_end > r or q.dtype != self.layout.rows[name].dtype or \
+                        tuple(q.shape) != self.layout.rows[name].row_shape:
+                    return None
+                out[name] = q.row_end
+            return out
+
+        if parent is None:
+            return None, {}
+        if isinstance(parent, str):
+            if parent != "auto":
+                raise InvalidInputError(f"parent must be 'auto', None or a snapshot id, got {parent!r}")
+            for cand in Database.match_candidates(c, self._identity_id, ns, index.chain, n - 1, 0.0):
+                if cand.prefix_key != index.prefix_key(cand.n_tokens):
+                    continue
+                pr = parent_rows(cand)
+                if pr is not None:
+                    return cand, pr
+            return None, {}
+        sid = _snapshot_id(parent)
+        snap = self._own(Database.snapshot(c, sid), ns)
+        if snap.state == 0 and snap.owner != self._owner:
+            raise InvalidInputError(f"parent {sid} is a pending capture of another process")
+        if snap.n_tokens > n or snap.prefix_key != index.prefix_key(snap.n_tokens):
+            raise InvalidInputError(f"parent {sid} is not a prefix of these tokens")
+        pr = parent_rows(snap)
+        if pr is None:
+            raise LayoutError(f"parent {sid} lacks a row stream being saved, or has more rows than this save")
+        return snap, pr
+
+    def _rows_vouched(self, c: Conn, parent: SnapRow, prows: dict[str, int], sources: dict[str, Source]) -> bool:
+        """check_rows: do the caller's rows below the parent boundary equal the parent chain's?"""
+        for link in Database.chain(c, parent.id):
+            for part in Database.parts(c, link.id):
+                if part.kind != 1 or part.name not in prows:
+                    continue
+                off = part.row_start * self.layout.rows[part.name].row_bytes
+                src = sources[part.name]
+                for ch in Database.part_chunks(c, link.id, part.name):
+                    if ch is None:
+                        return False
+                    buf = bytearray(ch.raw_len)
+                    src.copy_into(off, memoryview(buf))
+                    if checksum(buf) != ch.checksum:
+                        return False
+                    off += ch.raw_len
+        return True
+
+    def save(self, tokens: Any, parts: Mapping[str, Any], rows: Any = None, *, session: str | None = None,
+             parent: Any = "auto", commit: bool = True, namespace: str | None = None) -> SaveResult:
+        """Save the state after ``tokens``; a delta over ``parent`` ("auto", None or an id).
+
+        Returns a SaveResult; a save that does not fit the budget is skipped with a reason.
+        """
+        self._check_open()
+        arr = as_token_array(tokens)
+        n = len(arr)
+        if n == 0:
+            raise InvalidInputError("save() needs at least one token")
+        if session is not None and (not isinstance(session, str) or not session):
+            raise InvalidInputError(f"session must be None or a non-empty string, got {session!r}")
+        ns = _ns(namespace)
+        sources, row_counts = self._validate_parts(parts, rows, n)
+        index = TokenIndex(arr)
+        for _attempt in range(5):
+            try:
+                return self._save_once(arr, index, sources, row_counts, session, parent, commit, ns)
+            except _Retry:
+                continue
+        raise StateError("save() lost a race with concurrent evictions 5 times; try again")
+
+    def _save_once(self, arr: np.ndarray, index: TokenIndex, sources: dict[str, Source],
+                   row_counts: dict[str, int], session: str | None, parent: Any, commit: bool,
+                   ns: str) -> SaveResult:
+        n = len(arr)
+        db = self._repo.db
+        par, prows = db.read(lambda c: self._resolve_parent(c, parent, index, ns, row_counts))
+        if par is not None and self.check_rows and not db.read(
+                lambda c: self._rows_vouched(c, par, prows, sources)):
+            self._count("rows_mismatch")
+            if parent != "auto":
+                raise InvalidInputError(
+                    f"check_rows: rows below parent {par.id}'s boundary differ from what it stored; "
+                    "the engine changed rows it vouched for (save with parent=None to store them whole)")
+            par, prows = None, {}
+        specs = self.layout.parts
+        pieces: list[Piece] = []
+        meta: list[tuple[str, int, int]] = []  # name, row_start, row_end
+        for name, src in sources.items():
+            spec = specs[name]
+            if isinstance(spec, Fixed):
+                pieces.append(Piece(src, 0, spec.nbytes))
+                meta.append((name, 0, 0))
+            else:
+                r0, r1 = prows.get(name, 0), row_counts[name]
+                pieces.append(Piece(src, r0 * spec.row_bytes, r1 * spec.row_bytes))
+                meta.append((name, r0, r1))
+        logical = sum(s.nbytes if isinstance(s, Fixed) else row_counts[k] * s.row_bytes
+                      for k, s in specs.items() if k in sources)
+        upper = sum(p.end - p.start for p in pieces) + HEADER_SIZE * sum(
+            max(1, -(-(p.end - p.start) // self.chunk_bytes)) for p in pieces)
+        reason = self._precheck(upper)
+        if reason is not None:
+            return self._skipped(reason, par, logical, n)
+        refs = self._chunker.store(pieces)
+        created = [r.id for rs in refs for r in rs if r.created]
+        tokens_blob, width = encode_tokens(arr[par.n_tokens if par else 0:])
+        h = blake3.blake3(b"content v1")
+        h.update(str(par.id if par else 0).encode())
+        for (name, r0, r1), rs in zip(meta, refs):
+            h.update(f"|{name}:{r0}:{r1}:".encode())
+            for r in rs:
+                h.update(r.id)
+        content_key = h.digest(16)
+        now = time.time()
+        new_bytes = [0]
+
+        def txn(c: Conn) -> tuple[int, list[bytes], bool]:
+            if par is not None:
+                p = Database.snapshot(c, par.id)
+                if p is None or (p.state == 0 and p.owner != self._owner):
+                    raise _Retry()
+            if commit:
+                same = Database.same_content(c, self._identity_id, ns, index.prefix_key(n), content_key)
+                if same is not None:
+                    Database.touch(c, same.id, now, False)
+                    return same.id, [], True
+            missing: set[bytes] = set()
+            new_bytes[0] = 0
+            for rs in refs:
+                for r in rs:
+                    if Database.chunk(c, r.id) is not None:
+                        continue
+                    path = self._repo.blob_path(r.id)
+                    try:
+                        with open(path, "rb") as f:
+                            head = parse_header(f.read(HEADER_SIZE))
+                            size = os.fstat(f.fileno()).st_size
+                    except (OSError, CorruptionError):
+                        missing.add(r.id)
+                        continue
+                    if Database.add_chunk(c, r.id, r.raw_len, size, head.codec, r.checksum, now):
+                        new_bytes[0] += size
+            if missing:
+                raise _Retry(missing)
+            sid = Database.insert_snapshot(
+                c, identity_id=self._identity_id, namespace=ns, parent_id=par.id if par else None,
+                depth=(par.depth + 1) if par else 0, n_tokens=n, base_tokens=par.n_tokens if par else 0,
+                token_width=width, tokens=tokens_blob, anchor=index.anchor(n), prefix_key=index.prefix_key(n),
+                content_key=content_key, session=session, state=1 if commit else 0,
+                owner=None if commit else self._owner, now=now, logical_bytes=logical)
+            for (name, r0, r1), rs in zip(meta, refs):
+                spec = specs[name]
+                if isinstance(spec, Fixed):
+                    Database.insert_part(c, sid, name, 0, spec.dtype, spec.shape, spec.component, 0, 0,
+                                         spec.nbytes, [r.id for r in rs])
+                else:
+                    Database.insert_part(c, sid, name, 1, spec.dtype, spec.row_shape, spec.component, r0, r1,
+                                         (r1 - r0) * spec.row_bytes, [r.id for r in rs])
+            freed: list[bytes] = []
+            if commit:
+                new = Database.snapshot(c, sid)
+                assert new is not None
+                f, _ = supersede(c, new, index)
+                freed += f
+            protect = {sid} | ({s.id for s in Database.chain(c, par.id)} if par else set())
+            ok, f, _ = evict_until(c, lambda fr: self._fits(c, fr, adding_entry=False), protect)
+            freed += f
+            if not ok:
+                raise _Skip(self._why(c))
+            Database.add_counter(c, "inserts", 1)
+            Database.add_counter(c, "logical_in", logical)
+            self._flush_counters(c)
+            return sid, freed, False
+
+        try:
+            sid, freed, existed = db.write(txn)
+        except _Skip as s:
+            self._repo.unlink_unreferenced(created)
+            db.write(lambda c: Database.add_counter(c, f"skipped:{s.reason}", 1))
+            return SaveResult(None, s.reason, par.id if par else None, 0, logical, n, False)
+        except _Retry:
+            raise
+        except BaseException:
+            self._repo.unlink_unreferenced(created)
+            raise
+        self._repo.unlink_unreferenced(freed)
+        return SaveResult(sid, None, par.id if par else None, 0 if existed else new_bytes[0], logical, n,
+                          pending=not commit and not existed)
+
+    def _skipped(self, reason: str, par: SnapRow | None, logical: int, n: int) -> SaveResult:
+        self._repo.db.write(lambda c: Database.add_counter(c, f"skipped:{reason}", 1))
+        return SaveResult(None, reason, par.id if par else None, 0, logical, n, False)
+
+    def _free_space(self) -> int:
+        st = os.statvfs(self._repo.root)
+        return st.f_bavail * st.f_frsize
+
+    def _precheck(self, upper: int) -> str | None:
+        """Reasons to skip before writing anything: larger than the budget, or than the disk."""
+        disk = self.budget.disk_bytes or 0
+        if upper > disk:
+            return "larger_than_budget"
+        stored = self._repo.db.read(lambda c: Database.stored_bytes(c))
+        if self._free_space() + stored - upper < (self.budget.reserve_bytes or 0):
+            return "disk_full"
+        return None
+
+    def _fits(self, c: Conn, freed: list[bytes], *, adding_entry: bool) -> bool:
+        b = self.budget
+        if Database.stored_bytes(c) > (b.disk_bytes or 0):
+            return False
+        if b.max_entries is not None and Database.entry_count(c) + (1 if adding_entry else 0) > b.max_entries:
+            return False
+        if b.reserve_bytes:
+            # bytes freed in this transaction are unlinked right after it commits
+            if self._free_space() < b.reserve_bytes and not freed:
+                return False
+        return True
+
+    def _why(self, c: Conn) -> str:
+        b = self.budget
+        if Database.stored_bytes(c) > (b.disk_bytes or 0):
+            return "disk_budget"
+        if b.max_entries is not None and Database.entry_count(c) > b.max_entries:
+            return "max_entries"
+        return "disk_reserve"
+
+    # -- pending captures --------------------------------------------------------------------
+    def commit(self, res: Any) -> SaveResult:
+        """Make a pending capture (and its pending ancestors, root first) visible to match()."""
+        self._check_open()
+        sid = _snapshot_id(res)
+        now = time.time()
+
+        def txn(c: Conn) -> tuple[SaveResult, list[bytes]]:
+            snap = self._own(Database.snapshot(c, sid))
+            if snap.state == 1:
+                return SaveResult(sid, None, snap.parent_id, 0, snap.logical_bytes, snap.n_tokens), []
+            if snap.owner != self._owner:
+                raise StateError(f"snapshot {sid} is a pending capture of another process")
+            chain = Database.chain(c, sid)
+            freed: list[bytes] = []
+            tokens = self._tokens_of(c, chain)
+            for link in chain:
+                if link.state == 1:
+                    continue
+                Database.set_state(c, link.id, 1, None, now)
+                new = Database.snapshot(c, link.id)
+                assert new is not None
+                f, _ = supersede(c, new, TokenIndex(tokens[:link.n_tokens]))
+                freed += f
+            protect = {s.id for s in chain}
+            ok, f, _ = evict_until(c, lambda fr: self._fits(c, fr, adding_entry=False), protect)
+            freed += f
+            if not ok:
+                raise _Skip(self._why(c))
+            return SaveResult(sid, None, snap.parent_id, 0, snap.logical_bytes, snap.n_tokens), freed
+
+        try:
+            result, freed = self._repo.db.write(txn)
+        except _Skip as s:
+            self.abandon(sid)
+            self._repo.db.write(lambda c: Database.add_counter(c, f"skipped:{s.reason}", 1))
+            return SaveResult(None, s.reason, None, 0, 0, 0)
+        self._repo.unlink_unreferenced(freed)
+        return result
+
+    def abandon(self, res: Any) -> None:
+        """Drop a pending capture and its pending descendants; their pins and bytes are released."""
+        self._check_open()
+        sid = _snapshot_id(res)
+
+        def txn(c: Conn) -> list[bytes]:
+            snap = Database.snapshot(c, sid)
+            if snap is None:
+                return []
+            self._own(snap)
+            if snap.state == 1:
+                raise StateError(f"snapshot {sid} is committed; abandon() only drops pending captures")
+            if snap.owner != self._owner:
+                raise StateError(f"snapshot {sid} is a pending capture of another process")
+            freed, gone = drop_subtree(c, sid)
+            Database.add_counter(c, "abandoned", len(gone))
+            return freed
+
+        self._repo.unlink_unreferenced(self._repo.db.write(txn))
+
+    # -- match -------------------------------------------------------------------------------
+    def match(self, tokens: Any, *, namespace: str | None = None) -> Match | None:
+        """The longest committed snapshot whose tokens are a prefix of ``tokens``, or None."""
+        self._check_open()
+        arr = as_token_array(tokens)
+        ns = _ns(namespace)
+        if len(arr) == 0:
+            return None
+        index = TokenIndex(arr)
+        not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
+
+        def find(c: Conn) -> SnapRow | None:
+            for cand in Database.match_candidates(c, self._identity_id, ns, index.chain, len(arr), not_before):
+                if cand.prefix_key != index.prefix_key(cand.n_tokens):
+                    continue
+                if np.array_equal(self._tokens_of(c, Database.chain(c, cand.id)), arr[:cand.n_tokens]):
+                    return cand
+            return None
+
+        hit = self._repo.db.read(find)
+        if hit is None:
+            self._count("misses")
+            return None
+        self._count("hits")
+        self._count("hit_tokens", hit.n_tokens)
+        return Match(hit.id, hit.n_tokens, namespace)
+
+    # -- restore -----------------------------------------------------------------------------
+    def restore(self, m: Any, into: Mapping[str, Any], components: Iterable[str] | None = None) -> RestoreResult:
+        """Write the snapshot's state into ``into`` (name → writable buffer), exactly, or raise.
+
+        Raises a RestoreError whose ``touched`` says whether ``into`` was modified.
+        """
+        self._check_open()
+        sid = _snapshot_id(m)
+        if not isinstance(into, Mapping):
+            raise InvalidInputError("into must be a mapping of part name to writable buffer")
+        wanted = set(self.layout.components) if components is None else set(components)
+        unknown = wanted - set(self.layout.components)
+        if unknown:
+            raise InvalidInputError(f"unknown components {sorted(unknown)}; the layout has "
+                                    f"{sorted(self.layout.components)}")
+        t0 = time.perf_counter()
+
+        def plan_txn(c: Conn) -> Any:
+            snap = Database.snapshot(c, sid)
+            if snap is None:
+                raise SnapshotUnavailableError(f"snapshot {sid} no longer exists (evicted or superseded); "
+                                               "nothing was written", snapshot_id=sid)
+            if snap.identity_id != self._identity_id:
+                raise IdentityError(f"snapshot {sid} belongs to another identity than this store was opened for")
+            if snap.state == 0 and snap.owner != self._owner:
+                raise SnapshotUnavailableError(f"snapshot {sid} is a pending capture of another process",
+                                               snapshot_id=sid)
+            return build_plan(c, sid, Database.chain(c, sid), self.layout, into, wanted)
+
+        plan = self._repo.db.read(plan_txn)
+        try:
+            stream_plan(plan, self._repo.blob_path, self._staging, self._ram)
+        except RestoreError:
+            self._repo.db.write(lambda c: Database.add_counter(c, "restore_errors", 1))
+            raise
+        now = time.time()
+
+        def done(c: Conn) -> None:
+            Database.touch(c, sid, now, True)
+            Database.add_counter(c, "restores", 1)
+            if self._ram is not None:
+                self._count("ram_hits", self._ram.hits)
+                self._ram.hits = 0
+            self._flush_counters(c)
+
+        self._repo.db.write(done)
+        return RestoreResult(plan.n_tokens, plan.rows, frozenset(plan.missing_components), plan.chain,
+                             plan.nbytes, time.perf_counter() - t0)
+
+    # -- inspection --------------------------------------------------------------------------
+    def snapshots(self) -> list[SnapshotInfo]:
+        """Every snapshot of this store's identity (all namespaces), oldest first."""
+        self._check_open()
+        ident = self.identity.key
+
+        def run(c: Conn) -> list[SnapshotInfo]:
+            out = []
+            for s in Database.snapshots(c, self._identity_id):
+                parts = Database.parts(c, s.id)
+                out.append(SnapshotInfo(
+                    snapshot_id=s.id, identity=ident, namespace=s.namespace or None, parent_id=s.parent_id,
+                    n_tokens=s.n_tokens, depth=s.depth, session=s.session, pending=s.state == 0,
+                    matchable=bool(s.matchable), pinned=Database.has_children(c, s.id), created=s.created,
+                    last_used=s.last_used, hits=s.hits, logical_bytes=s.logical_bytes,
+                    segment_bytes=sum(p.nbytes for p in parts),
+                    rows={p.name: p.row_end for p in parts if p.kind == 1},
+                    components=sorted({p.component for p in parts if p.component is not None})))
+            return out
+
+        return self._repo.db.read(run)
+
+    def stats(self) -> Stats:
+        """Counters and totals (see docs/api.md)."""
+        self._check_open()
+        if self._ram is not None and self._ram.hits:
+            self._count("ram_hits", self._ram.hits)
+            self._ram.hits = 0
+        self._repo.db.write(self._flush_counters)
+        return self._repo.db.read(lambda c: stats_of(c, self.budget.disk_bytes or 0,
+                                                     self._ram.used if self._ram else 0))
+
+    def verify(self, deep: bool = True) -> Any:
+        """Check the store (see snapstore verify); returns a VerifyReport."""
+        from ._maintenance import verify
+        self._check_open()
+        report = verify(self._repo, deep=deep)
+        if self._ram is not None:
+            for cid in report.damaged_chunks:
+                self._ram.discard(cid)
+        return report
+
+    def gc(self, *, grace: float = 3600.0, dry_run: bool = False) -> Any:
+        """Collect orphan and temp files, dead pending captures, expired snapshots, over-budget leaves."""
+        from ._maintenance import gc
+        self._check_open()
+        return gc(self._repo, budget=self.budget, grace=grace, dry_run=dry_run)
+
+    def close(self) -> None:
+        """Abandon this process's pending captures, flush counters, release resources."""
+        if self._closed:
+            return
+        try:
+            def txn(c: Conn) -> list[bytes]:
+                freed: list[bytes] = []
+                for snap in Database.pending(c):
+                    if snap.owner == self._owner and Database.snapshot(c, snap.id) is not None:
+                        f, gone = drop_subtree(c, snap.id)
+                        freed += f
+                        Database.add_counter(c, "abandoned", len(gone))
+                self._flush_counters(c)
+                return freed
+
+            self._repo.unlink_unreferenced(self._repo.db.write(txn))
+        finally:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+            if self._ram is not None:
+                self._ram.clear()
+            self._repo.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def stats_of(c: Conn, disk_budget: int, ram_used: int) -> Stats:
+    """Stats from the catalog (shared by Store.stats and the CLI)."""
+    counters = Database.counters(c)
+    stored, logical, entries, allsnaps = Database.totals(c)
+    pending = int(c.execute("SELECT count(*) FROM snapshots WHERE state = 0").fetchone()[0])
+    nchunks = int(c.execute("SELECT count(*) FROM chunks").fetchone()[0])
+    raw = int(c.execute("SELECT coalesce(sum(c.raw_len), 0) FROM part_chunks pc JOIN chunks c ON c.id = pc.chunk_id"
+                        ).fetchone()[0])
+    return Stats(
+        entries=entries, snapshots=allsnaps, pending=pending,
+        inserts=counters.get("inserts", 0), hits=counters.get("hits", 0), misses=counters.get("misses", 0),
+        hit_tokens=counters.get("hit_tokens", 0), restores=counters.get("restores", 0),
+        evictions=counters.get("evictions", 0), supersedes=counters.get("supersedes", 0),
+        expired=counters.get("expired", 0), abandoned=counters.get("abandoned", 0),
+        stale_dropped=counters.get("stale_dropped", 0),
+        skipped={k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("skipped:")},
+        stored_bytes=stored, logical_bytes=logical,
+        dedup_ratio=(raw / stored) if stored else 1.0,
+        ram_hits=counters.get("ram_hits", 0), ram_bytes=ram_used, disk_budget=disk_budget, chunks=nchunks)

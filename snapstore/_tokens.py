@@ -1,0 +1,109 @@
+"""Token sequences: validation, compact storage and the chained block hashes behind match().
+
+A prompt is cut into blocks of ``BLOCK`` tokens. ``chain[i]`` hashes blocks 0..i-1 (so
+``chain[0]`` is the hash of the empty prefix). A snapshot of ``n`` tokens is indexed by its
+*anchor* ``chain[n // BLOCK]``; its *prefix key* hashes the anchor and the < BLOCK tokens after
+it, so it names the exact sequence. A query computes its own chain once and looks every anchor up
+in one indexed statement.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import blake3
+import numpy as np
+
+from ._errors import InvalidInputError
+
+__all__ = ["BLOCK", "TokenIndex", "decode_tokens", "encode_tokens", "as_token_array"]
+
+BLOCK = 256
+_SEED = blake3.blake3(b"snapstore tokens v1").digest(16)
+_MAX_TOKEN = 2**63 - 1
+
+
+def as_token_array(tokens: Any, *, what: str = "tokens") -> np.ndarray:
+    """Validate a sequence of non-negative ints and return it as a little-endian uint64 array."""
+    if isinstance(tokens, (str, bytes, bytearray)):
+        raise InvalidInputError(f"{what} must be a sequence of non-negative ints, got {type(tokens).__name__}")
+    try:
+        arr = np.asarray(tokens)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise InvalidInputError(f"{what} must be a sequence of non-negative ints: {e}") from None
+    if arr.ndim != 1:
+        raise InvalidInputError(f"{what} must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<u8")
+    if arr.dtype == object:
+        try:
+            ok = all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in arr)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise InvalidInputError(f"{what} must contain only ints")
+        if any(int(t) < 0 or int(t) > _MAX_TOKEN for t in arr):
+            raise InvalidInputError(f"{what} must be in [0, 2**63); a token is out of range")
+        return np.array([int(t) for t in arr], dtype="<u8")
+    if arr.dtype.kind == "b" or arr.dtype.kind not in "iu":
+        raise InvalidInputError(f"{what} must contain ints, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise InvalidInputError(f"{what} must be non-negative; found {int(arr.min())}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _MAX_TOKEN:
+        raise InvalidInputError(f"{what} must be < 2**63")
+    return arr.astype("<u8", copy=False)
+
+
+def encode_tokens(arr: np.ndarray) -> tuple[bytes, int]:
+    """Compact storage of a token segment: int32 LE when every token fits, else int64 LE."""
+    if arr.size == 0 or int(arr.max()) < 2**31:
+        return arr.astype("<i4").tobytes(), 4
+    return arr.astype("<i8").tobytes(), 8
+
+
+def decode_tokens(blob: bytes, width: int, count: int) -> np.ndarray:
+    """Inverse of :func:`encode_tokens`; InvalidInputError if the blob does not fit."""
+    if width not in (4, 8) or not isinstance(blob, (bytes, memoryview)) or len(blob) != width * count:
+        raise InvalidInputError(f"token blob of {len(blob)} bytes does not hold {count} tokens of width {width}")
+    arr = np.frombuffer(blob, dtype="<i4" if width == 4 else "<i8")
+    if arr.size and int(arr.min()) < 0:
+        raise InvalidInputError("stored token blob holds negative tokens")
+    return arr.astype("<u8")
+
+
+class TokenIndex:
+    """Chained block hashes of one token sequence, computed once per save or match."""
+
+    __slots__ = ("chain", "tokens")
+
+    def __init__(self, tokens: np.ndarray):
+        self.tokens = tokens
+        raw = memoryview(np.ascontiguousarray(tokens, dtype="<u8")).cast("B")
+        step = BLOCK * 8
+        chain = [_SEED]
+        h = _SEED
+        for off in range(0, (len(tokens) // BLOCK) * step, step):
+            h = blake3.blake3(h + raw[off:off + step]).digest(16)
+            chain.append(h)
+        self.chain = chain
+
+    def anchor(self, n: int) -> bytes:
+        """The anchor of the prefix of length ``n``."""
+        return self.chain[n // BLOCK]
+
+    def prefix_key(self, n: int) -> bytes:
+        """A hash naming exactly ``tokens[:n]``."""
+        start = (n // BLOCK) * BLOCK
+        tail = np.ascontiguousarray(self.tokens[start:n], dtype="<u8").tobytes()
+        return blake3.blake3(self.chain[n // BLOCK] + tail + n.to_bytes(8, "little")).digest(16)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """Length of the common prefix of two token arrays."""
+    x, y = np.asarray(a), np.asarray(b)
+    n = min(len(x), len(y))
+    diff = np.flatnonzero(x[:n] != y[:n])
+    return int(diff[0]) if diff.size else n
