@@ -59,6 +59,7 @@ CREATE TABLE chunks(
   stored_len INTEGER NOT NULL,
   codec      INTEGER NOT NULL,
   checksum   BLOB NOT NULL,
+  scope      BLOB NOT NULL,
   refs       INTEGER NOT NULL CHECK (refs >= 0),
   created    REAL NOT NULL
 ) STRICT, WITHOUT ROWID;

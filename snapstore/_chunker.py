@@ -90,7 +90,7 @@ class Chunker:
         self._pool = pool
         self._known = known
 
-    def store(self, pieces: Sequence[Piece]) -> list[list[ChunkRef]]:
+    def store(self, pieces: Sequence[Piece], key: bytes) -> list[list[ChunkRef]]:
         """Publish every piece; returns, per piece, its chunks in order. Files are durable on return."""
         jobs: list[tuple[int, Future[ChunkRef]]] = []
         window = max(2, self._staging.slots)
@@ -103,7 +103,7 @@ class Chunker:
                         i, fut = jobs.pop(0)
                         results[i].append(fut.result())
                     if piece.source.zero_copy:
-                        jobs.append((idx, self._pool.submit(self._one, piece.source.view(off, end), None)))
+                        jobs.append((idx, self._pool.submit(self._one, piece.source.view(off, end), None, key)))
                     else:
                         slot, mv = self._staging.acquire()
                         try:
@@ -112,7 +112,7 @@ class Chunker:
                         except BaseException:
                             self._staging.release(slot)
                             raise
-                        jobs.append((idx, self._pool.submit(self._one, view, slot)))
+                        jobs.append((idx, self._pool.submit(self._one, view, slot, key)))
             for i, fut in jobs:
                 results[i].append(fut.result())
             jobs = []
@@ -126,9 +126,9 @@ class Chunker:
         fsync_dirs(dirs, self._pool)
         return results
 
-    def _one(self, raw: memoryview, slot: int | None) -> ChunkRef:
+    def _one(self, raw: memoryview, slot: int | None, key: bytes) -> ChunkRef:
         try:
-            cid = chunk_id(raw)
+            cid = chunk_id(raw, key)
             csum = checksum(raw)
             path = self._blob_path(cid)
             if self._known(cid):

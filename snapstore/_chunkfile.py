@@ -26,6 +26,7 @@ __all__ = [
     "HEADER_SIZE",
     "ChunkHeader",
     "chunk_id",
+    "scope_key",
     "checksum",
     "decode_payload",
     "encode_payload",
@@ -44,9 +45,15 @@ _HEAD = struct.Struct("<8sHBBIQQ16s")  # magic, version, codec, flags, header si
 _HEX = frozenset("0123456789abcdef")
 
 
-def chunk_id(raw: bytes | memoryview) -> bytes:
-    """Content address of raw bytes: BLAKE3-256."""
-    return blake3.blake3(raw).digest()
+def scope_key(identity_key: str, namespace: str) -> bytes:
+    """The 32-byte BLAKE3 key of one identity + namespace: chunk ids never collide across scopes,
+    so no dedup (and no timing signal from dedup) crosses an identity or a tenant."""
+    return blake3.blake3(f"snapstore scope v1\0{identity_key}\0{namespace}".encode()).digest()
+
+
+def chunk_id(raw: bytes | memoryview, key: bytes) -> bytes:
+    """Content address of raw bytes: keyed BLAKE3-256 (the key is the scope's)."""
+    return blake3.blake3(raw, key=key).digest()
 
 
 def checksum(raw: bytes | memoryview) -> bytes:

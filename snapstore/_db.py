@@ -89,6 +89,7 @@ class ChunkRow:
     checksum: bytes
     refs: int
     created: float
+    scope: bytes
 
 
 def _snap(row: Sequence[Any]) -> SnapRow:
@@ -479,7 +480,7 @@ class Database:
         """The chunks of one part in order; None where a referenced chunk row is missing."""
         out: list[ChunkRow | None] = []
         for r in c.execute(
-                "SELECT pc.chunk_id, c.raw_len, c.stored_len, c.codec, c.checksum, c.refs, c.created "
+                "SELECT pc.chunk_id, c.raw_len, c.stored_len, c.codec, c.checksum, c.refs, c.created, c.scope "
                 "FROM part_chunks pc LEFT JOIN chunks c ON c.id = pc.chunk_id "
                 "WHERE pc.snapshot_id = ? AND pc.name = ? ORDER BY pc.seq", (sid, name)):
             out.append(None if r[1] is None else ChunkRow(bytes(r[0]), *r[1:]))
@@ -495,11 +496,11 @@ class Database:
 
     @staticmethod
     def add_chunk(c: Conn, cid: bytes, raw_len: int, stored_len: int, codec: int, csum: bytes,
-                  now: float) -> bool:
+                  scope: bytes, now: float) -> bool:
         """Insert a chunk row with refs 0 unless present; True if it was new."""
-        c.execute("INSERT INTO chunks(id, raw_len, stored_len, codec, checksum, refs, created) "
-                  "VALUES (?, ?, ?, ?, ?, 0, ?) ON CONFLICT(id) DO NOTHING",
-                  (cid, raw_len, stored_len, codec, csum, now))
+        c.execute("INSERT INTO chunks(id, raw_len, stored_len, codec, checksum, scope, refs, created) "
+                  "VALUES (?, ?, ?, ?, ?, ?, 0, ?) ON CONFLICT(id) DO NOTHING",
+                  (cid, raw_len, stored_len, codec, csum, scope, now))
         if c.changes():
             Database.add_counter(c, "stored_bytes", stored_len)
             return True
@@ -507,13 +508,13 @@ class Database:
 
     @staticmethod
     def chunk(c: Conn, cid: bytes) -> ChunkRow | None:
-        r = c.execute("SELECT id, raw_len, stored_len, codec, checksum, refs, created FROM chunks WHERE id = ?",
+        r = c.execute("SELECT id, raw_len, stored_len, codec, checksum, refs, created, scope FROM chunks WHERE id = ?",
                       (cid,)).fetchone()
         return ChunkRow(bytes(r[0]), *r[1:]) if r else None
 
     @staticmethod
     def all_chunks(c: Conn) -> Iterator[ChunkRow]:
-        for r in c.execute("SELECT id, raw_len, stored_len, codec, checksum, refs, created FROM chunks"):
+        for r in c.execute("SELECT id, raw_len, stored_len, codec, checksum, refs, created, scope FROM chunks"):
             yield ChunkRow(bytes(r[0]), *r[1:])
 
     @staticmethod

@@ -3,33 +3,48 @@
 Both work on a :class:`Repo` (any identity) so the CLI and ``Store.verify``/``Store.gc`` share
 them. Removal of files always goes through the transaction-checked unlink of the Repo, and
 files younger than the grace period are never collected, so gc is safe beside running writers.
+
+A dry-run gc computes its plan on an in-memory copy of the catalog (SQLite's backup API over a
+read transaction) with the very same code the real run uses, so what it lists is what a real run
+would remove, and nothing in the store directory is written.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+import apsw
 import blake3
 
 from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, decode_payload, parse_header, read_exact
 from ._config import Budget
 from ._db import Conn, Database
 from ._errors import CorruptionError
-from ._lifecycle import drop_subtree, evict_until
+from ._lifecycle import drop_leaf, drop_subtree, evict_until
 from ._publish import TEMP_PREFIX
 from ._repo import Repo, owner_alive
 
-__all__ = ["GcReport", "VerifyReport", "gc", "verify"]
+__all__ = ["GcReport", "VerifyReport", "gc", "release_wal", "verify"]
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+_UNLINK_BATCH = 256  # chunk files unlinked per write transaction (keeps the lock short beside writers)
 
 
 @dataclass
 class VerifyReport:
-    """What verify found. ``ok`` is True when nothing is damaged (cleanable leftovers are not damage)."""
+    """What verify found. ``ok`` is True when nothing is damaged (cleanable leftovers are not damage).
+
+    ``damaged_snapshots`` are the snapshots with a problem of their own (with the reasons in
+    ``damage``); ``affected_snapshots`` adds every snapshot whose chain includes one of them.
+    With ``repair``, ``removed_snapshots`` is exactly ``affected_snapshots`` (as found inside the
+    repair transaction), ``pruned_snapshots`` the chain links left without a purpose (superseded,
+    no children; the library prunes these on every drop), and the orphan/temp files older than the
+    grace period are removed (``removed_files``).
+    """
 
     deep: bool
     checked_chunks: int = 0
@@ -39,11 +54,14 @@ class VerifyReport:
     damaged_chunks: list[bytes] = field(default_factory=list)
     damaged_snapshots: list[int] = field(default_factory=list)
     affected_snapshots: list[int] = field(default_factory=list)
+    damage: dict[int, list[str]] = field(default_factory=dict)
     orphan_files: list[str] = field(default_factory=list)
     temp_files: list[str] = field(default_factory=list)
     dead_pending: list[int] = field(default_factory=list)
     repaired: bool = False
     removed_snapshots: list[int] = field(default_factory=list)
+    pruned_snapshots: list[int] = field(default_factory=list)
+    removed_files: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -51,9 +69,10 @@ class VerifyReport:
         return not (self.sqlite_errors or self.problems or self.damaged_chunks or self.damaged_snapshots)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (chunk ids as hex)."""
+        """JSON-able form (chunk ids as hex; ``damage`` as a list of {snapshot, problems})."""
         d = asdict(self)
         d["damaged_chunks"] = [c.hex() for c in self.damaged_chunks]
+        d["damage"] = [{"snapshot": sid, "problems": list(p)} for sid, p in sorted(self.damage.items())]
         d["ok"] = self.ok
         return d
 
@@ -68,17 +87,21 @@ class GcReport:
     expired: list[int] = field(default_factory=list)
     stale: list[int] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
+    chunk_files: list[str] = field(default_factory=list)
     orphan_files: list[str] = field(default_factory=list)
     temp_files: list[str] = field(default_factory=list)
     freed_chunks: int = 0
     bytes_freed: int = 0
+    stored_bytes_before: int = 0
+    stored_bytes_after: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
         return asdict(self)
 
 
-def _check_chunk(repo: Repo, cid: bytes, raw_len: int, stored_len: int, csum: bytes, deep: bool,
+# -- verify ----------------------------------------------------------------------------------
+def _check_chunk(repo: Repo, cid: bytes, raw_len: int, stored_len: int, csum: bytes, scope: bytes, deep: bool,
                  scratch: bytearray) -> str | None:
     path = repo.blob_path(cid)
     try:
@@ -109,7 +132,7 @@ def _check_chunk(repo: Repo, cid: bytes, raw_len: int, stored_len: int, csum: by
         decode_payload(head, payload, out)
         if checksum(out) != csum:
             return "checksum mismatch"
-        if blake3.blake3(out).digest() != cid:
+        if blake3.blake3(out, key=scope).digest() != cid:
             return "content does not match its address"
     except CorruptionError as e:
         return str(e)
@@ -120,45 +143,48 @@ def _check_chunk(repo: Repo, cid: bytes, raw_len: int, stored_len: int, csum: by
     return None
 
 
-def _structure(c: Conn, report: VerifyReport) -> set[int]:
-    """Chains, segments and accounting; returns snapshots damaged structurally."""
-    bad: set[int] = set()
+def _structure(c: Conn, report: VerifyReport) -> dict[int, list[str]]:
+    """Chains, segments and accounting; returns the snapshots damaged structurally, with reasons."""
+    bad: dict[int, list[str]] = {}
+
+    def flag(sid: int, why: str) -> None:
+        report.problems.append(f"snapshot {sid}: {why}")
+        bad.setdefault(sid, []).append(why)
+
+    idents = {row[0] for row in Database.identities(c)}
     snaps = {s.id: s for s in Database.snapshots(c)}
     parts = {sid: {p.name: p for p in Database.parts(c, sid)} for sid in snaps}
     for s in snaps.values():
+        if s.identity_id not in idents:
+            flag(s.id, f"its identity {s.identity_id} is missing")
         if s.parent_id is not None:
             p = snaps.get(s.parent_id)
             if p is None:
-                report.problems.append(f"snapshot {s.id}: parent {s.parent_id} is missing")
-                bad.add(s.id)
+                flag(s.id, f"parent {s.parent_id} is missing")
                 continue
             if s.base_tokens != p.n_tokens or s.depth != p.depth + 1:
-                report.problems.append(f"snapshot {s.id}: does not continue parent {p.id} "
-                                       f"(starts at {s.base_tokens}, parent ends at {p.n_tokens})")
-                bad.add(s.id)
+                flag(s.id, f"does not continue parent {p.id} (starts at {s.base_tokens}, parent ends at {p.n_tokens})")
+            if p.identity_id != s.identity_id or p.namespace != s.namespace:
+                flag(s.id, f"parent {p.id} belongs to another identity or namespace")
         elif s.base_tokens != 0:
-            report.problems.append(f"snapshot {s.id}: a root that does not start at token 0")
-            bad.add(s.id)
+            flag(s.id, "a root that does not start at token 0")
         if len(s.tokens) != s.token_width * (s.n_tokens - s.base_tokens):
-            report.problems.append(f"snapshot {s.id}: token blob has the wrong length")
-            bad.add(s.id)
+            flag(s.id, "token blob has the wrong length")
         for name, part in parts[s.id].items():
             chunks = Database.part_chunks(c, s.id, name)
             if any(ch is None for ch in chunks):
-                report.problems.append(f"snapshot {s.id} part {name!r}: references a chunk row that is missing")
-                bad.add(s.id)
+                flag(s.id, f"part {name!r} references a chunk row that is missing")
             elif sum(ch.raw_len for ch in chunks if ch is not None) != part.nbytes:
-                report.problems.append(f"snapshot {s.id} part {name!r}: chunks do not add up to its size")
-                bad.add(s.id)
+                flag(s.id, f"part {name!r}: its chunks do not add up to its size")
             if part.kind == 1:
                 start = 0
                 if s.parent_id is not None and s.parent_id in parts:
                     pp = parts[s.parent_id].get(name)
                     start = pp.row_end if pp is not None else -1
                 if part.row_start != start:
-                    report.problems.append(f"snapshot {s.id} part {name!r}: rows start at {part.row_start}, "
-                                           f"the chain ends at {start}")
-                    bad.add(s.id)
+                    flag(s.id, f"part {name!r}: rows start at {part.row_start}, the chain ends at {start}")
+                if part.row_end < part.row_start:
+                    flag(s.id, f"part {name!r}: rows end before they start")
     for cid, refs, n in Database.refcount_mismatches(c):
         report.problems.append(f"chunk {cid.hex()}: refcount {refs}, referenced {n} times")
     stored = sum(ch.stored_len for ch in Database.all_chunks(c))
@@ -169,139 +195,215 @@ def _structure(c: Conn, report: VerifyReport) -> set[int]:
 
 def verify(repo: Repo, *, deep: bool = False, repair: bool = False, progress: Progress | None = None,
            grace: float = 3600.0) -> VerifyReport:
-    """Check SQLite integrity, chunk files (re-hashed with ``deep``), chains and accounting."""
+    """Check SQLite integrity, chunk files (re-hashed with ``deep``), chains and accounting.
+
+    ``repair`` removes exactly the damaged snapshots and every snapshot whose chain includes one
+    (then chain links left purposeless, rows of damaged chunks, and orphan/temp files older than
+    ``grace``), and corrects the refcounts and the stored-bytes counter.
+    """
     report = VerifyReport(deep=deep)
     db = repo.db
 
-    def snapshot_state(c: Conn) -> tuple[list[str], set[int], list[Any], list[Any]]:
-        errs = Database.integrity_check(c) + [f"foreign key: {r}" for r in Database.foreign_key_check(c)]
-        bad = _structure(c, report) if not errs else set()
-        return errs, bad, list(Database.all_chunks(c)), Database.pending(c)
+    def snapshot_state(c: Conn) -> tuple[list[str], list[str], dict[int, list[str]], list[Any], list[Any]]:
+        errs = Database.integrity_check(c)
+        fks = [f"foreign key: a {r[0]} row refers to a missing {r[2]} row"
+               for r in Database.foreign_key_check(c)]
+        bad = _structure(c, report) if not errs else {}
+        return errs, fks, bad, list(Database.all_chunks(c)), Database.pending(c)
 
-    errs, bad, chunks, pending = db.read(snapshot_state)
+    errs, fks, bad, chunks, pending = db.read(snapshot_state)
     report.sqlite_errors = errs
+    report.problems[:0] = list(dict.fromkeys(fks))
     report.dead_pending = [s.id for s in pending if not owner_alive(s.owner)]
     total = sum(ch.stored_len for ch in chunks)
     done = 0
     scratch = bytearray()
-    damaged: list[bytes] = []
+    damaged: dict[bytes, str] = {}
+    if progress is not None:
+        progress(0, total)
     for ch in chunks:
-        problem = _check_chunk(repo, ch.id, ch.raw_len, ch.stored_len, ch.checksum, deep, scratch)
+        problem = _check_chunk(repo, ch.id, ch.raw_len, ch.stored_len, ch.checksum, ch.scope, deep, scratch)
         report.checked_chunks += 1
         done += ch.stored_len
         if problem is not None:
             # a chunk may have been dropped (and unlinked) by a writer since we listed it
-            if problem == "missing chunk file" and db.read(lambda c: Database.chunk(c, ch.id)) is None:
+            if problem == "missing chunk file" and not _row_exists(db, ch.id):
                 continue
-            damaged.append(ch.id)
+            damaged[ch.id] = problem
             report.problems.append(f"chunk {ch.id.hex()}: {problem}")
         if progress is not None:
             progress(done, total)
     report.checked_bytes = done
-    report.damaged_chunks = damaged
+    report.damaged_chunks = list(damaged)
 
-    def users(c: Conn) -> tuple[list[int], list[int]]:
-        dmg = set(bad)
-        for cid in damaged:
-            dmg.update(Database.chunk_users(c, cid))
+    def users(c: Conn) -> tuple[dict[int, list[str]], list[int]]:
+        dmg = {sid: list(why) for sid, why in bad.items()}
+        for cid, problem in damaged.items():
+            for sid in Database.chunk_users(c, cid):
+                dmg.setdefault(sid, []).append(f"chunk {cid.hex()}: {problem}")
         affected = set(dmg)
         for sid in dmg:
             affected.update(Database.descendants(c, sid))
-        return sorted(dmg), sorted(affected)
+        return dmg, sorted(affected)
 
-    report.damaged_snapshots, report.affected_snapshots = db.read(users)
-    now = time.time()
+    report.damage, report.affected_snapshots = db.read(users)
+    report.damaged_snapshots = sorted(report.damage)
     known = {ch.id for ch in chunks}
-    for cid, path in repo.blob_files():
-        if cid not in known:
-            report.orphan_files.append(path)
-    report.temp_files = _temp_files(repo, now, 0.0)
+    report.orphan_files = sorted(path for cid, path in repo.blob_files() if cid not in known)
+    report.temp_files = _temp_files(repo, time.time(), 0.0)
     if repair and not report.sqlite_errors:
-        def fix(c: Conn) -> tuple[list[bytes], list[int]]:
-            freed: list[bytes] = []
-            removed: list[int] = []
-            for sid in report.damaged_snapshots:
-                if Database.snapshot(c, sid) is not None:
-                    f, gone = drop_subtree(c, sid)
-                    freed += f
-                    removed += gone
-            for cid in damaged:  # rows of damaged chunks that no snapshot uses any more
-                row = Database.chunk(c, cid)
-                if row is not None and row.refs == 0:
-                    c.execute("DELETE FROM chunks WHERE id = ?", (cid,))
-                    Database.add_counter(c, "stored_bytes", -row.stored_len)
-                    freed.append(cid)
-            for cid, refs, n in Database.refcount_mismatches(c):
-                c.execute("UPDATE chunks SET refs = ? WHERE id = ?", (n, cid))
-            Database.set_counter(c, "stored_bytes", sum(ch.stored_len for ch in Database.all_chunks(c)))
-            return freed, removed
-
-        freed, removed = db.write(fix)
-        repo.unlink_unreferenced(freed)
-        for cid in damaged:  # damaged file whose row is gone: remove it even if young
-            repo.unlink_unreferenced([cid])
-        report.removed_snapshots = sorted(removed)
-        report.repaired = True
-        _remove_orphans(repo, grace, dry_run=False)
+        _repair(repo, report, damaged, grace)
     return report
 
 
+def _row_exists(db: Database, cid: bytes) -> bool:
+    return db.read(lambda c: Database.chunk(c, cid)) is not None
+
+
+def _repair(repo: Repo, report: VerifyReport, damaged: dict[bytes, str], grace: float) -> None:
+    def fix(c: Conn) -> tuple[list[bytes], list[int], list[int]]:
+        freed: list[bytes] = []
+        # recompute inside the write transaction: a child saved since the scan is removed too
+        doomed: set[int] = set()
+        for sid in report.damaged_snapshots:
+            if Database.snapshot(c, sid) is not None:
+                doomed.add(sid)
+                doomed.update(Database.descendants(c, sid))
+        rows = [s for s in (Database.snapshot(c, sid) for sid in doomed) if s is not None]
+        parents = {s.parent_id for s in rows if s.parent_id is not None} - doomed
+        for s in sorted(rows, key=lambda s: (-s.depth, -s.id)):
+            freed += Database.delete_snapshot(c, s.id)
+        pruned: list[int] = []
+        for pid in sorted(parents):
+            p = Database.snapshot(c, pid)
+            if p is not None and not p.matchable and p.state == 1 and not Database.has_children(c, pid):
+                f, gone = drop_leaf(c, pid)
+                freed += f
+                pruned += gone
+        for cid, _refs, n in Database.refcount_mismatches(c):
+            c.execute("UPDATE chunks SET refs = ? WHERE id = ?", (n, cid))
+        # rows of damaged chunks, and chunks left unreferenced by the refcount fix
+        for ch in list(Database.all_chunks(c)):
+            if ch.refs == 0:
+                c.execute("DELETE FROM chunks WHERE id = ?", (ch.id,))
+                freed.append(ch.id)
+        Database.set_counter(c, "stored_bytes", sum(ch.stored_len for ch in Database.all_chunks(c)))
+        return freed, sorted(doomed), sorted(pruned)
+
+    freed, removed, pruned = repo.db.write(fix)
+    _unlink_chunks(repo, freed)
+    _unlink_chunks(repo, damaged)  # a damaged file whose row is gone: removed even if young
+    report.removed_snapshots = removed
+    report.pruned_snapshots = pruned
+    report.repaired = True
+    orphans, temps, _ = _collect_orphans(repo, grace, dry_run=False)
+    report.removed_files = orphans + temps
+
+
+# -- files -----------------------------------------------------------------------------------
 def _temp_files(repo: Repo, now: float, grace: float) -> list[str]:
     out = []
     try:
         with os.scandir(repo.tmp) as it:
             for e in it:
                 if e.name.startswith(TEMP_PREFIX) and e.is_file(follow_symlinks=False):
-                    if now - e.stat(follow_symlinks=False).st_mtime >= grace:
-                        out.append(e.path)
+                    try:
+                        if now - e.stat(follow_symlinks=False).st_mtime >= grace:
+                            out.append(e.path)
+                    except FileNotFoundError:
+                        continue
     except FileNotFoundError:
         pass
     return sorted(out)
 
 
-def _remove_orphans(repo: Repo, grace: float, dry_run: bool) -> tuple[list[str], list[str], int]:
+def _size(path: str) -> int:
+    try:
+        return os.stat(path, follow_symlinks=False).st_size
+    except OSError:
+        return 0
+
+
+def _unlink_chunks(repo: Repo, ids: Iterable[bytes], progress: Progress | None = None,
+                   done: int = 0, total: int = 0) -> int:
+    """Unlink chunk files whose rows are gone, a batch per write transaction; returns bytes freed."""
+    todo = list(dict.fromkeys(ids))
+    freed = 0
+    for i in range(0, len(todo), _UNLINK_BATCH):
+        batch = todo[i:i + _UNLINK_BATCH]
+        freed += repo.unlink_unreferenced(batch)
+        if progress is not None:
+            progress(min(total, done + freed), total)
+    return freed
+
+
+def _collect_orphans(repo: Repo, grace: float, dry_run: bool, progress: Progress | None = None
+                     ) -> tuple[list[str], list[str], int]:
+    """Chunk files no catalog row names and temp files, both older than ``grace``; removed unless dry_run."""
     now = time.time()
     known = set(repo.db.read(lambda c: [ch.id for ch in Database.all_chunks(c)]))
     old: list[bytes] = []
     paths: list[str] = []
+    nbytes = 0
     for cid, path in repo.blob_files():
         if cid in known:
             continue
         try:
-            age = now - os.stat(path, follow_symlinks=False).st_mtime
+            st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
             continue
-        if age >= grace:
+        if now - st.st_mtime >= grace:
             old.append(cid)
             paths.append(path)
+            nbytes += st.st_size
     temps = _temp_files(repo, now, grace)
-    freed = 0
-    if not dry_run:
-        freed = repo.unlink_unreferenced(old)
-        for t in temps:
-            try:
-                freed += os.stat(t).st_size
-                os.unlink(t)
-            except FileNotFoundError:
-                pass
-    return paths, temps, freed
+    temp_bytes = sum(_size(t) for t in temps)
+    if dry_run:
+        return sorted(paths), temps, nbytes + temp_bytes
+    total = nbytes + temp_bytes
+    freed = _unlink_chunks(repo, old, progress, 0, total)
+    for t in temps:
+        try:
+            size = os.stat(t, follow_symlinks=False).st_size
+            os.unlink(t)
+            freed += size
+        except FileNotFoundError:
+            pass
+        if progress is not None:
+            progress(min(total, freed), total)
+    return sorted(paths), temps, freed
 
 
-class _DryRun(Exception):
-    def __init__(self, result: Any):
-        self.result = result
+# -- gc --------------------------------------------------------------------------------------
+def _catalog_copy(repo: Repo) -> Conn:
+    """An in-memory copy of the catalog (one consistent read snapshot), for a dry run to mutate."""
+    mem = apsw.Connection(":memory:")
+    with mem.backup("main", repo.db.conn(), "main") as b:
+        b.step(-1)
+    mem.pragma("foreign_keys", True)
+    return mem
 
 
 def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_run: bool = False,
-       ttl: float | None = None, drop_identity: str | None = None, keep_identity: str | None = None) -> GcReport:
-    """Remove dead pending captures, expired/stale snapshots, over-budget leaves, then orphan files."""
+       ttl: float | None = None, drop_identity: str | None = None, keep_identity: str | None = None,
+       disk_bytes: int | None = None, max_entries: int | None = None,
+       progress: Progress | None = None) -> GcReport:
+    """Remove dead pending captures, stale-identity and expired snapshots, over-budget leaves, then orphans.
+
+    The budget is ``budget`` (resolved: the library's view) or else ``disk_bytes``/``max_entries``
+    (None: no limit). Eviction pops least-recently-used committed leaves, as the library does.
+    ``dry_run`` plans on an in-memory copy of the catalog and writes nothing.
+    """
     report = GcReport(dry_run=dry_run)
-    b = budget.resolved() if budget is not None else None
-    ttl = ttl if ttl is not None else (b.ttl if b is not None else None)
+    if budget is not None:
+        b = budget.resolved()
+        disk_bytes, max_entries = b.disk_bytes, b.max_entries
+        ttl = ttl if ttl is not None else b.ttl
     now = time.time()
 
     def txn(c: Conn) -> list[bytes]:
         freed: list[bytes] = []
+        report.stored_bytes_before = Database.stored_bytes(c)
 
         def drop(sid: int, bucket: list[int]) -> None:
             nonlocal freed
@@ -325,35 +427,64 @@ def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_r
             for s in Database.expired(c, now - ttl):
                 if Database.snapshot(c, s.id) is not None and not Database.has_children(c, s.id):
                     drop(s.id, report.expired)
-        if b is not None:
+        if disk_bytes is not None or max_entries is not None:
             def fits(_: list[bytes]) -> bool:
-                if Database.stored_bytes(c) > (b.disk_bytes or 0):
+                if disk_bytes is not None and Database.stored_bytes(c) > disk_bytes:
                     return False
-                return b.max_entries is None or Database.entry_count(c) <= b.max_entries
+                return max_entries is None or Database.entry_count(c) <= max_entries
             before = {s.id for s in Database.snapshots(c)}
             _, f, _ = evict_until(c, fits, set())
             freed += f
-            after = {s.id for s in Database.snapshots(c)}
-            report.evicted.extend(sorted(before - after))
-            report.removed_snapshots.extend(sorted(before - after))
-        report.freed_chunks = len(set(freed))
-        report.bytes_freed = 0
-        for cid in set(freed):
-            try:
-                report.bytes_freed += os.stat(repo.blob_path(cid)).st_size
-            except OSError:
-                pass
-        if dry_run:
-            raise _DryRun(freed)
-        return freed
+            gone = sorted(before - {s.id for s in Database.snapshots(c)})
+            report.evicted.extend(gone)
+            report.removed_snapshots.extend(gone)
+        report.stored_bytes_after = Database.stored_bytes(c)
+        return list(dict.fromkeys(freed))
 
-    try:
+    if dry_run:
+        mem = _catalog_copy(repo)
+        try:
+            mem.execute("BEGIN")
+            freed = txn(mem)
+            mem.execute("ROLLBACK")
+        finally:
+            mem.close()
+    else:
         freed = repo.db.write(txn)
-        repo.unlink_unreferenced(freed)
-    except _DryRun:
-        pass
     report.removed_snapshots = sorted(set(report.removed_snapshots))
-    orphans, temps, freed_bytes = _remove_orphans(repo, grace, dry_run)
+    report.freed_chunks = len(freed)
+    report.chunk_files = sorted(repo.blob_path(cid) for cid in freed)
+    chunk_bytes = sum(_size(p) for p in report.chunk_files)
+    if dry_run:
+        orphans, temps, orphan_bytes = _collect_orphans(repo, grace, True)
+        report.bytes_freed = chunk_bytes + orphan_bytes
+    else:
+        report.bytes_freed = _unlink_chunks(repo, freed, progress, 0, chunk_bytes)
+        orphans, temps, orphan_bytes = _collect_orphans(repo, grace, False, progress)
+        report.bytes_freed += orphan_bytes
     report.orphan_files, report.temp_files = orphans, temps
-    report.bytes_freed += freed_bytes
     return report
+
+
+# -- read-only sessions ----------------------------------------------------------------------
+def release_wal(db_path: str) -> None:
+    """Remove the -wal/-shm files a read-only session created, when no other process uses the store.
+
+    A read-only SQLite connection to a WAL database creates ``-wal`` and ``-shm`` but cannot remove
+    them. Opening and closing one read-write connection lets SQLite do it: the last connection to
+    close deletes them, and only when it gets the exclusive lock (no other process has the store
+    open). The database file is not written (the WAL is empty). Errors are ignored.
+    """
+    try:
+        c = apsw.Connection(db_path, flags=apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_NOFOLLOW)
+    except apsw.Error:
+        return
+    try:
+        c.pragma("user_version")
+    except apsw.Error:
+        pass
+    finally:
+        try:
+            c.close()
+        except apsw.Error:
+            pass

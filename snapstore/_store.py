@@ -19,7 +19,7 @@ import numpy as np
 
 from ._buffers import Source, as_source
 from ._chunker import Chunker, Piece, StagingBuffer
-from ._chunkfile import CODECS, HEADER_SIZE, checksum, parse_header
+from ._chunkfile import CODECS, HEADER_SIZE, checksum, parse_header, scope_key
 from ._config import MIB, Budget, default_dir, env_int
 from ._db import Conn, Database, SnapRow
 from ._errors import (
@@ -368,7 +368,8 @@ class Store:
         reason = self._precheck(upper)
         if reason is not None:
             return self._skipped(reason, par, logical, n)
-        refs = self._chunker.store(pieces)
+        key = scope_key(self.identity.key, ns)
+        refs = self._chunker.store(pieces, key)
         created = [r.id for rs in refs for r in rs if r.created]
         tokens_blob, width = encode_tokens(arr[par.n_tokens if par else 0:])
         h = blake3.blake3(b"content v1")
@@ -405,7 +406,7 @@ class Store:
                     except (OSError, CorruptionError):
                         missing.add(r.id)
                         continue
-                    if Database.add_chunk(c, r.id, r.raw_len, size, head.codec, r.checksum, now):
+                    if Database.add_chunk(c, r.id, r.raw_len, size, head.codec, r.checksum, key, now):
                         new_bytes[0] += size
             if missing:
                 raise _Retry(missing)

@@ -18,16 +18,25 @@ LAYOUT = ss.Layout(
 )
 
 
+def _np_dtype(name: str) -> np.dtype | None:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None  # bfloat16/float8 without ml_dtypes: hand the core raw bytes
+
+
 def make_state(layout: ss.Layout, n: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Random parts for ``n`` tokens (row streams hold exactly n rows)."""
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for name, spec in layout.fixed.items():
-        out[name] = rng.integers(0, 256, spec.nbytes, dtype=np.uint8).view(spec.dtype).reshape(spec.shape) \
-            if spec.dtype != "bfloat16" else rng.integers(0, 256, spec.nbytes, dtype=np.uint8)
+        raw = rng.integers(0, 256, spec.nbytes, dtype=np.uint8)
+        dt = _np_dtype(spec.dtype)
+        out[name] = raw.view(dt).reshape(spec.shape) if dt is not None else raw
     for name, spec in layout.rows.items():
-        out[name] = rng.integers(0, 256, n * spec.row_bytes, dtype=np.uint8).view(spec.dtype).reshape(
-            (n, *spec.row_shape)) if spec.dtype != "bfloat16" else rng.integers(0, 256, n * spec.row_bytes, dtype=np.uint8)
+        raw = rng.integers(0, 256, n * spec.row_bytes, dtype=np.uint8)
+        dt = _np_dtype(spec.dtype)
+        out[name] = raw.view(dt).reshape((n, *spec.row_shape)) if dt is not None else raw.reshape(n, spec.row_bytes)
     return out
 
 
