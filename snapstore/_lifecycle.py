@@ -76,15 +76,13 @@ def evict_until(c: Conn, fits: Callable[[list[bytes]], bool], protect: Iterable[
     freed: list[bytes] = []
     evicted = 0
     while not fits(freed):
-        leaves = Database.lru_leaves(c, keep, limit=16)
+        # one leaf at a time: dropping it may turn its (older) parent into the next LRU leaf
+        leaves = Database.lru_leaves(c, keep, limit=1)
         if not leaves:
             return False, freed, evicted
-        for leaf in leaves:
-            f, gone = drop_leaf(c, leaf.id)
-            freed += f
-            evicted += 1
-            if fits(freed):
-                break
+        f, _ = drop_leaf(c, leaves[0].id)
+        freed += f
+        evicted += 1
     if evicted:
         Database.add_counter(c, "evictions", evicted)
     return True, freed, evicted
