@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ._buffers import Source
-from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, chunk_id, encode_payload
+from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, chunk_id, encode_payload, parse_header
+from ._errors import CorruptionError
 from ._publish import fsync_dirs, publish, write_temp
 
 __all__ = ["ChunkRef", "Chunker", "Piece"]
@@ -75,6 +76,17 @@ class StagingBuffer:
         with self._cv:
             self._free.append(i)
             self._cv.notify()
+
+
+def _intact(path: str, raw_len: int, csum: bytes) -> bool:
+    """Does the chunk file already at ``path`` describe these bytes (header and size)?"""
+    try:
+        with open(path, "rb") as f:
+            head = parse_header(f.read(HEADER_SIZE))
+            size = os.fstat(f.fileno()).st_size
+    except (OSError, CorruptionError):
+        return False
+    return head.raw_len == raw_len and head.checksum == csum and size == HEADER_SIZE + head.payload_len
 
 
 class Chunker:
@@ -141,7 +153,7 @@ class Chunker:
             codec, payload = encode_payload(raw, self.codec)
             header = ChunkHeader(codec, len(raw), len(payload), csum).pack()
             tmp = write_temp(self._tmp, [header, payload])
-            created = publish(tmp, path)
+            created = publish(tmp, path, lambda p: _intact(p, len(raw), csum))
             return ChunkRef(cid, len(raw), HEADER_SIZE + len(payload), codec, csum, created)
         finally:
             if slot is not None:

@@ -130,6 +130,9 @@ def translate(e: BaseException) -> BaseException:
         return CorruptionError(f"the store database is damaged ({e}); run `snapstore verify --repair`")
     if isinstance(e, (apsw.IOError, apsw.CantOpenError, apsw.ReadOnlyError, apsw.PermissionsError)):
         return StoreIOError(5, f"the store database could not be accessed: {e}")
+    if isinstance(e, apsw.ConstraintError):
+        return CorruptionError(f"the store catalog refused an inconsistent change ({e}); "
+                               "run `snapstore verify`")
     return e
 
 
@@ -407,9 +410,9 @@ class Database:
     def lru_leaves(c: Conn, exclude: Iterable[int], limit: int = 64) -> list[SnapRow]:
         """Committed snapshots without children, least recently used first."""
         ex = list(exclude)
-        marks = ",".join("?" * len(ex)) or "NULL"
+        not_in = f"AND id NOT IN ({','.join('?' * len(ex))})" if ex else ""
         return [_snap(r) for r in c.execute(
-            f"SELECT {_SNAP_COLS} FROM snapshots s WHERE state = 1 AND id NOT IN ({marks}) AND NOT EXISTS "
+            f"SELECT {_SNAP_COLS} FROM snapshots s WHERE state = 1 {not_in} AND NOT EXISTS "
             f"(SELECT 1 FROM snapshots k WHERE k.parent_id = s.id) ORDER BY last_used, id LIMIT ?",
             (*ex, limit))]
 

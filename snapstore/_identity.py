@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -43,7 +44,7 @@ class Identity:
         if not isinstance(self.extra, Mapping):
             raise ConfigError("Identity.extra must be a mapping of str to JSON scalars")
         for k, v in self.extra.items():
-            if not isinstance(k, str) or not isinstance(v, _SCALARS) or (isinstance(v, float) and v != v):
+            if not isinstance(k, str) or not isinstance(v, _SCALARS) or (isinstance(v, float) and not math.isfinite(v)):
                 raise ConfigError(
                     f"Identity.extra[{k!r}] must map a str to a str/int/float/bool/None, got {v!r}"
                 )

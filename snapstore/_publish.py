@@ -12,7 +12,7 @@ import errno
 import os
 import secrets
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ._errors import StoreIOError
 
@@ -90,9 +90,10 @@ def write_temp(tmp_dir: str, pieces: Iterable[bytes | memoryview]) -> str:
     return path
 
 
-def publish(tmp_path: str, dest: str) -> bool:
+def publish(tmp_path: str, dest: str, intact: Callable[[str], bool] | None = None) -> bool:
     """Move a durable temp file to ``dest``; False if ``dest`` already existed (then refresh its mtime).
 
+    ``intact(dest)`` may reject an existing file (damaged); it is then replaced atomically.
     The caller fsyncs ``dest``'s directory afterwards (once per batch).
     """
     try:
@@ -100,6 +101,9 @@ def publish(tmp_path: str, dest: str) -> bool:
             os.link(tmp_path, dest)
             created = True
         except FileExistsError:
+            if intact is not None and not intact(dest):
+                os.replace(tmp_path, dest)
+                return True
             created = False
             os.utime(dest, follow_symlinks=False)  # a gc with a grace period keeps what we rely on
         except OSError as e:

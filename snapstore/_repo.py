@@ -7,6 +7,7 @@ Shared by :class:`snapstore.Store` (an engine's view, bound to one identity) and
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 from typing import Iterable
 
@@ -31,9 +32,10 @@ def _proc_start(pid: int) -> str:
 
 
 def owner_token() -> str:
-    """Who owns a pending capture: host, pid and process start time (pids are reused)."""
+    """Who owns a pending capture: host, pid, process start time (pids are reused) and a nonce
+    naming one open Store (two stores in one process never abandon each other's captures)."""
     pid = os.getpid()
-    return f"{socket.gethostname()}:{pid}:{_proc_start(pid)}"
+    return f"{socket.gethostname()}:{pid}:{_proc_start(pid)}:{secrets.token_hex(4)}"
 
 
 def owner_alive(token: str | None) -> bool:
@@ -41,7 +43,7 @@ def owner_alive(token: str | None) -> bool:
     if not token:
         return False
     try:
-        host, pid_s, start = token.rsplit(":", 2)
+        host, pid_s, start, _nonce = token.rsplit(":", 3)
         pid = int(pid_s)
     except ValueError:
         return False

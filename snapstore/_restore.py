@@ -3,14 +3,17 @@
 Phase 1 opens every chunk file and checks its header against the catalog (an open descriptor
 keeps the bytes readable even if a concurrent eviction unlinks the file), so a snapshot that
 vanished is reported before anything is written. Phase 2 reads each chunk straight into the
-destination when it is raw and the destination is contiguous, else through the staging buffer,
-and checks every chunk's XXH3-128 as it lands.
+destination when it is raw and the destination is contiguous (a reader thread reads chunk k+1
+while this thread checks chunk k), else through the staging buffer, and checks every chunk's
+XXH3-128 as it lands. No posix_fadvise(WILLNEED): on this kernel it fills the page cache with
+4 KiB folios and made both cold and later warm reads slower than plain readahead.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable
+import threading
+from collections.abc import Callable
 
 from ._chunker import StagingBuffer
 from ._chunkfile import CODEC_RAW, HEADER_SIZE, ChunkHeader, checksum, decode_payload, parse_header, read_exact
@@ -20,13 +23,24 @@ from ._ramtier import RamTier
 
 __all__ = ["stream_plan"]
 
-_PREFETCH = 4  # chunk files ahead of the one being read that the kernel is asked to read ahead
+def _ensure_fd_room(needed: int) -> None:
+    """Raise the soft open-file limit (up to the hard one) so every chunk of a plan can be held open."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = needed + 256
+        if soft != resource.RLIM_INFINITY and soft < want:
+            new = want if hard == resource.RLIM_INFINITY else min(hard, want)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def _open_all(plan: RestorePlan, blob_path: Callable[[bytes], str],
               ram: RamTier | None) -> list[tuple[PlanItem, int, ChunkHeader | None, bytes | None]]:
     opened: list[tuple[PlanItem, int, ChunkHeader | None, bytes | None]] = []
     fds: dict[bytes, int] = {}
+    _ensure_fd_room(len({item.chunk.id for item in plan.items}))
     try:
         for item in plan.items:
             cid = item.chunk.id
@@ -67,12 +81,71 @@ def _open_all(plan: RestorePlan, blob_path: Callable[[bytes], str],
     return opened
 
 
-def _advise(fd: int) -> None:
-    if fd >= 0 and hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
+class _Reader:
+    """Reads raw chunks straight into their destinations on ``threads`` threads, ahead of the checker.
+
+    Job ``j`` starts only once the checker is through with job ``j - depth`` (at most ``depth``
+    chunks read or being read but not yet verified), and ``stop()`` returns only once every
+    thread is idle: after a restore raises, nothing writes into the destination any more.
+    """
+
+    def __init__(self, jobs: list[tuple[int, memoryview]], depth: int, threads: int):
+        self._jobs = jobs
+        self._depth = depth
+        self._ready = [False] * len(jobs)
+        self._errors: dict[int, BaseException] = {}
+        self._cv = threading.Condition()
+        self._checked = 0
+        self._stop = False
+        self.started = False  # some destination bytes may have been written
+        self._threads = [threading.Thread(target=self._run, args=(t, threads), name="snapstore-restore",
+                                          daemon=True) for t in range(threads)]
+        for th in self._threads:
+            th.start()
+
+    def _run(self, first: int, step: int) -> None:
+        for j in range(first, len(self._jobs), step):
+            with self._cv:
+                while j >= self._checked + self._depth and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                self.started = True
+            fd, target = self._jobs[j]
+            try:
+                read_exact(fd, target, HEADER_SIZE)
+            except BaseException as e:  # handed to the checker, which raises it in order
+                self._errors[j] = e
+            with self._cv:
+                self._ready[j] = True
+                self._cv.notify_all()
+
+    def wait(self, j: int) -> None:
+        """Block until job ``j`` is read; raise what reading it raised."""
+        with self._cv:
+            while not self._ready[j]:
+                self._cv.wait()
+        err = self._errors.pop(j, None)
+        if err is not None:
+            raise err
+
+    def done(self) -> None:
+        """The checker is through with one more job: another may start."""
+        with self._cv:
+            self._checked += 1
+            self._cv.notify_all()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        for th in self._threads:
+            th.join()
+
+
+_DEPTH = 2  # chunks read ahead of the one being checked
+_THREADS = 1  # reader threads (more did not help on 2 vCPUs; see docs/benchmarks.md)
+_PIPELINE_MIN = 2 * (1 << 20)  # below this much raw data a reader thread costs more than it saves
 
 
 def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
@@ -80,24 +153,42 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
     """Write every chunk of ``plan``; RestoreError(touched=...) on any failure."""
     opened = _open_all(plan, blob_path, ram)
     touched = False
+    # Raw chunks with a contiguous destination are read in place by a reader thread while this
+    # thread checks the previous one (preadv releases the GIL); everything else goes in order here.
+    targets: list[memoryview | None] = []
+    jobs: list[tuple[int, memoryview]] = []
+    for item, fd, head, data in opened:
+        target = None
+        if data is None and head is not None and head.codec == CODEC_RAW:
+            target = item.sink.view(item.offset, item.offset + item.chunk.raw_len)
+            if target is not None:
+                jobs.append((fd, target))
+        targets.append(target)
+    big = len(jobs) > 1 and sum(len(t) for _, t in jobs) >= _PIPELINE_MIN
+    reader = _Reader(jobs, depth=_DEPTH, threads=_THREADS) if big else None
+    job = 0
     try:
-        for k in range(min(_PREFETCH, len(opened))):
-            _advise(opened[k][1])
         for k, (item, fd, head, data) in enumerate(opened):
-            if k + _PREFETCH < len(opened):
-                _advise(opened[k + _PREFETCH][1])
             cid, n = item.chunk.id, item.chunk.raw_len
             if data is not None:
                 touched = True
                 item.sink.write(item.offset, memoryview(data))
                 continue
             assert head is not None
-            target = item.sink.view(item.offset, item.offset + n)
+            target = targets[k]
             try:
-                if head.codec == CODEC_RAW and target is not None:
+                if target is not None:
                     touched = True
-                    read_exact(fd, target, HEADER_SIZE)
-                    good = checksum(target) == item.chunk.checksum
+                    try:
+                        if reader is not None:
+                            reader.wait(job)
+                        else:
+                            read_exact(fd, target, HEADER_SIZE)
+                        good = checksum(target) == item.chunk.checksum
+                    finally:
+                        job += 1
+                        if reader is not None:
+                            reader.done()
                     out = target
                 else:
                     slot, buf = staging.acquire()
@@ -123,6 +214,7 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
                 good = False
                 reason = str(e)
             except OSError as e:
+                touched = touched or (reader is not None and reader.started)
                 raise RestoreError(
                     f"snapshot {plan.snapshot_id}: reading chunk {cid.hex()} failed ({e.strerror}); "
                     + ("the destination was partly written: re-read the prompt" if touched
@@ -130,6 +222,7 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
             else:
                 reason = "checksum mismatch"
             if not good:
+                touched = touched or (reader is not None and reader.started)
                 if ram is not None:
                     ram.discard(cid)
                 raise CorruptChunkError(
@@ -139,6 +232,8 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
             if ram is not None:
                 ram.put(cid, out)
     finally:
+        if reader is not None:
+            reader.stop()  # before the descriptors close, and before an error reaches the caller
         for fd in {entry[1] for entry in opened if entry[1] >= 0}:
             try:
                 os.close(fd)

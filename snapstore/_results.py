@@ -19,6 +19,7 @@ class SaveResult:
     logical_bytes: int
     n_tokens: int = 0
     pending: bool = False
+    namespace: str | None = None
 
     @property
     def ok(self) -> bool:

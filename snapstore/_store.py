@@ -68,6 +68,14 @@ def _snapshot_id(ref: Any) -> int:
     raise InvalidInputError(f"expected a snapshot id, Match or SaveResult, got {ref!r}")
 
 
+def _ref_ns(ref: Any, namespace: str | None) -> str:
+    """The namespace a snapshot reference speaks for: a Match/SaveResult's own, else the keyword."""
+    ns = getattr(ref, "namespace", None) if isinstance(ref, (Match, SaveResult)) else None
+    if namespace is not None and ns is not None and namespace != ns:
+        raise IdentityError(f"namespace {namespace!r} given for a result of namespace {ns!r}")
+    return _ns(namespace if namespace is not None else ns)
+
+
 def _ns(namespace: str | None) -> str:
     if namespace is None:
         return ""
@@ -124,9 +132,11 @@ class Store:
         if not isinstance(layout, Layout):
             raise ConfigError("Store.open needs layout=snapstore.Layout(...)")
         budget = (budget or Budget()).resolved()
-        chunk = chunk_bytes if chunk_bytes is not None else (env_int("SNAPSTORE_CHUNK_MIB") or DEFAULT_CHUNK_MIB) * MIB
-        staging = staging_bytes if staging_bytes is not None else (
-            env_int("SNAPSTORE_STAGING_MIB") or DEFAULT_STAGING_MIB) * MIB
+        env_chunk, env_staging = env_int("SNAPSTORE_CHUNK_MIB"), env_int("SNAPSTORE_STAGING_MIB")
+        if env_chunk == 0 or env_staging == 0:
+            raise ConfigError("$SNAPSTORE_CHUNK_MIB and $SNAPSTORE_STAGING_MIB must be >= 1")
+        chunk = chunk_bytes if chunk_bytes is not None else (env_chunk or DEFAULT_CHUNK_MIB) * MIB
+        staging = staging_bytes if staging_bytes is not None else (env_staging or DEFAULT_STAGING_MIB) * MIB
         if not isinstance(chunk, int) or chunk < 4096 or chunk % 4096:
             raise ConfigError(f"chunk_bytes must be a multiple of 4096 and >= 4096, got {chunk!r}")
         if not isinstance(staging, int) or staging < chunk:
@@ -136,7 +146,10 @@ class Store:
         if codec_name not in CODECS:
             raise ConfigError(f"codec must be one of {sorted(CODECS)}, got {codec_name!r}")
         if check_rows is None:
-            check_rows = os.environ.get("SNAPSTORE_CHECK_ROWS", "0") not in ("", "0", "false", "no")
+            flag = os.environ.get("SNAPSTORE_CHECK_ROWS", "0").strip().lower()
+            if flag not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+                raise ConfigError(f"$SNAPSTORE_CHECK_ROWS must be 0/1 (or true/false), got {flag!r}")
+            check_rows = flag in ("1", "true", "yes", "on")
         repo = Repo(os.fspath(path) if path is not None else default_dir())
         try:
             store = cls(repo, identity, layout, budget, chunk_bytes=chunk, codec=CODECS[codec_name],
@@ -170,10 +183,12 @@ class Store:
                         continue
                     n = 0
                     for snap in sorted(Database.snapshots(c, ident_id), key=lambda s: -s.depth):
-                        if Database.snapshot(c, snap.id) is not None:
-                            f, gone = drop_subtree(c, snap.id)
-                            freed += f
-                            n += len(gone)
+                        # deepest first; a live process's pending capture (and the chain it pins) stays
+                        if snap.state == 0 and owner_alive(snap.owner):
+                            continue
+                        if Database.snapshot(c, snap.id) is not None and not Database.has_children(c, snap.id):
+                            freed += Database.delete_snapshot(c, snap.id)
+                            n += 1
                     Database.delete_identity(c, ident_id)
                     Database.add_counter(c, "stale_dropped", n)
             if ttl:
@@ -199,6 +214,14 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise StateError("the store is closed")
+
+    def _iid(self, c: Conn) -> int:
+        """This identity's row id, re-created if another process dropped it as stale meanwhile."""
+        row = Database.identity_id(c, self.identity.key)
+        if row is None:
+            row = Database.ensure_identity(c, self.identity.key, self.identity.canonical, time.time())
+        self._identity_id = row
+        return row
 
     def _chunk_known(self, cid: bytes) -> bool:
         return self._repo.db.conn().execute("SELECT 1 FROM chunks WHERE id = ?", (cid,)).fetchone() is not None
@@ -256,8 +279,8 @@ class Store:
         sources = {name: as_source(name, obj, specs[name], row_counts.get(name, 0)) for name, obj in parts.items()}
         return sources, row_counts
 
-    def _resolve_parent(self, c: Conn, parent: Any, index: TokenIndex, ns: str,
-                        row_counts: dict[str, int]) -> tuple[SnapRow | None, dict[str, int]]:
+    def _resolve_parent(self, c: Conn, parent: Any, index: TokenIndex, ns: str, row_counts: dict[str, int],
+                        commit: bool) -> tuple[SnapRow | None, dict[str, int]]:
         n = len(index)
 
         def parent_rows(p: SnapRow) -> dict[str, int] | None:
@@ -287,6 +310,9 @@ class Store:
         snap = self._own(Database.snapshot(c, sid), ns)
         if snap.state == 0 and snap.owner != self._owner:
             raise InvalidInputError(f"parent {sid} is a pending capture of another process")
+        if snap.state == 0 and commit:
+            raise InvalidInputError(f"parent {sid} is pending: parents commit before children; save this one "
+                                    "with commit=False (commit() then commits the chain) or commit the parent first")
         if snap.n_tokens > n or snap.prefix_key != index.prefix_key(snap.n_tokens):
             raise InvalidInputError(f"parent {sid} is not a prefix of these tokens")
         pr = parent_rows(snap)
@@ -340,7 +366,7 @@ class Store:
                    ns: str) -> SaveResult:
         n = len(arr)
         db = self._repo.db
-        par, prows = db.read(lambda c: self._resolve_parent(c, parent, index, ns, row_counts))
+        par, prows = db.read(lambda c: self._resolve_parent(c, parent, index, ns, row_counts, commit))
         if par is not None and self.check_rows and not db.read(
                 lambda c: self._rows_vouched(c, par, prows, sources)):
             self._count("rows_mismatch")
@@ -374,7 +400,7 @@ class Store:
         tokens_blob, width = encode_tokens(arr[par.n_tokens if par else 0:])
         h = blake3.blake3(b"content v1")
         h.update(str(par.id if par else 0).encode())
-        for (name, r0, r1), rs in zip(meta, refs):
+        for (name, r0, r1), rs in sorted(zip(meta, refs)):
             h.update(f"|{name}:{r0}:{r1}:".encode())
             for r in rs:
                 h.update(r.id)
@@ -385,10 +411,11 @@ class Store:
         def txn(c: Conn) -> tuple[int, list[bytes], bool]:
             if par is not None:
                 p = Database.snapshot(c, par.id)
-                if p is None or (p.state == 0 and p.owner != self._owner):
+                if p is None or (p.state == 0 and (p.owner != self._owner or commit)):
                     raise _Retry()
+            iid = self._iid(c)
             if commit:
-                same = Database.same_content(c, self._identity_id, ns, index.prefix_key(n), content_key)
+                same = Database.same_content(c, iid, ns, index.prefix_key(n), content_key)
                 if same is not None:
                     Database.touch(c, same.id, now, False)
                     return same.id, [], True
@@ -406,12 +433,15 @@ class Store:
                     except (OSError, CorruptionError):
                         missing.add(r.id)
                         continue
+                    if head.raw_len != r.raw_len or head.checksum != r.checksum:
+                        missing.add(r.id)  # a damaged file sits at the address: republish it
+                        continue
                     if Database.add_chunk(c, r.id, r.raw_len, size, head.codec, r.checksum, key, now):
                         new_bytes[0] += size
             if missing:
                 raise _Retry(missing)
             sid = Database.insert_snapshot(
-                c, identity_id=self._identity_id, namespace=ns, parent_id=par.id if par else None,
+                c, identity_id=iid, namespace=ns, parent_id=par.id if par else None,
                 depth=(par.depth + 1) if par else 0, n_tokens=n, base_tokens=par.n_tokens if par else 0,
                 token_width=width, tokens=tokens_blob, anchor=index.anchor(n), prefix_key=index.prefix_key(n),
                 content_key=content_key, session=session, state=1 if commit else 0,
@@ -453,7 +483,7 @@ class Store:
             raise
         self._repo.unlink_unreferenced(freed)
         return SaveResult(sid, None, par.id if par else None, 0 if existed else new_bytes[0], logical, n,
-                          pending=not commit and not existed)
+                          pending=not commit and not existed, namespace=ns or None)
 
     def _skipped(self, reason: str, par: SnapRow | None, logical: int, n: int) -> SaveResult:
         self._repo.db.write(lambda c: Database.add_counter(c, f"skipped:{reason}", 1))
@@ -494,19 +524,24 @@ class Store:
         return "disk_reserve"
 
     # -- pending captures --------------------------------------------------------------------
-    def commit(self, res: Any) -> SaveResult:
+    def commit(self, res: Any, *, namespace: str | None = None) -> SaveResult:
         """Make a pending capture (and its pending ancestors, root first) visible to match()."""
         self._check_open()
         sid = _snapshot_id(res)
+        ns = _ref_ns(res, namespace)
         now = time.time()
 
+        top = [sid]
+
         def txn(c: Conn) -> tuple[SaveResult, list[bytes]]:
-            snap = self._own(Database.snapshot(c, sid))
+            snap = self._own(Database.snapshot(c, sid), ns)
             if snap.state == 1:
-                return SaveResult(sid, None, snap.parent_id, 0, snap.logical_bytes, snap.n_tokens), []
+                return SaveResult(sid, None, snap.parent_id, 0, snap.logical_bytes, snap.n_tokens,
+                                  namespace=ns or None), []
             if snap.owner != self._owner:
                 raise StateError(f"snapshot {sid} is a pending capture of another process")
             chain = Database.chain(c, sid)
+            top[0] = next(link.id for link in chain if link.state == 0)
             freed: list[bytes] = []
             tokens = self._tokens_of(c, chain)
             for link in chain:
@@ -522,27 +557,29 @@ class Store:
             freed += f
             if not ok:
                 raise _Skip(self._why(c))
-            return SaveResult(sid, None, snap.parent_id, 0, snap.logical_bytes, snap.n_tokens), freed
+            return SaveResult(sid, None, snap.parent_id, 0, snap.logical_bytes, snap.n_tokens,
+                              namespace=ns or None), freed
 
         try:
             result, freed = self._repo.db.write(txn)
         except _Skip as s:
-            self.abandon(sid)
+            self.abandon(top[0], namespace=ns or None)  # a refused parent drops its pending children
             self._repo.db.write(lambda c: Database.add_counter(c, f"skipped:{s.reason}", 1))
-            return SaveResult(None, s.reason, None, 0, 0, 0)
+            return SaveResult(None, s.reason, None, 0, 0, 0, namespace=ns or None)
         self._repo.unlink_unreferenced(freed)
         return result
 
-    def abandon(self, res: Any) -> None:
+    def abandon(self, res: Any, *, namespace: str | None = None) -> None:
         """Drop a pending capture and its pending descendants; their pins and bytes are released."""
         self._check_open()
         sid = _snapshot_id(res)
+        ns = _ref_ns(res, namespace)
 
         def txn(c: Conn) -> list[bytes]:
             snap = Database.snapshot(c, sid)
             if snap is None:
                 return []
-            self._own(snap)
+            self._own(snap, ns)
             if snap.state == 1:
                 raise StateError(f"snapshot {sid} is committed; abandon() only drops pending captures")
             if snap.owner != self._owner:
@@ -581,13 +618,17 @@ class Store:
         return Match(hit.id, hit.n_tokens, namespace)
 
     # -- restore -----------------------------------------------------------------------------
-    def restore(self, m: Any, into: Mapping[str, Any], components: Iterable[str] | None = None) -> RestoreResult:
+    def restore(self, m: Any, into: Mapping[str, Any], components: Iterable[str] | None = None, *,
+                namespace: str | None = None) -> RestoreResult:
         """Write the snapshot's state into ``into`` (name → writable buffer), exactly, or raise.
 
-        Raises a RestoreError whose ``touched`` says whether ``into`` was modified.
+        ``m`` is a Match (its namespace applies), a SaveResult or a snapshot id (then ``namespace``
+        must name the snapshot's namespace). Raises a RestoreError whose ``touched`` says whether
+        ``into`` was modified.
         """
         self._check_open()
         sid = _snapshot_id(m)
+        ns = _ref_ns(m, namespace)
         if not isinstance(into, Mapping):
             raise InvalidInputError("into must be a mapping of part name to writable buffer")
         wanted = set(self.layout.components) if components is None else set(components)
@@ -604,6 +645,8 @@ class Store:
                                                "nothing was written", snapshot_id=sid)
             if snap.identity_id != self._identity_id:
                 raise IdentityError(f"snapshot {sid} belongs to another identity than this store was opened for")
+            if snap.namespace != ns:
+                raise IdentityError(f"snapshot {sid} belongs to another namespace")
             if snap.state == 0 and snap.owner != self._owner:
                 raise SnapshotUnavailableError(f"snapshot {sid} is a pending capture of another process",
                                                snapshot_id=sid)

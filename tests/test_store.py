@@ -652,3 +652,61 @@ def test_timing_restore_reports(store: ss.Store) -> None:
     res = store.restore(r, empty_like_state(st_))
     assert 0 <= res.seconds <= time.perf_counter() - t0 + 1e-3
     assert res.bytes_restored == r.logical_bytes
+
+
+def test_restore_by_id_does_not_cross_namespaces(store: ss.Store) -> None:
+    st_ = make_state(LAYOUT, 80, 30)
+    r = store.save(list(range(80)), st_, namespace="tenant-a")
+    with pytest.raises(ss.IdentityError):
+        store.restore(r.snapshot_id, empty_like_state(st_))
+    with pytest.raises(ss.IdentityError):
+        store.restore(r.snapshot_id, empty_like_state(st_), namespace="tenant-b")
+    store.restore(r, empty_like_state(st_))  # the SaveResult carries its namespace
+    store.restore(r.snapshot_id, empty_like_state(st_), namespace="tenant-a")
+    p = store.save(list(range(90)), make_state(LAYOUT, 90, 30), namespace="tenant-a", commit=False)
+    with pytest.raises(ss.IdentityError):
+        store.commit(p.snapshot_id)
+    store.commit(p)
+
+
+def test_committed_child_of_pending_parent_is_refused(store: ss.Store) -> None:
+    st_ = make_state(LAYOUT, 200, 31)
+    par = store.save(list(range(100)), st_, commit=False)
+    with pytest.raises(ss.InvalidInputError, match="parents commit before children"):
+        store.save(list(range(200)), st_, parent=par.snapshot_id)
+
+
+def test_dedup_does_not_depend_on_part_order(store: ss.Store) -> None:
+    st_ = make_state(LAYOUT, 100, 32)
+    a = store.save(list(range(100)), st_)
+    b = store.save(list(range(100)), dict(reversed(list(st_.items()))))
+    assert a.snapshot_id == b.snapshot_id
+
+
+def test_drop_stale_spares_a_live_process_pending_capture(store_dir: str) -> None:
+    other = ss.Identity(build="other", pack="sha256:1")
+    st_ = make_state(LAYOUT, 100, 33)
+    with open_store(store_dir, identity=other) as live:
+        committed = live.save(list(range(50)), st_)
+        pend = live.save(list(range(100)), st_, commit=False)
+        with open_store(store_dir):  # drop_stale=True: the other identity's committed-only leaves go
+            pass
+        ids = {x.snapshot_id for x in live.snapshots()}
+        assert pend.snapshot_id in ids and committed.snapshot_id in ids  # pinned by the live capture
+        live.commit(pend)
+        r = live.save(list(range(300)), make_state(LAYOUT, 300, 34))  # identity row still usable
+        assert r.ok
+
+
+def test_env_flags_are_parsed_strictly(store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SNAPSTORE_CHECK_ROWS", "maybe")
+    with pytest.raises(ss.ConfigError):
+        open_store(store_dir, check_rows=None)
+    monkeypatch.setenv("SNAPSTORE_CHECK_ROWS", "off")
+    with open_store(store_dir, check_rows=None) as s:
+        assert s.check_rows is False
+    monkeypatch.setenv("SNAPSTORE_CHUNK_MIB", "0")
+    with pytest.raises(ss.ConfigError):
+        ss.Store.open(store_dir, identity=IDENT, layout=LAYOUT)
+    with pytest.raises(ss.ConfigError):
+        ss.Identity(build="b", pack="p", extra={"x": float("inf")})
