@@ -45,6 +45,7 @@ class Snap:
     fixed: bytes
     session: str | None
     pending: bool
+    order: int = 0  # when it was committed: supersede looks at what was committed before
 
 
 def _sha(b: bytes | np.ndarray) -> str:
@@ -57,6 +58,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp(prefix="ss-fuzz-")
         self.model: dict[int, Snap] = {}
         self.draft_of: dict[int, bool] = {}
+        self.clock = 0
         self.store: ss.Store | None = None
 
     @initialize(disk=st.integers(30_000, 200_000), entries=st.none() | st.integers(2, 8),
@@ -101,7 +103,8 @@ class StoreMachine(RuleBasedStateMachine):
             return
         if r.snapshot_id in self.model:  # the same state again: deduplicated to the existing snapshot
             return
-        self.model[r.snapshot_id] = Snap(conv, n, fixed.tobytes(), session, not commit)
+        self.clock += 1
+        self.model[r.snapshot_id] = Snap(conv, n, fixed.tobytes(), session, not commit, self.clock)
         self.draft_of[r.snapshot_id] = draft
 
     @precondition(lambda self: any(s.pending for s in self.model.values()))
@@ -116,9 +119,11 @@ class StoreMachine(RuleBasedStateMachine):
         if commit:
             r = self.store.commit(sid)
             if r.snapshot_id is not None:
+                self.clock += 1
                 for x in self.store.snapshots():
-                    if x.snapshot_id in self.model and not x.pending:
+                    if x.snapshot_id in self.model and not x.pending and self.model[x.snapshot_id].pending:
                         self.model[x.snapshot_id].pending = False
+                        self.model[x.snapshot_id].order = self.clock
         else:
             self.store.abandon(sid)
 
@@ -180,12 +185,12 @@ class StoreMachine(RuleBasedStateMachine):
             assert refs > 0
             assert os.path.getsize(repo.blob_path(cid)) == size
         assert stats.logical_bytes == sum(x.logical_bytes for x in infos if x.matchable)
-        # supersede: no matchable committed snapshot is a strict prefix of another in its session
+        # supersede: no matchable snapshot is a strict prefix of one committed later in its session
         live = [x for x in infos if x.matchable and not x.pending]
         for a in live:
             for b in live:
                 ma, mb = self.model[a.snapshot_id], self.model[b.snapshot_id]
-                if a.session is not None and a.session == b.session and ma.n < mb.n:
+                if a.session is not None and a.session == b.session and ma.n < mb.n and ma.order < mb.order:
                     assert not np.array_equal(TOKENS[ma.conv][:ma.n], TOKENS[mb.conv][:ma.n])
         # every matchable snapshot restores exactly
         for x in live:

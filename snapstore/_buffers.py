@@ -127,7 +127,7 @@ def as_source(name: str, obj: Any, spec: PartSpec, rows: int) -> Source:
         if obj.nbytes < need:
             raise LayoutError(f"part {name!r}: buffer has {obj.nbytes} bytes, {need} are needed")
         if obj.flags.c_contiguous:
-            return Source(name, need, mv=memoryview(obj.reshape(-1).view(np.uint8)))
+            return Source(name, need, mv=obj.reshape(-1).view(np.uint8).data)
         return Source(name, need, arr=obj)
     try:
         mv = memoryview(obj)
@@ -155,7 +155,7 @@ def as_sink(name: str, obj: Any, spec: PartSpec, rows: int) -> Sink:
         if obj.nbytes < need:
             raise DestinationError(f"part {name!r}: destination has {obj.nbytes} bytes, {need} are needed")
         if obj.flags.c_contiguous:
-            return Sink(name, need, mv=memoryview(obj.reshape(-1).view(np.uint8)))
+            return Sink(name, need, mv=obj.reshape(-1).view(np.uint8).data)
         if isinstance(spec, Rows) and obj.dtype.itemsize != dtype_size(spec.dtype):
             raise DestinationError(f"part {name!r}: a strided destination must have the part's dtype")
         return Sink(name, need, arr=obj)

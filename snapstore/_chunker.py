@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -69,7 +69,7 @@ class StagingBuffer:
             i = self._free.pop()
             if self._buf is None:
                 self._buf = np.empty(self._count * self.slot_bytes, dtype=np.uint8)
-            return i, memoryview(self._buf)[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+            return i, self._buf.data[i * self.slot_bytes:(i + 1) * self.slot_bytes]
 
     def release(self, i: int) -> None:
         """Give a slot back."""
@@ -132,7 +132,7 @@ class Chunker:
             for _, fut in jobs:  # an error above: let in-flight work finish before buffers go away
                 try:
                     fut.result()
-                except BaseException:
+                except BaseException:  # noqa: S110 - the first error is the one raised
                     pass
         dirs = {os.path.dirname(self._blob_path(r.id)) for rs in results for r in rs if r.created}
         fsync_dirs(dirs, self._pool)

@@ -106,7 +106,7 @@ def parse_header(data: bytes) -> ChunkHeader:
 def _shuffle2(raw: memoryview) -> bytes:
     a = np.frombuffer(raw, dtype=np.uint8)
     even = len(a) & ~1
-    return a[:even].reshape(-1, 2).T.tobytes() + a[even:].tobytes()
+    return bytes(a[:even].reshape(-1, 2).T.tobytes() + a[even:].tobytes())
 
 
 def _unshuffle2(data: bytes | memoryview, out: memoryview) -> None:

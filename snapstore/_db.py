@@ -12,10 +12,11 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import apsw
 import apsw.bestpractice
@@ -90,6 +91,13 @@ class ChunkRow:
     refs: int
     created: float
     scope: bytes
+
+
+def _int(c: Conn, sql: str, args: tuple[Any, ...] = ()) -> int:
+    """The integer a one-row, one-column aggregate query returns."""
+    row = c.execute(sql, args).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def _snap(row: Sequence[Any]) -> SnapRow:
@@ -271,7 +279,7 @@ class Database:
             return
 
         def apply(c: Conn) -> None:
-            current = int(c.pragma("user_version"))
+            current = int(str(c.pragma("user_version")))
             for num, _name, sql in todo:
                 if num <= current:
                     continue  # another process migrated first
@@ -433,7 +441,7 @@ class Database:
             "WITH RECURSIVE d(x, lvl) AS (SELECT id, 1 FROM snapshots WHERE parent_id = ? UNION ALL "
             "SELECT s.id, d.lvl + 1 FROM snapshots s JOIN d ON s.parent_id = d.x) "
             "SELECT x FROM d ORDER BY lvl DESC", (sid,)).fetchall()
-        return [int(r[0]) for r in rows]
+        return [int(str(r[0])) for r in rows]
 
     @staticmethod
     def delete_snapshot(c: Conn, sid: int) -> list[bytes]:
@@ -551,11 +559,23 @@ class Database:
     @staticmethod
     def totals(c: Conn) -> tuple[int, int, int, int]:
         """(stored bytes, logical bytes, committed matchable entries, all snapshots) from the tables."""
-        stored = c.execute("SELECT coalesce(sum(stored_len), 0) FROM chunks").fetchone()[0]
-        logical, entries, allsnaps = c.execute(
+        stored = _int(c, "SELECT coalesce(sum(stored_len), 0) FROM chunks")
+        row = c.execute(
             "SELECT coalesce(sum(CASE WHEN matchable = 1 THEN logical_bytes ELSE 0 END), 0), "
             "coalesce(sum(state = 1 AND matchable = 1), 0), count(*) FROM snapshots").fetchone()
-        return int(stored), int(logical), int(entries), int(allsnaps)
+        assert row is not None
+        return stored, int(row[0]), int(row[1]), int(row[2])
+
+    @staticmethod
+    def census(c: Conn) -> tuple[int, int, int]:
+        """(pending snapshots, chunks, raw bytes referenced counting every reference: for dedup ratio)."""
+        return (_int(c, "SELECT count(*) FROM snapshots WHERE state = 0"),
+                _int(c, "SELECT count(*) FROM chunks"),
+                _int(c, "SELECT coalesce(sum(c.raw_len), 0) FROM part_chunks pc JOIN chunks c ON c.id = pc.chunk_id"))
+
+    @staticmethod
+    def chunk_exists(c: Conn, cid: bytes) -> bool:
+        return c.execute("SELECT 1 FROM chunks WHERE id = ?", (cid,)).fetchone() is not None
 
     @staticmethod
     def stored_bytes(c: Conn) -> int:
@@ -564,7 +584,7 @@ class Database:
 
     @staticmethod
     def entry_count(c: Conn) -> int:
-        return int(c.execute("SELECT count(*) FROM snapshots WHERE state = 1 AND matchable = 1").fetchone()[0])
+        return _int(c, "SELECT count(*) FROM snapshots WHERE state = 1 AND matchable = 1")
 
     @staticmethod
     def set_counter(c: Conn, name: str, value: int) -> None:

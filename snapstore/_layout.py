@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ._errors import LayoutError
 from ._identity import canonical_json
@@ -44,7 +45,7 @@ def _check_component(component: Any) -> str | None:
     if component is not None and (not isinstance(component, str) or not component
                                   or not set(component) <= _NAME_CHARS):
         raise LayoutError(f"component must be None or a short name, got {component!r}")
-    return component  # type: ignore[no-any-return]
+    return component if isinstance(component, str) else None
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import blake3
 import numpy as np
@@ -178,7 +179,7 @@ class Store:
                     freed += f
                     Database.add_counter(c, "abandoned", len(gone))
             if drop_stale:
-                for ident_id, key, *_ in Database.identities(c):
+                for ident_id, _key, *_ in Database.identities(c):
                     if ident_id == self._identity_id:
                         continue
                     n = 0
@@ -224,7 +225,7 @@ class Store:
         return row
 
     def _chunk_known(self, cid: bytes) -> bool:
-        return self._repo.db.conn().execute("SELECT 1 FROM chunks WHERE id = ?", (cid,)).fetchone() is not None
+        return Database.chunk_exists(self._repo.db.conn(), cid)
 
     def _count(self, name: str, delta: int = 1) -> None:
         with self._counter_lock:
@@ -331,8 +332,8 @@ class Store:
                 for ch in Database.part_chunks(c, link.id, part.name):
                     if ch is None:
                         return False
-                    buf = bytearray(ch.raw_len)
-                    src.copy_into(off, memoryview(buf))
+                    buf = memoryview(bytearray(ch.raw_len))
+                    src.copy_into(off, buf)
                     if checksum(buf) != ch.checksum:
                         return False
                     off += ch.raw_len
@@ -367,12 +368,13 @@ class Store:
         n = len(arr)
         db = self._repo.db
         par, prows = db.read(lambda c: self._resolve_parent(c, parent, index, ns, row_counts, commit))
-        if par is not None and self.check_rows and not db.read(
-                lambda c: self._rows_vouched(c, par, prows, sources)):
+        vouched = par
+        if vouched is not None and self.check_rows and not db.read(
+                lambda c: self._rows_vouched(c, vouched, prows, sources)):
             self._count("rows_mismatch")
             if parent != "auto":
                 raise InvalidInputError(
-                    f"check_rows: rows below parent {par.id}'s boundary differ from what it stored; "
+                    f"check_rows: rows below parent {vouched.id}'s boundary differ from what it stored; "
                     "the engine changed rows it vouched for (save with parent=None to store them whole)")
             par, prows = None, {}
         specs = self.layout.parts
@@ -427,9 +429,9 @@ class Store:
                         continue
                     path = self._repo.blob_path(r.id)
                     try:
-                        with open(path, "rb") as f:
-                            head = parse_header(f.read(HEADER_SIZE))
-                            size = os.fstat(f.fileno()).st_size
+                        with open(path, "rb") as fh:
+                            head = parse_header(fh.read(HEADER_SIZE))
+                            size = os.fstat(fh.fileno()).st_size
                     except (OSError, CorruptionError):
                         missing.add(r.id)
                         continue
@@ -474,8 +476,9 @@ class Store:
             sid, freed, existed = db.write(txn)
         except _Skip as s:
             self._repo.unlink_unreferenced(created)
-            db.write(lambda c: Database.add_counter(c, f"skipped:{s.reason}", 1))
-            return SaveResult(None, s.reason, par.id if par else None, 0, logical, n, False)
+            reason = s.reason
+            db.write(lambda c: Database.add_counter(c, f"skipped:{reason}", 1))
+            return SaveResult(None, reason, par.id if par else None, 0, logical, n, False, namespace=ns or None)
         except _Retry:
             raise
         except BaseException:
@@ -563,9 +566,10 @@ class Store:
         try:
             result, freed = self._repo.db.write(txn)
         except _Skip as s:
+            reason = s.reason
             self.abandon(top[0], namespace=ns or None)  # a refused parent drops its pending children
-            self._repo.db.write(lambda c: Database.add_counter(c, f"skipped:{s.reason}", 1))
-            return SaveResult(None, s.reason, None, 0, 0, 0, namespace=ns or None)
+            self._repo.db.write(lambda c: Database.add_counter(c, f"skipped:{reason}", 1))
+            return SaveResult(None, reason, None, 0, 0, 0, namespace=ns or None)
         self._repo.unlink_unreferenced(freed)
         return result
 
@@ -754,10 +758,7 @@ def stats_of(c: Conn, disk_budget: int, ram_used: int) -> Stats:
     """Stats from the catalog (shared by Store.stats and the CLI)."""
     counters = Database.counters(c)
     stored, logical, entries, allsnaps = Database.totals(c)
-    pending = int(c.execute("SELECT count(*) FROM snapshots WHERE state = 0").fetchone()[0])
-    nchunks = int(c.execute("SELECT count(*) FROM chunks").fetchone()[0])
-    raw = int(c.execute("SELECT coalesce(sum(c.raw_len), 0) FROM part_chunks pc JOIN chunks c ON c.id = pc.chunk_id"
-                        ).fetchone()[0])
+    pending, nchunks, raw = Database.census(c)
     return Stats(
         entries=entries, snapshots=allsnaps, pending=pending,
         inserts=counters.get("inserts", 0), hits=counters.get("hits", 0), misses=counters.get("misses", 0),

@@ -9,7 +9,8 @@ in one indexed statement.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import blake3
 import numpy as np
@@ -78,7 +79,7 @@ class TokenIndex:
 
     def __init__(self, tokens: np.ndarray):
         self.tokens = tokens
-        raw = memoryview(np.ascontiguousarray(tokens, dtype="<u8")).cast("B")
+        raw = np.ascontiguousarray(tokens, dtype="<u8").data.cast("B")
         step = BLOCK * 8
         chain = [_SEED]
         h = _SEED
