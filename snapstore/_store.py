@@ -513,9 +513,16 @@ class Store:
         if b.max_entries is not None and Database.entry_count(c) + (1 if adding_entry else 0) > b.max_entries:
             return False
         if b.reserve_bytes:
-            # bytes freed in this transaction are unlinked right after it commits
-            if self._free_space() < b.reserve_bytes and not freed:
-                return False
+            # chunk files freed in this transaction are unlinked right after it commits
+            free = self._free_space()
+            if free < b.reserve_bytes:
+                for cid in set(freed):
+                    try:
+                        free += os.stat(self._repo.blob_path(cid)).st_size
+                    except OSError:
+                        pass
+                if free < b.reserve_bytes:
+                    return False
         return True
 
     def _why(self, c: Conn) -> str:

@@ -300,3 +300,53 @@ def test_free_space_reserve_skips_instead_of_filling_the_disk(store_dir: str) ->
     with open_store(store_dir, budget=ss.Budget(reserve_bytes=free + (1 << 30))) as s:
         r = s.save(conv.tokens[:100], conv.state())
         assert r.skipped == "disk_full" and s.stats().stored_bytes == 0
+
+
+_EVICTOR = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+import numpy as np, snapstore as ss
+from test_lifecycle import LAY, IDENT, Conv
+s = ss.Store.open(sys.argv[1], identity=IDENT, layout=LAY, chunk_bytes=4096, staging_bytes=65536,
+                  budget=ss.Budget(disk_bytes=int(sys.argv[3]), reserve_bytes=0), drop_stale=False)
+end = time.time() + float(sys.argv[4])
+i = 0
+while time.time() < end:
+    cv = Conv(1000 + i % 50)
+    s.save(cv.tokens[:600], cv.state())   # every save evicts the LRU leaf
+    i += 1
+print(i)
+s.close()
+"""
+
+
+def test_restore_beside_concurrent_eviction_is_exact_or_a_clean_miss(store_dir: str) -> None:
+    import subprocess
+    import sys
+    conv = Conv(999)
+    budget = 3 * (600 * 128 + 256 + 64 * 20)
+    with open_store(store_dir, budget=ss.Budget(disk_bytes=budget, reserve_bytes=0)) as s:
+        r = s.save(conv.tokens[:600], conv.state())
+        proc = subprocess.Popen([sys.executable, "-c", _EVICTOR, store_dir, os.path.dirname(__file__),
+                                 str(budget), "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        exact = misses = 0
+        sentinel = np.full((2000, 128), 7, np.uint8)
+        deadline = time.time() + 4
+        while time.time() < deadline:
+            m = s.match(conv.tokens[:600])
+            if m is None:
+                r = s.save(conv.tokens[:600], conv.state())  # evicted: put it back
+                continue
+            dest = {"rec": np.zeros(64, np.float32), "kv": sentinel.copy()}
+            try:
+                s.restore(m, dest)
+            except ss.SnapshotUnavailableError as e:
+                assert e.touched is False and (dest["kv"] == 7).all()
+                misses += 1
+                continue
+            assert sha(dest["kv"][:600]) == sha(conv.kv[:600])
+            exact += 1
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert exact > 0 and int(out) > 0
+        assert s.verify(deep=True).ok
