@@ -1,1 +1,37 @@
-"""Engine adapter: torch tensors <-> snapstore through a bounded staging buffer."""
+"""Engine adapter: torch tensors on any device <-> snapstore, through a bounded staging buffer.
+
+``TorchAdapter`` saves and restores named tensors of any layout (token axis anywhere, strided
+views, bf16/fp8) on CPU or CUDA; ``snapstore.engine.hf`` integrates Hugging Face transformers
+caches. See docs/engine.md. The core package never imports torch; this package does.
+"""
+
+from __future__ import annotations
+
+from ._adapter import TorchAdapter, layout_of, part_sink, part_source
+from ._torch import (
+    DEFAULT_STAGING_BYTES,
+    Staging,
+    TensorSink,
+    TensorSource,
+    canonical,
+    dtype_name,
+    fixed_spec,
+    rows_spec,
+    torch_dtype,
+)
+
+__all__ = [
+    "DEFAULT_STAGING_BYTES",
+    "Staging",
+    "TensorSink",
+    "TensorSource",
+    "TorchAdapter",
+    "canonical",
+    "dtype_name",
+    "fixed_spec",
+    "layout_of",
+    "part_sink",
+    "part_source",
+    "rows_spec",
+    "torch_dtype",
+]

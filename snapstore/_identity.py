@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ._errors import ConfigError
 

@@ -6,7 +6,7 @@ files only after the transaction commits (:meth:`Repo.unlink_unreferenced`).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from ._db import Conn, Database, SnapRow
 from ._tokens import TokenIndex

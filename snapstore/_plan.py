@@ -7,8 +7,9 @@ dtype/shape/size right. Only a plan that passes all of this is streamed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ._buffers import Sink, as_sink
 from ._db import ChunkRow, Conn, Database, PartRow, SnapRow

@@ -1,4 +1,8 @@
-"""RAM tier: recently restored chunks kept decoded in process memory, LRU, up to ``ram_bytes``."""
+"""RAM tier: recently restored chunks kept decoded in process memory, LRU, up to ``ram_bytes``.
+
+A chunk is admitted on its second restore, not its first: a one-off restore pays no extra copy
+and holds no extra memory, while a hot prefix restored again is served at memory speed from then on.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ class RamTier:
         self.used = 0
         self.hits = 0
         self._items: OrderedDict[bytes, bytes] = OrderedDict()
+        self._seen: OrderedDict[bytes, None] = OrderedDict()  # restored once: admitted next time
         self._lock = threading.Lock()
 
     def get(self, cid: bytes) -> bytes | None:
@@ -40,6 +45,12 @@ class RamTier:
             if cid in self._items:
                 self._items.move_to_end(cid)
                 return
+            if cid not in self._seen:
+                self._seen[cid] = None
+                if len(self._seen) > 65536:
+                    self._seen.popitem(last=False)
+                return
+            del self._seen[cid]
         copy = bytes(data)
         with self._lock:
             while self.used + n > self.capacity and self._items:
@@ -51,6 +62,7 @@ class RamTier:
     def discard(self, cid: bytes) -> None:
         """Forget a chunk (it was found corrupt or dropped)."""
         with self._lock:
+            self._seen.pop(cid, None)
             old = self._items.pop(cid, None)
             if old is not None:
                 self.used -= len(old)
@@ -59,4 +71,5 @@ class RamTier:
         """Forget everything."""
         with self._lock:
             self._items.clear()
+            self._seen.clear()
             self.used = 0

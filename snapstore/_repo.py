@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from typing import Iterable
+from collections.abc import Iterable
 
 from ._chunkfile import is_hex_id
 from ._db import Conn, Database

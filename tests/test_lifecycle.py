@@ -248,9 +248,14 @@ def test_ram_tier_serves_repeated_restores_and_drops_corrupt(store_dir: str) -> 
     with open_store(store_dir, budget=ss.Budget(ram_bytes=1 << 20, reserve_bytes=0)) as s:
         r = s.save(conv.tokens[:500], conv.state())
         restore_ok(s, r.snapshot_id, conv)
-        assert s.stats().ram_hits == 0
+        restore_ok(s, r.snapshot_id, conv)  # admitted on the second restore
+        assert s.stats().ram_hits == 0 and s.stats().ram_bytes > 0
         restore_ok(s, r.snapshot_id, conv)
         assert s.stats().ram_hits > 0
+        # a chunk found corrupt is dropped from the tier as well
+        cid = next(iter(s._ram._items))
+        s._ram.discard(cid)
+        assert cid not in s._ram
     with open_store(store_dir, budget=ss.Budget(ram_bytes=0, reserve_bytes=0)) as s:
         restore_ok(s, r.snapshot_id, conv)
         assert s._ram is None
@@ -335,7 +340,7 @@ def test_restore_beside_concurrent_eviction_is_exact_or_a_clean_miss(store_dir: 
         while time.time() < deadline:
             m = s.match(conv.tokens[:600])
             if m is None:
-                r = s.save(conv.tokens[:600], conv.state())  # evicted: put it back
+                s.save(conv.tokens[:600], conv.state())  # evicted: put it back
                 continue
             dest = {"rec": np.zeros(64, np.float32), "kv": sentinel.copy()}
             try:

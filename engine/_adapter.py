@@ -1,0 +1,167 @@
+"""TorchAdapter: save and restore torch tensors of any layout and device through a Store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from snapstore import DestinationError, Fixed, Layout, LayoutError, RestoreResult, Rows, SaveResult, Store
+
+from ._torch import Staging, TensorSink, TensorSource, canonical, dtype_name, fixed_spec, rows_spec
+
+__all__ = ["TorchAdapter", "layout_of", "part_sink", "part_source"]
+
+
+def layout_of(fixed: Mapping[str, torch.Tensor] | None = None,
+              rows: Mapping[str, torch.Tensor] | None = None, *,
+              token_dims: Mapping[str, int] | None = None,
+              components: Mapping[str, str] | None = None) -> Layout:
+    """A Layout describing example tensors: ``fixed`` parts whole, ``rows`` streams by their token axis.
+
+    token_dims: name -> token axis of a row stream (default 0); components: name -> component
+    (e.g. ``"draft"``) for optional parts.
+    """
+    td = dict(token_dims or {})
+    comp = dict(components or {})
+    return Layout(
+        fixed={n: fixed_spec(t, td.get(n), component=comp.get(n)) for n, t in (fixed or {}).items()},
+        rows={n: rows_spec(t, td.get(n, 0), component=comp.get(n)) for n, t in (rows or {}).items()})
+
+
+def _check(name: str, t: torch.Tensor, spec: Fixed | Rows, token_dim: int | None, err: type[LayoutError],
+           rows: int | None = None, pad_rows: int | None = None) -> None:
+    if dtype_name(t.dtype) != spec.dtype:
+        raise err(f"part {name!r}: tensor dtype is {dtype_name(t.dtype)}, the layout says {spec.dtype}")
+    c = canonical(t, token_dim if isinstance(spec, Fixed) else (token_dim or 0))
+    if isinstance(spec, Fixed):
+        shape = tuple(c.shape)
+        if pad_rows is not None and shape:
+            shape = (pad_rows, *shape[1:])
+        if shape != spec.shape:
+            raise err(f"part {name!r}: canonical shape is {shape}, the layout says {spec.shape}")
+    else:
+        if tuple(c.shape[1:]) != spec.row_shape:
+            raise err(f"part {name!r}: row shape (token axis {token_dim or 0} moved outermost) is "
+                      f"{tuple(c.shape[1:])}, the layout says {spec.row_shape}")
+        if rows is not None and c.shape[0] < rows:
+            raise err(f"part {name!r}: tensor holds {c.shape[0]} rows, {rows} are needed")
+
+
+def part_source(t: torch.Tensor, token_dim: int | None = None, staging: Staging | None = None,
+                pad_rows: int | None = None) -> Any:
+    """What the core should read for a tensor: a zero-copy numpy uint8 view when the tensor is on
+    the CPU, canonical and contiguous; else a :class:`TensorSource` (strided / device copy)."""
+    c = canonical(t, token_dim)
+    if t.device.type == "cpu" and pad_rows is None and (c.dim() == 0 or c.is_contiguous()):
+        return c.reshape(-1).view(torch.uint8).numpy()
+    return TensorSource(t, token_dim, staging, pad_rows=pad_rows)
+
+
+def part_sink(t: torch.Tensor, token_dim: int | None = None, staging: Staging | None = None) -> Any:
+    """What the core should write into for a destination tensor: a zero-copy numpy uint8 view
+    when possible, else a :class:`TensorSink` (call ``finish()`` after the restore)."""
+    c = canonical(t, token_dim)
+    if t.device.type == "cpu" and (c.dim() == 0 or c.is_contiguous()):
+        return c.reshape(-1).view(torch.uint8).numpy()
+    return TensorSink(t, token_dim, staging)
+
+
+class TorchAdapter:
+    """Save / restore torch tensors through ``store`` with one bounded staging buffer.
+
+    token_dims: part name -> token axis of that tensor (row streams; default 0). A fixed part
+    listed here is stored with that axis outermost too. staging: a :class:`Staging` to share, or
+    its size in bytes (default 64 MiB, ``SNAPSTORE_STAGING_MIB``); only device tensors use it.
+    """
+
+    def __init__(self, store: Store, *, token_dims: Mapping[str, int] | None = None,
+                 staging: Staging | int | None = None):
+        self.store = store
+        self.layout = store.layout
+        self.token_dims = dict(token_dims or {})
+        self.staging = staging if isinstance(staging, Staging) else Staging(staging)
+
+    def _td(self, name: str, token_dims: Mapping[str, int] | None) -> int | None:
+        if token_dims and name in token_dims:
+            return token_dims[name]
+        if name in self.token_dims:
+            return self.token_dims[name]
+        return 0 if name in self.layout.rows else None
+
+    def sources(self, tensors: Mapping[str, Any], rows: Any = None, n_tokens: int | None = None,
+                token_dims: Mapping[str, int] | None = None,
+                pad_rows: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """Check tensors against the layout and wrap each for the core (zero-copy where possible)."""
+        specs = self.layout.parts
+        out: dict[str, Any] = {}
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                out[name] = t  # numpy / memoryview / PartReader: the core checks it
+                continue
+            spec = specs.get(name)
+            if spec is None:
+                raise LayoutError(f"part {name!r} is not in the layout; layout parts are {sorted(specs)}")
+            td = self._td(name, token_dims)
+            need: int | None = None
+            if isinstance(spec, Rows):
+                need = rows.get(name, n_tokens) if isinstance(rows, Mapping) else (rows if rows is not None
+                                                                                    else n_tokens)
+            pr = (pad_rows or {}).get(name)
+            _check(name, t, spec, td, LayoutError, need, pr)
+            out[name] = part_source(t, td, self.staging, pad_rows=pr)
+        return out
+
+    def save(self, tokens: Any, tensors: Mapping[str, Any], rows: Any = None, *,
+             token_dims: Mapping[str, int] | None = None, pad_rows: Mapping[str, int] | None = None,
+             **kwargs: Any) -> SaveResult:
+        """``store.save`` for tensors: same arguments (session, parent, commit, namespace).
+
+        Everything is copied out before this returns (the chunk files are durable), so the engine
+        may overwrite its state right after — but not during the call.
+        """
+        n = len(tokens)
+        parts = self.sources(tensors, rows, n, token_dims, pad_rows)
+        with self.staging.lock:
+            try:
+                return self.store.save(tokens, parts, rows, **kwargs)
+            finally:
+                self.staging.synchronize()
+
+    def sinks(self, into: Mapping[str, Any], token_dims: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """Check destination tensors (dtype, canonical shape) and wrap each for the core."""
+        specs = self.layout.parts
+        out: dict[str, Any] = {}
+        for name, t in into.items():
+            if not isinstance(t, torch.Tensor):
+                out[name] = t
+                continue
+            spec = specs.get(name)
+            if spec is None:
+                raise DestinationError(f"part {name!r} is not in the layout; layout parts are {sorted(specs)}")
+            td = self._td(name, token_dims)
+            _check(name, t, spec, td, DestinationError)
+            out[name] = part_sink(t, td, self.staging)
+        return out
+
+    def restore(self, match: Any, into: Mapping[str, Any], components: Iterable[str] | None = None, *,
+                token_dims: Mapping[str, int] | None = None) -> RestoreResult:
+        """``store.restore`` into preallocated tensors (any device, any layout of the token axis).
+
+        Destinations are checked before anything is written; on a RestoreError, ``.touched`` says
+        whether any tensor was modified (re-read the prompt if so).
+        """
+        sinks = self.sinks(into, token_dims)
+        with self.staging.lock:
+            try:
+                return self.store.restore(match, into=sinks, components=components)
+            finally:
+                for s in sinks.values():
+                    if isinstance(s, TensorSink):
+                        s.finish()
+                self.staging.synchronize()
+
+    def close(self) -> None:
+        """Release the staging buffer (the store stays open)."""
+        self.staging.release()
