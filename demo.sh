@@ -4,13 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=.venv/bin/python
-if [ ! -x "$PY" ]; then
-  echo "== creating .venv"
-  python3 -m venv .venv
-fi
-echo "== installing snapstore with the hf extra (torch 2.13.0 first: the CPU wheel, pinned)"
-"$PY" -m pip install --quiet --disable-pip-version-check torch==2.13.0
-"$PY" -m pip install --quiet --disable-pip-version-check -e ".[hf]"
+echo "== setting up .venv (snapstore with the hf extra; torch pinned to the 2.13.0 CPU wheel)"
+./scripts/bootstrap.sh
 echo
 echo "== run 1 (process A): prefill and save"
 "$PY" examples/demo.py --phase save

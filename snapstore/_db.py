@@ -12,6 +12,7 @@ import os
 import random
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -134,8 +135,12 @@ def translate(e: BaseException) -> BaseException:
     """Map apsw errors onto the snapstore hierarchy with a message an engine author can act on."""
     if isinstance(e, apsw.FullError):
         return StoreIOError(28, f"the store's database could not grow (disk full): {e}")
-    if isinstance(e, (apsw.CorruptError, apsw.NotADBError)):
-        return CorruptionError(f"the store database is damaged ({e}); run `snapstore verify --repair`")
+    if isinstance(e, apsw.NotADBError):
+        return CorruptionError("snapstore.db is not an SQLite database (overwritten or damaged at its start); "
+                               "move the store directory aside and start a new one")
+    if isinstance(e, apsw.CorruptError):
+        return CorruptionError(f"the store database is damaged ({e}); `snapstore verify` reports what is "
+                               "affected; if SQLite's own integrity check fails, move the store aside")
     if isinstance(e, (apsw.IOError, apsw.CantOpenError, apsw.ReadOnlyError, apsw.PermissionsError)):
         return StoreIOError(5, f"the store database could not be accessed: {e}")
     if isinstance(e, apsw.ConstraintError):
@@ -574,6 +579,21 @@ class Database:
                 _int(c, "SELECT coalesce(sum(c.raw_len), 0) FROM part_chunks pc JOIN chunks c ON c.id = pc.chunk_id"))
 
     @staticmethod
+    def set_refs(c: Conn, cid: bytes, refs: int) -> None:
+        c.execute("UPDATE chunks SET refs = ? WHERE id = ?", (refs, cid))
+
+    @staticmethod
+    def delete_chunk_row(c: Conn, cid: bytes) -> None:
+        c.execute("DELETE FROM chunks WHERE id = ?", (cid,))
+
+    @staticmethod
+    def orphan_part_owners(c: Conn) -> list[int]:
+        """Snapshot ids that own parts but have no snapshots row (a row deleted behind our back)."""
+        return [int(str(r[0])) for r in c.execute(
+            "SELECT DISTINCT snapshot_id FROM parts WHERE snapshot_id NOT IN (SELECT id FROM snapshots) "
+            "UNION SELECT DISTINCT snapshot_id FROM part_chunks WHERE snapshot_id NOT IN (SELECT id FROM snapshots)")]
+
+    @staticmethod
     def chunk_exists(c: Conn, cid: bytes) -> bool:
         return c.execute("SELECT 1 FROM chunks WHERE id = ?", (cid,)).fetchone() is not None
 
@@ -598,3 +618,100 @@ class Database:
     @staticmethod
     def foreign_key_check(c: Conn) -> list[tuple[Any, ...]]:
         return [tuple(r) for r in c.execute("PRAGMA foreign_key_check")]
+
+
+# -- private copies of a catalog (dry runs, read-only inspection) ------------------------------
+def rolled_back(c: Conn, fn: Callable[[Conn], T]) -> T:
+    """Run ``fn`` in a transaction on ``c`` and roll it back: what it would do, done nowhere."""
+    c.execute("BEGIN")
+    try:
+        return fn(c)
+    finally:
+        c.execute("ROLLBACK")
+
+
+def catalog_copy(src: Conn) -> Conn:
+    """An in-memory copy of the catalog (one consistent read snapshot), for a dry run to mutate."""
+    mem = apsw.Connection(":memory:")
+    with mem.backup("main", src, "main") as b:
+        b.step(-1)
+    mem.pragma("foreign_keys", True)
+    return mem
+
+
+class MemDatabase(Database):
+    """A :class:`Database` over one private in-memory connection (a copy of a store's catalog).
+
+    Only :meth:`conn` differs: ``read``/``write`` and every query run unchanged against the copy,
+    and nothing on disk is opened or written.
+    """
+
+    def __init__(self, mem: Conn, path: str) -> None:  # no super().__init__(): nothing on disk to open
+        self.path = path
+        self.readonly = True
+        self._mem: Conn | None = mem
+        self._check_version(mem)
+
+    def conn(self) -> Conn:
+        if self._mem is None:
+            raise StoreFormatError("the catalog snapshot is closed")
+        return self._mem
+
+    def close(self) -> None:
+        if self._mem is not None:
+            self._mem.close()
+            self._mem = None
+
+
+def snapshot_catalog(db_path: str) -> Conn:
+    had_shm = os.path.exists(db_path + "-shm")
+    had_any = had_shm or os.path.exists(db_path + "-wal")
+    uri = "file:" + urllib.parse.quote(db_path) + "?mode=ro" + ("&readonly_shm=1" if had_shm else "")
+    last: BaseException | None = None
+    for attempt in range(20):
+        mem = apsw.Connection(":memory:")
+        try:
+            src = apsw.Connection(uri, flags=apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI
+                                  | apsw.SQLITE_OPEN_NOFOLLOW)
+            try:
+                src.set_busy_timeout(10_000)
+                with mem.backup("main", src, "main") as b:
+                    b.step(-1)
+            finally:
+                src.close()
+            mem.pragma("foreign_keys", True)
+            return mem
+        except (apsw.BusyError, apsw.ReadOnlyError, apsw.ProtocolError) as e:  # a writer raced the read
+            mem.close()
+            last = e
+            time.sleep(0.01 * (attempt + 1))
+        except apsw.Error as e:
+            mem.close()
+            raise translate(e) from None
+        finally:
+            if not had_any:
+                release_wal(db_path)
+    raise StoreIOError(16, f"could not take a consistent copy of the catalog: {last}")
+
+
+def release_wal(db_path: str) -> None:
+    """Remove the -wal/-shm files a read-only session created, when no other process uses the store.
+
+    A read-only SQLite connection to a WAL database creates ``-wal`` and ``-shm`` but cannot remove
+    them. Opening and closing one read-write connection lets SQLite do it: the last connection to
+    close deletes them, and only when it gets the exclusive lock (no other process has the store
+    open). The database file is not written (the WAL is empty). Errors are ignored.
+    """
+    try:
+        c = apsw.Connection(db_path, flags=apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_NOFOLLOW)
+    except apsw.Error:
+        return
+    try:
+        c.pragma("user_version")
+    except apsw.Error:
+        pass
+    finally:
+        try:
+            c.close()
+        except apsw.Error:
+            pass

@@ -17,18 +17,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import apsw
 import blake3
 
 from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, decode_payload, parse_header, read_exact
 from ._config import Budget
-from ._db import Conn, Database
+from ._db import Conn, Database, catalog_copy, rolled_back
 from ._errors import CorruptionError
 from ._lifecycle import drop_leaf, drop_subtree, evict_until
 from ._publish import TEMP_PREFIX
 from ._repo import Repo, owner_alive
 
-__all__ = ["GcReport", "VerifyReport", "gc", "release_wal", "verify"]
+__all__ = ["GcReport", "VerifyReport", "gc", "verify"]
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 _UNLINK_BATCH = 256  # chunk files unlinked per write transaction (keeps the lock short beside writers)
@@ -280,12 +279,14 @@ def _repair(repo: Repo, report: VerifyReport, damaged: dict[bytes, str], grace: 
                 f, gone = drop_leaf(c, pid)
                 freed += f
                 pruned += gone
+        for sid in Database.orphan_part_owners(c):  # parts whose snapshot row was deleted
+            freed += Database.delete_snapshot(c, sid)
         for cid, _refs, n in Database.refcount_mismatches(c):
-            c.execute("UPDATE chunks SET refs = ? WHERE id = ?", (n, cid))
+            Database.set_refs(c, cid, n)
         # rows of damaged chunks, and chunks left unreferenced by the refcount fix
         for ch in list(Database.all_chunks(c)):
             if ch.refs == 0:
-                c.execute("DELETE FROM chunks WHERE id = ?", (ch.id,))
+                Database.delete_chunk_row(c, ch.id)
                 freed.append(ch.id)
         Database.set_counter(c, "stored_bytes", sum(ch.stored_len for ch in Database.all_chunks(c)))
         return freed, sorted(doomed), sorted(pruned)
@@ -295,7 +296,7 @@ def _repair(repo: Repo, report: VerifyReport, damaged: dict[bytes, str], grace: 
     _unlink_chunks(repo, damaged)  # a damaged file whose row is gone: removed even if young
     report.removed_snapshots = removed
     report.pruned_snapshots = pruned
-    report.repaired = True
+    report.repaired = not report.ok  # damage was found and removed
     orphans, temps, _ = _collect_orphans(repo, grace, dry_run=False)
     report.removed_files = orphans + temps
 
@@ -375,15 +376,6 @@ def _collect_orphans(repo: Repo, grace: float, dry_run: bool, progress: Progress
 
 
 # -- gc --------------------------------------------------------------------------------------
-def _catalog_copy(repo: Repo) -> Conn:
-    """An in-memory copy of the catalog (one consistent read snapshot), for a dry run to mutate."""
-    mem = apsw.Connection(":memory:")
-    with mem.backup("main", repo.db.conn(), "main") as b:
-        b.step(-1)
-    mem.pragma("foreign_keys", True)
-    return mem
-
-
 def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_run: bool = False,
        ttl: float | None = None, drop_identity: str | None = None, keep_identity: str | None = None,
        disk_bytes: int | None = None, max_entries: int | None = None,
@@ -433,7 +425,8 @@ def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_r
                     return False
                 return max_entries is None or Database.entry_count(c) <= max_entries
             before = {s.id for s in Database.snapshots(c)}
-            _, f, _ = evict_until(c, fits, set())
+            # protect only id 0, which no snapshot has (an empty set once made lru_leaves match nothing)
+            _, f, _ = evict_until(c, fits, {0})
             freed += f
             gone = sorted(before - {s.id for s in Database.snapshots(c)})
             report.evicted.extend(gone)
@@ -442,16 +435,15 @@ def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_r
         return list(dict.fromkeys(freed))
 
     if dry_run:
-        mem = _catalog_copy(repo)
+        mem = catalog_copy(repo.db.conn())
         try:
-            mem.execute("BEGIN")
-            freed = txn(mem)
-            mem.execute("ROLLBACK")
+            freed = rolled_back(mem, txn)
         finally:
             mem.close()
     else:
         freed = repo.db.write(txn)
-    report.removed_snapshots = sorted(set(report.removed_snapshots))
+    for bucket in (report.removed_snapshots, report.dead_pending, report.stale, report.expired, report.evicted):
+        bucket[:] = sorted(set(bucket))
     report.freed_chunks = len(freed)
     report.chunk_files = sorted(repo.blob_path(cid) for cid in freed)
     chunk_bytes = sum(_size(p) for p in report.chunk_files)
@@ -459,32 +451,10 @@ def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_r
         orphans, temps, orphan_bytes = _collect_orphans(repo, grace, True)
         report.bytes_freed = chunk_bytes + orphan_bytes
     else:
+        if progress is not None:
+            progress(0, chunk_bytes)
         report.bytes_freed = _unlink_chunks(repo, freed, progress, 0, chunk_bytes)
         orphans, temps, orphan_bytes = _collect_orphans(repo, grace, False, progress)
         report.bytes_freed += orphan_bytes
     report.orphan_files, report.temp_files = orphans, temps
     return report
-
-
-# -- read-only sessions ----------------------------------------------------------------------
-def release_wal(db_path: str) -> None:
-    """Remove the -wal/-shm files a read-only session created, when no other process uses the store.
-
-    A read-only SQLite connection to a WAL database creates ``-wal`` and ``-shm`` but cannot remove
-    them. Opening and closing one read-write connection lets SQLite do it: the last connection to
-    close deletes them, and only when it gets the exclusive lock (no other process has the store
-    open). The database file is not written (the WAL is empty). Errors are ignored.
-    """
-    try:
-        c = apsw.Connection(db_path, flags=apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_NOFOLLOW)
-    except apsw.Error:
-        return
-    try:
-        c.pragma("user_version")
-    except apsw.Error:
-        pass
-    finally:
-        try:
-            c.close()
-        except apsw.Error:
-            pass

@@ -11,8 +11,8 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable
 
 from ._errors import StoreIOError
 

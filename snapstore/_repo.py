@@ -12,7 +12,7 @@ import socket
 from collections.abc import Iterable
 
 from ._chunkfile import is_hex_id
-from ._db import Conn, Database
+from ._db import Conn, Database, MemDatabase, snapshot_catalog
 from ._errors import ConfigError, StoreFormatError
 from ._publish import ensure_dir, fsync_dir
 
@@ -128,3 +128,23 @@ class Repo:
     def close(self) -> None:
         """Close the catalog."""
         self.db.close()
+
+
+class SnapshotRepo(Repo):
+    """A store seen through a private in-memory copy of its catalog, taken without writing a byte.
+
+    The copy comes from one read transaction of a read-only connection; when the store has a
+    ``-shm`` file (an engine has it open, or one crashed) the connection uses ``readonly_shm`` so
+    that not even SQLite's shared-memory index is written, otherwise the ``-wal``/``-shm`` files
+    it had to create are removed again (:func:`release_wal`). Chunk files are read live.
+    """
+
+    def __init__(self, root: str) -> None:  # no super().__init__(): it would open the catalog on disk
+        self.root = os.path.abspath(os.fspath(root))
+        self.blobs = os.path.join(self.root, "blobs")
+        self.tmp = os.path.join(self.root, "tmp")
+        self.db_path = os.path.join(self.root, DB_NAME)
+        self.readonly = True
+        if not os.path.isfile(self.db_path):
+            raise StoreFormatError(f"{self.root} is not a snapstore store (no {DB_NAME})")
+        self.db = MemDatabase(snapshot_catalog(self.db_path), self.db_path)

@@ -400,9 +400,11 @@ class Store:
         refs = self._chunker.store(pieces, key)
         created = [r.id for rs in refs for r in rs if r.created]
         tokens_blob, width = encode_tokens(arr[par.n_tokens if par else 0:])
+        # what the whole chain holds, independent of snapshot ids: the same state saved again
+        # (through an equal chain) has the same key however its links are numbered
         h = blake3.blake3(b"content v1")
-        h.update(str(par.id if par else 0).encode())
-        for (name, r0, r1), rs in sorted(zip(meta, refs)):
+        h.update(par.content_key if par else bytes(16))
+        for (name, r0, r1), rs in sorted(zip(meta, refs), key=lambda x: x[0]):
             h.update(f"|{name}:{r0}:{r1}:".encode())
             for r in rs:
                 h.update(r.id)
@@ -420,7 +422,10 @@ class Store:
                 same = Database.same_content(c, iid, ns, index.prefix_key(n), content_key)
                 if same is not None:
                     Database.touch(c, same.id, now, False)
-                    return same.id, [], True
+                    retired: list[bytes] = []
+                    if session is not None and same.session == session:
+                        retired, _ = supersede(c, same, index)
+                    return same.id, retired, True
             missing: set[bytes] = set()
             new_bytes[0] = 0
             for rs in refs:

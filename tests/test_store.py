@@ -710,3 +710,17 @@ def test_env_flags_are_parsed_strictly(store_dir: str, monkeypatch: pytest.Monke
         ss.Store.open(store_dir, identity=IDENT, layout=LAYOUT)
     with pytest.raises(ss.ConfigError):
         ss.Identity(build="b", pack="p", extra={"x": float("inf")})
+
+
+def test_saving_the_same_chain_again_reuses_it(store: ss.Store) -> None:
+    st_ = make_state(LAYOUT, 600, 40)
+    toks = list(range(600))
+    a1 = store.save(toks[:300], st_, session="s")
+    b1 = store.save(toks, st_, session="s")  # supersedes a1 (kept as a chain link)
+    a2 = store.save(toks[:300], st_, session="s")  # a1 is not matchable: a new root...
+    b2 = store.save(toks, st_, session="s")  # ...but the same chain content: b1 again, and a2 retired
+    assert b2.snapshot_id == b1.snapshot_id and b2.stored_bytes == 0
+    live = [x.snapshot_id for x in store.snapshots() if x.matchable]
+    assert live == [b1.snapshot_id]
+    assert a2.snapshot_id not in {x.snapshot_id for x in store.snapshots()}
+    assert a1.snapshot_id in {x.snapshot_id for x in store.snapshots()}

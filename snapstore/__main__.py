@@ -1,0 +1,10 @@
+"""``python -m snapstore``: the same command as the ``snapstore`` console script."""
+
+from __future__ import annotations
+
+import sys
+
+from ._cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
