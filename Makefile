@@ -1,25 +1,26 @@
-# snapstore developer tasks. `make bench` creates/uses .venv and runs the benchmarks.
-# Other targets (test, lint, ...) belong here too; keep `bench` self-contained.
+# snapstore developer tasks. Each target sets up .venv itself (scripts/bootstrap.sh).
 
-PYTHON ?= python3
-VENV   ?= .venv
-PY     := $(VENV)/bin/python
+PY         := .venv/bin/python
 BENCH_ARGS ?=
 
-.PHONY: bench bench-quick bench-deps
+.PHONY: setup test lint demo bench bench-quick
 
-$(PY):
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[dev]'
+setup:
+	./scripts/bootstrap.sh
 
-# torch is pinned: the benchmark compares against torch.save/torch.load of the same tensors.
-bench-deps: $(PY)
-	@$(PY) -c "import snapstore" 2>/dev/null || $(PY) -m pip install -q -e '.[dev]'
-	@$(PY) -c "import safetensors" 2>/dev/null || $(PY) -m pip install -q safetensors
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+test:
+	./test.sh
 
-bench: bench-deps
+lint: setup
+	.venv/bin/ruff check snapstore engine tests fuzz benchmarks examples
+	.venv/bin/mypy
+
+demo:
+	./demo.sh
+
+# the benchmark compares against torch.save/torch.load and safetensors of the same tensors
+bench: setup
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
 
-bench-quick: bench-deps
+bench-quick: setup
 	$(PY) benchmarks/bench.py --quick $(BENCH_ARGS)
