@@ -8,6 +8,7 @@ copied into slots of the store's staging buffer first, so memory stays bounded b
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._buffers import Source
-from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, chunk_id, encode_payload, parse_header
-from ._errors import CorruptionError
+from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, chunk_id, encode_payload, header_at
+from ._errors import CorruptionError, StoreIOError
 from ._publish import fsync_dirs, publish, write_temp
 
 __all__ = ["ChunkRef", "Chunker", "Piece"]
@@ -81,9 +82,7 @@ class StagingBuffer:
 def _intact(path: str, raw_len: int, csum: bytes) -> bool:
     """Does the chunk file already at ``path`` describe these bytes (header and size)?"""
     try:
-        with open(path, "rb") as f:
-            head = parse_header(f.read(HEADER_SIZE))
-            size = os.fstat(f.fileno()).st_size
+        head, size = header_at(path)
     except (OSError, CorruptionError):
         return False
     return head.raw_len == raw_len and head.checksum == csum and size == HEADER_SIZE + head.payload_len
@@ -152,8 +151,15 @@ class Chunker:
                     pass  # row without file: republish below; the commit re-checks anyway
             codec, payload = encode_payload(raw, self.codec)
             header = ChunkHeader(codec, len(raw), len(payload), csum).pack()
-            tmp = write_temp(self._tmp, [header, payload])
-            created = publish(tmp, path, lambda p: _intact(p, len(raw), csum))
+            for attempt in range(3):
+                tmp = write_temp(self._tmp, [header, payload])
+                try:
+                    created = publish(tmp, path, lambda p: _intact(p, len(raw), csum))
+                    break
+                except StoreIOError as e:
+                    # a gc run with no grace period may remove a temp file between write and link
+                    if e.errno != errno.ENOENT or attempt == 2 or os.path.exists(tmp):
+                        raise
             return ChunkRef(cid, len(raw), HEADER_SIZE + len(payload), codec, csum, created)
         finally:
             if slot is not None:

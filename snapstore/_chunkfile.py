@@ -92,6 +92,8 @@ def parse_header(data: bytes) -> ChunkHeader:
         raise CorruptionError("not a snapstore chunk file (bad magic)")
     if xxhash.xxh3_64_digest(head) != bytes(data[48:56]):
         raise CorruptionError("chunk header checksum mismatch")
+    if bytes(data[56:64]) != bytes(8):
+        raise CorruptionError("chunk header reserved bytes are not zero")
     if version != FORMAT_VERSION or hsize != HEADER_SIZE:
         raise CorruptionError(f"chunk format version {version} (header {hsize} bytes) is not supported")
     if codec not in CODEC_NAMES or flags != 0:
@@ -149,6 +151,15 @@ def decode_payload(header: ChunkHeader, payload: bytes | memoryview, out: memory
         _unshuffle2(data, out)
     else:
         out[:] = data
+
+
+def header_at(path: str) -> tuple[ChunkHeader, int]:
+    """Parse the header of the chunk file at ``path`` (never through a symlink); (header, file size)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return parse_header(os.pread(fd, HEADER_SIZE, 0)), os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 def read_exact(fd: int, out: memoryview, offset: int) -> None:

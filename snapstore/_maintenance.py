@@ -102,7 +102,10 @@ class GcReport:
 # -- verify ----------------------------------------------------------------------------------
 def _check_chunk(repo: Repo, cid: bytes, raw_len: int, stored_len: int, csum: bytes, scope: bytes, deep: bool,
                  scratch: bytearray) -> str | None:
-    path = repo.blob_path(cid)
+    try:
+        path = repo.blob_path(cid)
+    except CorruptionError as e:
+        return str(e)
     try:
         st = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
@@ -253,6 +256,13 @@ def verify(repo: Repo, *, deep: bool = False, repair: bool = False, progress: Pr
     if repair and not report.sqlite_errors:
         _repair(repo, report, damaged, grace)
     return report
+
+
+def _path_or_id(repo: Repo, cid: bytes) -> str:
+    try:
+        return repo.blob_path(cid)
+    except CorruptionError:
+        return bytes(cid).hex()
 
 
 def _row_exists(db: Database, cid: bytes) -> bool:
@@ -445,7 +455,7 @@ def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_r
     for bucket in (report.removed_snapshots, report.dead_pending, report.stale, report.expired, report.evicted):
         bucket[:] = sorted(set(bucket))
     report.freed_chunks = len(freed)
-    report.chunk_files = sorted(repo.blob_path(cid) for cid in freed)
+    report.chunk_files = sorted(_path_or_id(repo, cid) for cid in freed)
     chunk_bytes = sum(_size(p) for p in report.chunk_files)
     if dry_run:
         orphans, temps, orphan_bytes = _collect_orphans(repo, grace, True)

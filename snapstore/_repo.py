@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import stat
 from collections.abc import Iterable
 
 from ._chunkfile import is_hex_id
 from ._db import Conn, Database, MemDatabase, snapshot_catalog
-from ._errors import ConfigError, StoreFormatError
+from ._errors import ConfigError, CorruptionError, StoreFormatError
 from ._publish import ensure_dir, fsync_dir
 
 __all__ = ["Repo", "owner_token", "owner_alive"]
@@ -86,11 +87,24 @@ class Repo:
         self.db = Database(self.db_path, readonly=readonly)
 
     def blob_path(self, cid: bytes) -> str:
-        """blobs/<2 hex>/<64 hex>: built only from a 32-byte digest."""
-        if len(cid) != 32:
-            raise ValueError("chunk ids are 32 bytes")
+        """blobs/<2 hex>/<64 hex>: built only from a 32-byte digest, through a real directory.
+
+        CorruptionError for an id of the wrong form (a damaged catalog row) or a ``blobs/<xx>``
+        that is not a real directory (a planted symlink is never followed out of the store; the
+        last component is opened with O_NOFOLLOW by every reader).
+        """
+        if not isinstance(cid, bytes) or len(cid) != 32:
+            raise CorruptionError(f"catalog holds a malformed chunk id {bytes(cid)[:40].hex()!r}; run "
+                                  "`snapstore verify --repair`")
         h = cid.hex()
-        return os.path.join(self.blobs, h[:2], h)
+        sub = os.path.join(self.blobs, h[:2])
+        try:
+            st = os.lstat(sub)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise CorruptionError(f"{sub} is not a real directory (a symlink?); refusing to follow it")
+        return os.path.join(sub, h)
 
     def blob_files(self) -> Iterable[tuple[bytes, str]]:
         """Every chunk-named file under blobs/ (other names are reported by verify, never followed)."""
@@ -115,7 +129,10 @@ class Repo:
             freed = 0
             for cid in todo:
                 if Database.chunk(c, cid) is None:
-                    path = self.blob_path(cid)
+                    try:
+                        path = self.blob_path(cid)
+                    except CorruptionError:
+                        continue  # never unlink through a planted symlink
                     try:
                         freed += os.stat(path, follow_symlinks=False).st_size
                         os.unlink(path)

@@ -49,7 +49,11 @@ def _open_all(plan: RestorePlan, blob_path: Callable[[bytes], str],
                 opened.append((item, -1, None, data))
                 continue
             if cid not in fds:
-                path = blob_path(cid)
+                try:
+                    path = blob_path(cid)
+                except CorruptionError as e:
+                    raise SnapshotUnavailableError(f"snapshot {plan.snapshot_id}: {e}; nothing was written",
+                                                   snapshot_id=plan.snapshot_id) from None
                 try:
                     fds[cid] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 except FileNotFoundError:

@@ -20,7 +20,7 @@ import numpy as np
 
 from ._buffers import Source, as_source
 from ._chunker import Chunker, Piece, StagingBuffer
-from ._chunkfile import CODECS, HEADER_SIZE, checksum, parse_header, scope_key
+from ._chunkfile import CODECS, HEADER_SIZE, checksum, header_at, scope_key
 from ._config import MIB, Budget, default_dir, env_int
 from ._db import Conn, Database, SnapRow
 from ._errors import (
@@ -33,6 +33,7 @@ from ._errors import (
     RestoreError,
     SnapshotUnavailableError,
     StateError,
+    StoreIOError,
 )
 from ._identity import Identity
 from ._layout import Fixed, Layout, Rows
@@ -434,9 +435,7 @@ class Store:
                         continue
                     path = self._repo.blob_path(r.id)
                     try:
-                        with open(path, "rb") as fh:
-                            head = parse_header(fh.read(HEADER_SIZE))
-                            size = os.fstat(fh.fileno()).st_size
+                        head, size = header_at(path)
                     except (OSError, CorruptionError):
                         missing.add(r.id)
                         continue
@@ -524,7 +523,7 @@ class Store:
                 for cid in set(freed):
                     try:
                         free += os.stat(self._repo.blob_path(cid)).st_size
-                    except OSError:
+                    except (OSError, CorruptionError):
                         pass
                 if free < b.reserve_bytes:
                     return False
@@ -672,7 +671,7 @@ class Store:
         try:
             stream_plan(plan, self._repo.blob_path, self._staging, self._ram)
         except RestoreError:
-            self._repo.db.write(lambda c: Database.add_counter(c, "restore_errors", 1))
+            self._count("restore_errors")
             raise
         now = time.time()
 
@@ -684,7 +683,10 @@ class Store:
                 self._ram.hits = 0
             self._flush_counters(c)
 
-        self._repo.db.write(done)
+        try:
+            self._repo.db.write(done)  # bookkeeping only: a full disk must not fail a restore that worked
+        except (StoreIOError, CorruptionError):
+            self._count("restores")
         return RestoreResult(plan.n_tokens, plan.rows, frozenset(plan.missing_components), plan.chain,
                              plan.nbytes, time.perf_counter() - t0)
 

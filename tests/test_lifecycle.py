@@ -331,7 +331,7 @@ def test_restore_beside_concurrent_eviction_is_exact_or_a_clean_miss(store_dir: 
     conv = Conv(999)
     budget = 3 * (600 * 128 + 256 + 64 * 20)
     with open_store(store_dir, budget=ss.Budget(disk_bytes=budget, reserve_bytes=0)) as s:
-        r = s.save(conv.tokens[:600], conv.state())
+        assert s.save(conv.tokens[:600], conv.state()).ok
         proc = subprocess.Popen([sys.executable, "-c", _EVICTOR, store_dir, os.path.dirname(__file__),
                                  str(budget), "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         exact = misses = 0

@@ -1,6 +1,0 @@
-"""fuzz/ reuses the test helpers in tests/."""
-
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))

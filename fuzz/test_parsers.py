@@ -1,0 +1,259 @@
+"""Fuzz everything that parses stored bytes: malformed input -> SnapstoreError, never a crash, hang,
+huge allocation or a path outside the store.
+
+Targets: chunk headers (parse_header), payloads (decode_payload, zstd bombs included), token blobs
+(decode_tokens), and catalog rows reached through the public restore/verify (shape JSON, negative and
+huge sizes/rows, bogus chunk ids, broken parent links, token blobs).
+
+CI: small max_examples; ``SNAPSTORE_FUZZ_EXAMPLES=N`` or ``SNAPSTORE_LONG=1`` (2000) for long runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from typing import Any
+
+import apsw
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import snapstore as ss
+from snapstore._chunkfile import (
+    CODEC_RAW,
+    CODEC_ZSTD,
+    CODEC_ZSTD_SHUFFLE2,
+    HEADER_SIZE,
+    ChunkHeader,
+    checksum,
+    decode_payload,
+    parse_header,
+)
+from snapstore._tokens import decode_tokens
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from helpers_proc import IDENT, LAYOUT  # noqa: E402
+
+EXAMPLES = int(os.environ.get("SNAPSTORE_FUZZ_EXAMPLES") or (2000 if os.environ.get("SNAPSTORE_LONG") else 60))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def _valid_header(codec: int = CODEC_RAW, raw_len: int = 4096, payload_len: int = 4096) -> bytes:
+    return ChunkHeader(codec, raw_len, payload_len, bytes(16)).pack()
+
+
+@FUZZ
+@given(st.binary(max_size=200))
+def test_parse_header_random(data: bytes) -> None:
+    try:
+        h = parse_header(data)
+    except ss.CorruptionError:
+        return
+    assert 0 <= h.raw_len <= 1 << 32
+
+
+@FUZZ
+@given(st.integers(0, HEADER_SIZE - 1), st.integers(1, 255),
+       st.sampled_from([CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_SHUFFLE2]))
+def test_parse_header_bitflips(pos: int, x: int, codec: int) -> None:
+    data = bytearray(_valid_header(codec, 4096, 4096 if codec == CODEC_RAW else 100))
+    data[pos] ^= x
+    try:
+        parse_header(bytes(data))
+    except ss.CorruptionError:
+        return
+
+
+@FUZZ
+@given(st.sampled_from([CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_SHUFFLE2]), st.integers(0, 1 << 16), st.binary(max_size=4096))
+def test_decode_payload_garbage(codec: int, raw_len: int, payload: bytes) -> None:
+    h = ChunkHeader(codec, raw_len, len(payload), bytes(16))
+    out = memoryview(bytearray(raw_len))
+    try:
+        decode_payload(h, payload, out)
+    except ss.CorruptionError:
+        return
+    assert len(out) == raw_len
+
+
+@FUZZ
+@given(st.integers(1, 1 << 20), st.sampled_from([CODEC_ZSTD, CODEC_ZSTD_SHUFFLE2]))
+def test_decode_payload_zstd_bomb(raw_len: int, codec: int) -> None:
+    """A tiny payload that expands to 64 MiB must not be inflated past the declared raw length."""
+    bomb = zstandard.ZstdCompressor().compress(bytes(64 << 20))
+    h = ChunkHeader(codec, raw_len, len(bomb), bytes(16))
+    with pytest.raises(ss.CorruptionError):
+        decode_payload(h, bomb, memoryview(bytearray(raw_len)))
+
+
+@FUZZ
+@given(st.binary(max_size=256), st.integers(-4, 12), st.integers(-10, 100))
+def test_decode_tokens(blob: bytes, width: int, count: int) -> None:
+    try:
+        arr = decode_tokens(blob, width, count)
+    except ss.SnapstoreError:
+        return
+    assert len(arr) == count and (arr.size == 0 or int(arr.min()) >= 0)
+
+
+# -- catalog rows through the public API ------------------------------------------------------------
+_TEMPLATE: dict[str, Any] = {}
+
+
+def _template() -> dict[str, Any]:
+    if not _TEMPLATE:
+        d = tempfile.mkdtemp(prefix="snapstore-fuzz-")
+        path = os.path.join(d, "store")
+        s = ss.Store.open(path, identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0),
+                          chunk_bytes=4096, staging_bytes=65536)
+        rng = np.random.default_rng(0)
+        toks = rng.integers(0, 1000, 120)
+        rows = {n: rng.integers(0, 256, 120 * sp.row_bytes, dtype=np.uint8).view(sp.dtype).reshape(
+            (120, *sp.row_shape)) for n, sp in LAYOUT.rows.items()}
+        fixed = {n: rng.integers(0, 256, sp.nbytes, dtype=np.uint8).view(sp.dtype).reshape(sp.shape)
+                 for n, sp in LAYOUT.fixed.items()}
+        ids = []
+        for n in (40, 120):
+            r = s.save(toks[:n], {**{k: v[:n] for k, v in rows.items()}, **fixed})
+            ids.append(r.snapshot_id)
+        s.close()
+        _TEMPLATE.update(dir=d, path=path, ids=ids, toks=toks, rows=rows, fixed=fixed)
+    return _TEMPLATE
+
+
+_MUTATIONS = st.one_of(
+    st.tuples(st.just("parts.shape"), st.one_of(st.text(max_size=30), st.sampled_from(
+        ["[]", "[-1]", "[1e9]", "[99999999999, 99999999999]", "{}", "null", "[2, 8, \"x\"]", "[" * 50]))),
+    st.tuples(st.sampled_from(["parts.row_start", "parts.row_end", "parts.nbytes", "chunks.raw_len",
+                               "chunks.stored_len", "snapshots.n_tokens", "snapshots.base_tokens",
+                               "snapshots.depth", "chunks.codec"]),
+              st.one_of(st.integers(-(1 << 40), 1 << 40), st.sampled_from([-1, 0, 1, (1 << 62), 4095, 4097]))),
+    st.tuples(st.just("chunks.id"), st.one_of(st.binary(min_size=32, max_size=32),
+                                              st.sampled_from([b"/" * 32, b"\x00" * 32,
+                                                               b"../../../../../etc/passwd".ljust(32, b"\x00")]))),
+    st.tuples(st.just("snapshots.parent_id"), st.sampled_from([None, 0, 1, 2, 999, -5])),
+    st.tuples(st.just("snapshots.tokens"), st.binary(max_size=600)),
+    st.tuples(st.just("snapshots.token_width"), st.sampled_from([4, 8])),
+    st.tuples(st.just("parts.dtype"), st.sampled_from(["", "float16", "float32", "object", "V8", "<U9"])),
+    st.tuples(st.just("chunks.checksum"), st.binary(max_size=20)),
+)
+
+
+def _mutate(db: str, mutations: list[tuple[str, Any]], target: int) -> None:
+    c = apsw.Connection(db)
+    c.pragma("foreign_keys", False)
+    for what, value in mutations:
+        table, col = what.split(".")
+        try:
+            if table == "chunks" and col == "id":
+                (old,) = c.execute("SELECT chunk_id FROM part_chunks WHERE snapshot_id = ? LIMIT 1",
+                                   (target,)).fetchone()
+                c.execute("UPDATE chunks SET id = ? WHERE id = ?", (value, old))
+                c.execute("UPDATE part_chunks SET chunk_id = ? WHERE chunk_id = ?", (value, old))
+            elif table == "snapshots":
+                c.execute(f"UPDATE snapshots SET {col} = ? WHERE id = ?", (value, target))
+            elif table == "parts":
+                c.execute(f"UPDATE parts SET {col} = ? WHERE snapshot_id = ?", (value, target))
+            else:
+                c.execute(f"UPDATE chunks SET {col} = ? WHERE id IN (SELECT chunk_id FROM part_chunks "
+                          "WHERE snapshot_id = ?)", (value, target))
+        except apsw.ConstraintError:
+            pass  # a CHECK constraint refused it: SQLite itself keeps that shape out
+    c.close()
+
+
+def _with_watchdog(store: ss.Store, fn: Any, seconds: float = 10.0) -> Any:
+    """Run fn; interrupt SQLite if it runs too long (a hang becomes a test failure, not a stuck CI)."""
+    conn = store._repo.db.conn()
+    fired = []
+    timer = threading.Timer(seconds, lambda: (fired.append(1), conn.interrupt()))
+    timer.start()
+    try:
+        return fn()
+    finally:
+        timer.cancel()
+        assert not fired, "operation on a corrupt catalog did not finish (hang)"
+
+
+CATALOG = settings(max_examples=max(10, EXAMPLES // 3), deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@CATALOG
+@given(st.lists(_MUTATIONS, min_size=1, max_size=3), st.sampled_from([0, 1]))
+def test_catalog_rows_through_restore_and_verify(mutations: list[tuple[str, Any]], which: int) -> None:
+    t = _template()
+    work = tempfile.mkdtemp(prefix="snapstore-fuzzw-")
+    try:
+        path = os.path.join(work, "store")
+        shutil.copytree(t["path"], path)
+        target = t["ids"][which]
+        _mutate(os.path.join(path, "snapstore.db"), mutations, target)
+        outside_before = set(os.listdir(work))
+        try:
+            s = ss.Store.open(path, identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0),
+                              chunk_bytes=4096, staging_bytes=65536)
+        except ss.SnapstoreError:
+            return
+        try:
+            for sid, n in zip(t["ids"], (40, 120)):
+                into = {k: np.zeros_like(v[:n]) for k, v in t["rows"].items()}
+                into.update({k: np.zeros_like(v) for k, v in t["fixed"].items()})
+                try:
+                    _with_watchdog(s, lambda sid=sid, into=into: s.restore(sid, into=into))
+                except ss.SnapstoreError:
+                    continue
+                for k, v in t["rows"].items():
+                    assert into[k].tobytes() == v[:n].tobytes(), f"restore of corrupt catalog gave wrong {k}"
+                for k, v in t["fixed"].items():
+                    assert into[k].tobytes() == v.tobytes()
+            try:
+                _with_watchdog(s, lambda: s.match(t["toks"]))
+                _with_watchdog(s, lambda: s.verify(deep=True))
+            except ss.SnapstoreError:
+                pass
+        finally:
+            try:
+                s.close()
+            except ss.SnapstoreError:
+                pass
+        assert set(os.listdir(work)) == outside_before, "something was created outside the store"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.parametrize("bogus", [b"", b"../../etc/passwd", b"\x01" * 31, b"\x02" * 33],
+                         ids=["empty", "path", "short", "long"])
+@pytest.mark.parametrize("op", ["restore", "verify"])
+def test_bogus_chunk_id_length(bogus: bytes, op: str) -> None:
+    t = _template()
+    work = tempfile.mkdtemp(prefix="snapstore-fuzzw-")
+    try:
+        path = os.path.join(work, "store")
+        shutil.copytree(t["path"], path)
+        _mutate(os.path.join(path, "snapstore.db"), [("chunks.id", bogus)], t["ids"][0])
+        s = ss.Store.open(path, identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0),
+                          chunk_bytes=4096, staging_bytes=65536)
+        try:
+            if op == "restore":
+                into = {k: np.zeros_like(v[:40]) for k, v in t["rows"].items()}
+                into.update({k: np.zeros_like(v) for k, v in t["fixed"].items()})
+                with pytest.raises(ss.RestoreError) as ei:
+                    s.restore(t["ids"][0], into=into)
+                assert not ei.value.touched
+            else:
+                rep = s.verify(deep=True)
+                assert not rep.ok
+        finally:
+            s.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_checksum_is_stable() -> None:
+    assert checksum(b"abc") == checksum(memoryview(b"abc"))

@@ -1,0 +1,156 @@
+"""Concurrency: 4 processes x 2 threads on one store, plus CLI readers, for 15 s (60 s with SNAPSTORE_LONG=1).
+
+Each worker thread mixes save (with and without a session, so supersede runs), pending save then
+commit/abandon, match + byte-exact restore, gc (grace 2 s) and stats() budget samples
+(tests/helpers_proc.py ``conc``); the parent meanwhile runs ``python -m snapstore --dir D inspect
+--json`` and ``verify --json`` in a loop and samples stored bytes. Checks: zero errors surfaced in any
+worker, zero CLI failures, stored bytes never above the disk budget at any sample, and after the
+run every acknowledged save restores exact or is legitimately gone (evicted/superseded: restore
+raises SnapshotUnavailableError/NotFoundError, and the count stays within the counters); verify
+(deep) ok. Prints operations per second.
+
+Run alone: ``python tests/test_concurrency.py [SECONDS]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import snapstore as ss
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import helpers_proc as hp  # noqa: E402
+
+PROCS, THREADS = 4, 2
+DISK = 256 * 1024
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(HERE), env.get("PYTHONPATH", "")] if p)
+    return env
+
+
+def run_concurrency(path: str, seconds: float) -> dict[str, Any]:
+    hp.open_store(path, disk=DISK).close()
+    ack = os.path.join(os.path.dirname(path), "acks.txt")
+    open(ack, "w").close()
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "helpers_proc.py"), "conc", path, str(i + 1),
+                               str(seconds), str(THREADS), str(DISK), ack], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=_env()) for i in range(PROCS)]
+    stop = threading.Event()
+    cli = {"runs": 0, "failures": 0, "last_error": ""}
+    samples = {"n": 0, "max_stored": 0, "over": 0}
+
+    def cli_loop() -> None:
+        i = 0
+        while not stop.is_set():
+            cmd = ["inspect", "--json"] if i % 2 == 0 else ["verify", "--json"]
+            i += 1
+            r = subprocess.run([sys.executable, "-m", "snapstore", "--dir", path, *cmd], capture_output=True,
+                               env=_env(), timeout=120)
+            cli["runs"] += 1
+            try:
+                doc = json.loads(r.stdout)
+                ok = r.returncode == 0 and (cmd[0] != "verify" or doc.get("ok", True))
+            except ValueError:
+                ok = False
+            if not ok:
+                cli["failures"] += 1
+                cli["last_error"] = f"{cmd}: rc={r.returncode} {r.stdout[-800:]!r} {r.stderr[-800:]!r}"
+
+    def sample_loop() -> None:
+        st = hp.open_store(path, disk=DISK)
+        try:
+            while not stop.is_set():
+                s = st.stats()
+                samples["n"] += 1
+                samples["max_stored"] = max(samples["max_stored"], s.stored_bytes)
+                if s.stored_bytes > DISK:
+                    samples["over"] += 1
+                time.sleep(0.05)
+        finally:
+            st.close()
+
+    helpers = [threading.Thread(target=cli_loop), threading.Thread(target=sample_loop)]
+    for t in helpers:
+        t.start()
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=seconds + 240)
+            assert p.returncode == 0, err.decode()[-3000:]
+            results.append(json.loads(out.decode().strip().splitlines()[-1]))
+    finally:
+        stop.set()
+        for t in helpers:
+            t.join()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    wall = time.monotonic() - t0
+    totals: dict[str, Any] = {k: sum(r[k] for r in results) for k in results[0] if k != "error_messages"}
+    totals["error_messages"] = [m for r in results for m in r["error_messages"]][:3]
+    totals["ops_per_s"] = round(totals["ops"] / seconds, 1)
+    totals["wall_s"] = round(wall, 1)
+    totals["cli"] = cli
+    totals["parent_samples"] = samples
+
+    acked: dict[int, tuple[int, int]] = {}
+    for line in open(ack):
+        sid, k, n = map(int, line.split())
+        acked[sid] = (k, n)
+    st = hp.open_store(path, disk=DISK)
+    try:
+        rep = st.verify(deep=True)
+        assert rep.ok, rep.problems[:5]
+        infos = {i.snapshot_id: i for i in st.snapshots()}
+        gone = 0
+        for sid, (k, n) in acked.items():
+            info = infos.get(sid)
+            if info is not None and info.matchable:
+                hp.check_restore(st, sid, k, n)
+                continue
+            gone += 1
+            want = hp.expected_state(k, n)
+            with pytest.raises((ss.SnapshotUnavailableError, ss.NotFoundError)):
+                st.restore(sid, into={name: np.zeros_like(v) for name, v in want.items()})
+        s = st.stats()
+        totals["acked_distinct"] = len(acked)
+        totals["acked_gone_legitimately"] = gone
+        totals["lost"] = max(0, gone - (s.evictions + s.supersedes))
+        totals["final_stored_bytes"] = s.stored_bytes
+    finally:
+        st.close()
+    return totals
+
+
+def test_concurrency(tmp_path: Any) -> None:
+    seconds = float(os.environ.get("SNAPSTORE_CONC_SECONDS", "60" if os.environ.get("SNAPSTORE_LONG") else "15"))
+    fig = run_concurrency(str(tmp_path / "store"), seconds)
+    print("concurrency:", json.dumps(fig))
+    assert fig["errors"] == 0, fig["error_messages"]
+    assert fig["budget_exceeded"] == 0 and fig["parent_samples"]["over"] == 0
+    assert fig["cli"]["failures"] == 0, fig["cli"]["last_error"]
+    assert fig["cli"]["runs"] > 0
+    assert fig["lost"] == 0
+    assert fig["acked"] > 0 and fig["restores"] > 0
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        secs = float(sys.argv[1]) if len(sys.argv) > 1 else 15.0
+        print(json.dumps(run_concurrency(os.path.join(d, "store"), secs), indent=1))

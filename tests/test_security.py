@@ -1,0 +1,172 @@
+"""Security checks (invariant 8): pure data, validated paths, private permissions, no symlink escape,
+no cross-namespace leaks."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import snapstore as ss
+from snapstore._repo import Repo
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers_proc import IDENT, LAYOUT, make_state  # noqa: E402
+
+PKG = os.path.dirname(os.path.abspath(ss.__file__))
+FORBIDDEN = [r"\bimport pickle\b", r"\bpickle\.", r"\bmarshal\b", r"(?<![\w.])eval\(", r"(?<![\w.])exec\(",
+             r"shell\s*=\s*True", r"\bos\.system\(", r"\byaml\.load\(", r"\bshelve\b"]
+
+
+def _open(path: str, **kw: Any) -> ss.Store:
+    return ss.Store.open(path, identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0),
+                         chunk_bytes=4096, staging_bytes=65536, **kw)
+
+
+def test_no_unsafe_deserialization_in_package() -> None:
+    hits = []
+    for root, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                text = open(os.path.join(root, f), encoding="utf-8").read()
+                for pat in FORBIDDEN:
+                    for m in re.finditer(pat, text):
+                        line = text[:m.start()].count("\n") + 1
+                        hits.append(f"{f}:{line}: {pat}")
+    assert not hits, hits
+
+
+def test_blob_path_only_from_validated_digests(tmp_path: Any) -> None:
+    repo = Repo(str(tmp_path / "s"))
+    try:
+        for bad in (b"", b"../../etc/passwd", b"\x00" * 31, b"\x00" * 33):
+            with pytest.raises((ValueError, ss.SnapstoreError)):
+                repo.blob_path(bad)
+        p = repo.blob_path(bytes(range(32)))
+        assert os.path.dirname(os.path.dirname(p)) == repo.blobs
+        assert re.fullmatch(r"[0-9a-f]{64}", os.path.basename(p))
+    finally:
+        repo.close()
+
+
+def test_permissions_files_0600_dirs_0700(tmp_path: Any) -> None:
+    old = os.umask(0o022)
+    try:
+        st = _open(str(tmp_path / "s"))
+        for n in (8, 40, 300):
+            st.save(list(range(n)), make_state(LAYOUT, n, n), session="a")
+        st.gc(grace=0)
+        root = st.path
+        bad = []
+        for d, dirs, files in os.walk(root):
+            for x in dirs:
+                mode = stat.S_IMODE(os.lstat(os.path.join(d, x)).st_mode)
+                if mode != 0o700:
+                    bad.append((os.path.join(d, x), oct(mode)))
+            for x in files:
+                mode = stat.S_IMODE(os.lstat(os.path.join(d, x)).st_mode)
+                if mode & 0o077:
+                    bad.append((os.path.join(d, x), oct(mode)))
+        assert stat.S_IMODE(os.lstat(root).st_mode) == 0o700
+        st.close()
+        assert not bad, bad[:10]
+    finally:
+        os.umask(old)
+
+
+def _first_chunk(st: ss.Store) -> str:
+    return sorted(p for _, p in st._repo.blob_files())[0]
+
+
+def test_symlinked_chunk_file_is_not_followed(tmp_path: Any) -> None:
+    outside = tmp_path / "outside.bin"
+    st = _open(str(tmp_path / "s"))
+    try:
+        state = make_state(LAYOUT, 64, 1)
+        sid = st.save(list(range(64)), state).snapshot_id
+        victim = _first_chunk(st)
+        outside.write_bytes(open(victim, "rb").read())  # identical bytes: only the link itself is wrong
+        os.unlink(victim)
+        os.symlink(outside, victim)
+        rep = st.verify(deep=True)
+        assert not rep.ok and bytes.fromhex(os.path.basename(victim)) in rep.damaged_chunks
+        into = {k: np.zeros_like(v) for k, v in state.items()}
+        with pytest.raises(ss.RestoreError) as ei:
+            st.restore(sid, into=into)
+        assert not ei.value.touched
+        # gc must never delete through the link, and never the outside file
+        st.gc(grace=0)
+        assert outside.exists()
+        from snapstore._maintenance import verify
+        verify(st._repo, deep=True, repair=True)
+        assert outside.exists()
+    finally:
+        st.close()
+
+
+def test_symlinked_blob_dir_is_not_followed(tmp_path: Any) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    st = _open(str(tmp_path / "s"))
+    try:
+        state = make_state(LAYOUT, 64, 1)
+        sid = st.save(list(range(64)), state).snapshot_id
+        victim = _first_chunk(st)
+        sub = os.path.dirname(victim)
+        for f in os.listdir(sub):
+            os.rename(os.path.join(sub, f), os.path.join(outside, f))
+        os.rmdir(sub)
+        os.symlink(outside, sub)
+        planted = outside / ("ab" * 32)  # an orphan-looking file outside: gc must not delete it
+        planted.write_bytes(b"x")
+        rep = st.verify(deep=True)
+        assert not rep.ok
+        into = {k: np.zeros_like(v) for k, v in state.items()}
+        try:
+            st.restore(sid, into=into)
+            restored = True
+        except ss.RestoreError as e:
+            restored = False
+            assert not e.touched
+        assert not restored, "restore read a chunk through a symlinked directory outside the store"
+        st.gc(grace=0)
+        assert planted.exists() and len(os.listdir(outside)) >= 2
+    finally:
+        st.close()
+
+
+def test_store_root_symlink_components_refused(tmp_path: Any) -> None:
+    real = tmp_path / "real"
+    st = _open(str(real))
+    st.close()
+    os.rename(real / "tmp", tmp_path / "tmp-elsewhere")
+    os.symlink(tmp_path / "tmp-elsewhere", real / "tmp")
+    with pytest.raises(ss.SnapstoreError):
+        _open(str(real))
+
+
+def test_namespaces_leak_no_matches(tmp_path: Any) -> None:
+    st = _open(str(tmp_path / "s"))
+    try:
+        toks = list(range(100))
+        state = make_state(LAYOUT, 100, 3)
+        a = st.save(toks, state, namespace="tenant-a")
+        assert a.snapshot_id is not None
+        assert st.match(toks, namespace="tenant-b") is None
+        assert st.match(toks) is None
+        assert st.match(toks, namespace="tenant-a") is not None
+        b = st.save(toks, state, namespace="tenant-b")  # same bytes: no dedup of snapshots across tenants
+        assert b.snapshot_id != a.snapshot_id and b.parent_id is None
+        into = {k: np.zeros_like(v) for k, v in state.items()}
+        m = st.match(toks, namespace="tenant-b")
+        assert m is not None and m.snapshot_id == b.snapshot_id
+        st.restore(m, into=into)
+        c = st.save(toks + [5, 6], make_state(LAYOUT, 102, 4), namespace="tenant-c")
+        assert c.parent_id is None  # parent="auto" never crosses a namespace
+    finally:
+        st.close()
