@@ -28,6 +28,7 @@ __all__ = [
     "chunk_id",
     "scope_key",
     "checksum",
+    "checksum_stream",
     "decode_payload",
     "encode_payload",
     "is_hex_id",
@@ -59,6 +60,11 @@ def chunk_id(raw: bytes | memoryview, key: bytes) -> bytes:
 def checksum(raw: bytes | memoryview) -> bytes:
     """XXH3-128 of raw bytes (big-endian digest), checked on every restore."""
     return xxhash.xxh3_128_digest(raw)
+
+
+def checksum_stream() -> xxhash.xxh3_128:
+    """An incremental :func:`checksum`: ``update()`` piece by piece, ``digest()`` at the end."""
+    return xxhash.xxh3_128()
 
 
 def is_hex_id(name: str) -> bool:

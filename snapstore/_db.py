@@ -219,9 +219,21 @@ class Database:
         self._local = threading.local()
 
     # -- transactions ------------------------------------------------------------------------
-    def write(self, fn: Callable[[Conn], T]) -> T:
-        """Run ``fn`` in an IMMEDIATE transaction, retried while the database is busy."""
-        return self._transact(fn, "BEGIN IMMEDIATE")
+    def write(self, fn: Callable[[Conn], T], *, durable: bool = True) -> T:
+        """Run ``fn`` in an IMMEDIATE transaction, retried while the database is busy.
+
+        ``durable=False`` skips the WAL fsync at commit (synchronous=NORMAL for this transaction):
+        for bookkeeping such as last-use times and hit counters, which a power cut may roll back
+        without harm; the next durable commit makes them durable too.
+        """
+        if durable:
+            return self._transact(fn, "BEGIN IMMEDIATE")
+        c = self.conn()
+        c.pragma("synchronous", "NORMAL")
+        try:
+            return self._transact(fn, "BEGIN IMMEDIATE")
+        finally:
+            c.pragma("synchronous", "FULL")
 
     def read(self, fn: Callable[[Conn], T]) -> T:
         """Run ``fn`` in a read transaction (a consistent snapshot of the database)."""

@@ -684,7 +684,8 @@ class Store:
             self._flush_counters(c)
 
         try:
-            self._repo.db.write(done)  # bookkeeping only: a full disk must not fail a restore that worked
+            # bookkeeping only: not fsynced, and a full disk must not fail a restore that worked
+            self._repo.db.write(done, durable=False)
         except (StoreIOError, CorruptionError):
             self._count("restores")
         return RestoreResult(plan.n_tokens, plan.rows, frozenset(plan.missing_components), plan.chain,
@@ -718,7 +719,7 @@ class Store:
         if self._ram is not None and self._ram.hits:
             self._count("ram_hits", self._ram.hits)
             self._ram.hits = 0
-        self._repo.db.write(self._flush_counters)
+        self._repo.db.write(self._flush_counters, durable=False)
         return self._repo.db.read(lambda c: stats_of(c, self.budget.disk_bytes or 0,
                                                      self._ram.used if self._ram else 0))
 
