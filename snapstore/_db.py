@@ -374,9 +374,9 @@ class Database:
         rows = c.execute(
             f"WITH RECURSIVE ch(x, lvl) AS (SELECT ?, 0 UNION ALL "
             f"SELECT s.parent_id, ch.lvl + 1 FROM snapshots s JOIN ch ON s.id = ch.x "
-            f"WHERE s.parent_id IS NOT NULL AND ch.lvl < 100000) "
+            f"WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?), 100000)) "
             f"SELECT {_SNAP_COLS} FROM snapshots JOIN ch ON snapshots.id = ch.x ORDER BY ch.lvl DESC",
-            (sid,)).fetchall()
+            (sid, sid)).fetchall()
         return [_snap(r[:20]) for r in rows]
 
     @staticmethod
@@ -454,10 +454,12 @@ class Database:
     @staticmethod
     def descendants(c: Conn, sid: int) -> list[int]:
         """Every snapshot below ``sid`` (children, grandchildren, ...), deepest first."""
+        # UNION (not UNION ALL): a damaged catalog with a parent cycle still terminates
         rows = c.execute(
-            "WITH RECURSIVE d(x, lvl) AS (SELECT id, 1 FROM snapshots WHERE parent_id = ? UNION ALL "
-            "SELECT s.id, d.lvl + 1 FROM snapshots s JOIN d ON s.parent_id = d.x) "
-            "SELECT x FROM d ORDER BY lvl DESC", (sid,)).fetchall()
+            "WITH RECURSIVE d(x) AS (SELECT id FROM snapshots WHERE parent_id = ? UNION "
+            "SELECT s.id FROM snapshots s JOIN d ON s.parent_id = d.x) "
+            "SELECT x FROM d JOIN snapshots ON snapshots.id = d.x WHERE x != ? ORDER BY depth DESC, x DESC",
+            (sid, sid)).fetchall()
         return [int(str(r[0])) for r in rows]
 
     @staticmethod
