@@ -348,16 +348,17 @@ class Database:
 
     @staticmethod
     def match_candidates(c: Conn, identity_id: int, namespace: str, anchors: Sequence[bytes],
-                         max_tokens: int, not_before: float, committed_only: bool = True) -> list[SnapRow]:
-        """Snapshots whose anchor is one of ``anchors``, deepest first (one indexed statement)."""
+                         max_tokens: int, not_before: float) -> Iterator[tuple[int, int, bytes]]:
+        """(id, n_tokens, prefix_key) of committed matchable snapshots whose anchor is one of
+        ``anchors``, deepest first: one indexed statement, read lazily (callers stop at a hit)."""
         if not anchors:
-            return []
+            return
         marks = ",".join("?" * len(anchors))
-        state = "AND state = 1 AND matchable = 1" if committed_only else ""
-        sql = (f"SELECT {_SNAP_COLS} FROM snapshots WHERE identity_id = ? AND namespace = ? "
-               f"AND anchor IN ({marks}) AND n_tokens <= ? AND last_used >= ? {state} "
+        sql = (f"SELECT id, n_tokens, prefix_key FROM snapshots WHERE identity_id = ? AND namespace = ? "
+               f"AND anchor IN ({marks}) AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1 "
                "ORDER BY n_tokens DESC, id DESC")
-        return [_snap(r) for r in c.execute(sql, (identity_id, namespace, *anchors, max_tokens, not_before))]
+        for sid, n, key in c.execute(sql, (identity_id, namespace, *anchors, max_tokens, not_before)):
+            yield int(sid), int(n), bytes(key)
 
     @staticmethod
     def same_content(c: Conn, identity_id: int, namespace: str, prefix_key: bytes,

@@ -301,11 +301,12 @@ class Store:
         if isinstance(parent, str):
             if parent != "auto":
                 raise InvalidInputError(f"parent must be 'auto', None or a snapshot id, got {parent!r}")
-            for cand in Database.match_candidates(c, self._identity_id, ns, index.chain, n - 1, 0.0):
-                if cand.prefix_key != index.prefix_key(cand.n_tokens):
+            for sid, cn, key in list(Database.match_candidates(c, self._identity_id, ns, index.chain, n - 1, 0.0)):
+                if key != index.prefix_key(cn):
                     continue
-                pr = parent_rows(cand)
-                if pr is not None:
+                cand = Database.snapshot(c, sid)
+                pr = parent_rows(cand) if cand is not None else None
+                if cand is not None and pr is not None:
                     return cand, pr
             return None, {}
         sid = _snapshot_id(parent)
@@ -617,11 +618,13 @@ class Store:
         not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
 
         def find(c: Conn) -> SnapRow | None:
-            for cand in Database.match_candidates(c, self._identity_id, ns, index.chain, len(arr), not_before):
-                if cand.prefix_key != index.prefix_key(cand.n_tokens):
+            for sid, cn, key in Database.match_candidates(c, self._identity_id, ns, index.chain, len(arr),
+                                                          not_before):
+                if key != index.prefix_key(cn):
                     continue
-                if np.array_equal(self._tokens_of(c, Database.chain(c, cand.id)), arr[:cand.n_tokens]):
-                    return cand
+                chain = Database.chain(c, sid)
+                if np.array_equal(self._tokens_of(c, chain), arr[:cn]):
+                    return chain[-1]
             return None
 
         hit = self._repo.db.read(find)
