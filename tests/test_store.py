@@ -724,3 +724,18 @@ def test_saving_the_same_chain_again_reuses_it(store: ss.Store) -> None:
     assert live == [b1.snapshot_id]
     assert a2.snapshot_id not in {x.snapshot_id for x in store.snapshots()}
     assert a1.snapshot_id in {x.snapshot_id for x in store.snapshots()}
+
+
+def test_old_sqlite_library_is_refused(store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import apsw
+    monkeypatch.setattr(apsw, "sqlite_lib_version", lambda: "3.51.2")
+    with pytest.raises(ss.StoreFormatError, match="too old"):
+        open_store(store_dir)
+    monkeypatch.setattr(apsw, "sqlite_lib_version", lambda: "3.51.3")
+    open_store(store_dir).close()
+
+
+def test_migrations_ship_with_the_package() -> None:
+    from importlib import resources
+    names = [p.name for p in resources.files("snapstore.migrations").iterdir()]
+    assert "0001_initial.sql" in names
