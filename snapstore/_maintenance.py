@@ -11,7 +11,9 @@ would remove, and nothing in the store directory is written.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -106,21 +108,18 @@ def _check_chunk(repo: Repo, cid: bytes, raw_len: int, stored_len: int, csum: by
         path = repo.blob_path(cid)
     except CorruptionError as e:
         return str(e)
-    try:
-        st = os.stat(path, follow_symlinks=False)
+    try:  # open first, then look at what was opened: no window between the checks and the read
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return "missing chunk file"
     except OSError as e:
-        return f"cannot stat chunk file: {e.strerror}"
-    if not os.path.isfile(path) or os.path.islink(path):
-        return "not a regular file"
-    if st.st_size != stored_len:
-        return f"size {st.st_size}, catalog says {stored_len}"
+        return "not a regular file (a symlink?)" if e.errno == errno.ELOOP else f"cannot open: {e.strerror}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        return f"cannot open: {e.strerror}"
-    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if st.st_size != stored_len:
+            return f"size {st.st_size}, catalog says {stored_len}"
         head: ChunkHeader = parse_header(os.pread(fd, HEADER_SIZE, 0))
         if head.raw_len != raw_len or head.checksum != csum or HEADER_SIZE + head.payload_len != stored_len:
             return "header disagrees with the catalog"

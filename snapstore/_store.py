@@ -59,8 +59,9 @@ class _Skip(Exception):
 class _Retry(Exception):
     """The commit found a chunk file gone (concurrent eviction) or the parent gone: redo."""
 
-    def __init__(self, missing: set[bytes] | None = None):
+    def __init__(self, missing: set[bytes] | None = None, parent_gone: bool = False):
         self.missing = missing or set()
+        self.parent_gone = parent_gone
 
 
 def _snapshot_id(ref: Any) -> int:
@@ -357,12 +358,16 @@ class Store:
         ns = _ns(namespace)
         sources, row_counts = self._validate_parts(parts, rows, n)
         index = TokenIndex(arr)
-        for _attempt in range(5):
+        for attempt in range(8):
+            # "auto" whose parent keeps being evicted under it: after 3 tries store the state whole
+            use = None if parent == "auto" and attempt >= 3 else parent
             try:
-                return self._save_once(arr, index, sources, row_counts, session, parent, commit, ns)
-            except _Retry:
-                continue
-        raise StateError("save() lost a race with concurrent evictions 5 times; try again")
+                return self._save_once(arr, index, sources, row_counts, session, use, commit, ns)
+            except _Retry as r:
+                if r.parent_gone and use not in ("auto", None):
+                    raise NotFoundError(f"parent {_snapshot_id(use)} was removed (evicted, superseded or "
+                                        "abandoned) during the save; save again with parent='auto'") from None
+        raise StateError("save() lost a race with concurrent evictions 8 times; try again")
 
     def _save_once(self, arr: np.ndarray, index: TokenIndex, sources: dict[str, Source],
                    row_counts: dict[str, int], session: str | None, parent: Any, commit: bool,
@@ -418,7 +423,7 @@ class Store:
             if par is not None:
                 p = Database.snapshot(c, par.id)
                 if p is None or (p.state == 0 and (p.owner != self._owner or commit)):
-                    raise _Retry()
+                    raise _Retry(parent_gone=True)
             iid = self._iid(c)
             if commit:
                 same = Database.same_content(c, iid, ns, index.prefix_key(n), content_key)

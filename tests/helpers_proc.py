@@ -162,7 +162,7 @@ def install_crash_point(spec: str) -> None:
         from snapstore._db import Database
         orig_write = Database.write
 
-        def write(self: Any, fn: Any) -> Any:
+        def write(self: Any, fn: Any, **kw: Any) -> Any:
             def body(c: Any) -> Any:
                 fire = hit()
                 if fire and when == "before":
@@ -171,7 +171,7 @@ def install_crash_point(spec: str) -> None:
                 if fire:
                     _die()  # the transaction's statements ran, COMMIT did not
                 return r
-            return orig_write(self, body)
+            return orig_write(self, body, **kw)
         Database.write = write  # type: ignore[method-assign]
     elif name == "dbwrite":
         from snapstore._db import Database

@@ -61,6 +61,7 @@ def run_concurrency(path: str, seconds: float) -> dict[str, Any]:
             r = subprocess.run([sys.executable, "-m", "snapstore", "--dir", path, *cmd], capture_output=True,
                                env=_env(), timeout=120)
             cli["runs"] += 1
+            doc: dict[str, Any] = {}
             try:
                 doc = json.loads(r.stdout)
                 ok = r.returncode == 0 and (cmd[0] != "verify" or doc.get("ok", True))
@@ -68,7 +69,8 @@ def run_concurrency(path: str, seconds: float) -> dict[str, Any]:
                 ok = False
             if not ok:
                 cli["failures"] += 1
-                cli["last_error"] = f"{cmd}: rc={r.returncode} {r.stdout[-800:]!r} {r.stderr[-800:]!r}"
+                why = {k: doc.get(k) for k in ("problems", "sqlite_errors", "damage", "damaged_snapshots")}
+                cli["last_error"] = f"{cmd}: rc={r.returncode} {why} {r.stderr[-800:]!r}"
 
     def sample_loop() -> None:
         st = hp.open_store(path, disk=DISK)
