@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM, BambaConfig
 from snapstore.engine import hf
 
 VOCAB = 4096
-SYSTEM = 640  # "system prompt" tokens, saved at two boundaries: ROOT and SYSTEM
-ROOT = 384
+SYSTEM = 2048  # "system prompt" tokens, saved at two boundaries: ROOT and SYSTEM
+ROOT = 1024
 USER = 24  # the user's turn, read after the restore
 DECODE = 16  # greedy tokens generated
 

@@ -419,7 +419,7 @@ class Store:
         now = time.time()
         new_bytes = [0]
 
-        def txn(c: Conn) -> tuple[int, list[bytes], bool]:
+        def txn(c: Conn) -> tuple[int, int | None, list[bytes], bool]:
             if par is not None:
                 p = Database.snapshot(c, par.id)
                 if p is None or (p.state == 0 and (p.owner != self._owner or commit)):
@@ -432,7 +432,7 @@ class Store:
                     retired: list[bytes] = []
                     if session is not None and same.session == session:
                         retired, _ = supersede(c, same, index)
-                    return same.id, retired, True
+                    return same.id, same.parent_id, retired, True
             missing: set[bytes] = set()
             new_bytes[0] = 0
             for rs in refs:
@@ -480,10 +480,10 @@ class Store:
             Database.add_counter(c, "inserts", 1)
             Database.add_counter(c, "logical_in", logical)
             self._flush_counters(c)
-            return sid, freed, False
+            return sid, par.id if par else None, freed, False
 
         try:
-            sid, freed, existed = db.write(txn)
+            sid, parent_id, freed, existed = db.write(txn)
         except _Skip as s:
             self._repo.unlink_unreferenced(created)
             reason = s.reason
@@ -495,7 +495,7 @@ class Store:
             self._repo.unlink_unreferenced(created)
             raise
         self._repo.unlink_unreferenced(freed)
-        return SaveResult(sid, None, par.id if par else None, 0 if existed else new_bytes[0], logical, n,
+        return SaveResult(sid, None, parent_id, 0 if existed else new_bytes[0], logical, n,
                           pending=not commit and not existed, namespace=ns or None)
 
     def _skipped(self, reason: str, par: SnapRow | None, logical: int, n: int) -> SaveResult:
