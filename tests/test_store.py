@@ -719,7 +719,7 @@ def test_saving_the_same_chain_again_reuses_it(store: ss.Store) -> None:
     b1 = store.save(toks, st_, session="s")  # supersedes a1 (kept as a chain link)
     a2 = store.save(toks[:300], st_, session="s")  # a1 is not matchable: a new root...
     b2 = store.save(toks, st_, session="s")  # ...but the same chain content: b1 again, and a2 retired
-    assert b2.snapshot_id == b1.snapshot_id and b2.stored_bytes == 0
+    assert b2.snapshot_id == b1.snapshot_id and b2.stored_bytes == 0 and b2.parent_id == b1.parent_id
     live = [x.snapshot_id for x in store.snapshots() if x.matchable]
     assert live == [b1.snapshot_id]
     assert a2.snapshot_id not in {x.snapshot_id for x in store.snapshots()}
