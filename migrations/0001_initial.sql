@@ -5,7 +5,7 @@ CREATE TABLE meta(
 ) STRICT, WITHOUT ROWID;
 
 CREATE TABLE identities(
-  id        INTEGER PRIMARY KEY,
+  id        INTEGER PRIMARY KEY AUTOINCREMENT,
   key       TEXT NOT NULL UNIQUE,
   canonical TEXT NOT NULL,
   created   REAL NOT NULL,

@@ -96,8 +96,8 @@ def _raw_bytes_like(arr: np.ndarray) -> bool:
 
 def _check_array(name: str, arr: np.ndarray, spec: PartSpec, rows: int, err: type[LayoutError]) -> None:
     """dtype/shape of a numpy array against the part spec (raw byte arrays pass on size alone)."""
-    if _raw_bytes_like(arr) and arr.dtype.name != spec.dtype:
-        return
+    if _raw_bytes_like(arr) and (arr.dtype.name != spec.dtype or arr.ndim == 1):
+        return  # raw bytes (e.g. a torch tensor's flat uint8 view): checked on size alone
     if arr.dtype.name != spec.dtype:
         raise err(f"part {name!r}: dtype is {arr.dtype.name}, the layout says {spec.dtype}")
     if isinstance(spec, Fixed):

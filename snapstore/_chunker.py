@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._buffers import Source
-from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, chunk_id, encode_payload, header_at
-from ._errors import CorruptionError, StoreIOError
+from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, chunk_id, encode_payload
+from ._errors import StoreIOError
 from ._publish import fsync_dirs, publish, write_temp
 
 __all__ = ["ChunkRef", "Chunker", "Piece"]
@@ -79,15 +79,6 @@ class StagingBuffer:
             self._cv.notify()
 
 
-def _intact(path: str, raw_len: int, csum: bytes) -> bool:
-    """Does the chunk file already at ``path`` describe these bytes (header and size)?"""
-    try:
-        head, size = header_at(path)
-    except (OSError, CorruptionError):
-        return False
-    return head.raw_len == raw_len and head.checksum == csum and size == HEADER_SIZE + head.payload_len
-
-
 class Chunker:
     """Turns pieces of parts into published chunk files of at most ``chunk_bytes`` each."""
 
@@ -133,7 +124,9 @@ class Chunker:
                     fut.result()
                 except BaseException:  # noqa: S110 - the first error is the one raised
                     pass
-        dirs = {os.path.dirname(self._blob_path(r.id)) for rs in results for r in rs if r.created}
+        # every file this save published (codec known), new or replacing an orphan: its name must be
+        # durable before the catalog row that references it commits
+        dirs = {os.path.dirname(self._blob_path(r.id)) for rs in results for r in rs if r.codec >= 0}
         fsync_dirs(dirs, self._pool)
         return results
 
@@ -154,7 +147,7 @@ class Chunker:
             for attempt in range(3):
                 tmp = write_temp(self._tmp, [header, payload])
                 try:
-                    created = publish(tmp, path, lambda p: _intact(p, len(raw), csum))
+                    created = publish(tmp, path)
                     break
                 except StoreIOError as e:
                     # a gc run with no grace period may remove a temp file between write and link

@@ -13,6 +13,7 @@ import random
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -149,6 +150,25 @@ def translate(e: BaseException) -> BaseException:
     return e
 
 
+class _Held:
+    """One thread's connection; closing it when the thread's locals go keeps threads from leaking
+    connections (a server with a thread per request)."""
+
+    __slots__ = ("__weakref__", "conn")
+
+    def __init__(self, conn: Conn):
+        self.conn = conn
+
+    def close(self) -> None:
+        try:
+            self.conn.close(True)
+        except apsw.Error:
+            pass
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class Database:
     """Thread-safe access to ``snapstore.db``: a connection per thread, retried transactions."""
 
@@ -163,7 +183,7 @@ class Database:
         self.path = path
         self.readonly = readonly
         self._local = threading.local()
-        self._all: list[Conn] = []
+        self._all: weakref.WeakSet[_Held] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
         if not readonly and not os.path.exists(path):
@@ -181,10 +201,10 @@ class Database:
 
     # -- connections -------------------------------------------------------------------------
     def conn(self) -> Conn:
-        """This thread's connection (opened on first use)."""
-        c: Conn | None = getattr(self._local, "conn", None)
-        if c is not None:
-            return c
+        """This thread's connection (opened on first use; closed when the thread ends)."""
+        holder: _Held | None = getattr(self._local, "held", None)
+        if holder is not None:
+            return holder.conn
         if self._closed:
             raise StoreFormatError("the store is closed")
         flags = apsw.SQLITE_OPEN_READONLY if self.readonly else apsw.SQLITE_OPEN_READWRITE
@@ -201,21 +221,19 @@ class Database:
             c.pragma("synchronous", "FULL")
         except apsw.Error as e:
             raise translate(e) from None
-        self._local.conn = c
+        holder = _Held(c)
+        self._local.held = holder  # thread-local: dropped, and the connection closed, when the thread ends
         with self._lock:
-            self._all.append(c)
+            self._all.add(holder)
         return c
 
     def close(self) -> None:
         """Close every connection this object opened (all threads)."""
         with self._lock:
             self._closed = True
-            conns, self._all = self._all, []
-        for c in conns:
-            try:
-                c.close(True)
-            except apsw.Error:
-                pass
+            held, self._all = list(self._all), weakref.WeakSet()
+        for h in held:
+            h.close()
         self._local = threading.local()
 
     # -- transactions ------------------------------------------------------------------------
@@ -466,12 +484,9 @@ class Database:
     @staticmethod
     def delete_snapshot(c: Conn, sid: int) -> list[bytes]:
         """Delete one snapshot (it must have no children); return chunk ids whose refs fell to 0."""
-        return Database._drop_parts(c, sid, None) + Database._delete_row(c, sid)
-
-    @staticmethod
-    def _delete_row(c: Conn, sid: int) -> list[bytes]:
+        freed = Database._drop_parts(c, sid, None)
         c.execute("DELETE FROM snapshots WHERE id = ?", (sid,))
-        return []
+        return freed
 
     @staticmethod
     def drop_fixed_parts(c: Conn, sid: int) -> list[bytes]:
@@ -518,14 +533,6 @@ class Database:
         return out
 
     @staticmethod
-    def existing_chunks(c: Conn, ids: Iterable[bytes]) -> set[bytes]:
-        found: set[bytes] = set()
-        for cid in ids:
-            if c.execute("SELECT 1 FROM chunks WHERE id = ?", (cid,)).fetchone():
-                found.add(cid)
-        return found
-
-    @staticmethod
     def add_chunk(c: Conn, cid: bytes, raw_len: int, stored_len: int, codec: int, csum: bytes,
                   scope: bytes, now: float) -> bool:
         """Insert a chunk row with refs 0 unless present; True if it was new."""
@@ -552,13 +559,6 @@ class Database:
     def chunk_users(c: Conn, cid: bytes) -> list[int]:
         return [int(r[0]) for r in c.execute(
             "SELECT DISTINCT snapshot_id FROM part_chunks WHERE chunk_id = ?", (cid,))]
-
-    @staticmethod
-    def dangling_refs(c: Conn) -> list[tuple[int, bytes]]:
-        """(snapshot, chunk) pairs whose chunk row is missing."""
-        return [(int(r[0]), bytes(r[1])) for r in c.execute(
-            "SELECT DISTINCT pc.snapshot_id, pc.chunk_id FROM part_chunks pc "
-            "LEFT JOIN chunks c ON c.id = pc.chunk_id WHERE c.id IS NULL")]
 
     @staticmethod
     def refcount_mismatches(c: Conn) -> list[tuple[bytes, int, int]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from ._errors import StoreIOError
@@ -90,22 +90,21 @@ def write_temp(tmp_dir: str, pieces: Iterable[bytes | memoryview]) -> str:
     return path
 
 
-def publish(tmp_path: str, dest: str, intact: Callable[[str], bool] | None = None) -> bool:
-    """Move a durable temp file to ``dest``; False if ``dest`` already existed (then refresh its mtime).
+def publish(tmp_path: str, dest: str) -> bool:
+    """Move a durable temp file to ``dest``; False if an identical-named file was already there.
 
-    ``intact(dest)`` may reject an existing file (damaged); it is then replaced atomically.
-    The caller fsyncs ``dest``'s directory afterwards (once per batch).
+    Callers publish only chunks the catalog does not hold, so a file already at ``dest`` is an
+    orphan (a crashed or concurrent writer's) whose payload nobody has vouched for: it is replaced
+    by this fsynced temp either way (atomic; the content is the same when it is intact). The caller
+    fsyncs ``dest``'s directory afterwards, once per batch, whatever this returns.
     """
     try:
         try:
             os.link(tmp_path, dest)
             created = True
         except FileExistsError:
-            if intact is not None and not intact(dest):
-                os.replace(tmp_path, dest)
-                return True
-            created = False
-            os.utime(dest, follow_symlinks=False)  # a gc with a grace period keeps what we rely on
+            os.replace(tmp_path, dest)
+            return False
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
                 raise

@@ -32,10 +32,6 @@ class RamTier:
                 self.hits += 1
             return data
 
-    def __contains__(self, cid: bytes) -> bool:
-        with self._lock:
-            return cid in self._items
-
     def put(self, cid: bytes, data: bytes | memoryview) -> None:
         """Keep a verified chunk (copied); evicts the least recently used to make room."""
         n = len(data)
@@ -53,11 +49,19 @@ class RamTier:
             del self._seen[cid]
         copy = bytes(data)
         with self._lock:
+            if cid in self._items:  # another thread put it meanwhile
+                return
             while self.used + n > self.capacity and self._items:
                 _, old = self._items.popitem(last=False)
                 self.used -= len(old)
             self._items[cid] = copy
             self.used += n
+
+    def take_hits(self) -> int:
+        """Hits since the last call (for the persistent counters)."""
+        with self._lock:
+            hits, self.hits = self.hits, 0
+            return hits
 
     def discard(self, cid: bytes) -> None:
         """Forget a chunk (it was found corrupt or dropped)."""

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from ._chunkfile import is_hex_id
 from ._db import Conn, Database, MemDatabase, snapshot_catalog
 from ._errors import ConfigError, CorruptionError, StoreFormatError
-from ._publish import ensure_dir, fsync_dir
+from ._publish import ensure_dir, fsync_dir, io_error
 
 __all__ = ["Repo", "owner_token", "owner_alive"]
 
@@ -75,15 +75,21 @@ class Repo:
                 raise StoreFormatError(f"{self.root} is not a snapstore store (no {DB_NAME})")
         else:
             fresh = not os.path.exists(self.blobs)
-            os.makedirs(os.path.dirname(self.root) or ".", mode=0o700, exist_ok=True)
+            try:
+                os.makedirs(os.path.dirname(self.root) or ".", mode=0o700, exist_ok=True)
+            except OSError as e:
+                raise io_error(f"cannot create the store directory {self.root}", e) from None
             ensure_dir(self.root)
             ensure_dir(self.blobs)
             ensure_dir(self.tmp)
             if fresh or not os.path.isdir(os.path.join(self.blobs, "ff")):
                 for h in _HEX2:
                     ensure_dir(os.path.join(self.blobs, h))
-                fsync_dir(self.blobs)
-                fsync_dir(self.root)
+                try:
+                    fsync_dir(self.blobs)
+                    fsync_dir(self.root)
+                except OSError as e:
+                    raise io_error(f"cannot fsync {self.root}", e) from None
         self.db = Database(self.db_path, readonly=readonly)
 
     def blob_path(self, cid: bytes) -> str:
@@ -136,8 +142,8 @@ class Repo:
                     try:
                         freed += os.stat(path, follow_symlinks=False).st_size
                         os.unlink(path)
-                    except FileNotFoundError:
-                        pass
+                    except OSError:
+                        pass  # already gone, or not removable now: an orphan for gc, never an error here
             return freed
 
         return self.db.write(run)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
+import apsw
 import blake3
 import numpy as np
 
@@ -22,7 +23,7 @@ from ._buffers import Source, as_source
 from ._chunker import Chunker, Piece, StagingBuffer
 from ._chunkfile import CODECS, HEADER_SIZE, checksum, header_at, scope_key
 from ._config import MIB, Budget, default_dir, env_int
-from ._db import Conn, Database, SnapRow
+from ._db import Conn, Database, SnapRow, translate
 from ._errors import (
     ConfigError,
     CorruptionError,
@@ -47,6 +48,8 @@ from ._tokens import TokenIndex, as_token_array, decode_tokens, encode_tokens
 
 __all__ = ["Store"]
 
+T = TypeVar("T")
+
 DEFAULT_CHUNK_MIB = 32  # measured: docs/benchmarks.md (chunk size sweep)
 DEFAULT_STAGING_MIB = 64
 
@@ -59,8 +62,7 @@ class _Skip(Exception):
 class _Retry(Exception):
     """The commit found a chunk file gone (concurrent eviction) or the parent gone: redo."""
 
-    def __init__(self, missing: set[bytes] | None = None, parent_gone: bool = False):
-        self.missing = missing or set()
+    def __init__(self, parent_gone: bool = False):
         self.parent_gone = parent_gone
 
 
@@ -69,6 +71,13 @@ def _snapshot_id(ref: Any) -> int:
     if isinstance(sid, (int, np.integer)) and not isinstance(sid, bool):
         return int(sid)
     raise InvalidInputError(f"expected a snapshot id, Match or SaveResult, got {ref!r}")
+
+
+def _count_of(value: Any, what: str) -> int:
+    """A row count: an int (numpy ints too), never a float or a string."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    raise InvalidInputError(f"{what} must be an int, got {value!r}")
 
 
 def _ref_ns(ref: Any, namespace: str | None) -> str:
@@ -140,8 +149,8 @@ class Store:
             raise ConfigError("$SNAPSTORE_CHUNK_MIB and $SNAPSTORE_STAGING_MIB must be >= 1")
         chunk = chunk_bytes if chunk_bytes is not None else (env_chunk or DEFAULT_CHUNK_MIB) * MIB
         staging = staging_bytes if staging_bytes is not None else (env_staging or DEFAULT_STAGING_MIB) * MIB
-        if not isinstance(chunk, int) or chunk < 4096 or chunk % 4096:
-            raise ConfigError(f"chunk_bytes must be a multiple of 4096 and >= 4096, got {chunk!r}")
+        if not isinstance(chunk, int) or chunk < 4096 or chunk % 4096 or chunk > (1 << 30):
+            raise ConfigError(f"chunk_bytes must be a multiple of 4096 in [4 KiB, 1 GiB], got {chunk!r}")
         if not isinstance(staging, int) or staging < chunk:
             raise ConfigError(f"staging_bytes ({staging}) must be >= chunk_bytes ({chunk}): chunks are "
                               "bounded by the staging buffer")
@@ -227,17 +236,43 @@ class Store:
         return row
 
     def _chunk_known(self, cid: bytes) -> bool:
-        return Database.chunk_exists(self._repo.db.conn(), cid)
+        try:
+            return Database.chunk_exists(self._repo.db.conn(), cid)
+        except apsw.Error as e:
+            raise translate(e) from None
 
     def _count(self, name: str, delta: int = 1) -> None:
         with self._counter_lock:
             self._mem_counters[name] = self._mem_counters.get(name, 0) + delta
 
-    def _flush_counters(self, c: Conn) -> None:
+    def _write(self, fn: Callable[[Conn], T], *, durable: bool = True) -> T:
+        """A write transaction that also persists the in-memory counters (hits, misses, ...).
+
+        The counts are taken before and subtracted only after the commit, so a transaction that
+        is retried or rolled back neither loses nor doubles them.
+        """
+        if self._ram is not None:
+            hits = self._ram.take_hits()
+            if hits:
+                self._count("ram_hits", hits)
         with self._counter_lock:
-            pending, self._mem_counters = self._mem_counters, {}
-        for k, v in pending.items():
-            Database.add_counter(c, k, v)
+            counts = dict(self._mem_counters)
+
+        def run(c: Conn) -> T:
+            result = fn(c)
+            for k, v in counts.items():
+                Database.add_counter(c, k, v)
+            return result
+
+        result = self._repo.db.write(run, durable=durable)
+        with self._counter_lock:
+            for k, v in counts.items():
+                left = self._mem_counters.get(k, 0) - v
+                if left:
+                    self._mem_counters[k] = left
+                else:
+                    self._mem_counters.pop(k, None)
+        return result
 
     def _tokens_of(self, c: Conn, chain: list[SnapRow]) -> np.ndarray:
         segs = [decode_tokens(s.tokens, s.token_width, s.n_tokens - s.base_tokens) for s in chain]
@@ -271,7 +306,8 @@ class Store:
             extra = sorted(set(rows) - {k for k in parts if isinstance(specs[k], Rows)})
             if extra:
                 raise LayoutError(f"rows given for parts that are not saved row streams: {extra}")
-            row_counts = {name: int(rows.get(name, n)) for name in parts if isinstance(specs[name], Rows)}
+            row_counts = {name: _count_of(rows.get(name, n), f"rows[{name!r}]") for name in parts
+                          if isinstance(specs[name], Rows)}
         elif isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
             row_counts = {name: int(rows) for name in parts if isinstance(specs[name], Rows)}
         else:
@@ -402,7 +438,7 @@ class Store:
             max(1, -(-(p.end - p.start) // self.chunk_bytes)) for p in pieces)
         reason = self._precheck(upper)
         if reason is not None:
-            return self._skipped(reason, par, logical, n)
+            return self._skipped(reason, par, logical, n, ns)
         key = scope_key(self.identity.key, ns)
         refs = self._chunker.store(pieces, key)
         created = [r.id for rs in refs for r in rs if r.created]
@@ -451,7 +487,7 @@ class Store:
                     if Database.add_chunk(c, r.id, r.raw_len, size, head.codec, r.checksum, key, now):
                         new_bytes[0] += size
             if missing:
-                raise _Retry(missing)
+                raise _Retry()
             sid = Database.insert_snapshot(
                 c, identity_id=iid, namespace=ns, parent_id=par.id if par else None,
                 depth=(par.depth + 1) if par else 0, n_tokens=n, base_tokens=par.n_tokens if par else 0,
@@ -479,11 +515,10 @@ class Store:
                 raise _Skip(self._why(c))
             Database.add_counter(c, "inserts", 1)
             Database.add_counter(c, "logical_in", logical)
-            self._flush_counters(c)
             return sid, par.id if par else None, freed, False
 
         try:
-            sid, parent_id, freed, existed = db.write(txn)
+            sid, parent_id, freed, existed = self._write(txn)
         except _Skip as s:
             self._repo.unlink_unreferenced(created)
             reason = s.reason
@@ -498,12 +533,15 @@ class Store:
         return SaveResult(sid, None, parent_id, 0 if existed else new_bytes[0], logical, n,
                           pending=not commit and not existed, namespace=ns or None)
 
-    def _skipped(self, reason: str, par: SnapRow | None, logical: int, n: int) -> SaveResult:
+    def _skipped(self, reason: str, par: SnapRow | None, logical: int, n: int, ns: str) -> SaveResult:
         self._repo.db.write(lambda c: Database.add_counter(c, f"skipped:{reason}", 1))
-        return SaveResult(None, reason, par.id if par else None, 0, logical, n, False)
+        return SaveResult(None, reason, par.id if par else None, 0, logical, n, False, namespace=ns or None)
 
     def _free_space(self) -> int:
-        st = os.statvfs(self._repo.root)
+        try:
+            st = os.statvfs(self._repo.root)
+        except OSError:
+            return 1 << 62  # cannot tell: the budget still applies, the reserve cannot
         return st.f_bavail * st.f_frsize
 
     def _precheck(self, upper: int) -> str | None:
@@ -654,6 +692,8 @@ class Store:
         ns = _ref_ns(m, namespace)
         if not isinstance(into, Mapping):
             raise InvalidInputError("into must be a mapping of part name to writable buffer")
+        if isinstance(components, str):
+            raise InvalidInputError(f"components must be a collection of names, e.g. [{components!r}]")
         wanted = set(self.layout.components) if components is None else set(components)
         unknown = wanted - set(self.layout.components)
         if unknown:
@@ -686,14 +726,10 @@ class Store:
         def done(c: Conn) -> None:
             Database.touch(c, sid, now, True)
             Database.add_counter(c, "restores", 1)
-            if self._ram is not None:
-                self._count("ram_hits", self._ram.hits)
-                self._ram.hits = 0
-            self._flush_counters(c)
 
         try:
             # bookkeeping only: not fsynced, and a full disk must not fail a restore that worked
-            self._repo.db.write(done, durable=False)
+            self._write(done, durable=False)
         except (StoreIOError, CorruptionError):
             self._count("restores")
         return RestoreResult(plan.n_tokens, plan.rows, frozenset(plan.missing_components), plan.chain,
@@ -724,10 +760,7 @@ class Store:
     def stats(self) -> Stats:
         """Counters and totals (see docs/api.md)."""
         self._check_open()
-        if self._ram is not None and self._ram.hits:
-            self._count("ram_hits", self._ram.hits)
-            self._ram.hits = 0
-        self._repo.db.write(self._flush_counters, durable=False)
+        self._write(lambda c: None, durable=False)
         return self._repo.db.read(lambda c: stats_of(c, self.budget.disk_bytes or 0,
                                                      self._ram.used if self._ram else 0))
 
@@ -759,10 +792,9 @@ class Store:
                         f, gone = drop_subtree(c, snap.id)
                         freed += f
                         Database.add_counter(c, "abandoned", len(gone))
-                self._flush_counters(c)
                 return freed
 
-            self._repo.unlink_unreferenced(self._repo.db.write(txn))
+            self._repo.unlink_unreferenced(self._write(txn))
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)

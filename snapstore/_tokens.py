@@ -9,13 +9,12 @@ in one indexed statement.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import blake3
 import numpy as np
 
-from ._errors import InvalidInputError
+from ._errors import CorruptionError, InvalidInputError
 
 __all__ = ["BLOCK", "TokenIndex", "decode_tokens", "encode_tokens", "as_token_array"]
 
@@ -63,12 +62,13 @@ def encode_tokens(arr: np.ndarray) -> tuple[bytes, int]:
 
 
 def decode_tokens(blob: bytes, width: int, count: int) -> np.ndarray:
-    """Inverse of :func:`encode_tokens`; InvalidInputError if the blob does not fit."""
+    """Inverse of :func:`encode_tokens` for a stored blob; CorruptionError if it does not fit."""
     if width not in (4, 8) or not isinstance(blob, (bytes, memoryview)) or len(blob) != width * count:
-        raise InvalidInputError(f"token blob of {len(blob)} bytes does not hold {count} tokens of width {width}")
+        raise CorruptionError(f"stored token blob of {len(blob)} bytes does not hold {count} tokens of "
+                              f"width {width}; run `snapstore verify`")
     arr = np.frombuffer(blob, dtype="<i4" if width == 4 else "<i8")
     if arr.size and int(arr.min()) < 0:
-        raise InvalidInputError("stored token blob holds negative tokens")
+        raise CorruptionError("stored token blob holds negative tokens; run `snapstore verify`")
     return arr.astype("<u8")
 
 
@@ -101,10 +101,3 @@ class TokenIndex:
     def __len__(self) -> int:
         return len(self.tokens)
 
-
-def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
-    """Length of the common prefix of two token arrays."""
-    x, y = np.asarray(a), np.asarray(b)
-    n = min(len(x), len(y))
-    diff = np.flatnonzero(x[:n] != y[:n])
-    return int(diff[0]) if diff.size else n

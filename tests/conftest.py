@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import Any
 
 import numpy as np
@@ -61,6 +60,11 @@ def part_hashes(layout: ss.Layout, state: dict[str, np.ndarray], rows: dict[str,
     return out
 
 
+LIBRARY_ENV = ("SNAPSTORE_DISK_MIB", "SNAPSTORE_RAM_MIB", "SNAPSTORE_MAX_ENTRIES", "SNAPSTORE_TTL",
+               "SNAPSTORE_RESERVE_MIB", "SNAPSTORE_CHUNK_MIB", "SNAPSTORE_STAGING_MIB", "SNAPSTORE_CODEC",
+               "SNAPSTORE_CHECK_ROWS")
+
+
 @pytest.fixture
 def store_dir(tmp_path: Any) -> str:
     return str(tmp_path / "store")
@@ -78,6 +82,5 @@ def store(store_dir: str) -> Any:
 def _isolate_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     """Tests never touch the user's real cache dir."""
     monkeypatch.setenv("SNAPSTORE_DIR", str(tmp_path / "default-store"))
-    for k in list(os.environ):
-        if k.startswith("SNAPSTORE_") and k != "SNAPSTORE_DIR":
-            monkeypatch.delenv(k, raising=False)
+    for k in LIBRARY_ENV:  # the library's own knobs only; test knobs (SNAPSTORE_LONG, ...) stay
+        monkeypatch.delenv(k, raising=False)

@@ -227,3 +227,17 @@ def test_peak_memory_bounded_by_staging(tmp_path: Any) -> None:
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["ok"]
     assert r["save"] < 40 * 1024 and r["restore"] < 40 * 1024, r  # KiB; the state is 132 MiB
+
+
+def test_uint8_parts_roundtrip(tmp_path: Any) -> None:
+    """Quantized (uint8) K/V and state pass through the adapter's flat byte views."""
+    fixed = {"q.state": _rand((4, 16), torch.uint8, 1)}
+    rows = {"q.kv": _rand((50, 8), torch.uint8, 2)}
+    layout = layout_of(fixed=fixed, rows=rows)
+    with _open(str(tmp_path / "s"), layout) as store:
+        ad = TorchAdapter(store)
+        r = ad.save(list(range(50)), {**fixed, **rows})
+        assert r.ok
+        dst = {"q.state": torch.zeros(4, 16, dtype=torch.uint8), "q.kv": torch.zeros(50, 8, dtype=torch.uint8)}
+        ad.restore(store.match(list(range(50))), dst)
+        assert torch.equal(dst["q.state"], fixed["q.state"]) and torch.equal(dst["q.kv"], rows["q.kv"])

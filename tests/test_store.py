@@ -739,3 +739,47 @@ def test_migrations_ship_with_the_package() -> None:
     from importlib import resources
     names = [p.name for p in resources.files("snapstore.migrations").iterdir()]
     assert "0001_initial.sql" in names
+
+
+def test_identity_ids_are_never_reused(store_dir: str) -> None:
+    """A running store's identity must not come to name another identity after a stale drop."""
+    x = ss.Identity(build="x", pack="p")
+    y = ss.Identity(build="y", pack="p")
+    z = ss.Identity(build="z", pack="p")
+    st_ = make_state(LAYOUT, 3, 1)
+    a = open_store(store_dir, identity=x)
+    b = open_store(store_dir, identity=y, drop_stale=False)
+    open_store(store_dir, identity=x).close()  # drops y's identity row
+    with open_store(store_dir, identity=z, drop_stale=False) as c:
+        assert c.save([1, 2, 3], st_).ok
+        assert b.match([1, 2, 3]) is None  # y must not see z's snapshot
+        with pytest.raises(ss.IdentityError):
+            b.restore(c.match([1, 2, 3]).snapshot_id, empty_like_state(st_))
+    a.close()
+    b.close()
+
+
+def test_threads_do_not_leak_connections(store: ss.Store) -> None:
+    import gc
+    import threading
+    st_ = make_state(LAYOUT, 20, 1)
+    store.save(list(range(20)), st_)
+    for _ in range(60):
+        t = threading.Thread(target=store.match, args=(list(range(20)),))
+        t.start()
+        t.join()
+    gc.collect()
+    assert len(store._repo.db._all) <= 8  # the main thread's, the pool's; not one per dead thread
+
+
+def test_rows_must_be_ints_and_open_errors_are_snapstore_errors(store: ss.Store, tmp_path: Any) -> None:
+    st_ = make_state(LAYOUT, 20, 1)
+    for bad in ({"attn.kv": 2.7}, {"attn.kv": "x"}, {"attn.kv": None}):
+        with pytest.raises(ss.InvalidInputError):
+            store.save(list(range(20)), st_, rows=bad)
+    with pytest.raises(ss.InvalidInputError):
+        store.restore(1, empty_like_state(st_), components="draft")
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")
+    with pytest.raises(ss.StoreIOError):
+        ss.Store.open(str(blocker / "store"), identity=IDENT, layout=LAYOUT)
