@@ -11,7 +11,16 @@ from collections.abc import Callable, Iterable
 from ._db import Conn, Database, SnapRow
 from ._tokens import TokenIndex
 
-__all__ = ["drop_leaf", "drop_subtree", "evict_until", "supersede"]
+__all__ = ["drop_leaf", "drop_subtree", "evict_until", "over_budget", "supersede"]
+
+
+def over_budget(c: Conn, disk_bytes: int | None, max_entries: int | None) -> str | None:
+    """Which limit the catalog exceeds now ("disk_budget", "max_entries"), or None."""
+    if disk_bytes is not None and Database.stored_bytes(c) > disk_bytes:
+        return "disk_budget"
+    if max_entries is not None and Database.entry_count(c) > max_entries:
+        return "max_entries"
+    return None
 
 
 def drop_subtree(c: Conn, sid: int) -> tuple[list[bytes], list[int]]:

@@ -25,7 +25,7 @@ from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, decode_payload, pars
 from ._config import Budget
 from ._db import Conn, Database, catalog_copy, rolled_back
 from ._errors import CorruptionError
-from ._lifecycle import drop_leaf, drop_subtree, evict_until
+from ._lifecycle import drop_leaf, drop_subtree, evict_until, over_budget
 from ._publish import TEMP_PREFIX
 from ._repo import Repo, owner_alive
 
@@ -429,13 +429,8 @@ def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_r
                 if Database.snapshot(c, s.id) is not None and not Database.has_children(c, s.id):
                     drop(s.id, report.expired)
         if disk_bytes is not None or max_entries is not None:
-            def fits(_: list[bytes]) -> bool:
-                if disk_bytes is not None and Database.stored_bytes(c) > disk_bytes:
-                    return False
-                return max_entries is None or Database.entry_count(c) <= max_entries
             before = {s.id for s in Database.snapshots(c)}
-            # protect only id 0, which no snapshot has (an empty set once made lru_leaves match nothing)
-            _, f, _ = evict_until(c, fits, {0})
+            _, f, _ = evict_until(c, lambda _: over_budget(c, disk_bytes, max_entries) is None, set())
             freed += f
             gone = sorted(before - {s.id for s in Database.snapshots(c)})
             report.evicted.extend(gone)

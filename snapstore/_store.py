@@ -38,7 +38,7 @@ from ._errors import (
 )
 from ._identity import Identity
 from ._layout import Fixed, Layout, Rows
-from ._lifecycle import drop_subtree, evict_until, supersede
+from ._lifecycle import drop_subtree, evict_until, over_budget, supersede
 from ._plan import build_plan
 from ._ramtier import RamTier
 from ._repo import Repo, owner_alive, owner_token
@@ -509,10 +509,10 @@ class Store:
                 f, _ = supersede(c, new, index)
                 freed += f
             protect = {sid} | ({s.id for s in Database.chain(c, par.id)} if par else set())
-            ok, f, _ = evict_until(c, lambda fr: self._fits(c, fr, adding_entry=False), protect)
+            ok, f, _ = evict_until(c, lambda fr: self._excess(c, fr) is None, protect)
             freed += f
             if not ok:
-                raise _Skip(self._why(c))
+                raise _Skip(self._excess(c, freed) or "disk_reserve")
             Database.add_counter(c, "inserts", 1)
             Database.add_counter(c, "logical_in", logical)
             return sid, par.id if par else None, freed, False
@@ -521,9 +521,7 @@ class Store:
             sid, parent_id, freed, existed = self._write(txn)
         except _Skip as s:
             self._repo.unlink_unreferenced(created)
-            reason = s.reason
-            db.write(lambda c: Database.add_counter(c, f"skipped:{reason}", 1))
-            return SaveResult(None, reason, par.id if par else None, 0, logical, n, False, namespace=ns or None)
+            return self._skipped(s.reason, par, logical, n, ns)
         except _Retry:
             raise
         except BaseException:
@@ -554,32 +552,21 @@ class Store:
             return "disk_full"
         return None
 
-    def _fits(self, c: Conn, freed: list[bytes], *, adding_entry: bool) -> bool:
+    def _excess(self, c: Conn, freed: list[bytes]) -> str | None:
+        """Why the store does not fit its budget now (a skip reason), or None when it does."""
         b = self.budget
-        if Database.stored_bytes(c) > (b.disk_bytes or 0):
-            return False
-        if b.max_entries is not None and Database.entry_count(c) + (1 if adding_entry else 0) > b.max_entries:
-            return False
-        if b.reserve_bytes:
+        reason = over_budget(c, b.disk_bytes or 0, b.max_entries)
+        if reason is not None or not b.reserve_bytes:
+            return reason
+        free = self._free_space()
+        if free < b.reserve_bytes:
             # chunk files freed in this transaction are unlinked right after it commits
-            free = self._free_space()
-            if free < b.reserve_bytes:
-                for cid in set(freed):
-                    try:
-                        free += os.stat(self._repo.blob_path(cid)).st_size
-                    except (OSError, CorruptionError):
-                        pass
-                if free < b.reserve_bytes:
-                    return False
-        return True
-
-    def _why(self, c: Conn) -> str:
-        b = self.budget
-        if Database.stored_bytes(c) > (b.disk_bytes or 0):
-            return "disk_budget"
-        if b.max_entries is not None and Database.entry_count(c) > b.max_entries:
-            return "max_entries"
-        return "disk_reserve"
+            for cid in set(freed):
+                try:
+                    free += os.stat(self._repo.blob_path(cid)).st_size
+                except (OSError, CorruptionError):
+                    pass
+        return "disk_reserve" if free < b.reserve_bytes else None
 
     # -- pending captures --------------------------------------------------------------------
     def commit(self, res: Any, *, namespace: str | None = None) -> SaveResult:
@@ -611,20 +598,18 @@ class Store:
                 f, _ = supersede(c, new, TokenIndex(tokens[:link.n_tokens]))
                 freed += f
             protect = {s.id for s in chain}
-            ok, f, _ = evict_until(c, lambda fr: self._fits(c, fr, adding_entry=False), protect)
+            ok, f, _ = evict_until(c, lambda fr: self._excess(c, fr) is None, protect)
             freed += f
             if not ok:
-                raise _Skip(self._why(c))
+                raise _Skip(self._excess(c, freed) or "disk_reserve")
             return SaveResult(sid, None, snap.parent_id, 0, snap.logical_bytes, snap.n_tokens,
                               namespace=ns or None), freed
 
         try:
             result, freed = self._repo.db.write(txn)
         except _Skip as s:
-            reason = s.reason
             self.abandon(top[0], namespace=ns or None)  # a refused parent drops its pending children
-            self._repo.db.write(lambda c: Database.add_counter(c, f"skipped:{reason}", 1))
-            return SaveResult(None, reason, None, 0, 0, 0, namespace=ns or None)
+            return self._skipped(s.reason, None, 0, 0, ns)
         self._repo.unlink_unreferenced(freed)
         return result
 
