@@ -3,13 +3,24 @@
 PY         := .venv/bin/python
 BENCH_ARGS ?=
 
-.PHONY: setup test lint demo bench bench-quick
+.PHONY: setup test test-all test-long lint ci demo bench bench-quick
 
 setup:
 	./scripts/bootstrap.sh
 
+# fast tier (no reliability campaigns, short Hypothesis runs): about a minute on 2 cores
 test:
+	HYPOTHESIS_PROFILE=dev ./test.sh -m "not slow"
+
+# everything CI runs: every tier, the ci Hypothesis profile
+test-all:
 	./test.sh
+
+# long campaigns and fuzz runs, on demand (see tests/README.md)
+test-long:
+	SNAPSTORE_LONG=1 HYPOTHESIS_PROFILE=long ./test.sh
+
+ci: lint test-all
 
 lint: setup
 	.venv/bin/ruff check snapstore engine tests fuzz benchmarks examples

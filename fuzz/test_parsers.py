@@ -5,7 +5,7 @@ Targets: chunk headers (parse_header), payloads (decode_payload, zstd bombs incl
 (decode_tokens), and catalog rows reached through the public restore/verify (shape JSON, negative and
 huge sizes/rows, bogus chunk ids, broken parent links, token blobs).
 
-CI: small max_examples; ``SNAPSTORE_FUZZ_EXAMPLES=N`` or ``SNAPSTORE_LONG=1`` (2000) for long runs.
+Example counts follow the Hypothesis profile (tests/README.md): twice its max_examples (ci: 60; long: 2000).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from snapstore._tokens import decode_tokens
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from helpers_proc import IDENT, LAYOUT  # noqa: E402
 
-EXAMPLES = int(os.environ.get("SNAPSTORE_FUZZ_EXAMPLES") or (2000 if os.environ.get("SNAPSTORE_LONG") else 60))
+EXAMPLES = 2 * settings.default.max_examples
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 
 
