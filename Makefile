@@ -23,7 +23,7 @@ test-long:
 ci: lint test-all
 
 lint: setup
-	.venv/bin/ruff check snapstore engine tests fuzz benchmarks examples
+	.venv/bin/ruff check snapstore engine tests fuzz benchmarks examples conftest.py
 	.venv/bin/mypy
 
 demo:
