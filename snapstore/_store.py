@@ -36,7 +36,6 @@ from ._errors import (
     SnapshotUnavailableError,
     SnapstoreError,
     StateError,
-    StoreIOError,
 )
 from ._identity import Identity
 from ._layout import Fixed, Layout, Rows
@@ -393,7 +392,7 @@ class Store:
         apply = self._bookkeeping()
         try:
             ran, settle = self._repo.db.try_write(apply)
-        except (StoreIOError, CorruptionError):
+        except SnapstoreError:
             return  # bookkeeping only: a full disk must not fail a restore that worked
         if ran and settle is not None:
             settle()
