@@ -589,12 +589,13 @@ def section_match(args: argparse.Namespace, work: str) -> None:
         conn = s._repo.db.conn()
         for _ in range(50):
             t1 = time.perf_counter()
-            list(orig(conn, s._identity_id, "", idx.chain, plen + 517, 0.0))
+            list(orig(conn, s.identity.key, "", idx.chain, plen + 517, 0.0))
             sql_probe.append(time.perf_counter() - t1)
         plan = [r for r in conn.execute(
-            "EXPLAIN QUERY PLAN SELECT id FROM snapshots WHERE identity_id = ? AND namespace = ? AND anchor IN "
-            "(?, ?, ?) AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1 ORDER BY n_tokens DESC",
-            (1, "", b"a", b"b", b"c", 10, 0.0))]
+            "EXPLAIN QUERY PLAN SELECT id FROM snapshots WHERE identity_id = (SELECT id FROM identities WHERE "
+            "key = ?) AND namespace = ? AND anchor IN (?, ?, ?) AND n_tokens <= ? AND last_used >= ? AND state = 1 "
+            "AND matchable = 1 ORDER BY n_tokens DESC",
+            (s.identity.key, "", b"a", b"b", b"c", 10, 0.0))]
     shutil.rmtree(sdir)
     us = median(lat) * 1e6
     print(f"\n== match(): {count} snapshots ({prompts} prompts of {plen} tokens, {per} boundary snapshots each, "

@@ -26,7 +26,7 @@ from ._errors import (
 from ._identity import Identity
 from ._layout import Fixed, Layout, Rows
 from ._maintenance import GcReport, VerifyReport
-from ._results import Match, RestoreResult, SaveResult, SnapshotInfo, Stats
+from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._store import Store
 
 __version__ = "0.1.0"
@@ -36,6 +36,7 @@ __all__ = [
     "ConfigError",
     "CorruptChunkError",
     "CorruptionError",
+    "DeleteResult",
     "DestinationError",
     "Fixed",
     "GcReport",
@@ -45,6 +46,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "Match",
+    "MatchDetails",
     "NotFoundError",
     "RestoreError",
     "RestoreResult",

@@ -8,11 +8,12 @@ read and written in place (no copy); strided numpy arrays go element-wise throug
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ._errors import DestinationError, LayoutError
+from ._errors import DestinationError, LayoutError, RestoreError
 from ._layout import Fixed, PartSpec, Rows, dtype_size
 
 __all__ = ["PartReader", "PartWriter", "Source", "Sink", "as_sink", "as_source"]
@@ -82,7 +83,17 @@ class Sink:
         if self.mv is not None:
             self.mv[start:start + len(data)] = data
         elif self.writer is not None:
-            self.writer.write_from(start, data)
+            try:
+                self.writer.write_from(start, data)
+            except RestoreError as e:
+                e.touched = True  # whatever it says, the destination may hold part of this write
+                raise
+            except Exception as e:
+                # the engine's own destination failed part-way: the caller must know it was touched
+                raise RestoreError(
+                    f"part {self.name!r}: the destination's write_from({start}, <{len(data)} bytes>) raised "
+                    f"{type(e).__name__}: {e}; the destination was partly written: re-read the prompt",
+                    touched=True) from e
         else:
             assert self.arr is not None
             item = self.arr.dtype.itemsize
@@ -94,12 +105,30 @@ def _raw_bytes_like(arr: np.ndarray) -> bool:
     return arr.dtype in (np.uint8, np.int8) or arr.dtype.kind == "V"
 
 
+def _little_endian(dt: np.dtype) -> bool:
+    """Are ``dt``'s bytes in the store's canonical (little-endian) order? One-byte types always are."""
+    if dt.fields:
+        return all(_little_endian(f[0]) for f in dt.fields.values())
+    if dt.subdtype is not None:
+        return _little_endian(dt.subdtype[0])
+    return dt.itemsize <= 1 or dt.byteorder in ("<", "|") or (dt.byteorder == "=" and sys.byteorder == "little")
+
+
+def _swapped_format(mv: memoryview) -> bool:
+    """A typed buffer whose struct format says big-endian ('>' or '!'): checked as an array."""
+    return mv.itemsize > 1 and mv.format[:1] in (">", "!")
+
+
 def _check_array(name: str, arr: np.ndarray, spec: PartSpec, rows: int, err: type[LayoutError]) -> None:
     """dtype/shape of a numpy array against the part spec (raw byte arrays pass on size alone)."""
     if _raw_bytes_like(arr) and (arr.dtype.name != spec.dtype or arr.ndim == 1):
         return  # raw bytes (e.g. a torch tensor's flat uint8 view): checked on size alone
     if arr.dtype.name != spec.dtype:
         raise err(f"part {name!r}: dtype is {arr.dtype.name}, the layout says {spec.dtype}")
+    if not _little_endian(arr.dtype):
+        # dtype.name is "float16" for '>f2' too: the bytes would be stored (or land) swapped
+        raise err(f"part {name!r}: dtype {arr.dtype.str} is big-endian; the layout's {spec.dtype} is "
+                  f"little-endian (the store's canonical order): pass arr.astype('<{arr.dtype.str[1:]}')")
     if isinstance(spec, Fixed):
         if tuple(arr.shape) != spec.shape:
             raise err(f"part {name!r}: shape is {tuple(arr.shape)}, the layout says {spec.shape}")
@@ -134,7 +163,7 @@ def as_source(name: str, obj: Any, spec: PartSpec, rows: int) -> Source:
     except TypeError:
         raise LayoutError(f"part {name!r}: {type(obj).__name__} is not a buffer (pass a numpy array, "
                           "memoryview or bytes; torch tensors go through snapstore.engine)") from None
-    if not mv.c_contiguous:
+    if not mv.c_contiguous or _swapped_format(mv):
         return as_source(name, np.asarray(mv), spec, rows)
     if mv.nbytes < need:
         raise LayoutError(f"part {name!r}: buffer has {mv.nbytes} bytes, {need} are needed")
@@ -165,7 +194,7 @@ def as_sink(name: str, obj: Any, spec: PartSpec, rows: int) -> Sink:
         raise DestinationError(f"part {name!r}: {type(obj).__name__} is not a writable buffer") from None
     if mv.readonly:
         raise DestinationError(f"part {name!r}: destination buffer is read-only")
-    if not mv.c_contiguous:
+    if not mv.c_contiguous or _swapped_format(mv):
         return as_sink(name, np.asarray(mv), spec, rows)
     if mv.nbytes < need:
         raise DestinationError(f"part {name!r}: destination has {mv.nbytes} bytes, {need} are needed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -38,8 +39,13 @@ def default_dir() -> str:
 
 
 def _nonneg(name: str, value: int | float | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-        raise ConfigError(f"Budget.{name} must be a non-negative number or None, got {value!r}")
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not math.isfinite(value)) or value < 0:
+        # nan/inf would pass a bare `< 0` test and fail later as ValueError/OverflowError
+        raise ConfigError(f"Budget.{name} must be a finite non-negative number or None (the default), "
+                          f"got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 import apsw
 import apsw.bestpractice
 
-from ._errors import CorruptionError, StoreFormatError, StoreIOError
+from ._errors import CorruptionError, StateError, StoreFormatError, StoreIOError
+from ._tokens import BLOCK
 
 __all__ = ["APPLICATION_ID", "MIN_SQLITE", "ChunkRow", "Database", "PartRow", "SnapRow"]
 
@@ -32,6 +33,7 @@ APPLICATION_ID = 0x534E5053  # "SNPS"
 MIN_SQLITE = (3, 51, 3)
 _BUSY_TIMEOUT_MS = 10_000
 _BUSY_RETRIES = 50
+_ANCHOR_BATCH = 2048  # anchors bound per match statement: far below SQLite's 32766-variable limit
 
 Conn = apsw.Connection
 
@@ -147,6 +149,13 @@ def translate(e: BaseException) -> BaseException:
     if isinstance(e, apsw.ConstraintError):
         return CorruptionError(f"the store catalog refused an inconsistent change ({e}); "
                                "run `snapstore verify`")
+    if isinstance(e, apsw.BusyError):
+        return StoreIOError(16, "the store database stayed locked by another process for too long "
+                                f"({e}); retry, or find the process holding it (`fuser snapstore.db`)")
+    if isinstance(e, apsw.Error):
+        # anything else SQLite reports is still a snapstore error, never a raw apsw one
+        return StoreIOError(5, f"the store database failed ({type(e).__name__}: {e}); "
+                               "`snapstore verify` reports whether anything is damaged")
     return e
 
 
@@ -206,26 +215,41 @@ class Database:
         if holder is not None:
             return holder.conn
         if self._closed:
-            raise StoreFormatError("the store is closed")
-        flags = apsw.SQLITE_OPEN_READONLY if self.readonly else apsw.SQLITE_OPEN_READWRITE
-        try:
-            c = apsw.Connection(self.path, flags=flags | apsw.SQLITE_OPEN_NOFOLLOW)
-            c.set_busy_timeout(_BUSY_TIMEOUT_MS)
-            if not self.readonly:
-                apsw.bestpractice.connection_wal(c)
-            apsw.bestpractice.connection_enable_foreign_keys(c)
-            apsw.bestpractice.connection_dqs(c)
-            apsw.bestpractice.connection_recursive_triggers(c)
-            # FULL: a commit is durable when it returns (WAL fsync per commit), so a save the API
-            # reported survives power loss, not only a process crash.
-            c.pragma("synchronous", "FULL")
-        except apsw.Error as e:
-            raise translate(e) from None
+            raise StateError("the store is closed; open it again with Store.open()")
+        c = self._connect()
         holder = _Held(c)
         self._local.held = holder  # thread-local: dropped, and the connection closed, when the thread ends
         with self._lock:
             self._all.add(holder)
         return c
+
+    def _connect(self) -> Conn:
+        """A new, configured connection; "database is locked" while setting it up (another
+        process holds the database exclusively, or is recovering it) is retried like a transaction."""
+        flags = apsw.SQLITE_OPEN_READONLY if self.readonly else apsw.SQLITE_OPEN_READWRITE
+        for attempt in range(_BUSY_RETRIES):
+            c: Conn | None = None
+            try:
+                c = apsw.Connection(self.path, flags=flags | apsw.SQLITE_OPEN_NOFOLLOW)
+                c.set_busy_timeout(_BUSY_TIMEOUT_MS)
+                if not self.readonly:
+                    apsw.bestpractice.connection_wal(c)
+                apsw.bestpractice.connection_enable_foreign_keys(c)
+                apsw.bestpractice.connection_dqs(c)
+                apsw.bestpractice.connection_recursive_triggers(c)
+                # FULL: a commit is durable when it returns (WAL fsync per commit), so a save the API
+                # reported survives power loss, not only a process crash.
+                c.pragma("synchronous", "FULL")
+                return c
+            except apsw.BusyError:
+                if c is not None:
+                    c.close()
+                time.sleep(min(0.5, 0.005 * 2**min(attempt, 7)) * random.random())
+            except apsw.Error as e:
+                if c is not None:
+                    c.close()
+                raise translate(e) from None
+        raise StoreIOError(16, "the store database stayed locked by another process for too long")
 
     def close(self) -> None:
         """Close every connection this object opened (all threads)."""
@@ -252,6 +276,39 @@ class Database:
             return self._transact(fn, "BEGIN IMMEDIATE")
         finally:
             c.pragma("synchronous", "FULL")
+
+    def try_write(self, fn: Callable[[Conn], T]) -> tuple[bool, T | None]:
+        """Run ``fn`` in a write transaction only if the write lock is free now: (ran, result).
+
+        Never waits for another writer (busy timeout 0, no retries) and skips the WAL fsync:
+        for bookkeeping a reader records on the way out (last use, hit counts), which must not
+        queue a restore behind a long write.
+        """
+        c = self.conn()
+        c.set_busy_timeout(0)
+        c.pragma("synchronous", "NORMAL")
+        try:
+            try:
+                c.execute("BEGIN IMMEDIATE")
+            except apsw.BusyError:
+                return False, None
+            except apsw.Error as e:
+                raise translate(e) from None
+            try:
+                result = fn(c)
+                c.execute("COMMIT")
+                return True, result
+            except apsw.BusyError:
+                self._rollback(c)
+                return False, None
+            except BaseException as e:
+                self._rollback(c)
+                if isinstance(e, apsw.Error):
+                    raise translate(e) from None
+                raise
+        finally:
+            c.pragma("synchronous", "FULL")
+            c.set_busy_timeout(_BUSY_TIMEOUT_MS)
 
     def read(self, fn: Callable[[Conn], T]) -> T:
         """Run ``fn`` in a read transaction (a consistent snapshot of the database)."""
@@ -341,6 +398,12 @@ class Database:
         return int(row[0]) if row else None
 
     @staticmethod
+    def identity_key(c: Conn, identity_id: int) -> str | None:
+        """The key of an identity row (what a snapshot's identity really is), or None if gone."""
+        row = c.execute("SELECT key FROM identities WHERE id = ?", (identity_id,)).fetchone()
+        return str(row[0]) if row else None
+
+    @staticmethod
     def identities(c: Conn) -> list[tuple[int, str, str, float, float]]:
         return list(c.execute("SELECT id, key, canonical, created, last_open FROM identities ORDER BY id"))
 
@@ -365,18 +428,29 @@ class Database:
         return [_snap(r) for r in cur]
 
     @staticmethod
-    def match_candidates(c: Conn, identity_id: int, namespace: str, anchors: Sequence[bytes],
+    def match_candidates(c: Conn, identity_key: str, namespace: str, anchors: Sequence[bytes],
                          max_tokens: int, not_before: float) -> Iterator[tuple[int, int, bytes]]:
-        """(id, n_tokens, prefix_key) of committed matchable snapshots whose anchor is one of
-        ``anchors``, deepest first: one indexed statement, read lazily (callers stop at a hit)."""
-        if not anchors:
-            return
-        marks = ",".join("?" * len(anchors))
-        sql = (f"SELECT id, n_tokens, prefix_key FROM snapshots WHERE identity_id = ? AND namespace = ? "
-               f"AND anchor IN ({marks}) AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1 "
+        """(id, n_tokens, prefix_key) of committed matchable snapshots of the identity *key* whose
+        anchor is one of ``anchors``, deepest first, read lazily (callers stop at a hit).
+
+        The identity is resolved by key inside the statement, so a row id that has come to name
+        another identity can never select its snapshots. ``anchors[i]`` anchors the prefixes of
+        ``BLOCK i … BLOCK (i + 1) - 1`` tokens, so batches taken from the end are in n_tokens order too:
+        one indexed statement per ``_ANCHOR_BATCH`` anchors (one for prompts below 512K tokens),
+        and a prompt of any length stays under SQLite's bound-variable limit.
+        """
+        sql = ("SELECT id, n_tokens, prefix_key FROM snapshots WHERE identity_id = "
+               "(SELECT id FROM identities WHERE key = ?) AND namespace = ? AND anchor IN ({marks}) "
+               "AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1 "
                "ORDER BY n_tokens DESC, id DESC")
-        for sid, n, key in c.execute(sql, (identity_id, namespace, *anchors, max_tokens, not_before)):
-            yield int(sid), int(n), bytes(key)
+        hi = min(len(anchors), max_tokens // BLOCK + 1) if max_tokens >= 0 else 0
+        while hi > 0:
+            lo = max(0, hi - _ANCHOR_BATCH)
+            batch = anchors[lo:hi]
+            for sid, n, key in c.execute(sql.format(marks=",".join("?" * len(batch))),
+                                         (identity_key, namespace, *batch, max_tokens, not_before)):
+                yield int(sid), int(n), bytes(key)
+            hi = lo
 
     @staticmethod
     def same_content(c: Conn, identity_id: int, namespace: str, prefix_key: bytes,
@@ -434,9 +508,10 @@ class Database:
                   (state, owner, now, sid))
 
     @staticmethod
-    def touch(c: Conn, sid: int, now: float, hit: bool) -> None:
+    def touch(c: Conn, sid: int, now: float, hits: int) -> None:
+        """Raise last_used to ``now`` and add ``hits`` restores (a snapshot gone meanwhile: no-op)."""
         c.execute("UPDATE snapshots SET last_used = max(last_used, ?), hits = hits + ? WHERE id = ?",
-                  (now, 1 if hit else 0, sid))
+                  (now, int(hits), sid))
 
     @staticmethod
     def set_unmatchable(c: Conn, sid: int) -> None:

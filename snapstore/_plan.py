@@ -38,6 +38,7 @@ class RestorePlan:
     rows: dict[str, int]
     missing_components: set[str]
     items: list[PlanItem] = field(default_factory=list)
+    part_bytes: dict[str, int] = field(default_factory=dict)  # bytes each part restores
 
     @property
     def nbytes(self) -> int:
@@ -65,9 +66,13 @@ def _chunks(c: Conn, sid: int, part: PartRow) -> list[ChunkRow]:
     return out
 
 
-def build_plan(c: Conn, sid: int, chain: list[SnapRow], layout: Layout, into: Mapping[str, Any],
+def build_plan(c: Conn, sid: int, chain: list[SnapRow], layout: Layout, into: Mapping[str, Any] | None,
                components: set[str]) -> RestorePlan:
-    """Validate the chain and the destinations and list every chunk to write, in order."""
+    """Validate the chain and the destinations and list every chunk to write, in order.
+
+    ``into=None`` describes instead (``Store.describe``): the same checks of the chain and its
+    chunks, no destinations, no items; ``rows`` and ``part_bytes`` say what a restore would write.
+    """
     leaf = chain[-1]
     prev_n = 0
     for i, link in enumerate(chain):
@@ -95,7 +100,7 @@ def build_plan(c: Conn, sid: int, chain: list[SnapRow], layout: Layout, into: Ma
             raise SnapshotUnavailableError(
                 f"snapshot {sid} has no part {name!r} (saved with another layout?); nothing was written",
                 snapshot_id=sid)
-        if name not in into:
+        if into is not None and name not in into:
             raise DestinationError(f"no destination for part {name!r}; pass it in `into` "
                                    "(or leave its component out of `components`)")
         for p in present:
@@ -107,6 +112,10 @@ def build_plan(c: Conn, sid: int, chain: list[SnapRow], layout: Layout, into: Ma
             assert leaf_part is not None
             if leaf_part.nbytes != spec.nbytes:
                 raise SnapshotUnavailableError(f"snapshot {sid} part {name!r} has a wrong size", snapshot_id=sid)
+            plan.part_bytes[name] = spec.nbytes
+            if into is None:
+                _chunks(c, leaf.id, leaf_part)
+                continue
             sink = as_sink(name, into[name], spec, 0)
             off = 0
             for ch in _chunks(c, leaf.id, leaf_part):
@@ -127,11 +136,16 @@ def build_plan(c: Conn, sid: int, chain: list[SnapRow], layout: Layout, into: Ma
                     f"for {p.row_end - p.row_start} rows", snapshot_id=sid)
             rows = p.row_end
             segments.append((link.id, p))
+        plan.rows[name] = rows
+        plan.part_bytes[name] = rows * spec.row_bytes
+        if into is None:
+            for link_id, p in segments:
+                _chunks(c, link_id, p)  # every chunk row present and sized: what a restore checks
+            continue
         sink = as_sink(name, into[name], spec, rows)
         for link_id, p in segments:
             off = p.row_start * spec.row_bytes
             for ch in _chunks(c, link_id, p):
                 plan.items.append(PlanItem(sink, off, ch))
                 off += ch.raw_len
-        plan.rows[name] = rows
     return plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Match", "RestoreResult", "SaveResult", "SnapshotInfo", "Stats"]
+__all__ = ["DeleteResult", "Match", "MatchDetails", "RestoreResult", "SaveResult", "SnapshotInfo", "Stats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,39 @@ class Match:
     snapshot_id: int
     n_tokens: int
     namespace: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MatchDetails:
+    """What restoring a snapshot would write (``Store.describe``): size the engine's buffers first.
+
+    ``rows``: valid rows per row stream; ``part_bytes``: bytes per part (fixed parts whole, row
+    streams ``rows × row_bytes``) and ``nbytes`` their sum, for the requested components;
+    ``components``: the components the snapshot holds; ``missing_components``: requested ones it
+    lacks (a restore leaves their destinations untouched); ``chain``: snapshot ids root … leaf.
+    """
+
+    snapshot_id: int
+    n_tokens: int
+    namespace: str | None
+    rows: dict[str, int]
+    components: frozenset[str]
+    missing_components: frozenset[str]
+    part_bytes: dict[str, int]
+    nbytes: int
+    chain: list[int]
+    pending: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteResult:
+    """What ``Store.delete`` removed: the snapshot ids (deepest first) and the stored bytes freed."""
+
+    snapshot_ids: tuple[int, ...]
+    bytes_freed: int
+
+    def __len__(self) -> int:
+        return len(self.snapshot_ids)
 
 
 @dataclass(frozen=True, slots=True)

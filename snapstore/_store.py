@@ -8,14 +8,15 @@ transaction builds and validates the plan, then the chunks stream into the desti
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from contextlib import contextmanager
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-import apsw
 import blake3
 import numpy as np
 
@@ -23,7 +24,7 @@ from ._buffers import Source, as_source
 from ._chunker import Chunker, Piece, StagingBuffer
 from ._chunkfile import CODECS, HEADER_SIZE, checksum, header_at, scope_key
 from ._config import MIB, Budget, default_dir, env_int
-from ._db import Conn, Database, SnapRow, translate
+from ._db import Conn, Database, SnapRow
 from ._errors import (
     ConfigError,
     CorruptionError,
@@ -33,22 +34,34 @@ from ._errors import (
     NotFoundError,
     RestoreError,
     SnapshotUnavailableError,
+    SnapstoreError,
     StateError,
-    StoreIOError,
 )
 from ._identity import Identity
 from ._layout import Fixed, Layout, Rows
 from ._lifecycle import drop_subtree, evict_until, over_budget, supersede
-from ._plan import build_plan
+from ._plan import RestorePlan, build_plan
 from ._ramtier import RamTier
 from ._repo import Repo, owner_alive, owner_token
 from ._restore import stream_plan
-from ._results import Match, RestoreResult, SaveResult, SnapshotInfo, Stats
+from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._tokens import TokenIndex, as_token_array, decode_tokens, encode_tokens
 
 __all__ = ["Store"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+# Test hooks: name -> callable run at that point (tests force race windows through them; empty
+# in production). "save_committed": a save's transaction has committed, its freed files not yet
+# unlinked.
+_HOOKS: dict[str, Callable[[], None]] = {}
+
+
+def _hook(name: str) -> None:
+    fn = _HOOKS.get(name)
+    if fn is not None:
+        fn()
 
 DEFAULT_CHUNK_MIB = 32  # measured: docs/benchmarks.md (chunk size sweep)
 DEFAULT_STAGING_MIB = 64
@@ -60,17 +73,36 @@ class _Skip(Exception):
 
 
 class _Retry(Exception):
-    """The commit found a chunk file gone (concurrent eviction) or the parent gone: redo."""
+    """The commit found a chunk file gone (concurrent eviction), the parent gone, or this store's
+    identity row dropped by another process (re-created in its own transaction first): redo."""
 
-    def __init__(self, parent_gone: bool = False):
+    def __init__(self, parent_gone: bool = False, identity_gone: bool = False):
         self.parent_gone = parent_gone
+        self.identity_gone = identity_gone
+
+
+_MAX_ID = 2**63 - 1  # SQLite's INTEGER range: no snapshot id lies beyond it
 
 
 def _snapshot_id(ref: Any) -> int:
     sid = getattr(ref, "snapshot_id", ref)
     if isinstance(sid, (int, np.integer)) and not isinstance(sid, bool):
+        if not 0 <= int(sid) <= _MAX_ID:
+            raise InvalidInputError(f"snapshot id {int(sid)} is out of range: snapshot ids are integers in "
+                                    "[1, 2**63) as save() and match() report them")
         return int(sid)
     raise InvalidInputError(f"expected a snapshot id, Match or SaveResult, got {ref!r}")
+
+
+def _operation(fn: Callable[Concatenate[Store, P], T]) -> Callable[Concatenate[Store, P], T]:
+    """A public Store call: refused with StateError once close() began; close() waits for it."""
+
+    def call(self: Store, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        with self._in_operation():
+            return fn(self, *args, **kwargs)
+
+    functools.update_wrapper(call, fn)  # name, docstring and signature for help() and the docs
+    return call
 
 
 def _count_of(value: Any, what: str) -> int:
@@ -117,11 +149,17 @@ class Store:
         self._staging = StagingBuffer(staging_bytes, chunk_bytes)
         self._ram = RamTier(budget.ram_bytes or 0) if budget.ram_bytes else None
         self._mem_counters: dict[str, int] = {}
+        # restores recorded but not yet written: sid -> (latest use, hits); flushed by the next
+        # write of this store or by a restore that finds the write lock free (never waits for it)
+        self._touches: dict[int, tuple[float, int]] = {}
         self._counter_lock = threading.Lock()
         self._closed = False
-        now = time.time()
-        self._identity_id: int = repo.db.write(
-            lambda c: Database.ensure_identity(c, identity.key, identity.canonical, now))
+        self._gate = threading.Condition()  # guards _closed and _active (calls in flight)
+        self._active = 0
+        self._shut = False  # close() has finished
+        self._inside = threading.local()  # depth of public calls on this thread (nested calls pass)
+        self._identity_id = 0
+        self._ensure_identity()
         self._chunker = Chunker(repo.blob_path, repo.tmp, chunk_bytes, codec, self._staging, self._pool,
                                 self._chunk_known)
 
@@ -162,7 +200,16 @@ class Store:
             if flag not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
                 raise ConfigError(f"$SNAPSTORE_CHECK_ROWS must be 0/1 (or true/false), got {flag!r}")
             check_rows = flag in ("1", "true", "yes", "on")
-        repo = Repo(os.fspath(path) if path is not None else default_dir())
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"path must be a directory path or None, got {path!r}")
+        root = os.fspath(path) if path is not None else default_dir()
+        if not isinstance(root, str):
+            raise ConfigError(f"path must be a str (or os.PathLike of str), got {path!r}")
+        if not root.strip():
+            # "" would silently become the current directory; None is how to ask for the default
+            raise ConfigError(f"store path {root!r} is empty; pass a directory, or path=None for "
+                              "$SNAPSTORE_DIR / the per-user cache directory")
+        repo = Repo(root)
         try:
             store = cls(repo, identity, layout, budget, chunk_bytes=chunk, codec=CODECS[codec_name],
                         staging_bytes=staging, check_rows=bool(check_rows))
@@ -190,8 +237,8 @@ class Store:
                     freed += f
                     Database.add_counter(c, "abandoned", len(gone))
             if drop_stale:
-                for ident_id, _key, *_ in Database.identities(c):
-                    if ident_id == self._identity_id:
+                for ident_id, key, *_ in Database.identities(c):
+                    if key == self.identity.key:
                         continue
                     n = 0
                     for snap in sorted(Database.snapshots(c, ident_id), key=lambda s: -s.depth):
@@ -207,7 +254,7 @@ class Store:
                 freed += self._expire(c, now - ttl)
             return freed
 
-        self._repo.unlink_unreferenced(self._repo.db.write(run))
+        self._release(self._repo.db.write(run))
 
     def _expire(self, c: Conn, before: float) -> list[bytes]:
         freed: list[bytes] = []
@@ -225,31 +272,74 @@ class Store:
     # -- helpers -----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise StateError("the store is closed")
+            raise StateError("the store is closed; open it again with Store.open()")
+
+    @contextmanager
+    def _in_operation(self) -> Iterator[None]:
+        """Count a public call in flight; StateError once close() has begun."""
+        depth = getattr(self._inside, "depth", 0)
+        if depth == 0:
+            with self._gate:
+                if self._closed:
+                    raise StateError("the store is closed (or closing); open it again with Store.open()")
+                self._active += 1
+        self._inside.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._inside.depth = depth
+            if depth == 0:
+                with self._gate:
+                    self._active -= 1
+                    if self._active == 0:
+                        self._gate.notify_all()
+
+    def _ensure_identity(self) -> int:
+        """Create (or refresh) this identity's row in a transaction of its own, and cache the id
+        only once that transaction has committed.
+
+        Never inside a larger transaction: a row created there and rolled back (a skipped save)
+        would hand its id to the next identity that opens, while this store kept it cached.
+        """
+        now = time.time()
+        iid = self._repo.db.write(
+            lambda c: Database.ensure_identity(c, self.identity.key, self.identity.canonical, now))
+        self._identity_id = iid
+        return iid
 
     def _iid(self, c: Conn) -> int:
-        """This identity's row id, re-created if another process dropped it as stale meanwhile."""
+        """This identity's row id as of this transaction; _Retry(identity_gone) when another process
+        dropped it as stale (the caller re-creates it with :meth:`_ensure_identity` and redoes)."""
         row = Database.identity_id(c, self.identity.key)
         if row is None:
-            row = Database.ensure_identity(c, self.identity.key, self.identity.canonical, time.time())
-        self._identity_id = row
+            raise _Retry(identity_gone=True)
         return row
 
+    def _mine(self, c: Conn, snap: SnapRow) -> bool:
+        """Does ``snap`` belong to this store's identity? Decided by the identity *key*, not the id."""
+        return Database.identity_key(c, snap.identity_id) == self.identity.key
+
     def _chunk_known(self, cid: bytes) -> bool:
-        try:
-            return Database.chunk_exists(self._repo.db.conn(), cid)
-        except apsw.Error as e:
-            raise translate(e) from None
+        # a read transaction of the retry loop: "database is locked" here is retried like anywhere
+        return self._repo.db.read(lambda c: Database.chunk_exists(c, cid))
 
     def _count(self, name: str, delta: int = 1) -> None:
         with self._counter_lock:
             self._mem_counters[name] = self._mem_counters.get(name, 0) + delta
 
-    def _write(self, fn: Callable[[Conn], T], *, durable: bool = True) -> T:
-        """A write transaction that also persists the in-memory counters (hits, misses, ...).
+    def _record_use(self, sid: int, now: float) -> None:
+        """Remember a successful restore (last use, one hit) for the next write to persist."""
+        with self._counter_lock:
+            last, hits = self._touches.get(sid, (0.0, 0))
+            self._touches[sid] = (max(last, now), hits + 1)
+            self._mem_counters["restores"] = self._mem_counters.get("restores", 0) + 1
 
-        The counts are taken before and subtracted only after the commit, so a transaction that
-        is retried or rolled back neither loses nor doubles them.
+    def _bookkeeping(self) -> Callable[[Conn], Callable[[], None]]:
+        """What this store has recorded in memory (counters, restores' last use and hits), as a
+        function that writes it inside a transaction and returns the one to call after COMMIT.
+
+        Everything is taken before and subtracted only after the commit, so a transaction that is
+        retried or rolled back neither loses nor doubles it.
         """
         if self._ram is not None:
             hits = self._ram.take_hits()
@@ -257,31 +347,75 @@ class Store:
                 self._count("ram_hits", hits)
         with self._counter_lock:
             counts = dict(self._mem_counters)
+            touches = dict(self._touches)
 
-        def run(c: Conn) -> T:
-            result = fn(c)
+        def settle() -> None:
+            with self._counter_lock:
+                for k, v in counts.items():
+                    left = self._mem_counters.get(k, 0) - v
+                    if left:
+                        self._mem_counters[k] = left
+                    else:
+                        self._mem_counters.pop(k, None)
+                for sid, (_when, n) in touches.items():
+                    last, now_hits = self._touches.get(sid, (0.0, 0))
+                    if now_hits - n > 0:
+                        self._touches[sid] = (last, now_hits - n)
+                    else:
+                        self._touches.pop(sid, None)
+
+        def apply(c: Conn) -> Callable[[], None]:
+            for sid, (when, n) in touches.items():
+                Database.touch(c, sid, when, n)
             for k, v in counts.items():
                 Database.add_counter(c, k, v)
-            return result
+            return settle
+
+        return apply
+
+    def _write(self, fn: Callable[[Conn], T], *, durable: bool = True) -> T:
+        """A write transaction that also persists what this store recorded in memory (counters,
+        last use of restored snapshots) — before ``fn``, so eviction in ``fn`` sees recent use."""
+        apply = self._bookkeeping()
+        box: list[Callable[[], None]] = []
+
+        def run(c: Conn) -> T:
+            box[:] = [apply(c)]
+            return fn(c)
 
         result = self._repo.db.write(run, durable=durable)
-        with self._counter_lock:
-            for k, v in counts.items():
-                left = self._mem_counters.get(k, 0) - v
-                if left:
-                    self._mem_counters[k] = left
-                else:
-                    self._mem_counters.pop(k, None)
+        box[0]()
         return result
+
+    def _try_flush(self) -> None:
+        """Persist the bookkeeping now if the write lock is free; otherwise leave it for later."""
+        apply = self._bookkeeping()
+        try:
+            ran, settle = self._repo.db.try_write(apply)
+        except SnapstoreError:
+            return  # bookkeeping only: a full disk must not fail a restore that worked
+        if ran and settle is not None:
+            settle()
+
+    def _release(self, ids: Iterable[bytes]) -> None:
+        """Unlink chunk files whose last reference a committed transaction removed.
+
+        After the commit nothing may fail the call: a file that cannot be unlinked now (the
+        catalog locked too long, an I/O error) stays as an orphan, which gc removes later.
+        """
+        try:
+            self._repo.unlink_unreferenced(ids)
+        except SnapstoreError:
+            self._count("unlink_deferred")
 
     def _tokens_of(self, c: Conn, chain: list[SnapRow]) -> np.ndarray:
         segs = [decode_tokens(s.tokens, s.token_width, s.n_tokens - s.base_tokens) for s in chain]
         return np.concatenate(segs) if segs else np.zeros(0, dtype="<u8")
 
-    def _own(self, snap: SnapRow | None, namespace: str | None = None) -> SnapRow:
+    def _own(self, c: Conn, snap: SnapRow | None, namespace: str | None = None) -> SnapRow:
         if snap is None:
             raise NotFoundError("no such snapshot (evicted, superseded, abandoned or never saved)")
-        if snap.identity_id != self._identity_id:
+        if not self._mine(c, snap):
             raise IdentityError(f"snapshot {snap.id} belongs to another identity than this store was opened for")
         if namespace is not None and snap.namespace != namespace:
             raise IdentityError(f"snapshot {snap.id} belongs to another namespace")
@@ -338,7 +472,7 @@ class Store:
         if isinstance(parent, str):
             if parent != "auto":
                 raise InvalidInputError(f"parent must be 'auto', None or a snapshot id, got {parent!r}")
-            for sid, cn, key in list(Database.match_candidates(c, self._identity_id, ns, index.chain, n - 1, 0.0)):
+            for sid, cn, key in list(Database.match_candidates(c, self.identity.key, ns, index.chain, n - 1, 0.0)):
                 if key != index.prefix_key(cn):
                     continue
                 cand = Database.snapshot(c, sid)
@@ -347,7 +481,7 @@ class Store:
                     return cand, pr
             return None, {}
         sid = _snapshot_id(parent)
-        snap = self._own(Database.snapshot(c, sid), ns)
+        snap = self._own(c, Database.snapshot(c, sid), ns)
         if snap.state == 0 and snap.owner != self._owner:
             raise InvalidInputError(f"parent {sid} is a pending capture of another process")
         if snap.state == 0 and commit:
@@ -378,13 +512,13 @@ class Store:
                     off += ch.raw_len
         return True
 
+    @_operation
     def save(self, tokens: Any, parts: Mapping[str, Any], rows: Any = None, *, session: str | None = None,
              parent: Any = "auto", commit: bool = True, namespace: str | None = None) -> SaveResult:
         """Save the state after ``tokens``; a delta over ``parent`` ("auto", None or an id).
 
         Returns a SaveResult; a save that does not fit the budget is skipped with a reason.
         """
-        self._check_open()
         arr = as_token_array(tokens)
         n = len(arr)
         if n == 0:
@@ -400,6 +534,8 @@ class Store:
             try:
                 return self._save_once(arr, index, sources, row_counts, session, use, commit, ns)
             except _Retry as r:
+                if r.identity_gone:
+                    self._ensure_identity()  # committed on its own before the save is redone
                 if r.parent_gone and use not in ("auto", None):
                     raise NotFoundError(f"parent {_snapshot_id(use)} was removed (evicted, superseded or "
                                         "abandoned) during the save; save again with parent='auto'") from None
@@ -527,7 +663,8 @@ class Store:
         except BaseException:
             self._repo.unlink_unreferenced(created)
             raise
-        self._repo.unlink_unreferenced(freed)
+        _hook("save_committed")
+        self._release(freed)  # the snapshot is saved: nothing after the commit may fail the call
         return SaveResult(sid, None, parent_id, 0 if existed else new_bytes[0], logical, n,
                           pending=not commit and not existed, namespace=ns or None)
 
@@ -569,24 +706,25 @@ class Store:
         return "disk_reserve" if free < b.reserve_bytes else None
 
     # -- pending captures --------------------------------------------------------------------
+    @_operation
     def commit(self, res: Any, *, namespace: str | None = None) -> SaveResult:
-        """Make a pending capture (and its pending ancestors, root first) visible to match()."""
-        self._check_open()
+        """Make a pending capture (and its pending ancestors, root first) visible to match().
+
+        Refused for the budget: the capture and its own pending descendants are dropped; its
+        pending ancestors stay pending (their other children untouched) — invariant 5.
+        """
         sid = _snapshot_id(res)
         ns = _ref_ns(res, namespace)
         now = time.time()
 
-        top = [sid]
-
         def txn(c: Conn) -> tuple[SaveResult, list[bytes]]:
-            snap = self._own(Database.snapshot(c, sid), ns)
+            snap = self._own(c, Database.snapshot(c, sid), ns)
             if snap.state == 1:
                 return SaveResult(sid, None, snap.parent_id, 0, snap.logical_bytes, snap.n_tokens,
                                   namespace=ns or None), []
             if snap.owner != self._owner:
                 raise StateError(f"snapshot {sid} is a pending capture of another process")
-            chain = Database.chain(c, sid)
-            top[0] = next(link.id for link in chain if link.state == 0)
+            chain = self._chain(c, snap)
             freed: list[bytes] = []
             tokens = self._tokens_of(c, chain)
             for link in chain:
@@ -606,16 +744,29 @@ class Store:
                               namespace=ns or None), freed
 
         try:
-            result, freed = self._repo.db.write(txn)
+            result, freed = self._write(txn)
         except _Skip as s:
-            self.abandon(top[0], namespace=ns or None)  # a refused parent drops its pending children
+            self._drop_refused(sid)
             return self._skipped(s.reason, None, 0, 0, ns)
-        self._repo.unlink_unreferenced(freed)
+        self._release(freed)
         return result
 
+    def _drop_refused(self, sid: int) -> None:
+        """A refused commit: drop the capture asked for and its pending descendants, nothing else."""
+
+        def txn(c: Conn) -> list[bytes]:
+            snap = Database.snapshot(c, sid)
+            if snap is None or snap.state == 1 or snap.owner != self._owner:
+                return []  # committed meanwhile by another thread of this store, or already gone
+            freed, gone = drop_subtree(c, sid)
+            Database.add_counter(c, "abandoned", len(gone))
+            return freed
+
+        self._release(self._write(txn))
+
+    @_operation
     def abandon(self, res: Any, *, namespace: str | None = None) -> None:
         """Drop a pending capture and its pending descendants; their pins and bytes are released."""
-        self._check_open()
         sid = _snapshot_id(res)
         ns = _ref_ns(res, namespace)
 
@@ -623,32 +774,67 @@ class Store:
             snap = Database.snapshot(c, sid)
             if snap is None:
                 return []
-            self._own(snap, ns)
+            self._own(c, snap, ns)
             if snap.state == 1:
-                raise StateError(f"snapshot {sid} is committed; abandon() only drops pending captures")
+                raise StateError(f"snapshot {sid} is committed; abandon() only drops pending captures "
+                                 "(delete() drops committed snapshots)")
             if snap.owner != self._owner:
                 raise StateError(f"snapshot {sid} is a pending capture of another process")
             freed, gone = drop_subtree(c, sid)
             Database.add_counter(c, "abandoned", len(gone))
             return freed
 
-        self._repo.unlink_unreferenced(self._repo.db.write(txn))
+        self._release(self._write(txn))
+
+    @_operation
+    def delete(self, ref: Any, *, namespace: str | None = None) -> DeleteResult:
+        """Drop a snapshot of this identity and every descendant; returns what went.
+
+        ``ref`` is a snapshot id, Match or SaveResult. Superseded ancestors left without children
+        go too (they were only chain links). Refused with StateError while another process has a
+        pending capture in the subtree (it would lose the parent it is extending).
+        """
+        sid = _snapshot_id(ref)
+        ns = _ref_ns(ref, namespace)
+
+        def txn(c: Conn) -> tuple[DeleteResult, list[bytes]]:
+            snap = self._own(c, Database.snapshot(c, sid), ns)
+            for d in [sid, *Database.descendants(c, sid)]:
+                row = Database.snapshot(c, d)
+                if row is not None and row.state == 0 and row.owner != self._owner:
+                    raise StateError(f"snapshot {d} (in the subtree of {snap.id}) is a pending capture of "
+                                     "another process; delete it after that capture is committed or abandoned")
+            before = Database.stored_bytes(c)
+            freed, gone = drop_subtree(c, sid)
+            Database.add_counter(c, "deleted", len(gone))
+            return DeleteResult(tuple(gone), before - Database.stored_bytes(c)), freed
+
+        result, freed = self._write(txn)
+        self._release(freed)
+        return result
 
     # -- match -------------------------------------------------------------------------------
-    def match(self, tokens: Any, *, namespace: str | None = None) -> Match | None:
-        """The longest committed snapshot whose tokens are a prefix of ``tokens``, or None."""
-        self._check_open()
+    @_operation
+    def match(self, tokens: Any, *, namespace: str | None = None, exclude: Iterable[Any] = ()) -> Match | None:
+        """The longest committed snapshot whose tokens are a prefix of ``tokens``, or None.
+
+        ``exclude``: snapshot ids (or Match / SaveResult) to pass over — after a failed restore,
+        match again excluding it to fall back to the next-longest prefix.
+        """
         arr = as_token_array(tokens)
         ns = _ns(namespace)
+        if isinstance(exclude, (str, bytes)) or not isinstance(exclude, Iterable):
+            raise InvalidInputError(f"exclude must be a collection of snapshot ids, got {exclude!r}")
+        skip = {_snapshot_id(x) for x in exclude}
         if len(arr) == 0:
             return None
         index = TokenIndex(arr)
         not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
 
         def find(c: Conn) -> SnapRow | None:
-            for sid, cn, key in Database.match_candidates(c, self._identity_id, ns, index.chain, len(arr),
+            for sid, cn, key in Database.match_candidates(c, self.identity.key, ns, index.chain, len(arr),
                                                           not_before):
-                if key != index.prefix_key(cn):
+                if key != index.prefix_key(cn) or sid in skip:
                     continue
                 chain = Database.chain(c, sid)
                 if np.array_equal(self._tokens_of(c, chain), arr[:cn]):
@@ -664,6 +850,45 @@ class Store:
         return Match(hit.id, hit.n_tokens, namespace)
 
     # -- restore -----------------------------------------------------------------------------
+    def _chain(self, c: Conn, snap: SnapRow) -> list[SnapRow]:
+        """``snap``'s chain, root first; every link must be of this identity (by key) and of the
+        snapshot's namespace, so a damaged or reused parent link can never serve another's rows."""
+        chain = Database.chain(c, snap.id)
+        for link in chain:
+            if link.namespace != snap.namespace or (link.identity_id != snap.identity_id
+                                                    and not self._mine(c, link)):
+                raise SnapshotUnavailableError(
+                    f"snapshot {snap.id}: chain link {link.id} belongs to another identity or namespace; "
+                    "nothing was written (run `snapstore verify`)", snapshot_id=snap.id)
+        return chain
+
+    def _wanted(self, components: Iterable[str] | None) -> set[str]:
+        if isinstance(components, str):
+            raise InvalidInputError(f"components must be a collection of names, e.g. [{components!r}]")
+        wanted = set(self.layout.components) if components is None else set(components)
+        unknown = wanted - set(self.layout.components)
+        if unknown:
+            raise InvalidInputError(f"unknown components {sorted(unknown)}; the layout has "
+                                    f"{sorted(self.layout.components)}")
+        return wanted
+
+    def _plan(self, c: Conn, sid: int, ns: str, into: Mapping[str, Any] | None,
+              wanted: set[str]) -> tuple[SnapRow, RestorePlan]:
+        """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
+        snap = Database.snapshot(c, sid)
+        if snap is None:
+            raise SnapshotUnavailableError(f"snapshot {sid} no longer exists (evicted or superseded); "
+                                           "nothing was written", snapshot_id=sid)
+        if not self._mine(c, snap):
+            raise IdentityError(f"snapshot {sid} belongs to another identity than this store was opened for")
+        if snap.namespace != ns:
+            raise IdentityError(f"snapshot {sid} belongs to another namespace")
+        if snap.state == 0 and snap.owner != self._owner:
+            raise SnapshotUnavailableError(f"snapshot {sid} is a pending capture of another process",
+                                           snapshot_id=sid)
+        return snap, build_plan(c, sid, self._chain(c, snap), self.layout, into, wanted)
+
+    @_operation
     def restore(self, m: Any, into: Mapping[str, Any], components: Iterable[str] | None = None, *,
                 namespace: str | None = None) -> RestoreResult:
         """Write the snapshot's state into ``into`` (name → writable buffer), exactly, or raise.
@@ -672,63 +897,59 @@ class Store:
         must name the snapshot's namespace). Raises a RestoreError whose ``touched`` says whether
         ``into`` was modified.
         """
-        self._check_open()
         sid = _snapshot_id(m)
         ns = _ref_ns(m, namespace)
         if not isinstance(into, Mapping):
             raise InvalidInputError("into must be a mapping of part name to writable buffer")
-        if isinstance(components, str):
-            raise InvalidInputError(f"components must be a collection of names, e.g. [{components!r}]")
-        wanted = set(self.layout.components) if components is None else set(components)
-        unknown = wanted - set(self.layout.components)
-        if unknown:
-            raise InvalidInputError(f"unknown components {sorted(unknown)}; the layout has "
-                                    f"{sorted(self.layout.components)}")
+        wanted = self._wanted(components)
         t0 = time.perf_counter()
-
-        def plan_txn(c: Conn) -> Any:
-            snap = Database.snapshot(c, sid)
-            if snap is None:
-                raise SnapshotUnavailableError(f"snapshot {sid} no longer exists (evicted or superseded); "
-                                               "nothing was written", snapshot_id=sid)
-            if snap.identity_id != self._identity_id:
-                raise IdentityError(f"snapshot {sid} belongs to another identity than this store was opened for")
-            if snap.namespace != ns:
-                raise IdentityError(f"snapshot {sid} belongs to another namespace")
-            if snap.state == 0 and snap.owner != self._owner:
-                raise SnapshotUnavailableError(f"snapshot {sid} is a pending capture of another process",
-                                               snapshot_id=sid)
-            return build_plan(c, sid, Database.chain(c, sid), self.layout, into, wanted)
-
-        plan = self._repo.db.read(plan_txn)
+        _, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, into, wanted))
         try:
             stream_plan(plan, self._repo.blob_path, self._staging, self._ram)
-        except RestoreError:
+        except RestoreError as e:
+            if e.snapshot_id is None:
+                e.snapshot_id = sid
             self._count("restore_errors")
             raise
-        now = time.time()
-
-        def done(c: Conn) -> None:
-            Database.touch(c, sid, now, True)
-            Database.add_counter(c, "restores", 1)
-
-        try:
-            # bookkeeping only: not fsynced, and a full disk must not fail a restore that worked
-            self._write(done, durable=False)
-        except (StoreIOError, CorruptionError):
-            self._count("restores")
+        # last use and the hit are bookkeeping: recorded in memory and written now only if the
+        # write lock is free; a restore never queues behind a long writer for them
+        self._record_use(sid, time.time())
+        self._try_flush()
         return RestoreResult(plan.n_tokens, plan.rows, frozenset(plan.missing_components), plan.chain,
                              plan.nbytes, time.perf_counter() - t0)
 
+    @_operation
+    def describe(self, m: Any, components: Iterable[str] | None = None, *,
+                 namespace: str | None = None) -> MatchDetails:
+        """What restoring ``m`` would write — rows per stream, components, bytes — checked like a
+        restore's plan but without destinations, so an engine can size its buffers first."""
+        sid = _snapshot_id(m)
+        ns = _ref_ns(m, namespace)
+        wanted = self._wanted(components)
+
+        def run(c: Conn) -> MatchDetails:
+            snap, plan = self._plan(c, sid, ns, None, wanted)
+            held = {p.component for p in Database.parts(c, sid) if p.component is not None}
+            return MatchDetails(
+                snapshot_id=sid, n_tokens=plan.n_tokens, namespace=ns or None, rows=dict(plan.rows),
+                components=frozenset(held), missing_components=frozenset(plan.missing_components),
+                part_bytes=dict(plan.part_bytes), nbytes=sum(plan.part_bytes.values()),
+                chain=list(plan.chain), pending=snap.state == 0)
+
+        return self._repo.db.read(run)
+
     # -- inspection --------------------------------------------------------------------------
+    @_operation
     def snapshots(self) -> list[SnapshotInfo]:
         """Every snapshot of this store's identity (all namespaces), oldest first."""
-        self._check_open()
         ident = self.identity.key
 
         def run(c: Conn) -> list[SnapshotInfo]:
-            out = []
-            for s in Database.snapshots(c, self._identity_id):
+            out: list[SnapshotInfo] = []
+            iid = Database.identity_id(c, ident)  # by key, in this transaction: never a reused id
+            if iid is None:
+                return out
+            for s in Database.snapshots(c, iid):
                 parts = Database.parts(c, s.id)
                 out.append(SnapshotInfo(
                     snapshot_id=s.id, identity=ident, namespace=s.namespace or None, parent_id=s.parent_id,
@@ -742,33 +963,47 @@ class Store:
 
         return self._repo.db.read(run)
 
+    @_operation
     def stats(self) -> Stats:
         """Counters and totals (see docs/api.md)."""
-        self._check_open()
         self._write(lambda c: None, durable=False)
         return self._repo.db.read(lambda c: stats_of(c, self.budget.disk_bytes or 0,
                                                      self._ram.used if self._ram else 0))
 
+    @_operation
     def verify(self, deep: bool = True) -> Any:
         """Check the store (see snapstore verify); returns a VerifyReport."""
         from ._maintenance import verify
-        self._check_open()
         report = verify(self._repo, deep=deep)
         if self._ram is not None:
             for cid in report.damaged_chunks:
                 self._ram.discard(cid)
         return report
 
+    @_operation
     def gc(self, *, grace: float = 3600.0, dry_run: bool = False) -> Any:
         """Collect orphan and temp files, dead pending captures, expired snapshots, over-budget leaves."""
         from ._maintenance import gc
-        self._check_open()
         return gc(self._repo, budget=self.budget, grace=grace, dry_run=dry_run)
 
     def close(self) -> None:
-        """Abandon this process's pending captures, flush counters, release resources."""
-        if self._closed:
-            return
+        """Abandon this process's pending captures, flush counters, release resources.
+
+        Safe against other threads: calls that start after close() began raise StateError; calls
+        already running finish first (close waits for them). Idempotent; a second close() (from
+        any thread) returns once the first has finished.
+        """
+        if getattr(self._inside, "depth", 0):
+            raise StateError("close() was called from inside a call on this same store (a part source "
+                             "or destination?); close the store after that call returns")
+        with self._gate:
+            if self._closed:
+                while not self._shut:
+                    self._gate.wait()
+                return
+            self._closed = True  # from here on every new call raises StateError
+            while self._active:
+                self._gate.wait()
         try:
             def txn(c: Conn) -> list[bytes]:
                 freed: list[bytes] = []
@@ -779,13 +1014,17 @@ class Store:
                         Database.add_counter(c, "abandoned", len(gone))
                 return freed
 
-            self._repo.unlink_unreferenced(self._write(txn))
+            self._release(self._write(txn))
         finally:
-            self._closed = True
-            self._pool.shutdown(wait=True)
-            if self._ram is not None:
-                self._ram.clear()
-            self._repo.close()
+            try:
+                self._pool.shutdown(wait=True)
+                if self._ram is not None:
+                    self._ram.clear()
+                self._repo.close()
+            finally:
+                with self._gate:
+                    self._shut = True
+                    self._gate.notify_all()
 
     def __enter__(self) -> Store:
         return self
