@@ -1,0 +1,43 @@
+"""Child process of the owner-liveness tests: ``python tests/helpers_owner.py MODE STORE [...]``.
+
+``capture STORE K N DISK``: open the store (budget DISK bytes; the lease from
+``$SNAPSTORE_PENDING_LEASE_S``), save a pending capture of conversation K after N tokens, print
+``P <sid>``, then obey lines on stdin: ``commit`` → print ``C <sid or None>``; ``die`` → SIGKILL
+itself (no close, no cleanup); ``close`` → close the store and exit 0.
+
+Run it under ``unshare`` to put it in another PID or UTS namespace; ``SNAPSTORE_TEST_KERNEL_ID``
+makes it look like a process on another machine (its lock cannot be probed from here).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import helpers_proc as hp  # noqa: E402
+
+
+def capture(path: str, k: int, n: int, disk: int) -> None:
+    store = hp.open_store(path, disk=disk, drop_stale=False)
+    r = store.save(hp.conv_tokens(k)[:n], hp.expected_state(k, n), commit=False)
+    print(f"P {r.snapshot_id}", flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "commit":
+            c = store.commit(r)
+            print(f"C {c.snapshot_id}", flush=True)
+        elif cmd == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif cmd == "close":
+            store.close()
+            return
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "capture":
+        capture(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        raise SystemExit(f"unknown mode {sys.argv[1]!r}")
