@@ -5,6 +5,9 @@
 ``P <sid>``, then obey lines on stdin: ``commit`` → print ``C <sid or None>``; ``die`` → SIGKILL
 itself (no close, no cleanup); ``close`` → close the store and exit 0.
 
+``resave STORE N CODEC``: a running engine beside a verify: evict every snapshot (gc to zero
+entries), then save :func:`compressible_state` after N tokens again with CODEC; print ``S <sid>``.
+
 Run it under ``unshare`` to put it in another PID or UTS namespace; ``SNAPSTORE_TEST_KERNEL_ID``
 makes it look like a process on another machine (its lock cannot be probed from here).
 """
@@ -18,6 +21,31 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import helpers_proc as hp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def compressible_state(n: int) -> dict[str, np.ndarray]:
+    """Parts after n tokens of conversation 0 that zstd shrinks (so its chunk files differ in size from raw)."""
+    out = {}
+    for name, spec in hp.LAYOUT.fixed.items():
+        out[name] = (np.arange(spec.nbytes, dtype=np.uint8) % 3).view(spec.dtype).reshape(spec.shape)
+    for name, spec in hp.LAYOUT.rows.items():
+        out[name] = (np.arange(n * spec.row_bytes, dtype=np.uint8) % 5).view(spec.dtype).reshape((n, *spec.row_shape))
+    return out
+
+
+def resave(path: str, n: int, codec: str) -> None:
+    from snapstore._maintenance import gc
+    from snapstore._repo import Repo
+
+    repo = Repo(path)
+    try:
+        gc(repo, max_entries=0, grace=3600)
+    finally:
+        repo.close()
+    with hp.open_store(path, codec=codec, drop_stale=False) as s:
+        r = s.save(hp.conv_tokens(0)[:n], compressible_state(n))
+        print(f"S {r.snapshot_id}", flush=True)
 
 
 def capture(path: str, k: int, n: int, disk: int) -> None:
@@ -39,5 +67,7 @@ def capture(path: str, k: int, n: int, disk: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "capture":
         capture(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    elif sys.argv[1] == "resave":
+        resave(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     else:
         raise SystemExit(f"unknown mode {sys.argv[1]!r}")
