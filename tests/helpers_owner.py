@@ -8,6 +8,9 @@ itself (no close, no cleanup); ``close`` → close the store and exit 0.
 ``resave STORE N CODEC``: a running engine beside a verify: evict every snapshot (gc to zero
 entries), then save :func:`compressible_state` after N tokens again with CODEC; print ``S <sid>``.
 
+``gcloop STORE SECONDS DISK``: a gc sidecar: gc (grace 2 s, disk budget DISK) in a loop for
+SECONDS; print one JSON line {"runs", "dead_pending", "removed", "errors"}.
+
 Run it under ``unshare`` to put it in another PID or UTS namespace; ``SNAPSTORE_TEST_KERNEL_ID``
 makes it look like a process on another machine (its lock cannot be probed from here).
 """
@@ -64,9 +67,40 @@ def capture(path: str, k: int, n: int, disk: int) -> None:
             return
 
 
+def gcloop(path: str, seconds: float, disk: int) -> None:
+    import json
+    import time
+
+    from snapstore import SnapstoreError
+    from snapstore._maintenance import gc
+    from snapstore._repo import Repo
+
+    out: dict[str, object] = {"runs": 0, "dead_pending": 0, "removed": 0, "errors": []}
+    errors: list[str] = []
+    repo = Repo(path)
+    stop = time.monotonic() + seconds
+    try:
+        while time.monotonic() < stop:
+            try:
+                rep = gc(repo, grace=2.0, disk_bytes=disk)
+            except SnapstoreError as e:
+                errors.append(f"{type(e).__name__}: {e}")
+                continue
+            out["runs"] = int(str(out["runs"])) + 1
+            out["dead_pending"] = int(str(out["dead_pending"])) + len(rep.dead_pending)
+            out["removed"] = int(str(out["removed"])) + len(rep.removed_snapshots)
+            time.sleep(0.02)
+    finally:
+        repo.close()
+    out["errors"] = errors[:5]
+    print(json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "capture":
         capture(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    elif sys.argv[1] == "gcloop":
+        gcloop(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1] == "resave":
         resave(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     else:
