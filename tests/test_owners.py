@@ -94,8 +94,9 @@ def _pending(path: str) -> list[int]:
         return [i.snapshot_id for i in s.snapshots() if i.pending]
 
 
-def _gc_cli(path: str, prefix: list[str] | None = None) -> dict[str, Any]:
-    r = subprocess.run([*(prefix or []), sys.executable, "-m", "snapstore", "--dir", path, "gc", "--json"],
+def _gc_cli(path: str, prefix: list[str] | None = None, extra: list[str] | None = None) -> dict[str, Any]:
+    r = subprocess.run([*(prefix or []), sys.executable, "-m", "snapstore", "--dir", path, "gc", "--json",
+                        *(extra or [])],
                        capture_output=True, text=True, env=_env(), timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     doc: dict[str, Any] = json.loads(r.stdout)
@@ -262,3 +263,26 @@ def test_pending_lease_configuration(store_dir: str, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("SNAPSTORE_PENDING_LEASE_S", "soon")
     with pytest.raises(ss.ConfigError, match="SNAPSTORE_PENDING_LEASE_S"):
         hp.open_store(store_dir)
+
+
+def test_cli_pending_lease_flag_for_old_form_owners(tmp_path: Any) -> None:
+    path = str(tmp_path / "store")
+
+    def verify_dead(lease: str) -> list[int]:
+        r = subprocess.run([sys.executable, "-m", "snapstore", "--dir", path, "verify", "--json",
+                            "--pending-lease", lease], capture_output=True, text=True, env=_env(), cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        dead: list[int] = json.loads(r.stdout)["dead_pending"]
+        return dead
+
+    with hp.open_store(path, disk=DISK) as writer:
+        t0 = time.time()
+        sid = _make_legacy(writer, 2, "pod-a-1:4242:12345:deadbeef")
+        assert _gc_cli(path)["dead_pending"] == []  # the default lease (300 s) has not passed
+        assert verify_dead("600") == []
+        time.sleep(max(0.0, t0 + 0.6 - time.time()))
+        assert verify_dead("0.5") == [sid]
+        assert _gc_cli(path, extra=["--pending-lease", "0.5"])["dead_pending"] == [sid]
+        r = subprocess.run([sys.executable, "-m", "snapstore", "--dir", path, "gc", "--pending-lease", "0.1"],
+                           capture_output=True, text=True, env=_env(), cwd=ROOT)
+        assert r.returncode == 2 and "pending_lease" in r.stderr
