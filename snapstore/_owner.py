@@ -41,6 +41,7 @@ _HEX32 = re.compile(r"[0-9a-f]{32}")
 _LOCK_SUFFIX = ".lock"
 _NEW_SUFFIX = ".new"
 _KERNEL_FILE = "/proc/sys/kernel/random/boot_id"
+_NEW_STALE_S = 60.0  # a .new name lives for microseconds (create, lock, write, rename); older: a crashed open
 
 _live_here: set[str] = set()  # owner ids this process holds: never probed (POSIX-lock emulations are per process)
 _live_lock = threading.Lock()
@@ -229,8 +230,9 @@ def collect_dead(c: Conn, root: str, lease: float, live: Liveness | None = None
 
 def reap_lock_files(root: str, ids: Iterable[str] | None = None, registered: Iterable[str] = ()) -> int:
     """Unlink lock files of owners that are gone: ``ids``, or with None every file in owners/ whose
-    id is not in ``registered``. A file is removed only by a process on the owner's kernel that
-    took its lock (flock is trusted only there); returns how many went."""
+    id is not in ``registered``. A ``.lock`` file is removed only by a process on the owner's kernel
+    that took its lock (flock is trusted only there); a ``.new`` file (an open that crashed before
+    its rename) once it is a minute old. Returns how many went."""
     d = os.path.join(root, OWNERS_DIR)
     if ids is None:
         keep = set(registered)
@@ -248,11 +250,20 @@ def reap_lock_files(root: str, ids: Iterable[str] | None = None, registered: Ite
         todo = [(oid, _LOCK_SUFFIX) for oid in ids if _HEX32.fullmatch(oid)]
     kernel = kernel_id()
     n = 0
+    now = time.time()
     for oid, suffix in todo:
         with _live_lock:
             if oid in _live_here:
                 continue
         path = _lock_path(d, oid, suffix)
+        if suffix == _NEW_SUFFIX:
+            try:
+                if now - os.stat(path, follow_symlinks=False).st_mtime >= _NEW_STALE_S:
+                    os.unlink(path)
+                    n += 1
+            except OSError:
+                pass
+            continue
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:

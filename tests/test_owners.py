@@ -286,3 +286,29 @@ def test_cli_pending_lease_flag_for_old_form_owners(tmp_path: Any) -> None:
         r = subprocess.run([sys.executable, "-m", "snapstore", "--dir", path, "gc", "--pending-lease", "0.1"],
                            capture_output=True, text=True, env=_env(), cwd=ROOT)
         assert r.returncode == 2 and "pending_lease" in r.stderr
+
+
+def test_gc_removes_leftover_lock_files_of_this_kernel_only(store: ss.Store) -> None:
+    from snapstore._owner import kernel_id
+
+    d = os.path.join(store.path, OWNERS_DIR)
+
+    def leftover(name: str, content: str, age: float = 0.0) -> str:
+        p = os.path.join(d, name)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, content.encode())
+        os.close(fd)
+        if age:
+            os.utime(p, (time.time() - age, time.time() - age))
+        return p
+
+    here = leftover("a" * 32 + ".lock", kernel_id() + "\n")          # crashed before registering: lock free
+    remote = leftover("b" * 32 + ".lock", "another-machine\n")        # another kernel: not ours to judge
+    crashed_new = leftover("c" * 32 + ".new", "", age=120)            # an open that died before its rename
+    fresh_new = leftover("d" * 32 + ".new", "")                       # may be an open in progress
+    other = leftover("not-an-owner.lock", "")
+    store.gc(grace=3600)
+    left = set(os.listdir(d))
+    assert os.path.basename(here) not in left and os.path.basename(crashed_new) not in left
+    assert {os.path.basename(p) for p in (remote, fresh_new, other)} <= left
+    assert store._lease_owner.id + ".lock" in left  # held: a live owner's lock is never removed
