@@ -317,7 +317,9 @@ class Owner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         try:
-            db.write(self.renew)  # registered before any capture names it
+            # registered before any capture names it; not fsynced: every transaction that inserts one
+            # of its captures (durable) registers it again, so a power cut cannot orphan a capture
+            db.write(self.renew, durable=False)
         except BaseException:
             self.release()
             raise
