@@ -94,8 +94,12 @@ examples:
   snapstore verify --deep --repair
 """
 
+_LEASE_HELP = ("the lease of pending captures whose owner token has the old (schema v1) form, counted from "
+               "the capture (default $SNAPSTORE_PENDING_LEASE_S, else 300); current owners carry their own")
+
 _GC_HELP = """\
-Removes, in one transaction: pending captures of dead processes, snapshots of a stale identity
+Removes, in one transaction: pending captures of dead owners (lock free, or lease expired; see
+docs/format.md "Owners and liveness"), snapshots of a stale identity
 (--drop-identity, or every identity but --keep-identity), snapshots unused for --ttl seconds,
 and least-recently-used leaves until the store fits --disk-mib / --max-entries (the library's
 own eviction: a snapshot with children is never evicted). Then chunk files nothing references
@@ -187,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="remove the damaged snapshots and every snapshot whose chain includes one")
     pv.add_argument("--grace", type=_nonneg_float, default=3600.0, metavar="S",
                     help="with --repair: remove orphan/temp files older than S seconds (default 3600)")
+    pv.add_argument("--pending-lease", type=_nonneg_float, metavar="S", help=_LEASE_HELP)
 
     pg = sub.add_parser("gc", parents=[common], formatter_class=fmt, description=_GC_HELP,
                         help="reclaim space: orphans, dead captures, expired/stale, over budget")
@@ -202,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--keep-identity", metavar="KEY", help="remove every snapshot of every other identity")
     pg.add_argument("--grace", type=_nonneg_float, default=3600.0, metavar="S",
                     help="only remove orphan chunk files and temp files older than S seconds (default 3600)")
+    pg.add_argument("--pending-lease", type=_nonneg_float, metavar="S", help=_LEASE_HELP)
 
     sub.add_parser("stats", parents=[common], formatter_class=fmt, description=_STATS_HELP,
                    help="the library's counters")
@@ -542,7 +548,8 @@ def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
     clean_after: bool | None = None
     try:
         with _open(root, readonly=not args.repair) as repo:
-            report = verify(repo, deep=args.deep, repair=args.repair, progress=progress, grace=args.grace)
+            report = verify(repo, deep=args.deep, repair=args.repair, progress=progress, grace=args.grace,
+                            pending_lease=args.pending_lease)
             if report.repaired:
                 clean_after = verify(repo, deep=False).ok
     except CorruptionError as e:  # the catalog itself cannot be read: damage, not a usage error
@@ -631,7 +638,7 @@ def cmd_gc(args: argparse.Namespace, out: _Out) -> int:
         report = gc(repo, grace=args.grace, dry_run=args.dry_run, ttl=float(ttl) if ttl else None,
                     drop_identity=drop, keep_identity=keep,
                     disk_bytes=disk_mib * MIB if disk_mib is not None else None, max_entries=max_entries,
-                    progress=progress)
+                    progress=progress, pending_lease=args.pending_lease)
     doc = {"format": FORMAT, "command": "gc", "dir": os.path.abspath(root), **report.to_dict(),
            "limits": {"disk_bytes": disk_mib * MIB if disk_mib is not None else None, "max_entries": max_entries,
                       "ttl": float(ttl) if ttl else None, "grace": args.grace,

@@ -11,12 +11,17 @@ import platformdirs
 from ._errors import ConfigError
 from ._layout import Layout
 
-__all__ = ["Budget", "default_dir", "env_int"]
+__all__ = ["Budget", "default_dir", "env_int", "pending_lease"]
 
 MIB = 1 << 20
 DEFAULT_DISK_MIB = 51200
 DEFAULT_RAM_MIB = 2048
 DEFAULT_RESERVE_MIB = 1024
+# Lease of a pending capture's owner, renewed every lease/4. Only owners nothing can probe (another
+# kernel: another host, or a lock that cannot be opened) depend on it; 5 minutes bounds how long a
+# dead pod's captures stay pinned while surviving a stalled renewal (a long write lock, a paused VM).
+DEFAULT_PENDING_LEASE_S = 300.0
+MIN_PENDING_LEASE_S = 0.5
 
 
 def env_int(name: str) -> int | None:
@@ -31,6 +36,24 @@ def env_int(name: str) -> int | None:
     if value < 0:
         raise ConfigError(f"${name} must be >= 0, got {value}")
     return value
+
+
+def pending_lease(value: float | None) -> float:
+    """The pending-capture lease in seconds: the keyword, else ``$SNAPSTORE_PENDING_LEASE_S``, else 300."""
+    source = "pending_lease"
+    if value is None:
+        raw = os.environ.get("SNAPSTORE_PENDING_LEASE_S", "").strip()
+        if not raw:
+            return DEFAULT_PENDING_LEASE_S
+        source = "$SNAPSTORE_PENDING_LEASE_S"
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"$SNAPSTORE_PENDING_LEASE_S must be a number of seconds, got {raw!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < MIN_PENDING_LEASE_S:
+        raise ConfigError(f"{source} must be a finite number of seconds >= {MIN_PENDING_LEASE_S}, got {value!r}")
+    return float(value)
 
 
 def default_dir() -> str:

@@ -26,7 +26,7 @@ import apsw.bestpractice
 from ._errors import CorruptionError, StateError, StoreFormatError, StoreIOError
 from ._tokens import BLOCK
 
-__all__ = ["APPLICATION_ID", "MIN_SQLITE", "ChunkRow", "Database", "PartRow", "SnapRow"]
+__all__ = ["APPLICATION_ID", "MIN_SQLITE", "ChunkRow", "Database", "OwnerRow", "PartRow", "SnapRow"]
 
 T = TypeVar("T")
 APPLICATION_ID = 0x534E5053  # "SNPS"
@@ -95,6 +95,19 @@ class ChunkRow:
     refs: int
     created: float
     scope: bytes
+
+
+@dataclass(frozen=True)
+class OwnerRow:
+    """One row of ``owners``: an open Store that may own pending captures, and its lease."""
+
+    id: str
+    kernel: str
+    host: str
+    pid: int
+    lease: float
+    renewed: float
+    created: float
 
 
 def _int(c: Conn, sql: str, args: tuple[Any, ...] = ()) -> int:
@@ -588,6 +601,27 @@ class Database:
                 Database.add_counter(c, "stored_bytes", -int(row[1]))
                 freed.append(cid)
         return freed
+
+    # -- owners of pending captures ----------------------------------------------------------
+    @staticmethod
+    def owners(c: Conn) -> dict[str, OwnerRow]:
+        """Every registered owner by id; none in a schema-v1 catalog read without migrating it."""
+        if c.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'owners'").fetchone() is None:
+            return {}
+        return {str(r[0]): OwnerRow(str(r[0]), str(r[1]), str(r[2]), int(r[3]), float(r[4]), float(r[5]),
+                                    float(r[6]))
+                for r in c.execute("SELECT id, kernel, host, pid, lease, renewed, created FROM owners")}
+
+    @staticmethod
+    def renew_owner(c: Conn, oid: str, kernel: str, host: str, pid: int, lease: float, now: float) -> None:
+        """Register an owner or renew its lease (re-registering one a sweeper declared dead)."""
+        c.execute("INSERT INTO owners(id, kernel, host, pid, lease, renewed, created) VALUES (?, ?, ?, ?, ?, ?, ?) "
+                  "ON CONFLICT(id) DO UPDATE SET renewed = max(renewed, excluded.renewed), lease = excluded.lease",
+                  (oid, kernel, host, pid, lease, now, now))
+
+    @staticmethod
+    def delete_owner(c: Conn, oid: str) -> None:
+        c.execute("DELETE FROM owners WHERE id = ?", (oid,))
 
     # -- parts and chunks --------------------------------------------------------------------
     @staticmethod

@@ -23,11 +23,13 @@ import blake3
 
 from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, decode_payload, parse_header, read_exact
 from ._config import Budget
+from ._config import pending_lease as resolve_lease
 from ._db import Conn, Database, catalog_copy, rolled_back
 from ._errors import CorruptionError
 from ._lifecycle import drop_leaf, drop_subtree, evict_until, over_budget
+from ._owner import Liveness, collect_dead, reap_lock_files
 from ._publish import TEMP_PREFIX
-from ._repo import Repo, owner_alive
+from ._repo import Repo
 
 __all__ = ["GcReport", "VerifyReport", "gc", "verify"]
 
@@ -195,27 +197,32 @@ def _structure(c: Conn, report: VerifyReport) -> dict[int, list[str]]:
 
 
 def verify(repo: Repo, *, deep: bool = False, repair: bool = False, progress: Progress | None = None,
-           grace: float = 3600.0) -> VerifyReport:
+           grace: float = 3600.0, pending_lease: float | None = None) -> VerifyReport:
     """Check SQLite integrity, chunk files (re-hashed with ``deep``), chains and accounting.
 
     ``repair`` removes exactly the damaged snapshots and every snapshot whose chain includes one
     (then chain links left purposeless, rows of damaged chunks, and orphan/temp files older than
-    ``grace``), and corrects the refcounts and the stored-bytes counter.
+    ``grace``), and corrects the refcounts and the stored-bytes counter. It removes only damage it
+    re-confirms inside its write transaction (a writer may have dropped and re-saved a chunk since
+    the scan). ``pending_lease`` (default ``$SNAPSTORE_PENDING_LEASE_S``, else 300 s) applies to
+    owners of the old token form when listing dead pending captures.
     """
     report = VerifyReport(deep=deep)
     db = repo.db
+    lease = resolve_lease(pending_lease)
 
-    def snapshot_state(c: Conn) -> tuple[list[str], list[str], dict[int, list[str]], list[Any], list[Any]]:
+    def snapshot_state(c: Conn) -> tuple[list[str], list[str], dict[int, list[str]], list[Any], list[int]]:
         errs = Database.integrity_check(c)
         fks = [f"foreign key: a {r[0]} row refers to a missing {r[2]} row"
                for r in Database.foreign_key_check(c)]
         bad = _structure(c, report) if not errs else {}
-        return errs, fks, bad, list(Database.all_chunks(c)), Database.pending(c)
+        dead = [s.id for s in Liveness(repo.root, c, lease).dead_pending(c)]
+        return errs, fks, bad, list(Database.all_chunks(c)), dead
 
-    errs, fks, bad, chunks, pending = db.read(snapshot_state)
+    errs, fks, bad, chunks, dead_pending = db.read(snapshot_state)
     report.sqlite_errors = errs
     report.problems[:0] = list(dict.fromkeys(fks))
-    report.dead_pending = [s.id for s in pending if not owner_alive(s.owner)]
+    report.dead_pending = sorted(dead_pending)
     total = sum(ch.stored_len for ch in chunks)
     done = 0
     scratch = bytearray()
@@ -253,7 +260,7 @@ def verify(repo: Repo, *, deep: bool = False, repair: bool = False, progress: Pr
     report.orphan_files = sorted(path for cid, path in repo.blob_files() if cid not in known)
     report.temp_files = _temp_files(repo, time.time(), 0.0)
     if repair and not report.sqlite_errors:
-        _repair(repo, report, damaged, grace)
+        _repair(repo, report, bad, damaged, grace)
     return report
 
 
@@ -268,15 +275,38 @@ def _row_exists(db: Database, cid: bytes) -> bool:
     return db.read(lambda c: Database.chunk(c, cid)) is not None
 
 
-def _repair(repo: Repo, report: VerifyReport, damaged: dict[bytes, str], grace: float) -> None:
-    def fix(c: Conn) -> tuple[list[bytes], list[int], list[int]]:
+def _repair(repo: Repo, report: VerifyReport, bad: dict[int, list[str]], damaged: dict[bytes, str],
+            grace: float) -> None:
+    """Drop what the scan found damaged, after re-confirming it inside the write transaction.
+
+    The scan ran without the write lock: beside a running engine a chunk it found damaged (or
+    missing, or of another size) may since have been dropped and saved again, healthy, by a
+    snapshot the scan never saw. Under the lock no writer can drop, re-save or unlink a chunk, so
+    each suspect file is re-checked against its current row there, structural damage is
+    re-derived, and the damaged set comes only from what is confirmed, never from the scan alone.
+    """
+    scratch = bytearray()
+
+    def fix(c: Conn) -> tuple[list[bytes], dict[bytes, str], dict[int, list[str]], list[int], list[int]]:
+        confirmed: dict[bytes, str] = {}
+        for cid in damaged:
+            row = Database.chunk(c, cid)
+            if row is None:
+                continue  # dropped since the scan: no snapshot uses it any more
+            again = _check_chunk(repo, cid, row.raw_len, row.stored_len, row.checksum, row.scope, report.deep,
+                                 scratch)
+            if again is not None:
+                confirmed[cid] = again
+        still_bad = _structure(c, VerifyReport(deep=report.deep)) if bad else {}
+        dmg: dict[int, list[str]] = {sid: list(still_bad[sid]) for sid in bad if sid in still_bad}
+        for cid, problem in confirmed.items():
+            for sid in Database.chunk_users(c, cid):
+                dmg.setdefault(sid, []).append(f"chunk {cid.hex()}: {problem}")
         freed: list[bytes] = []
-        # recompute inside the write transaction: a child saved since the scan is removed too
-        doomed: set[int] = set()
-        for sid in report.damaged_snapshots:
-            if Database.snapshot(c, sid) is not None:
-                doomed.add(sid)
-                doomed.update(Database.descendants(c, sid))
+        # the descendants as they are now: a child saved since the scan is removed too
+        doomed: set[int] = set(dmg)
+        for sid in dmg:
+            doomed.update(Database.descendants(c, sid))
         rows = [s for s in (Database.snapshot(c, sid) for sid in doomed) if s is not None]
         parents = {s.parent_id for s in rows if s.parent_id is not None} - doomed
         for s in sorted(rows, key=lambda s: (-s.depth, -s.id)):
@@ -298,14 +328,25 @@ def _repair(repo: Repo, report: VerifyReport, damaged: dict[bytes, str], grace: 
                 Database.delete_chunk_row(c, ch.id)
                 freed.append(ch.id)
         Database.set_counter(c, "stored_bytes", sum(ch.stored_len for ch in Database.all_chunks(c)))
-        return freed, sorted(doomed), sorted(pruned)
+        return freed, confirmed, dmg, sorted(s.id for s in rows), sorted(pruned)
 
-    freed, removed, pruned = repo.db.write(fix)
+    freed, confirmed, dmg, removed, pruned = repo.db.write(fix)
     _unlink_chunks(repo, freed)
-    _unlink_chunks(repo, damaged)  # a damaged file whose row is gone: removed even if young
+    _unlink_chunks(repo, confirmed)  # a damaged file whose row is gone: removed even if young
+    # the report tells what was confirmed and removed, not what the unlocked scan suspected
+    stale = {f"chunk {cid.hex()}: {why}" for cid, why in damaged.items()}
+    stale |= {f"snapshot {sid}: {why}" for sid, whys in bad.items() for why in whys}
+    report.problems = [p for p in report.problems if p not in stale]
+    report.problems += [f"snapshot {sid}: {why}" for sid, whys in sorted(dmg.items()) for why in whys
+                        if not why.startswith("chunk ")]
+    report.problems += [f"chunk {cid.hex()}: {why}" for cid, why in confirmed.items()]
+    report.damaged_chunks = list(confirmed)
+    report.damage = dmg
+    report.damaged_snapshots = sorted(dmg)
+    report.affected_snapshots = removed
     report.removed_snapshots = removed
     report.pruned_snapshots = pruned
-    report.repaired = not report.ok  # damage was found and removed
+    report.repaired = not report.ok  # damage was confirmed and removed
     orphans, temps, _ = _collect_orphans(repo, grace, dry_run=False)
     report.removed_files = orphans + temps
 
@@ -388,14 +429,18 @@ def _collect_orphans(repo: Repo, grace: float, dry_run: bool, progress: Progress
 def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_run: bool = False,
        ttl: float | None = None, drop_identity: str | None = None, keep_identity: str | None = None,
        disk_bytes: int | None = None, max_entries: int | None = None,
-       progress: Progress | None = None) -> GcReport:
+       progress: Progress | None = None, pending_lease: float | None = None) -> GcReport:
     """Remove dead pending captures, stale-identity and expired snapshots, over-budget leaves, then orphans.
 
     The budget is ``budget`` (resolved: the library's view) or else ``disk_bytes``/``max_entries``
     (None: no limit). Eviction pops least-recently-used committed leaves, as the library does.
-    ``dry_run`` plans on an in-memory copy of the catalog and writes nothing.
+    ``dry_run`` plans on an in-memory copy of the catalog and writes nothing. Dead pending
+    captures are judged by the one liveness rule (:mod:`snapstore._owner`); ``pending_lease``
+    (default ``$SNAPSTORE_PENDING_LEASE_S``, else 300 s) applies to owners of the old token form.
     """
     report = GcReport(dry_run=dry_run)
+    lease = resolve_lease(pending_lease)
+    owners_left: list[str] = []
     if budget is not None:
         b = budget.resolved()
         disk_bytes, max_entries = b.disk_bytes, b.max_entries
@@ -415,9 +460,11 @@ def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_r
             bucket.extend(gone)
             report.removed_snapshots.extend(gone)
 
-        for s in Database.pending(c):
-            if not owner_alive(s.owner):
-                drop(s.id, report.dead_pending)
+        f, gone, _dead = collect_dead(c, repo.root, lease, Liveness(repo.root, c, lease, now))
+        freed += f
+        report.dead_pending.extend(gone)
+        report.removed_snapshots.extend(gone)
+        owners_left[:] = list(Database.owners(c))
         for ident_id, key, *_ in Database.identities(c):
             if (drop_identity is not None and key == drop_identity) or (
                     keep_identity is not None and key != keep_identity):
@@ -460,5 +507,7 @@ def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_r
         report.bytes_freed = _unlink_chunks(repo, freed, progress, 0, chunk_bytes)
         orphans, temps, orphan_bytes = _collect_orphans(repo, grace, False, progress)
         report.bytes_freed += orphan_bytes
+        # lock files of owners that are gone (a crash leaves them; only this kernel's are judged)
+        reap_lock_files(repo.root, None, registered=owners_left)
     report.orphan_files, report.temp_files = orphans, temps
     return report

@@ -7,8 +7,6 @@ Shared by :class:`snapstore.Store` (an engine's view, bound to one identity) and
 from __future__ import annotations
 
 import os
-import secrets
-import socket
 import stat
 from collections.abc import Iterable
 
@@ -17,46 +15,10 @@ from ._db import Conn, Database, MemDatabase, snapshot_catalog
 from ._errors import ConfigError, CorruptionError, StoreFormatError
 from ._publish import ensure_dir, fsync_dir, io_error
 
-__all__ = ["Repo", "owner_token", "owner_alive"]
+__all__ = ["Repo"]
 
 DB_NAME = "snapstore.db"
 _HEX2 = [f"{i:02x}" for i in range(256)]
-
-
-def _proc_start(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return data.rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return "?"
-
-
-def owner_token() -> str:
-    """Who owns a pending capture: host, pid, process start time (pids are reused) and a nonce
-    naming one open Store (two stores in one process never abandon each other's captures)."""
-    pid = os.getpid()
-    return f"{socket.gethostname()}:{pid}:{_proc_start(pid)}:{secrets.token_hex(4)}"
-
-
-def owner_alive(token: str | None) -> bool:
-    """False when the process that owns a pending capture is certainly gone."""
-    if not token:
-        return False
-    try:
-        host, pid_s, start, _nonce = token.rsplit(":", 3)
-        pid = int(pid_s)
-    except ValueError:
-        return False
-    if host != socket.gethostname():
-        return True  # another machine sharing the directory: cannot tell, keep it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return start == "?" or _proc_start(pid) in (start, "?")
 
 
 class Repo:

@@ -24,6 +24,7 @@ from ._buffers import Source, as_source
 from ._chunker import Chunker, Piece, StagingBuffer
 from ._chunkfile import CODECS, HEADER_SIZE, checksum, header_at, scope_key
 from ._config import MIB, Budget, default_dir, env_int
+from ._config import pending_lease as resolve_lease
 from ._db import Conn, Database, SnapRow
 from ._errors import (
     ConfigError,
@@ -40,9 +41,10 @@ from ._errors import (
 from ._identity import Identity
 from ._layout import Fixed, Layout, Rows
 from ._lifecycle import drop_subtree, evict_until, over_budget, supersede
+from ._owner import Liveness, Owner, collect_dead, reap_lock_files
 from ._plan import RestorePlan, build_plan
 from ._ramtier import RamTier
-from ._repo import Repo, owner_alive, owner_token
+from ._repo import Repo
 from ._restore import stream_plan
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._tokens import TokenIndex, as_token_array, decode_tokens, encode_tokens
@@ -135,7 +137,8 @@ class Store:
     """
 
     def __init__(self, repo: Repo, identity: Identity, layout: Layout, budget: Budget, *,
-                 chunk_bytes: int, codec: int, staging_bytes: int, check_rows: bool):
+                 chunk_bytes: int, codec: int, staging_bytes: int, check_rows: bool,
+                 pending_lease: float | None = None):
         self._repo = repo
         self.identity = identity
         self.layout = layout
@@ -144,7 +147,7 @@ class Store:
         self.codec = codec
         self.check_rows = check_rows
         self.staging_bytes = staging_bytes
-        self._owner = owner_token()
+        self.pending_lease = resolve_lease(pending_lease)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapstore")
         self._staging = StagingBuffer(staging_bytes, chunk_bytes)
         self._ram = RamTier(budget.ram_bytes or 0) if budget.ram_bytes else None
@@ -162,20 +165,28 @@ class Store:
         self._ensure_identity()
         self._chunker = Chunker(repo.blob_path, repo.tmp, chunk_bytes, codec, self._staging, self._pool,
                                 self._chunk_known)
+        try:  # last: nothing after it can fail and leave the lock held and its thread running
+            self._lease_owner = Owner(repo.db, repo.root, self.pending_lease)
+        except BaseException:
+            self._pool.shutdown(wait=True)
+            raise
+        self._owner = self._lease_owner.token
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike[str] | None = None, *, identity: Identity, layout: Layout,
              budget: Budget | None = None, drop_stale: bool = True, chunk_bytes: int | None = None,
              codec: str | None = None, staging_bytes: int | None = None,
-             check_rows: bool | None = None) -> Store:
+             check_rows: bool | None = None, pending_lease: float | None = None) -> Store:
         """Open (creating if needed) the store at ``path`` for ``identity``.
 
         path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove every
         snapshot of other identities now (one transaction, no chunk-file scan). chunk_bytes
         (``SNAPSTORE_CHUNK_MIB``, 32 MiB), codec (``SNAPSTORE_CODEC``: raw | zstd | zstd-shuffle2;
         raw), staging_bytes (``SNAPSTORE_STAGING_MIB``, 64 MiB), check_rows
-        (``SNAPSTORE_CHECK_ROWS=1``: verify the rows a delta vouches for against the parent chain).
+        (``SNAPSTORE_CHECK_ROWS=1``: verify the rows a delta vouches for against the parent chain),
+        pending_lease (``SNAPSTORE_PENDING_LEASE_S``, 300 s: how long this store's pending captures
+        outlive a stalled renewal, as seen from another host; docs/format.md "Owners and liveness").
         """
         if not isinstance(identity, Identity):
             raise ConfigError("Store.open needs identity=snapstore.Identity(...)")
@@ -209,12 +220,19 @@ class Store:
             # "" would silently become the current directory; None is how to ask for the default
             raise ConfigError(f"store path {root!r} is empty; pass a directory, or path=None for "
                               "$SNAPSTORE_DIR / the per-user cache directory")
+        lease = resolve_lease(pending_lease)
         repo = Repo(root)
         try:
             store = cls(repo, identity, layout, budget, chunk_bytes=chunk, codec=CODECS[codec_name],
-                        staging_bytes=staging, check_rows=bool(check_rows))
+                        staging_bytes=staging, check_rows=bool(check_rows), pending_lease=lease)
+        except BaseException:
+            repo.close()
+            raise
+        try:
             store._housekeeping(drop_stale=drop_stale)
         except BaseException:
+            store._lease_owner.release()
+            store._pool.shutdown(wait=True)
             repo.close()
             raise
         return store
@@ -225,17 +243,17 @@ class Store:
         return self._repo.root
 
     def _housekeeping(self, *, drop_stale: bool) -> None:
-        """At open: drop pending captures of dead processes, stale identities, expired snapshots."""
+        """At open: drop pending captures of dead owners, stale identities, expired snapshots."""
         now = time.time()
         ttl = self.budget.ttl
+        dead_owners: list[str] = []
 
         def run(c: Conn) -> list[bytes]:
-            freed: list[bytes] = []
-            for snap in Database.pending(c):
-                if not owner_alive(snap.owner) and Database.snapshot(c, snap.id) is not None:
-                    f, gone = drop_subtree(c, snap.id)
-                    freed += f
-                    Database.add_counter(c, "abandoned", len(gone))
+            live = Liveness(self._repo.root, c, self.pending_lease, now)
+            freed, gone, dead = collect_dead(c, self._repo.root, self.pending_lease, live)
+            dead_owners[:] = dead
+            if gone:
+                Database.add_counter(c, "abandoned", len(gone))
             if drop_stale:
                 for ident_id, key, *_ in Database.identities(c):
                     if key == self.identity.key:
@@ -243,7 +261,7 @@ class Store:
                     n = 0
                     for snap in sorted(Database.snapshots(c, ident_id), key=lambda s: -s.depth):
                         # deepest first; a live process's pending capture (and the chain it pins) stays
-                        if snap.state == 0 and owner_alive(snap.owner):
+                        if snap.state == 0 and live.alive(snap.owner, snap.created):
                             continue
                         if Database.snapshot(c, snap.id) is not None and not Database.has_children(c, snap.id):
                             freed += Database.delete_snapshot(c, snap.id)
@@ -255,6 +273,7 @@ class Store:
             return freed
 
         self._release(self._repo.db.write(run))
+        reap_lock_files(self._repo.root, dead_owners)
 
     def _expire(self, c: Conn, before: float) -> list[bytes]:
         freed: list[bytes] = []
@@ -597,6 +616,8 @@ class Store:
                 if p is None or (p.state == 0 and (p.owner != self._owner or commit)):
                     raise _Retry(parent_gone=True)
             iid = self._iid(c)
+            if not commit:
+                self._lease_owner.renew(c)  # a capture is never younger than its owner's lease
             if commit:
                 same = Database.same_content(c, iid, ns, index.prefix_key(n), content_key)
                 if same is not None:
@@ -974,7 +995,7 @@ class Store:
     def verify(self, deep: bool = True) -> Any:
         """Check the store (see snapstore verify); returns a VerifyReport."""
         from ._maintenance import verify
-        report = verify(self._repo, deep=deep)
+        report = verify(self._repo, deep=deep, pending_lease=self.pending_lease)
         if self._ram is not None:
             for cid in report.damaged_chunks:
                 self._ram.discard(cid)
@@ -984,10 +1005,10 @@ class Store:
     def gc(self, *, grace: float = 3600.0, dry_run: bool = False) -> Any:
         """Collect orphan and temp files, dead pending captures, expired snapshots, over-budget leaves."""
         from ._maintenance import gc
-        return gc(self._repo, budget=self.budget, grace=grace, dry_run=dry_run)
+        return gc(self._repo, budget=self.budget, grace=grace, dry_run=dry_run, pending_lease=self.pending_lease)
 
     def close(self) -> None:
-        """Abandon this process's pending captures, flush counters, release resources.
+        """Abandon this store's pending captures (and dead owners'), flush counters, release resources.
 
         Safe against other threads: calls that start after close() began raise StateError; calls
         already running finish first (close waits for them). Idempotent; a second close() (from
@@ -1004,7 +1025,10 @@ class Store:
             self._closed = True  # from here on every new call raises StateError
             while self._active:
                 self._gate.wait()
+        dead_owners: list[str] = []
         try:
+            self._lease_owner.stop()  # no renewal may re-register the row this transaction deletes
+
             def txn(c: Conn) -> list[bytes]:
                 freed: list[bytes] = []
                 for snap in Database.pending(c):
@@ -1012,11 +1036,18 @@ class Store:
                         f, gone = drop_subtree(c, snap.id)
                         freed += f
                         Database.add_counter(c, "abandoned", len(gone))
-                return freed
+                self._lease_owner.retire(c)
+                f, gone, dead = collect_dead(c, self._repo.root, self.pending_lease)
+                dead_owners[:] = dead
+                if gone:
+                    Database.add_counter(c, "abandoned", len(gone))
+                return freed + f
 
             self._release(self._write(txn))
         finally:
             try:
+                self._lease_owner.release()  # after the transaction: our captures are gone before the lock is free
+                reap_lock_files(self._repo.root, dead_owners)
                 self._pool.shutdown(wait=True)
                 if self._ram is not None:
                     self._ram.clear()

@@ -9,6 +9,12 @@ run every acknowledged save restores exact or is legitimately gone (evicted/supe
 raises SnapshotUnavailableError/NotFoundError, and the count stays within the counters); verify
 (deep) ok. Prints operations per second.
 
+Beside them runs a gc sidecar in a PID namespace of its own (``unshare --pid --fork --mount-proc``,
+as a sidecar container would: the workers' pids are not visible to it) looping gc with the same
+budget; it must never take a live worker's pending capture (a worker's commit() would then fail
+with NotFoundError, counted as an error). Where unshare is not permitted the sidecar is left out
+and the figures say why.
+
 Run alone: ``python tests/test_concurrency.py [SECONDS]``.
 """
 
@@ -41,8 +47,26 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _pidns_prefix() -> tuple[list[str] | None, str]:
+    """The unshare prefix for a process in a new PID namespace, or None and the reason it is not permitted."""
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc"]
+    try:
+        r = subprocess.run([*cmd, "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"unshare not available: {e}"
+    if r.returncode != 0:
+        return None, f"unshare --pid not permitted: {r.stderr.strip()}"
+    return cmd, ""
+
+
 def run_concurrency(path: str, seconds: float) -> dict[str, Any]:
     hp.open_store(path, disk=DISK).close()
+    pidns, why_not = _pidns_prefix()
+    sidecar = None
+    if pidns is not None:
+        sidecar = subprocess.Popen([*pidns, sys.executable, os.path.join(HERE, "helpers_owner.py"), "gcloop", path,
+                                    str(seconds), str(DISK)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   env=_env())
     ack = os.path.join(os.path.dirname(path), "acks.txt")
     open(ack, "w").close()
     t0 = time.monotonic()
@@ -89,16 +113,21 @@ def run_concurrency(path: str, seconds: float) -> dict[str, Any]:
     for t in helpers:
         t.start()
     results = []
+    side: dict[str, Any] = {"skipped": why_not}
     try:
         for p in procs:
             out, err = p.communicate(timeout=seconds + 240)
             assert p.returncode == 0, err.decode()[-3000:]
             results.append(json.loads(out.decode().strip().splitlines()[-1]))
+        if sidecar is not None:
+            out, err = sidecar.communicate(timeout=seconds + 240)
+            assert sidecar.returncode == 0, err.decode()[-3000:]
+            side = json.loads(out.decode().strip().splitlines()[-1])
     finally:
         stop.set()
         for t in helpers:
             t.join()
-        for p in procs:
+        for p in [*procs, *([sidecar] if sidecar is not None else [])]:
             if p.poll() is None:
                 p.kill()
     wall = time.monotonic() - t0
@@ -108,6 +137,7 @@ def run_concurrency(path: str, seconds: float) -> dict[str, Any]:
     totals["wall_s"] = round(wall, 1)
     totals["cli"] = cli
     totals["parent_samples"] = samples
+    totals["pidns_gc"] = side
 
     acked: dict[int, tuple[int, int]] = {}
     for line in open(ack):
@@ -148,6 +178,11 @@ def test_concurrency(tmp_path: Any) -> None:
     assert fig["cli"]["runs"] > 0
     assert fig["lost"] == 0
     assert fig["acked"] > 0 and fig["restores"] > 0
+    side = fig["pidns_gc"]
+    if side.get("skipped"):
+        print("gc sidecar in another PID namespace left out:", side["skipped"])
+    else:  # it ran beside the writers and never took a live worker's pending capture
+        assert side["runs"] > 0 and side["errors"] == [] and side["dead_pending"] == 0, side
 
 
 if __name__ == "__main__":
