@@ -9,6 +9,7 @@ import torch
 
 from snapstore import DestinationError, Fixed, Layout, LayoutError, RestoreResult, Rows, SaveResult, Store
 
+from ._device import CUDA
 from ._torch import Staging, TensorSink, TensorSource, canonical, dtype_name, fixed_spec, rows_spec
 
 __all__ = ["TorchAdapter", "layout_of", "part_sink", "part_source"]
@@ -54,7 +55,8 @@ def part_source(t: torch.Tensor, token_dim: int | None = None, staging: Staging 
     """What the core should read for a tensor: a zero-copy numpy uint8 view when the tensor is on
     the CPU, canonical and contiguous; else a :class:`TensorSource` (strided / device copy)."""
     c = canonical(t, token_dim)
-    if t.device.type == "cpu" and pad_rows is None and (c.dim() == 0 or c.is_contiguous()):
+    device = (staging.backend if staging is not None else CUDA).is_device(t)
+    if not device and t.device.type == "cpu" and pad_rows is None and (c.dim() == 0 or c.is_contiguous()):
         return c.reshape(-1).view(torch.uint8).numpy()
     return TensorSource(t, token_dim, staging, pad_rows=pad_rows)
 
@@ -63,7 +65,8 @@ def part_sink(t: torch.Tensor, token_dim: int | None = None, staging: Staging | 
     """What the core should write into for a destination tensor: a zero-copy numpy uint8 view
     when possible, else a :class:`TensorSink` (call ``finish()`` after the restore)."""
     c = canonical(t, token_dim)
-    if t.device.type == "cpu" and (c.dim() == 0 or c.is_contiguous()):
+    device = (staging.backend if staging is not None else CUDA).is_device(t)
+    if not device and t.device.type == "cpu" and (c.dim() == 0 or c.is_contiguous()):
         return c.reshape(-1).view(torch.uint8).numpy()
     return TensorSink(t, token_dim, staging)
 
@@ -74,14 +77,15 @@ class TorchAdapter:
     token_dims: part name -> token axis of that tensor (row streams; default 0). A fixed part
     listed here is stored with that axis outermost too. staging: a :class:`Staging` to share, or
     its size in bytes (default 64 MiB, ``SNAPSTORE_STAGING_MIB``); only device tensors use it.
+    backend: the device seam (default ``torch.cuda``; tests pass a stream model), for a new Staging.
     """
 
     def __init__(self, store: Store, *, token_dims: Mapping[str, int] | None = None,
-                 staging: Staging | int | None = None):
+                 staging: Staging | int | None = None, backend: Any = None):
         self.store = store
         self.layout = store.layout
         self.token_dims = dict(token_dims or {})
-        self.staging = staging if isinstance(staging, Staging) else Staging(staging)
+        self.staging = staging if isinstance(staging, Staging) else Staging(staging, backend=backend)
 
     def _td(self, name: str, token_dims: Mapping[str, int] | None) -> int | None:
         if token_dims and name in token_dims:

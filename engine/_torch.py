@@ -21,6 +21,7 @@ import math
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,8 @@ import torch
 
 from snapstore import Fixed, LayoutError, Rows
 from snapstore._layout import DTYPE_SIZES
+
+from ._device import CUDA
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
@@ -100,7 +103,14 @@ def _bits(c: torch.Tensor) -> torch.Tensor:
     return c if alt is None or c.dtype == alt else c.view(alt)
 
 
-def _xfer(c: torch.Tensor, a: int, b: int, buf: torch.Tensor, into_tensor: bool, nb: bool) -> None:
+Copy = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _sync_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def _xfer(c: torch.Tensor, a: int, b: int, buf: torch.Tensor, into_tensor: bool, copy: Copy) -> None:
     """Copy bytes [a, b) of ``c``'s C-order serialisation to (or, into_tensor, from) ``buf``.
 
     ``buf`` is a 1-D uint8 tensor of ``b - a`` bytes (host or device). Whole leading-axis rows go
@@ -111,27 +121,27 @@ def _xfer(c: torch.Tensor, a: int, b: int, buf: torch.Tensor, into_tensor: bool,
     if c.dim() == 0 or c.is_contiguous():
         flat = c.reshape(-1).view(torch.uint8)[a:b]
         if into_tensor:
-            flat.copy_(buf, non_blocking=nb)
+            copy(flat, buf)
         else:
-            buf.copy_(flat, non_blocking=nb)
+            copy(buf, flat)
         return
     rb = (c.numel() // c.shape[0]) * c.element_size()
     r0 = a // rb
     pos = a
     if a % rb:
         end = min(b, (r0 + 1) * rb)
-        _xfer(c[r0], a - r0 * rb, end - r0 * rb, buf[pos - a:end - a], into_tensor, nb)
+        _xfer(c[r0], a - r0 * rb, end - r0 * rb, buf[pos - a:end - a], into_tensor, copy)
         pos, r0 = end, r0 + 1
     r1 = b // rb
     if r1 > r0:
         seg = buf[pos - a:r1 * rb - a].view(c.dtype).view(r1 - r0, *c.shape[1:])
         if into_tensor:
-            c[r0:r1].copy_(seg, non_blocking=nb)
+            copy(c[r0:r1], seg)
         else:
-            seg.copy_(c[r0:r1], non_blocking=nb)
+            copy(seg, c[r0:r1])
         pos = r1 * rb
     if pos < b:
-        _xfer(c[r1], 0, b - pos, buf[pos - a:], into_tensor, nb)
+        _xfer(c[r1], 0, b - pos, buf[pos - a:], into_tensor, copy)
 
 
 def _host_u8(mv: memoryview) -> torch.Tensor:
@@ -142,13 +152,6 @@ def _host_u8(mv: memoryview) -> torch.Tensor:
         return torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
 
 
-def _cuda_available() -> bool:
-    try:
-        return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001 - a broken driver means "no CUDA"
-        return False
-
-
 class Staging:
     """One reusable host buffer in two halves (page-locked when CUDA is available).
 
@@ -157,7 +160,7 @@ class Staging:
     and restore use it from the calling thread, one chunk at a time.
     """
 
-    def __init__(self, nbytes: int | None = None, *, pin: bool | None = None):
+    def __init__(self, nbytes: int | None = None, *, pin: bool | None = None, backend: Any = None):
         if nbytes is None:
             env = os.environ.get("SNAPSTORE_STAGING_MIB")
             nbytes = int(env) * MIB if env else DEFAULT_STAGING_BYTES
@@ -165,7 +168,8 @@ class Staging:
             raise ValueError(f"staging buffer must be at least 8 KiB, got {nbytes}")
         self.nbytes = nbytes - nbytes % 2
         self.half = self.nbytes // 2
-        self.pin = _cuda_available() if pin is None else pin
+        self.backend = backend if backend is not None else CUDA
+        self.pin = self.backend.available() if pin is None else pin
         self._buf: torch.Tensor | None = None
         self._events: list[Any] = [None, None]
         self._stream: Any = None
@@ -181,7 +185,7 @@ class Staging:
     def buffer(self) -> torch.Tensor:
         """The host buffer (allocated on first call)."""
         if self._buf is None:
-            self._buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._buf = self.backend.empty_host(self.nbytes, self.pin)
         return self._buf
 
     def half_view(self, h: int, n: int) -> torch.Tensor:
@@ -191,7 +195,7 @@ class Staging:
     def stream(self, device: torch.device) -> Any:
         """The side CUDA stream transfers run on (one per Staging)."""
         if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+            self._stream = self.backend.new_stream(device)
         return self._stream
 
     def wait_half(self, h: int) -> None:
@@ -240,20 +244,22 @@ class TensorSource:
             self.nbytes = pad_rows * rb
         else:
             self.nbytes = self.data_bytes
-        self.cuda = tensor.device.type == "cuda"
-        self.staging = staging if staging is not None else (Staging() if self.cuda else None)
+        backend = staging.backend if staging is not None else CUDA
+        self.cuda = backend.is_device(tensor)
+        self.staging = staging if staging is not None else (Staging(backend=backend) if self.cuda else None)
         self._synced = False
 
     def _d2h(self, a: int, b: int, h: int) -> None:
         st = self.staging
         assert st is not None
+        be = st.backend
         stream = st.stream(self.c.device)
         if not self._synced:  # the tensor may still be being written on the compute stream
-            stream.wait_stream(torch.cuda.current_stream(self.c.device))
+            stream.wait_stream(be.current_stream(self.c.device))
             self._synced = True
-        with torch.cuda.stream(stream):
-            _xfer(self.c, a, b, st.half_view(h, b - a), False, True)
-            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with be.use(stream):
+            _xfer(self.c, a, b, st.half_view(h, b - a), False, be.copy)
+            ev = be.event()
             ev.record(stream)
         st._events[h] = ev
 
@@ -270,7 +276,7 @@ class TensorSource:
             return
         dst = _host_u8(out)[:data_end - offset]
         if not self.cuda:
-            _xfer(self.c, offset, data_end, dst, False, False)
+            _xfer(self.c, offset, data_end, dst, False, _sync_copy)
             return
         st = self.staging
         assert st is not None
@@ -287,7 +293,7 @@ class TensorSource:
                     self._d2h(pos, pos + n, h)
                 st._prefetch = None
                 st.wait_half(h)
-                dst[pos - offset:pos - offset + n].copy_(st.half_view(h, n))
+                st.backend.host_copy(dst[pos - offset:pos - offset + n], st.half_view(h, n))
                 pos += n
                 # queue the next range into the other half while the core hashes and writes this one
                 nxt = min(self.data_bytes - pos, st.half, n)
@@ -311,8 +317,9 @@ class TensorSink:
         self.tensor = tensor
         self.c = _bits(canonical(tensor, token_dim))
         self.nbytes = self.c.numel() * self.c.element_size()
-        self.cuda = tensor.device.type == "cuda"
-        self.staging = staging if staging is not None else (Staging() if self.cuda else None)
+        backend = staging.backend if staging is not None else CUDA
+        self.cuda = backend.is_device(tensor)
+        self.staging = staging if staging is not None else (Staging(backend=backend) if self.cuda else None)
         self._synced = False
 
     def write_from(self, offset: int, data: memoryview) -> None:
@@ -322,24 +329,25 @@ class TensorSink:
             raise ValueError(f"range [{offset}, {end}) outside the destination's {self.nbytes} bytes")
         src = _host_u8(data)
         if not self.cuda:
-            _xfer(self.c, offset, end, src, True, False)
+            _xfer(self.c, offset, end, src, True, _sync_copy)
             return
         st = self.staging
         assert st is not None
+        be = st.backend
         stream = st.stream(self.c.device)
         with st.lock:
             if not self._synced:  # the destination was allocated/zeroed on the compute stream
-                stream.wait_stream(torch.cuda.current_stream(self.c.device))
+                stream.wait_stream(be.current_stream(self.c.device))
                 self._synced = True
             pos = offset
             while pos < end:
                 n = min(st.half, end - pos)
                 h = st.flip()  # waits only if this half's previous copy is still in flight
                 half = st.half_view(h, n)
-                half.copy_(src[pos - offset:pos - offset + n])  # host memcpy into page-locked memory
-                with torch.cuda.stream(stream):
-                    _xfer(self.c, pos, pos + n, half, True, True)
-                    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                be.host_copy(half, src[pos - offset:pos - offset + n])  # host memcpy into page-locked memory
+                with be.use(stream):
+                    _xfer(self.c, pos, pos + n, half, True, be.copy)
+                    ev = be.event()
                     ev.record(stream)
                 st._events[h] = ev
                 pos += n
@@ -349,4 +357,4 @@ class TensorSink:
         if self.staging is not None and self.cuda:
             with self.staging.lock:
                 self.staging.synchronize()
-                torch.cuda.current_stream(self.c.device).wait_stream(self.staging.stream(self.c.device))
+                self.staging.backend.current_stream(self.c.device).wait_stream(self.staging.stream(self.c.device))
