@@ -377,7 +377,7 @@ def weights_sha256(model: Any, chunk: int = 64 << 20) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         c = _bits(t.detach().resolve_conj().resolve_neg())
         if c.device.type == "cpu" and (c.dim() == 0 or c.is_contiguous()):
-            h.update(memoryview(flat_bytes(c).numpy()))
+            h.update(flat_bytes(c).numpy().data)
             continue
         n = c.numel() * c.element_size()
         if buf is None or (c.device.type == "cuda" and not buf.is_pinned()):
@@ -385,7 +385,7 @@ def weights_sha256(model: Any, chunk: int = 64 << 20) -> str:
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             _xfer(c, a, b, buf[:b - a], False, _sync_copy)
-            h.update(memoryview(buf[:b - a].numpy()))
+            h.update(buf[:b - a].numpy().data)
     return h.hexdigest()
 
 
