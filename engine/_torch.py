@@ -12,7 +12,10 @@ available), split in two halves. On restore, chunk *k* is copied into one half a
 host-to-device copy is queued on a side CUDA stream; the core then reads/decompresses chunk *k+1*
 into its own slot while that copy runs, and only waits when it comes back to the same half. On
 save, the device-to-host copy of the next range is queued into the other half while the core
-hashes and writes the current one.
+hashes and writes the current one (never past the bytes the save reads). Streams, events, pinned
+memory and queued copies go through the device seam (``engine._device``), so tests run this very
+code against a late-execution stream model; the ordering rules live in :meth:`Staging.transfer`
+(docs/engine.md, "Ordering").
 """
 
 from __future__ import annotations
