@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -9,7 +10,19 @@ import torch
 
 from snapstore import DestinationError, Fixed, Layout, LayoutError, RestoreResult, Rows, SaveResult, Store
 
-from ._torch import Staging, TensorSink, TensorSource, canonical, dtype_name, fixed_spec, rows_spec
+from ._device import CUDA
+from ._torch import (
+    Staging,
+    TensorSink,
+    TensorSource,
+    canonical,
+    dtype_name,
+    fixed_spec,
+    flat_bytes,
+    refuse_lazy,
+    refuse_overlap,
+    rows_spec,
+)
 
 __all__ = ["TorchAdapter", "layout_of", "part_sink", "part_source"]
 
@@ -34,6 +47,9 @@ def _check(name: str, t: torch.Tensor, spec: Fixed | Rows, token_dim: int | None
            rows: int | None = None, pad_rows: int | None = None) -> None:
     if dtype_name(t.dtype) != spec.dtype:
         raise err(f"part {name!r}: tensor dtype is {dtype_name(t.dtype)}, the layout says {spec.dtype}")
+    refuse_lazy(t, err, f"part {name!r}")
+    if err is DestinationError:
+        refuse_overlap(t, f"part {name!r}: the destination")
     c = canonical(t, token_dim if isinstance(spec, Fixed) else (token_dim or 0))
     if isinstance(spec, Fixed):
         shape = tuple(c.shape)
@@ -49,23 +65,33 @@ def _check(name: str, t: torch.Tensor, spec: Fixed | Rows, token_dim: int | None
             raise err(f"part {name!r}: tensor holds {c.shape[0]} rows, {rows} are needed")
 
 
+def _is_device(t: torch.Tensor, staging: Staging | None, backend: Any) -> bool:
+    return bool((staging.backend if staging is not None else (backend or CUDA)).is_device(t))
+
+
 def part_source(t: torch.Tensor, token_dim: int | None = None, staging: Staging | None = None,
-                pad_rows: int | None = None) -> Any:
+                pad_rows: int | None = None, *, limit: int | None = None, stream: Any = None,
+                backend: Any = None) -> Any:
     """What the core should read for a tensor: a zero-copy numpy uint8 view when the tensor is on
-    the CPU, canonical and contiguous; else a :class:`TensorSource` (strided / device copy)."""
+    the CPU, canonical and contiguous; else a :class:`TensorSource` (strided / device copy).
+    limit / stream / backend: see :class:`TensorSource`."""
+    refuse_lazy(t, LayoutError, "the tensor")
     c = canonical(t, token_dim)
-    if t.device.type == "cpu" and pad_rows is None and (c.dim() == 0 or c.is_contiguous()):
-        return c.reshape(-1).view(torch.uint8).numpy()
-    return TensorSource(t, token_dim, staging, pad_rows=pad_rows)
+    if (not _is_device(t, staging, backend) and t.device.type == "cpu" and pad_rows is None
+            and (c.dim() == 0 or c.is_contiguous())):
+        return flat_bytes(c).numpy()
+    return TensorSource(t, token_dim, staging, pad_rows=pad_rows, limit=limit, stream=stream, backend=backend)
 
 
-def part_sink(t: torch.Tensor, token_dim: int | None = None, staging: Staging | None = None) -> Any:
+def part_sink(t: torch.Tensor, token_dim: int | None = None, staging: Staging | None = None, *,
+              stream: Any = None, backend: Any = None) -> Any:
     """What the core should write into for a destination tensor: a zero-copy numpy uint8 view
     when possible, else a :class:`TensorSink` (call ``finish()`` after the restore)."""
+    refuse_lazy(t, DestinationError, "the destination tensor")
     c = canonical(t, token_dim)
-    if t.device.type == "cpu" and (c.dim() == 0 or c.is_contiguous()):
-        return c.reshape(-1).view(torch.uint8).numpy()
-    return TensorSink(t, token_dim, staging)
+    if not _is_device(t, staging, backend) and t.device.type == "cpu" and (c.dim() == 0 or c.is_contiguous()):
+        return flat_bytes(c).numpy()
+    return TensorSink(t, token_dim, staging, stream=stream, backend=backend)
 
 
 class TorchAdapter:
@@ -74,14 +100,15 @@ class TorchAdapter:
     token_dims: part name -> token axis of that tensor (row streams; default 0). A fixed part
     listed here is stored with that axis outermost too. staging: a :class:`Staging` to share, or
     its size in bytes (default 64 MiB, ``SNAPSTORE_STAGING_MIB``); only device tensors use it.
+    backend: the device seam (default ``torch.cuda``; tests pass a stream model), for a new Staging.
     """
 
     def __init__(self, store: Store, *, token_dims: Mapping[str, int] | None = None,
-                 staging: Staging | int | None = None):
+                 staging: Staging | int | None = None, backend: Any = None):
         self.store = store
         self.layout = store.layout
         self.token_dims = dict(token_dims or {})
-        self.staging = staging if isinstance(staging, Staging) else Staging(staging)
+        self.staging = staging if isinstance(staging, Staging) else Staging(staging, backend=backend)
 
     def _td(self, name: str, token_dims: Mapping[str, int] | None) -> int | None:
         if token_dims and name in token_dims:
@@ -92,8 +119,12 @@ class TorchAdapter:
 
     def sources(self, tensors: Mapping[str, Any], rows: Any = None, n_tokens: int | None = None,
                 token_dims: Mapping[str, int] | None = None,
-                pad_rows: Mapping[str, int] | None = None) -> dict[str, Any]:
-        """Check tensors against the layout and wrap each for the core (zero-copy where possible)."""
+                pad_rows: Mapping[str, int] | None = None, *, stream: Any = None) -> dict[str, Any]:
+        """Check tensors against the layout and wrap each for the core (zero-copy where possible).
+
+        Each device source is told how many bytes the save reads (rows x row bytes; a fixed part
+        whole), so its prefetch never runs past them. stream: see :meth:`save`.
+        """
         specs = self.layout.parts
         out: dict[str, Any] = {}
         for name, t in tensors.items():
@@ -108,29 +139,38 @@ class TorchAdapter:
             if isinstance(spec, Rows):
                 need = rows.get(name, n_tokens) if isinstance(rows, Mapping) else (rows if rows is not None
                                                                                     else n_tokens)
+                limit = None if need is None else need * spec.row_bytes
+            else:
+                limit = spec.nbytes
             pr = (pad_rows or {}).get(name)
             _check(name, t, spec, td, LayoutError, need, pr)
-            out[name] = part_source(t, td, self.staging, pad_rows=pr)
+            out[name] = part_source(t, td, self.staging, pad_rows=pr, limit=limit, stream=stream)
         return out
 
     def save(self, tokens: Any, tensors: Mapping[str, Any], rows: Any = None, *,
              token_dims: Mapping[str, int] | None = None, pad_rows: Mapping[str, int] | None = None,
-             **kwargs: Any) -> SaveResult:
+             stream: Any = None, **kwargs: Any) -> SaveResult:
         """``store.save`` for tensors: same arguments (session, parent, commit, namespace).
 
-        Everything is copied out before this returns (the chunk files are durable), so the engine
-        may overwrite its state right after — but not during the call.
+        stream: the stream the engine's kernels that wrote the state ran on, when it is not the
+        current stream here (an engine whose forward runs on its own stream): every device copy
+        waits for the work queued on it. Everything is copied out before this returns (the chunk
+        files are durable), so the engine may overwrite its state right after — but not during the call.
         """
         n = len(tokens)
-        parts = self.sources(tensors, rows, n, token_dims, pad_rows)
+        parts = self.sources(tensors, rows, n, token_dims, pad_rows, stream=stream)
         with self.staging.lock:
             try:
-                return self.store.save(tokens, parts, rows, **kwargs)
-            finally:
-                self.staging.synchronize()
+                res = self.store.save(tokens, parts, rows, **kwargs)
+            except BaseException:
+                self.staging.drain()
+                raise
+            self.staging.synchronize()  # also ends any prefetch: nothing carries over to the next save
+            return res
 
-    def sinks(self, into: Mapping[str, Any], token_dims: Mapping[str, int] | None = None) -> dict[str, Any]:
-        """Check destination tensors (dtype, canonical shape) and wrap each for the core."""
+    def sinks(self, into: Mapping[str, Any], token_dims: Mapping[str, int] | None = None, *,
+              stream: Any = None) -> dict[str, Any]:
+        """Check destination tensors (dtype, canonical shape, no self-overlap) and wrap each for the core."""
         specs = self.layout.parts
         out: dict[str, Any] = {}
         for name, t in into.items():
@@ -142,26 +182,35 @@ class TorchAdapter:
                 raise DestinationError(f"part {name!r} is not in the layout; layout parts are {sorted(specs)}")
             td = self._td(name, token_dims)
             _check(name, t, spec, td, DestinationError)
-            out[name] = part_sink(t, td, self.staging)
+            out[name] = part_sink(t, td, self.staging, stream=stream)
         return out
 
     def restore(self, match: Any, into: Mapping[str, Any], components: Iterable[str] | None = None, *,
-                token_dims: Mapping[str, int] | None = None) -> RestoreResult:
+                token_dims: Mapping[str, int] | None = None, stream: Any = None) -> RestoreResult:
         """``store.restore`` into preallocated tensors (any device, any layout of the token axis).
 
         Destinations are checked before anything is written; on a RestoreError, ``.touched`` says
-        whether any tensor was modified (re-read the prompt if so).
+        whether any tensor was modified (re-read the prompt if so); a device error while streaming
+        is one too. stream: the engine's stream, when it is not the current one: the copies wait for
+        the work queued on it (e.g. a ``zero_()``), and its later work is ordered after them.
         """
-        sinks = self.sinks(into, token_dims)
+        sinks = self.sinks(into, token_dims, stream=stream)
         with self.staging.lock:
             try:
-                return self.store.restore(match, into=sinks, components=components)
-            finally:
-                for s in sinks.values():
-                    if isinstance(s, TensorSink):
-                        s.finish()
-                self.staging.synchronize()
+                res = self.store.restore(match, into=sinks, components=components)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the error being raised is the one that matters
+                    self._finish(sinks)
+                raise
+            self._finish(sinks)
+            return res
+
+    def _finish(self, sinks: Mapping[str, Any]) -> None:
+        for s in sinks.values():
+            if isinstance(s, TensorSink):
+                s.finish()
+        self.staging.synchronize()
 
     def close(self) -> None:
-        """Release the staging buffer (the store stays open)."""
+        """Release the staging buffer (the store stays open); waits for a save/restore in flight."""
         self.staging.release()

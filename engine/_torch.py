@@ -12,22 +12,31 @@ available), split in two halves. On restore, chunk *k* is copied into one half a
 host-to-device copy is queued on a side CUDA stream; the core then reads/decompresses chunk *k+1*
 into its own slot while that copy runs, and only waits when it comes back to the same half. On
 save, the device-to-host copy of the next range is queued into the other half while the core
-hashes and writes the current one.
+hashes and writes the current one (never past the bytes the save reads). Streams, events, pinned
+memory and queued copies go through the device seam (``engine._device``), so tests run this very
+code against a late-execution stream model; the ordering rules live in :meth:`Staging.transfer`
+(docs/engine.md, "Ordering").
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import threading
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from snapstore import Fixed, LayoutError, Rows
+from snapstore import ConfigError, DestinationError, Fixed, LayoutError, RestoreError, Rows, SnapstoreError
 from snapstore._layout import DTYPE_SIZES
+
+from ._device import CUDA
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
@@ -37,7 +46,9 @@ __all__ = [
     "canonical",
     "dtype_name",
     "fixed_spec",
+    "flat_bytes",
     "rows_spec",
+    "shared_staging",
     "torch_dtype",
 ]
 
@@ -100,38 +111,94 @@ def _bits(c: torch.Tensor) -> torch.Tensor:
     return c if alt is None or c.dtype == alt else c.view(alt)
 
 
-def _xfer(c: torch.Tensor, a: int, b: int, buf: torch.Tensor, into_tensor: bool, nb: bool) -> None:
+def flat_bytes(c: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous (or 0-dim) tensor as a 1-D uint8 view.
+
+    ``as_strided`` rather than ``reshape(-1)``: torch calls a one-element tensor contiguous whatever
+    its strides (``t.t()[3:4, 1:2]`` has last stride 5), and ``reshape`` keeps that stride, which
+    ``view(torch.uint8)`` then refuses.
+    """
+    return c.as_strided((c.numel(),), (1,)).view(torch.uint8)
+
+
+def refuse_lazy(t: torch.Tensor, err: type[LayoutError], what: str) -> None:
+    """Refuse lazy conjugate / negative views: their memory is not the values they show."""
+    if t.is_conj() or t.is_neg():
+        kind = "conjugate" if t.is_conj() else "negative"
+        raise err(f"{what} is a lazy {kind} view (its memory holds the un-{kind}d values); pass "
+                  f"t.resolve_conj() / t.resolve_neg() (a copy), or the tensor it is a view of")
+
+
+_EXACT_OVERLAP_MAX = 1 << 22  # elements: beyond this, a layout the fast rule cannot prove is refused
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` share memory (``expand``, stride 0), or that cannot be ruled out."""
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    extent = 1  # elements spanned by the dims seen so far
+    for st, sz in dims:
+        if st < extent:
+            break
+        extent += (sz - 1) * st
+    else:
+        return False  # each stride clears everything the smaller ones reach: no overlap
+    if t.numel() > _EXACT_OVERLAP_MAX:
+        return True
+    offs = torch.zeros(1, dtype=torch.int64)
+    for st, sz in dims:
+        offs = (offs[:, None] + torch.arange(sz, dtype=torch.int64) * st).reshape(-1)
+    return int(torch.unique(offs).numel()) != t.numel()
+
+
+def refuse_overlap(t: torch.Tensor, what: str) -> None:
+    """DestinationError for a destination whose elements share memory (nothing is written)."""
+    if overlaps_itself(t):
+        raise DestinationError(f"{what} overlaps itself (shape {tuple(t.shape)}, strides {tuple(t.stride())}: "
+                               "an expand()ed or stride-0 view); restore into a tensor with distinct elements, "
+                               "e.g. torch.empty(shape) or .clone()")
+
+
+Copy = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _sync_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def _xfer(c: torch.Tensor, a: int, b: int, buf: torch.Tensor, into_tensor: bool, copy: Copy) -> None:
     """Copy bytes [a, b) of ``c``'s C-order serialisation to (or, into_tensor, from) ``buf``.
 
     ``buf`` is a 1-D uint8 tensor of ``b - a`` bytes (host or device). Whole leading-axis rows go
-    in one strided copy; a partial row at either end recurses into that row. No temporaries.
+    in one strided copy; a partial row at either end recurses into that row. No host temporaries;
+    a strided copy between host and a CUDA tensor makes torch allocate a device temporary of up to
+    the copied size (``buf``'s, i.e. at most one staging half).
     """
     if a >= b:
         return
     if c.dim() == 0 or c.is_contiguous():
-        flat = c.reshape(-1).view(torch.uint8)[a:b]
+        flat = flat_bytes(c)[a:b]
         if into_tensor:
-            flat.copy_(buf, non_blocking=nb)
+            copy(flat, buf)
         else:
-            buf.copy_(flat, non_blocking=nb)
+            copy(buf, flat)
         return
     rb = (c.numel() // c.shape[0]) * c.element_size()
     r0 = a // rb
     pos = a
     if a % rb:
         end = min(b, (r0 + 1) * rb)
-        _xfer(c[r0], a - r0 * rb, end - r0 * rb, buf[pos - a:end - a], into_tensor, nb)
+        _xfer(c[r0], a - r0 * rb, end - r0 * rb, buf[pos - a:end - a], into_tensor, copy)
         pos, r0 = end, r0 + 1
     r1 = b // rb
     if r1 > r0:
         seg = buf[pos - a:r1 * rb - a].view(c.dtype).view(r1 - r0, *c.shape[1:])
         if into_tensor:
-            c[r0:r1].copy_(seg, non_blocking=nb)
+            copy(c[r0:r1], seg)
         else:
-            seg.copy_(c[r0:r1], non_blocking=nb)
+            copy(seg, c[r0:r1])
         pos = r1 * rb
     if pos < b:
-        _xfer(c[r1], 0, b - pos, buf[pos - a:], into_tensor, nb)
+        _xfer(c[r1], 0, b - pos, buf[pos - a:], into_tensor, copy)
 
 
 def _host_u8(mv: memoryview) -> torch.Tensor:
@@ -142,35 +209,40 @@ def _host_u8(mv: memoryview) -> torch.Tensor:
         return torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
 
 
-def _cuda_available() -> bool:
-    try:
-        return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001 - a broken driver means "no CUDA"
-        return False
+ALIGN = 4096  # staging halves are multiples of this: every dtype view of either half stays aligned
 
 
 class Staging:
     """One reusable host buffer in two halves (page-locked when CUDA is available).
 
-    nbytes: total size (``SNAPSTORE_STAGING_MIB``, default 64 MiB); allocated on first use, only
-    for device tensors (CPU tensors never need it). One Staging serves any number of parts; save
-    and restore use it from the calling thread, one chunk at a time.
+    nbytes: total size (``SNAPSTORE_STAGING_MIB``, default 64 MiB), rounded down so that each half
+    is a multiple of 4096 bytes; allocated on first use, only for device tensors (CPU tensors never
+    need it). One Staging serves any number of parts and threads (``lock``), one chunk at a time.
+    backend: the device seam (``engine._device``; default ``torch.cuda``).
+
+    Ordering rules, kept in one place (:meth:`transfer`): every transfer waits for the engine's
+    stream first; each half's event is recorded after its copies even when queuing them raised;
+    a half is reused only after its event; :meth:`synchronize` waits for both halves and the side
+    streams and drops any prefetch.
     """
 
-    def __init__(self, nbytes: int | None = None, *, pin: bool | None = None):
+    def __init__(self, nbytes: int | None = None, *, pin: bool | None = None, backend: Any = None):
         if nbytes is None:
             env = os.environ.get("SNAPSTORE_STAGING_MIB")
             nbytes = int(env) * MIB if env else DEFAULT_STAGING_BYTES
-        if nbytes < 2 * 4096:
-            raise ValueError(f"staging buffer must be at least 8 KiB, got {nbytes}")
-        self.nbytes = nbytes - nbytes % 2
-        self.half = self.nbytes // 2
-        self.pin = _cuda_available() if pin is None else pin
+        if nbytes < 2 * ALIGN:
+            raise ConfigError(f"staging buffer must be at least 8 KiB, got {nbytes}")
+        self.half = nbytes // 2 // ALIGN * ALIGN
+        self.nbytes = 2 * self.half
+        self.backend = backend if backend is not None else CUDA
+        self.pin = self.backend.available() if pin is None else pin
         self._buf: torch.Tensor | None = None
         self._events: list[Any] = [None, None]
-        self._stream: Any = None
+        self._streams: dict[Any, Any] = {}  # device -> side stream
         self._next = 0
-        self._prefetch: tuple[int, int, int, int] | None = None  # (source id, offset, length, half)
+        # (source object, offset, length, half): a device->host copy queued ahead of the read that
+        # wants it. Keyed on the object itself (held), never on id(), and dropped by synchronize().
+        self._prefetch: tuple[Any, int, int, int] | None = None
         self.lock = threading.RLock()
 
     @property
@@ -181,7 +253,7 @@ class Staging:
     def buffer(self) -> torch.Tensor:
         """The host buffer (allocated on first call)."""
         if self._buf is None:
-            self._buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._buf = self.backend.empty_host(self.nbytes, self.pin)
         return self._buf
 
     def half_view(self, h: int, n: int) -> torch.Tensor:
@@ -189,10 +261,27 @@ class Staging:
         return self.buffer()[h * self.half:h * self.half + n]
 
     def stream(self, device: torch.device) -> Any:
-        """The side CUDA stream transfers run on (one per Staging)."""
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        return self._stream
+        """The side stream transfers to/from ``device`` run on (one per device)."""
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = self.backend.new_stream(device)
+        return s
+
+    def transfer(self, h: int, device: torch.device, wait_for: Any, queue: Callable[[], None]) -> None:
+        """Queue ``queue()``'s copies on the side stream, after the work already queued on
+        ``wait_for`` (default: the current stream), then record half ``h``'s event — also when
+        queuing raised part-way, so the copies already queued are waited for before ``h`` is reused.
+        """
+        be = self.backend
+        stream = self.stream(device)
+        stream.wait_stream(wait_for if wait_for is not None else be.current_stream(device))
+        try:
+            with be.use(stream):
+                queue()
+        finally:
+            ev = be.event()
+            ev.record(stream)
+            self._events[h] = ev
 
     def wait_half(self, h: int) -> None:
         """Block until the transfer last queued on half ``h`` is done."""
@@ -208,16 +297,58 @@ class Staging:
         self.wait_half(h)
         return h
 
+    def take_prefetch(self, owner: Any, offset: int, n: int) -> int | None:
+        """The half holding ``owner``'s bytes [offset, offset + n) if they were prefetched; the
+        prefetch is consumed (or discarded) either way."""
+        pf, self._prefetch = self._prefetch, None
+        if pf is not None and pf[0] is owner and pf[1] == offset and pf[2] >= n:
+            return pf[3]
+        return None
+
     def synchronize(self) -> None:
-        """Wait for every queued transfer."""
-        for h in (0, 1):
-            self.wait_half(h)
-        self._prefetch = None
+        """Wait for every queued transfer (both halves and every side stream); drop any prefetch."""
+        try:
+            for h in (0, 1):
+                self.wait_half(h)
+            for s in list(self._streams.values()):
+                s.synchronize()
+        finally:
+            self._prefetch = None
+
+    def drain(self) -> None:
+        """:meth:`synchronize` on an error path: the error being raised is the one that matters."""
+        with contextlib.suppress(Exception):
+            self.synchronize()
 
     def release(self) -> None:
-        """Drop the host buffer (it is allocated again on next use)."""
-        self.synchronize()
-        self._buf = None
+        """Drop the host buffer once no save/restore is using it (allocated again on next use)."""
+        with self.lock:
+            self.synchronize()
+            self._buf = None
+
+
+_SHARED: weakref.WeakKeyDictionary[Any, Staging] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_staging(backend: Any = None) -> Staging:
+    """The process-wide Staging that device sources/sinks made with ``staging=None`` share (one
+    pinned buffer per backend, instead of one per part)."""
+    be = backend if backend is not None else CUDA
+    with _SHARED_LOCK:
+        st = _SHARED.get(be)
+        if st is None:
+            st = _SHARED[be] = Staging(backend=be)
+        return st
+
+
+def _backend_of(staging: Staging | None, backend: Any) -> Any:
+    return staging.backend if staging is not None else (backend if backend is not None else CUDA)
+
+
+def _device_error(e: Exception, what: str) -> RestoreError:
+    return RestoreError(f"{what} failed on the device ({type(e).__name__}: {e}); the destination was partly "
+                        "written: re-read the prompt", touched=True)
 
 
 class TensorSource:
@@ -225,11 +356,18 @@ class TensorSource:
 
     token_dim: the tensor's token axis (stored outermost). pad_rows: serialise this many leading
     rows, the ones past the tensor's end reading as zero bytes (a fixed-capacity window that is not
-    full yet). CUDA tensors are copied through ``staging`` with the next range prefetched.
+    full yet). Device tensors are copied through ``staging`` (default: the shared one). limit: how
+    many canonical bytes this save reads (the adapter passes rows x row bytes): the next range is
+    prefetched while the core hashes the current one, never past ``limit``; without it nothing is
+    prefetched beyond the current read, so a source reused for another save never serves bytes
+    copied before the engine wrote them. stream: the engine's stream to wait for (default: the
+    current stream, at every read).
     """
 
     def __init__(self, tensor: torch.Tensor, token_dim: int | None = None, staging: Staging | None = None,
-                 pad_rows: int | None = None):
+                 pad_rows: int | None = None, *, limit: int | None = None, stream: Any = None,
+                 backend: Any = None):
+        refuse_lazy(tensor, LayoutError, "the tensor")
         self.tensor = tensor
         self.c = _bits(canonical(tensor, token_dim))
         self.data_bytes = self.c.numel() * self.c.element_size()
@@ -240,22 +378,17 @@ class TensorSource:
             self.nbytes = pad_rows * rb
         else:
             self.nbytes = self.data_bytes
-        self.cuda = tensor.device.type == "cuda"
-        self.staging = staging if staging is not None else (Staging() if self.cuda else None)
-        self._synced = False
+        be = _backend_of(staging, backend)
+        self.cuda = be.is_device(tensor)
+        self.staging = staging if staging is not None else (shared_staging(be) if self.cuda else None)
+        self.limit = None if limit is None else min(limit, self.data_bytes)
+        self.stream = stream
 
     def _d2h(self, a: int, b: int, h: int) -> None:
         st = self.staging
         assert st is not None
-        stream = st.stream(self.c.device)
-        if not self._synced:  # the tensor may still be being written on the compute stream
-            stream.wait_stream(torch.cuda.current_stream(self.c.device))
-            self._synced = True
-        with torch.cuda.stream(stream):
-            _xfer(self.c, a, b, st.half_view(h, b - a), False, True)
-            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ev.record(stream)
-        st._events[h] = ev
+        st.transfer(h, self.c.device, self.stream,
+                    functools.partial(_xfer, self.c, a, b, st.half_view(h, b - a), False, st.backend.copy))
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Fill ``out`` with canonical bytes [offset, offset + len(out))."""
@@ -270,50 +403,62 @@ class TensorSource:
             return
         dst = _host_u8(out)[:data_end - offset]
         if not self.cuda:
-            _xfer(self.c, offset, data_end, dst, False, False)
+            _xfer(self.c, offset, data_end, dst, False, _sync_copy)
             return
         st = self.staging
         assert st is not None
         with st.lock:
-            pos = offset
-            while pos < data_end:
-                n = min(st.half, data_end - pos)
-                pf = st._prefetch
-                if pf is not None and pf[0] == id(self) and pf[1] == pos and pf[2] >= n:
-                    h = pf[3]
-                else:
-                    st.synchronize()
-                    h = st.flip()
-                    self._d2h(pos, pos + n, h)
-                st._prefetch = None
-                st.wait_half(h)
-                dst[pos - offset:pos - offset + n].copy_(st.half_view(h, n))
-                pos += n
-                # queue the next range into the other half while the core hashes and writes this one
-                nxt = min(self.data_bytes - pos, st.half, n)
-                if nxt > 0:
-                    h2 = h ^ 1
-                    st.wait_half(h2)
-                    self._d2h(pos, pos + nxt, h2)
-                    st._prefetch = (id(self), pos, nxt, h2)
-                    st._next = h2 ^ 1
+            try:
+                self._read_device(offset, data_end, dst, st)
+            except BaseException:
+                st.drain()  # nothing queued before the error may land later
+                raise
+
+    def _read_device(self, offset: int, data_end: int, dst: torch.Tensor, st: Staging) -> None:
+        pf_end = self.limit if self.limit is not None else data_end
+        pos = offset
+        while pos < data_end:
+            n = min(st.half, data_end - pos)
+            h = st.take_prefetch(self, pos, n)
+            if h is None:
+                h = st.flip()
+                self._d2h(pos, pos + n, h)
+            # queue the next range into the other half: it copies while the core hashes this one
+            nxt = min(pf_end - (pos + n), st.half, n)
+            if nxt > 0:
+                h2 = h ^ 1
+                st.wait_half(h2)
+                self._d2h(pos + n, pos + n + nxt, h2)
+                st._prefetch = (self, pos + n, nxt, h2)
+                st._next = h
+            st.wait_half(h)
+            st.backend.host_copy(dst[pos - offset:pos - offset + n], st.half_view(h, n))
+            pos += n
 
 
 class TensorSink:
     """A restore destination (core ``PartWriter``) over a preallocated tensor on any device.
 
-    Bytes arrive in canonical order and land in the tensor's own layout. For CUDA tensors each
-    chunk is copied into a half of ``staging`` and its host-to-device copy is queued on a side
-    stream; call :meth:`finish` (the adapter does) before using the tensor.
+    Bytes arrive in canonical order and land in the tensor's own layout. For device tensors each
+    chunk is copied into a half of ``staging`` (default: the shared one) and its host-to-device
+    copy is queued on a side stream, after the engine's ``stream`` (default: the current stream, at
+    every write); call :meth:`finish` (the adapter does) before using the tensor. A destination
+    that overlaps itself or is a lazy conjugate view is refused here, before a byte is written; a
+    device error while writing is a ``RestoreError(touched=True)``.
     """
 
-    def __init__(self, tensor: torch.Tensor, token_dim: int | None = None, staging: Staging | None = None):
+    def __init__(self, tensor: torch.Tensor, token_dim: int | None = None, staging: Staging | None = None, *,
+                 stream: Any = None, backend: Any = None):
+        refuse_lazy(tensor, DestinationError, "the destination tensor")
+        refuse_overlap(tensor, "the destination tensor")
         self.tensor = tensor
         self.c = _bits(canonical(tensor, token_dim))
         self.nbytes = self.c.numel() * self.c.element_size()
-        self.cuda = tensor.device.type == "cuda"
-        self.staging = staging if staging is not None else (Staging() if self.cuda else None)
-        self._synced = False
+        be = _backend_of(staging, backend)
+        self.cuda = be.is_device(tensor)
+        self.staging = staging if staging is not None else (shared_staging(be) if self.cuda else None)
+        self.stream = stream
+        self.touched = False  # some bytes were (or may have been) written into the tensor
 
     def write_from(self, offset: int, data: memoryview) -> None:
         """Write canonical bytes [offset, offset + len(data))."""
@@ -321,32 +466,50 @@ class TensorSink:
         if end > self.nbytes or offset < 0:
             raise ValueError(f"range [{offset}, {end}) outside the destination's {self.nbytes} bytes")
         src = _host_u8(data)
-        if not self.cuda:
-            _xfer(self.c, offset, end, src, True, False)
-            return
-        st = self.staging
-        assert st is not None
-        stream = st.stream(self.c.device)
-        with st.lock:
-            if not self._synced:  # the destination was allocated/zeroed on the compute stream
-                stream.wait_stream(torch.cuda.current_stream(self.c.device))
-                self._synced = True
-            pos = offset
-            while pos < end:
-                n = min(st.half, end - pos)
-                h = st.flip()  # waits only if this half's previous copy is still in flight
-                half = st.half_view(h, n)
-                half.copy_(src[pos - offset:pos - offset + n])  # host memcpy into page-locked memory
-                with torch.cuda.stream(stream):
-                    _xfer(self.c, pos, pos + n, half, True, True)
-                    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    ev.record(stream)
-                st._events[h] = ev
-                pos += n
+        try:
+            if not self.cuda:
+                self.touched = True
+                _xfer(self.c, offset, end, src, True, _sync_copy)
+                return
+            st = self.staging
+            assert st is not None
+            with st.lock:
+                try:
+                    self._write_device(offset, end, src, st)
+                except BaseException:
+                    st.drain()  # copies queued before the error land now, not on a later restore
+                    raise
+        except SnapstoreError:
+            raise
+        except Exception as e:
+            raise _device_error(e, "writing the destination tensor") from e
+
+    def _write_device(self, offset: int, end: int, src: torch.Tensor, st: Staging) -> None:
+        be = st.backend
+        pos = offset
+        while pos < end:
+            n = min(st.half, end - pos)
+            h = st.flip()  # waits only if this half's previous copy is still in flight
+            half = st.half_view(h, n)
+            be.host_copy(half, src[pos - offset:pos - offset + n])  # host memcpy into page-locked memory
+            self.touched = True
+            st.transfer(h, self.c.device, self.stream,
+                        functools.partial(_xfer, self.c, pos, pos + n, half, True, be.copy))
+            pos += n
 
     def finish(self) -> None:
-        """Wait until every queued copy into the tensor is done."""
-        if self.staging is not None and self.cuda:
-            with self.staging.lock:
-                self.staging.synchronize()
-                torch.cuda.current_stream(self.c.device).wait_stream(self.staging.stream(self.c.device))
+        """Wait until every queued copy into the tensor is done; later work on the engine's stream
+        is ordered after them."""
+        st = self.staging
+        if st is None or not self.cuda:
+            return
+        with st.lock:
+            try:
+                st.synchronize()
+                dev = self.c.device
+                (self.stream if self.stream is not None else st.backend.current_stream(dev)).wait_stream(
+                    st.stream(dev))
+            except SnapstoreError:
+                raise
+            except Exception as e:
+                raise _device_error(e, "finishing the copies into the destination tensor") from e

@@ -30,7 +30,7 @@ import hashlib
 import importlib.util
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,8 @@ from snapstore import (
 )
 
 from ._adapter import TorchAdapter
-from ._torch import Staging, dtype_name, torch_dtype
+from ._device import CUDA
+from ._torch import Staging, _bits, _sync_copy, _xfer, dtype_name, flat_bytes, shared_staging, torch_dtype
 
 __all__ = [
     "CacheSnapshot",
@@ -203,7 +204,7 @@ def save(adapter: TorchAdapter | Store, cache: Any, tokens: Any, **kwargs: Any) 
     kwargs go to ``Store.save`` (session, parent='auto', commit, namespace). Full-attention rows
     below the parent's boundary are not written again (delta); fixed parts are written whole.
     """
-    ad = adapter if isinstance(adapter, TorchAdapter) else TorchAdapter(adapter)
+    ad = _adapter(adapter)
     snap = snapshot(cache)
     if snap.layout != ad.layout:
         raise LayoutError("the cache's layout differs from the store's: open the store with "
@@ -211,6 +212,33 @@ def save(adapter: TorchAdapter | Store, cache: Any, tokens: Any, **kwargs: Any) 
     if len(tokens) != snap.n_tokens:
         raise LayoutError(f"{len(tokens)} tokens given, the cache has seen {snap.n_tokens}")
     return ad.save(tokens, snap.parts, token_dims=snap.token_dims, pad_rows=snap.pad_rows, **kwargs)
+
+
+def _adapter(adapter: TorchAdapter | Store) -> TorchAdapter:
+    """The adapter to use; a bare Store gets the process-wide shared staging (no pinned buffer per call)."""
+    return adapter if isinstance(adapter, TorchAdapter) else TorchAdapter(adapter, staging=shared_staging())
+
+
+DeviceSpec = str | int | torch.device
+
+
+def _layer_devices(device: DeviceSpec | Mapping[int, DeviceSpec] | Sequence[DeviceSpec] | None,
+                   n_layers: int) -> list[torch.device]:
+    """One device per cache layer: one device for all, or a per-layer map / list (a split model)."""
+    if device is None:
+        return [torch.device("cpu")] * n_layers
+    if isinstance(device, (str, int, torch.device)):
+        return [torch.device(device)] * n_layers
+    if isinstance(device, Mapping):
+        missing = [i for i in range(n_layers) if i not in device]
+        if missing:
+            raise DestinationError(f"the device map has no entry for cache layer(s) {missing}; give every layer "
+                                   f"0..{n_layers - 1} its device (the device of that decoder layer's weights)")
+        return [torch.device(device[i]) for i in range(n_layers)]
+    devs = list(device)
+    if len(devs) != n_layers:
+        raise DestinationError(f"{len(devs)} devices given for {n_layers} cache layers")
+    return [torch.device(d) for d in devs]
 
 
 def _numel(t: Any) -> int:
@@ -223,19 +251,21 @@ def _parse(name: str) -> tuple[int, str] | None:
 
 
 def restore(cache_or_config: Any, adapter: TorchAdapter | Store, match: Any, *,
-            device: str | torch.device | None = None,
+            device: DeviceSpec | Mapping[int, DeviceSpec] | Sequence[DeviceSpec] | None = None,
             components: Iterable[str] | None = None) -> tuple[Any, RestoreResult]:
     """Restore snapshot ``match`` into a fresh cache; returns ``(cache, RestoreResult)``.
 
     cache_or_config: an empty ``DynamicCache`` to fill, or the model config (a new
-    ``DynamicCache(config=...)`` is built). device: where the state goes (default CPU; must be the
-    model's device). Destination tensors are allocated once, at their final size, and the chunks
-    stream into them through the staging buffer; the cache then adopts them. The cache is not
+    ``DynamicCache(config=...)`` is built). device: where the state goes (default CPU): one device,
+    or per cache layer a map ``{layer: device}`` / a list, for a model split across devices (each
+    layer's state on the device of that layer's weights). Destination tensors are allocated once,
+    at their final size, and the chunks stream into them through the staging buffer; the cache
+    then adopts them. The cache is not
     modified unless the whole restore succeeded. Continue with ``model(rest, past_key_values=cache)``.
     """
     from transformers import DynamicCache
 
-    ad = adapter if isinstance(adapter, TorchAdapter) else TorchAdapter(adapter)
+    ad = _adapter(adapter)
     layout = ad.layout
     if META not in layout.fixed:
         raise LayoutError("this store's layout was not made by snapstore.engine.hf")
@@ -255,7 +285,7 @@ def restore(cache_or_config: Any, adapter: TorchAdapter | Store, match: Any, *,
     if len(layers) != n_layers:
         raise LayoutError(f"the cache has {len(layers)} layers, the snapshot layout {n_layers}")
     kinds = [_kind(la, i) for i, la in enumerate(layers)]
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    devs = _layer_devices(device, n_layers)
     n = int(getattr(match, "n_tokens", 0))
     if n <= 0:
         raise DestinationError("restore() needs a Match (or an object with n_tokens) to size the K/V tensors")
@@ -270,7 +300,7 @@ def restore(cache_or_config: Any, adapter: TorchAdapter | Store, match: Any, *,
         i, what = parsed
         if i >= n_layers:
             raise LayoutError(f"part {name!r} names layer {i}; the cache has {n_layers}")
-        kind = kinds[i]
+        kind, dev = kinds[i], devs[i]
         dt = torch_dtype(spec.dtype)
         if what in ("keys", "values"):
             if not _has_attention(kind) or isinstance(spec, Fixed) != _sliding(kind):
@@ -336,14 +366,26 @@ def config_sha256(config: Any) -> str:
 
 @torch.no_grad()
 def weights_sha256(model: Any, chunk: int = 64 << 20) -> str:
-    """SHA-256 over every parameter and buffer (name, dtype, shape, bytes), host memory bounded."""
+    """SHA-256 over every parameter and buffer (name, dtype, shape, C-order bytes).
+
+    Contiguous CPU tensors are hashed in place; anything else (device, strided) is copied through
+    one reused host buffer of ``chunk`` bytes (page-locked for CUDA), so memory stays bounded.
+    """
     h = hashlib.sha256()
+    buf: torch.Tensor | None = None
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        flat = t.detach().reshape(-1).view(torch.uint8) if t.is_contiguous() else \
-            t.detach().contiguous().reshape(-1).view(torch.uint8)
-        for a in range(0, flat.numel(), chunk):
-            h.update(flat[a:a + chunk].cpu().numpy().tobytes())
+        c = _bits(t.detach().resolve_conj().resolve_neg())
+        if c.device.type == "cpu" and (c.dim() == 0 or c.is_contiguous()):
+            h.update(flat_bytes(c).numpy().data)
+            continue
+        n = c.numel() * c.element_size()
+        if buf is None or (c.device.type == "cuda" and not buf.is_pinned()):
+            buf = torch.empty(chunk, dtype=torch.uint8, pin_memory=c.device.type == "cuda" and CUDA.available())
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            _xfer(c, a, b, buf[:b - a], False, _sync_copy)
+            h.update(buf[:b - a].numpy().data)
     return h.hexdigest()
 
 

@@ -1,0 +1,70 @@
+"""The device seam: every stream, event, pinned allocation and queued copy the adapter makes.
+
+The adapter never calls ``torch.cuda`` directly; it asks a backend. :data:`CUDA` is the real one.
+Tests pass a stand-in with the same duck-typed stream/event API (``tests/stream_model.py``: every
+queued copy runs only when an event, ``wait_stream`` or a synchronise forces it), so the code that
+runs on a GPU is the code the CPU tests exercise.
+
+Streams returned by a backend have ``wait_stream(other)``, ``synchronize()`` and ``device``;
+events have ``record(stream)`` and ``synchronize()`` — the ``torch.cuda`` API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["CUDA", "CudaBackend"]
+
+
+class CudaBackend:
+    """The real thing: CUDA tensors, ``torch.cuda`` streams and events, page-locked host memory."""
+
+    name = "cuda"
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        """True for tensors whose bytes must move through staging (here: CUDA tensors)."""
+        return t.device.type == "cuda"
+
+    def available(self) -> bool:
+        """Whether staging should be page-locked (a working CUDA runtime)."""
+        try:
+            return bool(torch.cuda.is_available())
+        except Exception:  # noqa: BLE001 - a broken driver means "no CUDA"
+            return False
+
+    def new_stream(self, device: torch.device) -> Any:
+        """A side stream on ``device`` for staging transfers."""
+        return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+    def current_stream(self, device: torch.device) -> Any:
+        """The calling thread's current stream on ``device`` (the engine's compute stream)."""
+        return torch.cuda.current_stream(device)
+
+    @contextmanager
+    def use(self, stream: Any) -> Iterator[None]:
+        """Make ``stream`` current for the copies queued inside the block."""
+        with torch.cuda.stream(stream):
+            yield
+
+    def event(self) -> Any:
+        """A fresh event (record it on a stream, synchronise on it later)."""
+        return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+    def empty_host(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """A host uint8 buffer, page-locked when ``pin`` (so copies from/to it can be asynchronous)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue ``dst.copy_(src)`` on the current stream (host side is page-locked staging)."""
+        dst.copy_(src, non_blocking=True)
+
+    def host_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A host memcpy between staging and the core's buffer (runs now, on the calling thread)."""
+        dst.copy_(src)
+
+
+CUDA = CudaBackend()
