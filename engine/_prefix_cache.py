@@ -409,7 +409,7 @@ class PrefixCache:
         with self._lock:
             n = dict(self._n)
         ints = {k: int(v) for k, v in n.items() if k != "restore_seconds"}
-        return PrefixCacheStats(**ints, restore_seconds=n["restore_seconds"], store=self.store.stats())
+        return PrefixCacheStats(**ints, restore_seconds=float(n["restore_seconds"]), store=self.store.stats())
 
     def close(self) -> None:
         """Close the store (pending captures of this process are abandoned) and release the staging buffer."""
