@@ -29,6 +29,7 @@ from snapstore import (
     Budget,
     ConfigError,
     InvalidInputError,
+    LayoutError,
     Match,
     NotFoundError,
     RestoreError,
@@ -138,6 +139,65 @@ class _PromptEnd:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+class _Captures:
+    """One call's pending captures, a chain saved on a worker thread while the model reads on.
+
+    A capture references the cache's K/V row tensors (transformers appends by concatenation, so
+    rows already there never change) and clones its fixed parts (linear-attention state is updated
+    in place by the next forward). At most one save is in flight: memory stays bounded by one
+    clone of the fixed parts, and each capture's parent is the one saved before it.
+    """
+
+    def __init__(self, pc: PrefixCache, parent: int | None, namespace: str | None):
+        self.pc, self.parent, self.namespace = pc, parent, namespace
+        self.results: list[SaveResult] = []
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def add(self, cache: Any, tokens: list[int], session: str | None) -> None:
+        """Capture the cache after ``tokens`` (a pending delta over the previous capture, or the restore)."""
+        from . import hf
+
+        self.wait()
+        snap = hf.snapshot(cache)
+        if snap.layout != self.pc.store.layout:
+            raise LayoutError("the cache's layout differs from the store's (batch size or model changed?)")
+        if snap.n_tokens != len(tokens):
+            raise LayoutError(f"the cache holds {snap.n_tokens} tokens, the capture names {len(tokens)}")
+        fixed = snap.layout.fixed
+        parts = {k: v.clone() if k in fixed and isinstance(v, torch.Tensor) else v for k, v in snap.parts.items()}
+        self._thread = threading.Thread(target=self._run, args=(list(tokens), parts, snap, session),
+                                        name="snapstore-prefix-capture", daemon=True)
+        self._thread.start()
+
+    def _run(self, tokens: list[int], parts: dict[str, Any], snap: Any, session: str | None) -> None:
+        try:
+            res = self.pc._save(tokens, parts, snap, self.parent, session, self.namespace)
+        except BaseException as e:  # handed to the caller's thread by wait()
+            self._error = e
+            return
+        if res is not None and res.ok:
+            self.results.append(res)
+            self.parent = res.snapshot_id
+            self.pc._add(captures=1)
+
+    def wait(self) -> None:
+        """Wait for the save in flight; re-raise its error here, in the caller's thread."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def drain(self) -> None:
+        """Wait for the save in flight, dropping its error (the call is failing already)."""
+        try:
+            self.wait()
+        except BaseException as e:
+            log.warning("prefix cache: a capture failed while the call was failing: %s", e)
+
+
 class PrefixCache:
     """A persistent prefix cache for one transformers model: ``generate`` restores, reads the rest, captures.
 
@@ -214,28 +274,21 @@ class PrefixCache:
             cache = DynamicCache(config=self.model.config)
         self._add(calls=1, hits=int(start > 0), misses=int(start == 0), prompt_tokens=n, restored_tokens=start,
                   prefilled_tokens=n - start)
-        pending: list[SaveResult] = []
-
-        def capture(upto: int, sess: str | None) -> None:
-            """Save the cache at ``upto`` tokens as a pending delta over the last capture (or the restore)."""
-            nonlocal parent
-            res = self._save(cache, tokens[:upto], parent, sess, namespace)
-            if res is not None and res.ok:
-                pending.append(res)
-                parent = res.snapshot_id
-                self._add(captures=1)
+        caps = _Captures(self, parent, namespace)
 
         def prompt_end() -> None:
             if not prompt_stored and cache.get_seq_length() == n:
-                capture(n, session)
+                caps.add(cache, tokens, session)
 
         try:
-            self._prefill(ids, cache, start, cuts, lambda c: capture(c, None))
+            self._prefill(ids, cache, start, cuts, lambda c: caps.add(cache, tokens[:c], None))
             out = self._generate(ids, cache, generate_kwargs, _PromptEnd(prompt_end))
+            caps.wait()
         except BaseException:
-            self._abandon(pending)
+            caps.drain()
+            self._abandon(caps.results)
             raise
-        self._commit(pending)
+        self._commit(caps.results)
         return out
 
     def uncached_generate(self, input_ids: Any, *, cache_prefix: Any = None, **generate_kwargs: Any) -> Any:
@@ -353,18 +406,17 @@ class PrefixCache:
             kw["stopping_criteria"] = StoppingCriteriaList([hook, *(kw.get("stopping_criteria") or [])])
         return self.model.generate(ids, past_key_values=cache, **kw)
 
-    def _save(self, cache: Any, tokens: list[int], parent: int | None, session: str | None,
-              namespace: str | None) -> SaveResult | None:
+    def _save(self, tokens: list[int], parts: dict[str, Any], snap: Any, parent: int | None,
+              session: str | None, namespace: str | None) -> SaveResult | None:
         """One pending capture; a failing disk skips the capture (counted), it does not fail the call."""
-        from . import hf
-
-        kw: dict[str, Any] = {"commit": False, "session": session, "namespace": namespace}
+        kw: dict[str, Any] = {"commit": False, "session": session, "namespace": namespace,
+                              "token_dims": snap.token_dims, "pad_rows": snap.pad_rows}
         try:
             try:
-                res = hf.save(self.adapter, cache, tokens, parent=parent, **kw)
+                res = self.adapter.save(tokens, parts, parent=parent, **kw)
             except NotFoundError:
                 # the parent was evicted meanwhile: store this capture whole
-                res = hf.save(self.adapter, cache, tokens, parent=None, **kw)
+                res = self.adapter.save(tokens, parts, parent=None, **kw)
         except StoreIOError as e:
             log.warning("prefix cache: capture at %d tokens failed (%s); continuing without it", len(tokens), e)
             self._add(skipped=1)
