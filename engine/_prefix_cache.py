@@ -261,6 +261,8 @@ class PrefixCache:
         from transformers import DynamicCache
 
         ids = self._check(input_ids, generate_kwargs)
+        if session is not None and (not isinstance(session, str) or not session):
+            raise InvalidInputError(f"session must be None or a non-empty string, got {session!r}")
         tokens: list[int] = ids[0].tolist()
         n = len(tokens)
         cuts = self.split(n, cache_prefix)

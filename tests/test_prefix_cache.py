@@ -329,7 +329,8 @@ def test_batch_and_beams_refused_with_a_snapstore_error(llama: Any, tmp_path: An
         ids = tokens("llama", "x", 8)
         bad: list[dict[str, Any]] = [{"past_key_values": object()}, {"use_cache": False},
                                      {"attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])},
-                                     {"cache_prefix": -3}, {"cache_prefix": "12"}, {"cache_prefix": [4, 2.5]}]
+                                     {"cache_prefix": -3}, {"cache_prefix": "12"}, {"cache_prefix": [4, 2.5]},
+                                     {"session": ""}, {"inputs_embeds": torch.zeros(1, 8, 64)}]
         for extra in bad:
             with pytest.raises(ss.InvalidInputError):
                 pc.generate(ids, max_new_tokens=2, **extra)
