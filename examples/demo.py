@@ -90,8 +90,11 @@ def phase_first(pc: PrefixCache) -> int:
     how = f"restored {st.restored_tokens} tokens" if st.hits else "read every token (nothing stored yet)"
     print(f"conversation 1: {ids.shape[1]} prompt tokens, {how}; first token after {ttft * 1000:.0f} ms, "
           f"{DECODE} tokens in {total * 1000:.0f} ms")
-    print(f"snapshots saved: {st.committed} (at the end of the system prompt, token {SYSTEM}, and at the end of "
-          f"the prompt, token {ids.shape[1]}, session demo-1)")
+    if st.committed:
+        print(f"snapshots saved: {st.committed} (at the end of the system prompt, token {SYSTEM}, and at the end "
+              f"of the prompt, token {ids.shape[1]}, session demo-1)")
+    else:
+        print("snapshots saved: none (the system prompt and this prompt were stored by an earlier run)")
     print(f"bytes stored: {st.store.stored_bytes / 2**20:.2f} MiB in {pc.store.path}")
     print(f"generated: {out.sequences[0, ids.shape[1]:].tolist()}")
     return 0
