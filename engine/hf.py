@@ -433,3 +433,6 @@ def open_store(model: Any, path: Any = None, *, batch: int = 1, pack: str | None
                        **kwargs)
     return TorchAdapter(store, staging=staging)
 
+
+
+from ._prefix_cache import PrefixCache as PrefixCache  # noqa: E402  (the one-line prefix cache, docs/engine.md §9)

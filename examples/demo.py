@@ -1,9 +1,14 @@
-"""snapstore demo: a hybrid (Mamba2 + attention) model reads a long prompt once; a new process continues it.
+"""snapstore demo: a hybrid (Mamba2 + attention) model answers a long system prompt; a new process reuses it.
 
 Run it twice (``./demo.sh`` does):
 
-    python examples/demo.py --phase save      # prefill the system prompt, save two boundary snapshots
-    python examples/demo.py --phase restore   # new process: match, restore, continue; compare with re-prefill
+    python examples/demo.py --phase first    # conversation 1: reads the system prompt, snapshots it
+    python examples/demo.py --phase second   # new process, conversation 2: restores the system prompt
+
+Both phases go through ``snapstore.engine.hf.PrefixCache(model).generate(...)``, which returns what
+``model.generate`` returns. The second phase also runs the same generate without the store
+(``uncached_generate``: the same prefill split, from token 0) and checks that the output — every
+token and every score — is byte-identical, and prints the time saved.
 
 The store is the default location: ``$SNAPSTORE_DIR`` if set, else the per-user cache directory.
 The model is a Bamba (IBM's Mamba2/attention hybrid) randomly initialised from a fixed seed, so
@@ -22,12 +27,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, BambaConfig
 
-from snapstore.engine import hf
+from snapstore.engine.hf import PrefixCache
 
 VOCAB = 4096
-SYSTEM = 2048  # "system prompt" tokens, saved at two boundaries: ROOT and SYSTEM
-ROOT = 1024
-USER = 24  # the user's turn, read after the restore
+SYSTEM = 4096  # "system prompt + tool list" tokens, shared by every conversation
+QUESTION = 24  # each conversation's own question
 DECODE = 16  # greedy tokens generated
 
 
@@ -40,116 +44,94 @@ def build_model() -> Any:
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def prompt() -> list[int]:
-    g = torch.Generator().manual_seed(1234)
-    return torch.randint(0, VOCAB, (SYSTEM + USER,), generator=g).tolist()
+def prompt(conversation: int) -> torch.Tensor:
+    """The shared system prompt followed by this conversation's question (seeded token ids)."""
+    system = torch.randint(1, VOCAB, (1, SYSTEM), generator=torch.Generator().manual_seed(1234))
+    question = torch.randint(1, VOCAB, (1, QUESTION), generator=torch.Generator().manual_seed(conversation))
+    return torch.cat([system, question], dim=1)
 
 
-def ids(toks: list[int]) -> torch.Tensor:
-    return torch.tensor([toks], dtype=torch.long)
+class FirstToken:
+    """A streamer that records when the first generated token arrives (generate puts the prompt first)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.puts = 0
+        self.ttft = 0.0
+
+    def put(self, value: Any) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.ttft = time.perf_counter() - self.t0
+
+    def end(self) -> None:
+        pass
 
 
-@torch.no_grad()
-def prefill(model: Any, toks: list[int]) -> Any:
-    """Read the system prompt in the same split the saved run used: [0, ROOT), then [ROOT, SYSTEM)."""
-    cache = model(ids(toks[:ROOT]), use_cache=True).past_key_values
-    model(ids(toks[ROOT:SYSTEM]), past_key_values=cache, use_cache=True)
-    return cache
+def run(fn: Any, ids: torch.Tensor, **kw: Any) -> tuple[Any, float, float]:
+    """Call ``fn(ids, ...)`` greedily; returns (output, time to first token, total seconds)."""
+    streamer = FirstToken()
+    out = fn(ids, max_new_tokens=DECODE, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+             output_scores=True, streamer=streamer, **kw)
+    return out, streamer.ttft, time.perf_counter() - streamer.t0
 
 
-@torch.no_grad()
-def continue_from(model: Any, cache: Any, toks: list[int]) -> tuple[list[int], str]:
-    """Read the user's turn, then greedy-decode; returns the tokens and a SHA-256 of every logit."""
-    h = hashlib.sha256()
-    out = model(ids(toks), past_key_values=cache, use_cache=True)
-    h.update(out.logits.numpy().tobytes())
-    gen: list[int] = []
-    nxt = int(out.logits[0, -1].argmax())
-    for _ in range(DECODE):
-        gen.append(nxt)
-        out = model(ids([nxt]), past_key_values=cache, use_cache=True)
-        h.update(out.logits.numpy().tobytes())
-        nxt = int(out.logits[0, -1].argmax())
-    return gen, h.hexdigest()
+def digest(out: Any) -> str:
+    h = hashlib.sha256(out.sequences.numpy().tobytes())
+    for s in out.scores:
+        h.update(s.numpy().tobytes())
+    return h.hexdigest()
 
 
-def open_adapter(model: Any) -> Any:
-    return hf.open_store(model, None, pack="sha256:" + hf.weights_sha256(model))  # None: the default location
+def phase_first(pc: PrefixCache) -> int:
+    ids = prompt(1)
+    out, ttft, total = run(pc.generate, ids, cache_prefix=SYSTEM, session="demo-1")
+    st = pc.stats()
+    how = f"restored {st.restored_tokens} tokens" if st.hits else "read every token (nothing stored yet)"
+    print(f"conversation 1: {ids.shape[1]} prompt tokens, {how}; first token after {ttft * 1000:.0f} ms, "
+          f"{DECODE} tokens in {total * 1000:.0f} ms")
+    if st.committed:
+        print(f"snapshots saved: {st.committed} (at the end of the system prompt, token {SYSTEM}, and at the end "
+              f"of the prompt, token {ids.shape[1]}, session demo-1)")
+    else:
+        print("snapshots saved: none (the system prompt and this prompt were stored by an earlier run)")
+    print(f"bytes stored: {st.store.stored_bytes / 2**20:.2f} MiB in {pc.store.path}")
+    print(f"generated: {out.sequences[0, ids.shape[1]:].tolist()}")
+    return 0
 
 
-@torch.no_grad()
-def phase_save(model: Any, toks: list[int]) -> None:
-    ad = open_adapter(model)
-    t0 = time.perf_counter()
-    cache = model(ids(toks[:ROOT]), use_cache=True).past_key_values
-    t1 = time.perf_counter()
-    root = hf.save(ad, cache, toks[:ROOT], session="demo")
-    t2 = time.perf_counter()
-    model(ids(toks[ROOT:SYSTEM]), past_key_values=cache, use_cache=True)
-    t3 = time.perf_counter()
-    leaf = hf.save(ad, cache, toks[:SYSTEM], session="demo")
-    t4 = time.perf_counter()
-    print(f"store: {ad.store.path}")
-    print(f"prefilled {SYSTEM} tokens in {(t1 - t0 + t3 - t2) * 1000:.0f} ms; saved root@{ROOT} "
-          f"(snapshot {root.snapshot_id}, {(t2 - t1) * 1000:.1f} ms) and leaf@{SYSTEM} as a delta over it "
-          f"(snapshot {leaf.snapshot_id}, parent {leaf.parent_id}, {(t4 - t3) * 1000:.1f} ms)")
-    st = ad.store.stats()
-    print(f"bytes stored: {st.stored_bytes / 2**20:.2f} MiB on disk for {st.logical_bytes / 2**20:.2f} MiB of state")
-    ad.store.close()
-
-
-@torch.no_grad()
-def phase_restore(model: Any, toks: list[int]) -> int:
-    ad = open_adapter(model)
-    store = ad.store
-    t0 = time.perf_counter()
-    m = store.match(toks)
-    if m is None:
-        print("no snapshot matches: run `python examples/demo.py --phase save` first", file=sys.stderr)
+def phase_second(pc: PrefixCache) -> int:
+    ids = prompt(2)
+    out, ttft, total = run(pc.generate, ids, cache_prefix=SYSTEM, session="demo-2")
+    st = pc.stats()
+    if not st.hits:
+        print("the system prompt was not in the store: run `python examples/demo.py --phase first` first",
+              file=sys.stderr)
         return 1
-    cache, res = hf.restore(model.config, ad, m)
-    t_restore = time.perf_counter() - t0
-    gen, digest = continue_from(model, cache, toks[m.n_tokens:])
-
-    t1 = time.perf_counter()  # the uninterrupted run, recomputed here: re-read the system prompt
-    cold = prefill(model, toks)
-    t_prefill = time.perf_counter() - t1
-    cold_gen, cold_digest = continue_from(model, cold, toks[SYSTEM:])
-
-    st = store.stats()
-    print(f"store: {store.path}")
-    print(f"matched {m.n_tokens} of {len(toks)} prompt tokens (chain {res.chain}); tokens reused: {m.n_tokens}")
-    print(f"bytes stored: {st.stored_bytes / 2**20:.2f} MiB; restored {res.bytes_restored / 2**20:.2f} MiB")
-    print(f"restore: {t_restore * 1000:.1f} ms   re-prefill: {t_prefill * 1000:.1f} ms   "
-          f"time saved: {(t_prefill - t_restore) * 1000:.1f} ms ({t_prefill / max(t_restore, 1e-9):.1f}x)")
-    print(f"generated: {gen}")
-    same = gen == cold_gen and digest == cold_digest
-    print(f"outputs match the uninterrupted run (greedy tokens and every logit byte-identical): {same}")
-    store.close()
+    ref, ref_ttft, ref_total = run(pc.uncached_generate, ids, cache_prefix=SYSTEM)
+    print(f"conversation 2 (a new process): {ids.shape[1]} prompt tokens, restored {st.restored_tokens} "
+          f"(the system prompt) in {st.restore_seconds * 1000:.1f} ms, read {st.prefilled_tokens}")
+    print(f"time to first token: {ttft * 1000:.0f} ms with the store, {ref_ttft * 1000:.0f} ms without   "
+          f"time saved: {(ref_ttft - ttft) * 1000:.0f} ms ({ref_ttft / max(ttft, 1e-9):.1f}x)")
+    print(f"whole call ({DECODE} tokens): {total * 1000:.0f} ms with the store, {ref_total * 1000:.0f} ms without")
+    print(f"generated: {out.sequences[0, ids.shape[1]:].tolist()}")
+    same = torch.equal(out.sequences, ref.sequences) and digest(out) == digest(ref)
+    print(f"output byte-identical to the same generate without the store (every token and score): {same}")
     return 0 if same else 2
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phase", choices=["auto", "save", "restore"], default="auto",
-                    help="auto: restore if a snapshot matches, else save")
+    ap.add_argument("--phase", choices=["first", "second"], required=True)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (the same in both runs)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     model = build_model()
-    toks = prompt()
-    phase = args.phase
-    if phase == "auto":
-        ad = open_adapter(model)
-        phase = "restore" if ad.store.match(toks) is not None else "save"
-        ad.store.close()
-    print(f"== phase {phase}: Bamba hybrid, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
-          f"prompt {SYSTEM} + {USER} tokens")
-    if phase == "save":
-        phase_save(model, toks)
-        return 0
-    return phase_restore(model, toks)
+    print(f"== phase {args.phase}: Bamba hybrid, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+          f"system prompt {SYSTEM} tokens + a {QUESTION}-token question")
+    with PrefixCache(model) as pc:  # path=None: the default location
+        return phase_first(pc) if args.phase == "first" else phase_second(pc)
 
 
 if __name__ == "__main__":

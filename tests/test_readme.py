@@ -13,7 +13,7 @@ def test_readme_example_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> 
     monkeypatch.setenv("SNAPSTORE_DIR", str(tmp_path / "store"))
     monkeypatch.setenv("SNAPSTORE_RESERVE_MIB", "0")
     src = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    code = re.findall(r"```python\n(.*?)```", src, re.S)[0]
+    code = next(c for c in re.findall(r"```python\n(.*?)```", src, re.S) if "Store.open" in c)
     ns: dict[str, Any] = {}
     exec(compile(code, "README.md", "exec"), ns)  # noqa: S102 - our own documentation
     assert ns["m"].n_tokens == 600 and ns["out"].n_tokens == 600
