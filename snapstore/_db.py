@@ -152,6 +152,22 @@ def translate(e: BaseException) -> BaseException:
     return e
 
 
+# A read-only connection cannot migrate a catalog written by an older version; these TEMP views
+# (which shadow the main tables for unqualified names) give its queries the columns the newer
+# migrations add, with their defaults. Keyed by the migration that adds the columns.
+_COMPAT_VIEWS: dict[int, list[str]] = {
+    3: ["CREATE TEMP VIEW chunks AS SELECT *, NULL AS quarantined FROM main.chunks"],
+}
+
+
+def _compat_views(c: Conn) -> None:
+    ver = int(str(c.pragma("user_version")))
+    for num, stmts in sorted(_COMPAT_VIEWS.items()):
+        if 0 < ver < num:
+            for sql in stmts:
+                c.execute(sql)
+
+
 class _Held:
     """One thread's connection; closing it when the thread's locals go keeps threads from leaking
     connections (a server with a thread per request)."""
@@ -221,6 +237,8 @@ class Database:
             # FULL: a commit is durable when it returns (WAL fsync per commit), so a save the API
             # reported survives power loss, not only a process crash.
             c.pragma("synchronous", "FULL")
+            if self.readonly:
+                _compat_views(c)
         except apsw.Error as e:
             raise translate(e) from None
         holder = _Held(c)
@@ -717,7 +735,7 @@ class MemDatabase(Database):
         self.path = path
         self.readonly = True
         self._mem: Conn | None = mem
-        self._check_version(mem)
+        self._migrate(mem)  # the copy is private: bring a catalog of an older version up to date
 
     def conn(self) -> Conn:
         if self._mem is None:

@@ -439,3 +439,37 @@ def test_zstd_paths_stay_within_staging_plus_a_constant(store_dir: str, codec: s
           f"restore {restore_peak / 2**20:.1f} MiB")
     assert save_peak <= staging + bound, f"save peak {save_peak >> 20} MiB"
     assert restore_peak <= bound, f"restore peak {restore_peak >> 20} MiB"
+
+
+# -- schema v3 beside stores of an older version --------------------------------------------------
+
+def test_catalog_of_an_older_version_reads_read_only_and_migrates_on_open(store_dir: str) -> None:
+    """A v1 catalog (no chunks.quarantined): the read-only CLI reads it without migrating it (and
+    without failing on the missing column); a read-write open migrates it and then quarantines."""
+    import subprocess
+
+    import apsw
+    state = make_state(LAYOUT, 100, 1)
+    with open_store(store_dir) as s:
+        r = s.save(list(range(100)), state)
+    db = os.path.join(store_dir, "snapstore.db")
+    c = apsw.Connection(db)
+    c.execute("DROP INDEX chunks_quarantined; ALTER TABLE chunks DROP COLUMN quarantined; PRAGMA user_version = 1")
+    c.close()
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for cmd in (["verify", "--deep", "--json"], ["stats", "--json"], ["inspect", "--json"]):
+        out = subprocess.run([sys.executable, "-m", "snapstore", "--dir", store_dir, *cmd], capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert out.returncode == 0, (cmd, out.stderr[-2000:])
+    c = apsw.Connection(db)
+    assert c.pragma("user_version") == 1  # read-only: nothing migrated
+    c.close()
+    with open_store(store_dir) as s:
+        restore_exact(s, r, state)
+        _damage_one(s, r.snapshot_id)
+        with pytest.raises(ss.CorruptChunkError):
+            s.restore(r, {k: np.zeros_like(v) for k, v in state.items()})
+        assert s.stats().quarantined == 1
+    c = apsw.Connection(db)
+    assert c.pragma("user_version") == 3
+    c.close()
