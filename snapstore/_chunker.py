@@ -257,19 +257,18 @@ class Chunker:
             fd, tmp = create_temp(self._tmp)
             out = [0]
 
-            def fill(fd: int) -> None:
+            def fill(fd: int) -> bool:
                 write_all(fd, bytes(HEADER_SIZE))  # the header goes in once the payload length is known
                 for done, piece in compress_stream(raw, self.codec):
                     out[0] += len(piece)
                     if out[0] >= len(raw) or (done < len(raw) and out[0] >= done):
-                        out[0] = -1  # does not pay: raw below
-                        return
+                        return False  # does not pay: dropped unsynced, written raw below
                     write_all(fd, piece)
                 os.pwrite(fd, ChunkHeader(self.codec, len(raw), out[0], csum).pack(), 0)
+                return True
 
-            finish_temp(fd, tmp, fill)
-            if out[0] >= 0:
-                return tmp, self.codec, out[0]
-            discard(tmp)
+            path = finish_temp(fd, tmp, fill)
+            if path is not None:
+                return path, self.codec, out[0]
         header = ChunkHeader(CODEC_RAW, len(raw), len(raw), csum).pack()
         return write_temp(self._tmp, [header, raw]), CODEC_RAW, len(raw)

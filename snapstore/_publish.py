@@ -88,14 +88,16 @@ def write_all(fd: int, piece: bytes | memoryview) -> None:
         mv = mv[n:]
 
 
-def finish_temp(fd: int, path: str, fill: Callable[[int], None]) -> str:
-    """Run ``fill(fd)`` on a temp file from :func:`create_temp`, fsync and close it; return its path.
+def finish_temp(fd: int, path: str, fill: Callable[[int], bool]) -> str | None:
+    """Run ``fill(fd)`` on a temp file from :func:`create_temp`, then fsync and close it and return
+    its path; when ``fill`` returns False the file is not wanted: closed and removed, no fsync, None.
 
     Any error removes the temp file; an OSError becomes a StoreIOError that says what failed.
     """
     try:
-        fill(fd)
-        os.fsync(fd)
+        keep = fill(fd)
+        if keep:
+            os.fsync(fd)
     except BaseException as e:
         os.close(fd)
         _unlink_quiet(path)
@@ -103,6 +105,9 @@ def finish_temp(fd: int, path: str, fill: Callable[[int], None]) -> str:
             raise io_error("cannot write a chunk file", e) from None
         raise
     os.close(fd)
+    if not keep:
+        _unlink_quiet(path)
+        return None
     return path
 
 
@@ -110,11 +115,14 @@ def write_temp(tmp_dir: str, pieces: Iterable[bytes | memoryview]) -> str:
     """Write pieces to a fresh temp file in ``tmp_dir``, fsync and close it; return its path."""
     fd, path = create_temp(tmp_dir)
 
-    def fill(fd: int) -> None:
+    def fill(fd: int) -> bool:
         for piece in pieces:
             write_all(fd, piece)
+        return True
 
-    return finish_temp(fd, path, fill)
+    done = finish_temp(fd, path, fill)
+    assert done is not None
+    return done
 
 
 def link_new(tmp_path: str, dest: str) -> bool:
