@@ -1,9 +1,16 @@
 """Save side: cut part byte ranges into chunks, hash, compress and publish them as chunk files.
 
-Work per chunk (BLAKE3 content address, XXH3 checksum, optional zstd, write + fsync + link) runs
-on a small thread pool so hashing one chunk overlaps the write and fsync of the previous one. A
-zero-copy source is hashed and written straight from the engine's buffer; other sources are
-copied into slots of the store's staging buffer first, so memory stays bounded by that buffer.
+Every chunk is first copied into a slot of the store's staging buffer — one read of the engine's
+buffer — and its content address (BLAKE3), checksum (XXH3) and file bytes all come from that
+private copy, so an engine thread that changes its buffer during a save can only spoil this
+save's own snapshot, never a chunk another snapshot deduplicates onto. The copy of chunk k+1
+(numpy, without the GIL) overlaps the hash, write and fsync of chunk k on a small thread pool, so
+memory stays bounded by the staging buffer and the disk stays busy.
+
+A chunk file is placed by ``link()`` when its name is free; when the name is taken, the catalog
+decides under the write lock (:func:`settle`): a file a live row vouches for is kept (this save
+deduplicates onto it, whatever codec wrote it), anything else — an orphan, a quarantined or
+mismatched file — is replaced and the row, if any, made to describe the new file.
 """
 
 from __future__ import annotations
@@ -18,11 +25,32 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._buffers import Source
-from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, chunk_id, encode_payload
-from ._errors import StoreIOError
-from ._publish import fsync_dirs, publish, write_temp
+from ._chunkfile import (
+    CODEC_RAW,
+    HEADER_SIZE,
+    ChunkHeader,
+    checksum,
+    chunk_id,
+    compress_stream,
+    header_at,
+)
+from ._db import ChunkRow, Conn, Database
+from ._errors import CorruptionError, StoreIOError
+from ._publish import create_temp, discard, finish_temp, fsync_dirs, link_new, replace_into, write_all, write_temp
 
-__all__ = ["ChunkRef", "Chunker", "Piece"]
+__all__ = ["ChunkRef", "Chunker", "Piece", "settle"]
+
+# Test hook: called as _TEST_HOOK(stage, chunker, chunk_id) at "hashed" (address and checksum
+# taken from the private copy), "publish" (the catalog had no healthy row: about to write a file)
+# and "stored" (every chunk of a save durable; chunk_id b""). Tests pause a real thread there to
+# force race windows; None in production.
+_TEST_HOOK: Callable[[str, Chunker, bytes], None] | None = None
+
+
+def _hook(stage: str, chunker: Chunker, cid: bytes) -> None:
+    hook = _TEST_HOOK
+    if hook is not None:
+        hook(stage, chunker, cid)
 
 
 @dataclass(frozen=True)
@@ -32,18 +60,19 @@ class ChunkRef:
     id: bytes
     raw_len: int
     stored_len: int
-    codec: int
+    codec: int  # -1: an existing file was reused (this save wrote nothing)
     checksum: bytes
-    created: bool  # this save published the file (it did not exist)
+    created: bool  # this save published the file at the address (new, or replacing an unvouched one)
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Bytes [start, end) of a part's source that become one or more chunks."""
+    """Bytes [start, end) of a part's source that become one or more chunks, addressed with ``key``."""
 
     source: Source
     start: int
     end: int
+    key: bytes = b""  # the scope key of the part (identity, namespace, dtype, shape); b"": Chunker.store's
 
 
 class StagingBuffer:
@@ -79,42 +108,88 @@ class StagingBuffer:
             self._cv.notify()
 
 
+def _copy(source: Source, start: int, out: memoryview) -> None:
+    """Copy bytes [start, start + len(out)) of a part into a staging slot: the save's one read of it."""
+    if source.zero_copy:
+        # numpy copies without holding the GIL, so the pool keeps hashing and writing meanwhile
+        np.copyto(np.frombuffer(out, dtype=np.uint8),
+                  np.frombuffer(source.view(start, start + len(out)), dtype=np.uint8))
+    else:
+        source.copy_into(start, out)
+
+
+def _vouched(path: str, row: ChunkRow) -> bool:
+    """Does the file at ``path`` look like what the catalog row says (header and size)?"""
+    try:
+        head, size = header_at(path)
+    except (OSError, CorruptionError):
+        return False
+    return (head.raw_len == row.raw_len and head.checksum == row.checksum and head.codec == row.codec
+            and size == row.stored_len)
+
+
+def settle(db: Database, cid: bytes, tmp: str, path: str, stored_len: int, codec: int) -> int | None:
+    """The address of a freshly written chunk is taken (or has a row): decide under the write lock.
+
+    A healthy row whose file matches it: the file is kept, the temp discarded, and the row's
+    stored length returned (the caller deduplicates onto it; a committed row's file is never
+    replaced). Otherwise — no row (an orphan of a crashed or concurrent writer), a quarantined
+    row, or a file that does not match its row — the temp replaces the file, and a row is made to
+    describe the new file (and leaves quarantine) in the same transaction: returns None.
+    """
+    placed = [False]
+
+    def run(c: Conn) -> int | None:
+        row = Database.chunk(c, cid)
+        if not placed[0]:
+            if row is not None and row.quarantined is None and _vouched(path, row):
+                return int(row.stored_len)
+            replace_into(tmp, path)
+            placed[0] = True
+        if row is not None:
+            Database.heal_chunk(c, cid, stored_len, codec)
+        return None
+
+    kept = db.write(run)
+    if kept is not None:
+        discard(tmp)
+    return kept
+
+
 class Chunker:
     """Turns pieces of parts into published chunk files of at most ``chunk_bytes`` each."""
 
     def __init__(self, blob_path: Callable[[bytes], str], tmp_dir: str, chunk_bytes: int, codec: int,
-                 staging: StagingBuffer, pool: ThreadPoolExecutor, known: Callable[[bytes], bool]):
+                 staging: StagingBuffer, pool: ThreadPoolExecutor, db: Database):
         self._blob_path = blob_path
         self._tmp = tmp_dir
         self.chunk_bytes = chunk_bytes
         self.codec = codec
         self._staging = staging
         self._pool = pool
-        self._known = known
+        self._db = db
 
-    def store(self, pieces: Sequence[Piece], key: bytes) -> list[list[ChunkRef]]:
+    def store(self, pieces: Sequence[Piece], key: bytes = b"") -> list[list[ChunkRef]]:
         """Publish every piece; returns, per piece, its chunks in order. Files are durable on return."""
         jobs: list[tuple[int, Future[ChunkRef]]] = []
         window = max(2, self._staging.slots)
         results: list[list[ChunkRef]] = [[] for _ in pieces]
         try:
             for idx, piece in enumerate(pieces):
+                pkey = piece.key or key
                 for off in range(piece.start, piece.end, self.chunk_bytes):
                     end = min(off + self.chunk_bytes, piece.end)
                     if len(jobs) >= window:  # bound the chunks in flight (and staging slots held)
                         i, fut = jobs.pop(0)
                         results[i].append(fut.result())
-                    if piece.source.zero_copy:
-                        jobs.append((idx, self._pool.submit(self._one, piece.source.view(off, end), None, key)))
-                    else:
-                        slot, mv = self._staging.acquire()
-                        try:
-                            view = mv[:end - off]
-                            piece.source.copy_into(off, view)
-                        except BaseException:
-                            self._staging.release(slot)
-                            raise
-                        jobs.append((idx, self._pool.submit(self._one, view, slot, key)))
+                    slot, mv = self._staging.acquire()
+                    try:
+                        view = mv[:end - off]
+                        _copy(piece.source, off, view)
+                        jobs.append((idx, self._pool.submit(self._one, view, slot, pkey)))
+                    except BaseException:
+                        self._staging.release(slot)
+                        raise
             for i, fut in jobs:
                 results[i].append(fut.result())
             jobs = []
@@ -128,32 +203,72 @@ class Chunker:
         # durable before the catalog row that references it commits
         dirs = {os.path.dirname(self._blob_path(r.id)) for rs in results for r in rs if r.codec >= 0}
         fsync_dirs(dirs, self._pool)
+        _hook("stored", self, b"")
         return results
 
-    def _one(self, raw: memoryview, slot: int | None, key: bytes) -> ChunkRef:
+    def _state(self, cid: bytes) -> int:
+        # a read transaction: retried while SQLite is busy, errors translated
+        return self._db.read(lambda c: Database.chunk_state(c, cid))
+
+    def _one(self, raw: memoryview, slot: int, key: bytes) -> ChunkRef:
+        """Address, checksum and publish one chunk from its private copy in a staging slot."""
         try:
             cid = chunk_id(raw, key)
             csum = checksum(raw)
+            _hook("hashed", self, cid)
             path = self._blob_path(cid)
-            if self._known(cid):
+            state = self._state(cid)
+            if state == 1:
                 try:
                     os.utime(path, follow_symlinks=False)  # keep it young for a concurrent gc
                     st = os.stat(path, follow_symlinks=False)
                     return ChunkRef(cid, len(raw), st.st_size, -1, csum, False)
                 except FileNotFoundError:
-                    pass  # row without file: republish below; the commit re-checks anyway
-            codec, payload = encode_payload(raw, self.codec)
-            header = ChunkHeader(codec, len(raw), len(payload), csum).pack()
+                    pass  # row without file: republish below (settle makes the row describe it)
+            # no row, a quarantined row (this save holds the right bytes: it heals it), or a lost file
+            _hook("publish", self, cid)
             for attempt in range(3):
-                tmp = write_temp(self._tmp, [header, payload])
+                tmp, codec, payload_len = self._write(raw, csum)
+                stored = HEADER_SIZE + payload_len
                 try:
-                    created = publish(tmp, path)
-                    break
+                    if state == 0 and link_new(tmp, path):
+                        return ChunkRef(cid, len(raw), stored, codec, csum, True)
+                    kept = settle(self._db, cid, tmp, path, stored, codec)
                 except StoreIOError as e:
                     # a gc run with no grace period may remove a temp file between write and link
                     if e.errno != errno.ENOENT or attempt == 2 or os.path.exists(tmp):
+                        discard(tmp)
                         raise
-            return ChunkRef(cid, len(raw), HEADER_SIZE + len(payload), codec, csum, created)
+                    continue
+                if kept is not None:
+                    return ChunkRef(cid, len(raw), kept, -1, csum, False)
+                return ChunkRef(cid, len(raw), stored, codec, csum, True)
+            raise AssertionError("unreachable")  # pragma: no cover
         finally:
-            if slot is not None:
-                self._staging.release(slot)
+            self._staging.release(slot)
+
+    def _write(self, raw: memoryview, csum: bytes) -> tuple[str, int, int]:
+        """Write one chunk file to a durable temp file; returns (temp path, codec used, payload length).
+
+        Compressed output streams into the file piece by piece (constant memory); once it is no
+        smaller than the raw bytes it covers, the chunk is written raw instead.
+        """
+        if self.codec != CODEC_RAW and len(raw):
+            fd, tmp = create_temp(self._tmp)
+            out = [0]
+
+            def fill(fd: int) -> bool:
+                write_all(fd, bytes(HEADER_SIZE))  # the header goes in once the payload length is known
+                for done, piece in compress_stream(raw, self.codec):
+                    out[0] += len(piece)
+                    if out[0] >= len(raw) or (done < len(raw) and out[0] >= done):
+                        return False  # does not pay: dropped unsynced, written raw below
+                    write_all(fd, piece)
+                os.pwrite(fd, ChunkHeader(self.codec, len(raw), out[0], csum).pack(), 0)
+                return True
+
+            path = finish_temp(fd, tmp, fill)
+            if path is not None:
+                return path, self.codec, out[0]
+        header = ChunkHeader(CODEC_RAW, len(raw), len(raw), csum).pack()
+        return write_temp(self._tmp, [header, raw]), CODEC_RAW, len(raw)

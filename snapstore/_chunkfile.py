@@ -7,8 +7,10 @@ every restore) and an XXH3-64 of itself.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -29,6 +31,8 @@ __all__ = [
     "scope_key",
     "checksum",
     "checksum_stream",
+    "compress_stream",
+    "decode_fd",
     "decode_payload",
     "encode_payload",
     "is_hex_id",
@@ -46,10 +50,15 @@ _HEAD = struct.Struct("<8sHBBIQQ16s")  # magic, version, codec, flags, header si
 _HEX = frozenset("0123456789abcdef")
 
 
-def scope_key(identity_key: str, namespace: str) -> bytes:
-    """The 32-byte BLAKE3 key of one identity + namespace: chunk ids never collide across scopes,
-    so no dedup (and no timing signal from dedup) crosses an identity or a tenant."""
-    return blake3.blake3(f"snapstore scope v1\0{identity_key}\0{namespace}".encode()).digest()
+def scope_key(identity_key: str, namespace: str, dtype: str | None = None,
+              shape: Sequence[int] | None = None) -> bytes:
+    """The 32-byte BLAKE3 key of one identity + namespace (+ a part's dtype and shape): chunk ids
+    never collide across scopes, so no dedup (and no timing signal from dedup) crosses an identity,
+    a tenant, or a part layout. Without dtype/shape: the v1 scope of stores written before v2."""
+    if dtype is None:
+        return blake3.blake3(f"snapstore scope v1\0{identity_key}\0{namespace}".encode()).digest()
+    dims = json.dumps([int(d) for d in (shape or ())])
+    return blake3.blake3(f"snapstore scope v2\0{identity_key}\0{namespace}\0{dtype}\0{dims}".encode()).digest()
 
 
 def chunk_id(raw: bytes | memoryview, key: bytes) -> bytes:
@@ -176,3 +185,119 @@ def read_exact(fd: int, out: memoryview, offset: int) -> None:
         if n == 0:
             raise CorruptionError("chunk file is shorter than its header says (truncated)")
         done += n
+
+
+# -- streaming codecs: constant memory beside the chunk itself ----------------------------------
+# Save compresses a chunk in pieces of _PIECE raw bytes straight into its temp file, and restore
+# decodes a payload straight from its file into the destination slice, so neither holds a second
+# chunk-sized buffer (the one-shot encode_payload/decode_payload above hold 2-3: the shuffled copy,
+# the compressed or decompressed bytes, the payload read into memory).
+_PIECE = 1 << 20
+
+
+def _shuffled_pieces(raw: memoryview) -> Iterator[memoryview]:
+    """The bytes of shuffle2(raw), a reused piece buffer at a time (even bytes, odd bytes, tail)."""
+    a = np.frombuffer(raw, dtype=np.uint8)
+    even = len(a) & ~1
+    half = even // 2
+    buf = np.empty(min(_PIECE, max(half, 1)), dtype=np.uint8)
+    for first in (0, 1):
+        for s in range(0, half, len(buf)):
+            k = min(len(buf), half - s)
+            buf[:k] = a[first + 2 * s:first + 2 * (s + k):2]
+            yield buf.data[:k]
+    if even < len(a):
+        yield raw[even:]
+
+
+def compress_stream(raw: memoryview, codec: int) -> Iterator[tuple[int, bytes]]:
+    """zstd-compress raw bytes (shuffle2 first for that codec) in constant memory.
+
+    Yields (raw bytes consumed so far, output piece); every piece is block-flushed, so the output
+    so far can be compared with the input so far (the caller stops once compression does not pay).
+    """
+    cobj = zstandard.ZstdCompressor(level=1).compressobj(size=len(raw))
+    pieces: Iterator[memoryview]
+    if codec == CODEC_ZSTD_SHUFFLE2:
+        pieces = _shuffled_pieces(raw)
+    else:
+        pieces = (raw[s:s + _PIECE] for s in range(0, len(raw), _PIECE))
+    done = 0
+    for piece in pieces:
+        done += len(piece)
+        out = cobj.compress(piece)
+        # the last piece ends the frame in its own last block (no empty trailing block whose damage
+        # would go unnoticed); the others are block-flushed so output so far tracks input so far
+        yield done, out + (cobj.flush() if done == len(raw) else cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+    if done < len(raw) or not raw:
+        yield len(raw), cobj.flush()
+
+
+class _PayloadReader:
+    """A file-like view of ``length`` bytes of ``fd`` from ``offset`` (pread: no shared file offset)."""
+
+    def __init__(self, fd: int, offset: int, length: int):
+        self._fd, self._off, self._left = fd, offset, length
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._left if n < 0 else min(n, self._left)
+        if n <= 0:
+            return b""
+        data = os.pread(self._fd, n, self._off)
+        if not data:
+            raise CorruptionError("chunk file is shorter than its header says (truncated)")
+        self._off += len(data)
+        self._left -= len(data)
+        return data
+
+
+def _fill(reader: zstandard.ZstdDecompressionReader, out: memoryview) -> None:
+    while out:
+        n = reader.readinto(out)
+        if n == 0:
+            raise CorruptionError("chunk payload decompresses to fewer bytes than its raw length")
+        out = out[n:]
+
+
+def decode_fd(header: ChunkHeader, fd: int, out: memoryview) -> None:
+    """Decode the payload of the chunk file open as ``fd`` into ``out`` (exactly raw_len bytes),
+    reading and decompressing piece by piece; CorruptionError if it does not decode."""
+    if len(out) != header.raw_len:
+        raise CorruptionError("destination slice does not match the chunk's raw length")
+    if header.codec == CODEC_RAW:
+        read_exact(fd, out, HEADER_SIZE)
+        return
+    src = _PayloadReader(fd, HEADER_SIZE, header.payload_len)
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(src, read_size=_PIECE, read_across_frames=False,  # type: ignore[arg-type]
+                                                        closefd=False) as reader:
+            if header.codec == CODEC_ZSTD_SHUFFLE2:
+                _unshuffle_from(reader, out)
+            else:
+                _fill(reader, out)
+            if reader.read(1):
+                raise CorruptionError("chunk payload decompresses to more bytes than its raw length")
+    except zstandard.ZstdError as e:
+        raise CorruptionError(f"chunk payload does not decompress: {e}") from None
+
+
+def _unshuffle_from(reader: zstandard.ZstdDecompressionReader, out: memoryview) -> None:
+    """Read shuffle2(raw) from ``reader`` a piece at a time and scatter it back into ``out``."""
+    dst = np.frombuffer(out, dtype=np.uint8)
+    n = len(dst)
+    even = n & ~1
+    half = even // 2
+    buf = np.empty(min(_PIECE, max(n, 1)), dtype=np.uint8)
+    pos = 0
+    while pos < n:
+        k = min(len(buf), n - pos)
+        _fill(reader, buf.data[:k])
+        end = pos + k
+        for lo, hi, base, step, first in ((0, half, 0, 2, 0), (half, even, half, 2, 1), (even, n, even, 1, 0)):
+            a, b = max(pos, lo), min(end, hi)
+            if a < b:
+                if step == 2:
+                    dst[first + 2 * (a - base):first + 2 * (b - base):2] = buf[a - pos:b - pos]
+                else:
+                    dst[a:b] = buf[a - pos:b - pos]
+        pos = end

@@ -37,6 +37,7 @@ _ANCHOR_BATCH = 2048  # anchors bound per match statement: far below SQLite's 32
 
 Conn = apsw.Connection
 
+_CHUNK_COLS = "id, raw_len, stored_len, codec, checksum, refs, created, scope, quarantined"
 _SNAP_COLS = ("id, identity_id, namespace, parent_id, depth, n_tokens, base_tokens, token_width, tokens, "
               "anchor, prefix_key, content_key, session, state, owner, matchable, created, last_used, "
               "hits, logical_bytes")
@@ -95,6 +96,7 @@ class ChunkRow:
     refs: int
     created: float
     scope: bytes
+    quarantined: float | None = None  # when a restore found the file damaged; None: healthy
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,24 @@ def translate(e: BaseException) -> BaseException:
         return StoreIOError(5, f"the store database failed ({type(e).__name__}: {e}); "
                                "`snapstore verify` reports whether anything is damaged")
     return e
+
+
+# A read-only connection cannot migrate a catalog written by an older version; these TEMP views
+# (which shadow the main tables for unqualified names) give its queries the columns the newer
+# migrations add, with their defaults. Keyed by the migration that adds the columns.
+_COMPAT_VIEWS: dict[int, list[str]] = {
+    2: ["CREATE TEMP TABLE owners(id TEXT PRIMARY KEY, kernel TEXT NOT NULL, host TEXT NOT NULL, "
+        "pid INTEGER NOT NULL, lease REAL NOT NULL, renewed REAL NOT NULL, created REAL NOT NULL)"],
+    3: ["CREATE TEMP VIEW chunks AS SELECT *, NULL AS quarantined FROM main.chunks"],
+}
+
+
+def _compat_views(c: Conn) -> None:
+    ver = int(str(c.pragma("user_version")))
+    for num, stmts in sorted(_COMPAT_VIEWS.items()):
+        if 0 < ver < num:
+            for sql in stmts:
+                c.execute(sql)
 
 
 class _Held:
@@ -253,6 +273,8 @@ class Database:
                 # FULL: a commit is durable when it returns (WAL fsync per commit), so a save the API
                 # reported survives power loss, not only a process crash.
                 c.pragma("synchronous", "FULL")
+                if self.readonly:
+                    _compat_views(c)
                 return c
             except apsw.BusyError:
                 if c is not None:
@@ -635,8 +657,8 @@ class Database:
         """The chunks of one part in order; None where a referenced chunk row is missing."""
         out: list[ChunkRow | None] = []
         for r in c.execute(
-                "SELECT pc.chunk_id, c.raw_len, c.stored_len, c.codec, c.checksum, c.refs, c.created, c.scope "
-                "FROM part_chunks pc LEFT JOIN chunks c ON c.id = pc.chunk_id "
+                "SELECT pc.chunk_id, c.raw_len, c.stored_len, c.codec, c.checksum, c.refs, c.created, c.scope, "
+                "c.quarantined FROM part_chunks pc LEFT JOIN chunks c ON c.id = pc.chunk_id "
                 "WHERE pc.snapshot_id = ? AND pc.name = ? ORDER BY pc.seq", (sid, name)):
             out.append(None if r[1] is None else ChunkRow(bytes(r[0]), *r[1:]))
         return out
@@ -655,14 +677,59 @@ class Database:
 
     @staticmethod
     def chunk(c: Conn, cid: bytes) -> ChunkRow | None:
-        r = c.execute("SELECT id, raw_len, stored_len, codec, checksum, refs, created, scope FROM chunks WHERE id = ?",
-                      (cid,)).fetchone()
+        r = c.execute(f"SELECT {_CHUNK_COLS} FROM chunks WHERE id = ?", (cid,)).fetchone()
         return ChunkRow(bytes(r[0]), *r[1:]) if r else None
 
     @staticmethod
     def all_chunks(c: Conn) -> Iterator[ChunkRow]:
-        for r in c.execute("SELECT id, raw_len, stored_len, codec, checksum, refs, created, scope FROM chunks"):
+        for r in c.execute(f"SELECT {_CHUNK_COLS} FROM chunks"):
             yield ChunkRow(bytes(r[0]), *r[1:])
+
+    @staticmethod
+    def chunk_state(c: Conn, cid: bytes) -> int:
+        """0: no row; 1: a healthy row; 2: a quarantined row (one index probe, no transaction needed)."""
+        r = c.execute("SELECT quarantined IS NULL FROM chunks WHERE id = ?", (cid,)).fetchone()
+        return 0 if r is None else (1 if r[0] else 2)
+
+    @staticmethod
+    def heal_chunk(c: Conn, cid: bytes, stored_len: int, codec: int) -> None:
+        """Make a chunk row describe the file just published at its address, and lift its quarantine."""
+        r = c.execute("SELECT stored_len, quarantined FROM chunks WHERE id = ?", (cid,)).fetchone()
+        if r is None:
+            return
+        c.execute("UPDATE chunks SET stored_len = ?, codec = ?, quarantined = NULL WHERE id = ?",
+                  (stored_len, codec, cid))
+        if stored_len != r[0]:
+            Database.add_counter(c, "stored_bytes", stored_len - int(r[0]))
+        if r[1] is not None:
+            Database.add_counter(c, "healed", 1)
+
+    @staticmethod
+    def quarantine_chunk(c: Conn, cid: bytes, now: float) -> bool:
+        """Mark a healthy chunk row as damaged; True if this call did (False: no row, or already)."""
+        c.execute("UPDATE chunks SET quarantined = ? WHERE id = ? AND quarantined IS NULL", (now, cid))
+        if c.changes():
+            Database.add_counter(c, "quarantines", 1)
+            return True
+        return False
+
+    @staticmethod
+    def quarantined_ids(c: Conn) -> set[bytes]:
+        """Ids of the quarantined chunks (few; read through the partial index)."""
+        return {bytes(r[0]) for r in c.execute("SELECT id FROM chunks WHERE quarantined IS NOT NULL")}
+
+    @staticmethod
+    def quarantined_users(c: Conn) -> dict[int, bool]:
+        """Snapshots that use a quarantined chunk -> True when a row-stream segment does (then every
+        descendant is hit too), False when only fixed parts do (only the snapshot itself). One probe
+        of the partial index when nothing is quarantined."""
+        out: dict[int, bool] = {}
+        for sid, kind in c.execute(
+                "SELECT DISTINCT pc.snapshot_id, p.kind FROM chunks q JOIN part_chunks pc ON pc.chunk_id = q.id "
+                "JOIN parts p ON p.snapshot_id = pc.snapshot_id AND p.name = pc.name "
+                "WHERE q.quarantined IS NOT NULL"):
+            out[int(sid)] = out.get(int(sid), False) or int(kind) == 1
+        return out
 
     @staticmethod
     def chunk_users(c: Conn, cid: bytes) -> list[int]:
@@ -701,6 +768,11 @@ class Database:
         return (_int(c, "SELECT count(*) FROM snapshots WHERE state = 0"),
                 _int(c, "SELECT count(*) FROM chunks"),
                 _int(c, "SELECT coalesce(sum(c.raw_len), 0) FROM part_chunks pc JOIN chunks c ON c.id = pc.chunk_id"))
+
+    @staticmethod
+    def quarantined_count(c: Conn) -> int:
+        """Chunks quarantined now (damaged, awaiting a save of the correct bytes or a repair)."""
+        return _int(c, "SELECT count(*) FROM chunks WHERE quarantined IS NOT NULL")
 
     @staticmethod
     def set_refs(c: Conn, cid: bytes, refs: int) -> None:
@@ -774,7 +846,7 @@ class MemDatabase(Database):
         self.path = path
         self.readonly = True
         self._mem: Conn | None = mem
-        self._check_version(mem)
+        self._migrate(mem)  # the copy is private: bring a catalog of an older version up to date
 
     def conn(self) -> Conn:
         if self._mem is None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ._buffers import Sink, as_sink
 from ._db import ChunkRow, Conn, Database, PartRow, SnapRow
-from ._errors import DestinationError, SnapshotUnavailableError
+from ._errors import CorruptChunkError, DestinationError, SnapshotUnavailableError
 from ._layout import Fixed, Layout, PartSpec, Rows
 
 __all__ = ["PlanItem", "RestorePlan", "build_plan"]
@@ -59,6 +59,11 @@ def _chunks(c: Conn, sid: int, part: PartRow) -> list[ChunkRow]:
             f"snapshot {sid} part {part.name!r} references a chunk that is gone; nothing was written",
             snapshot_id=sid)
     out = [ch for ch in chunks if ch is not None]
+    for ch in out:
+        if ch.quarantined is not None:
+            raise CorruptChunkError(
+                f"snapshot {sid} part {part.name!r}: chunk {ch.id.hex()} is quarantined (a restore found it "
+                "damaged; the next save of the same state republishes it); nothing was written", snapshot_id=sid)
     if sum(ch.raw_len for ch in out) != part.nbytes:
         raise SnapshotUnavailableError(
             f"snapshot {sid} part {part.name!r}: chunks hold {sum(ch.raw_len for ch in out)} bytes, "

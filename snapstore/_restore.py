@@ -1,18 +1,27 @@
 """Restore side: stream a validated plan's chunks into the destination buffers.
 
-Phase 1 opens every chunk file and checks its header against the catalog (an open descriptor
+Phase 1 opens the chunk files and checks each header against the catalog (an open descriptor
 keeps the bytes readable even if a concurrent eviction unlinks the file), so a snapshot that
 vanished is reported before anything is written. Phase 2 reads each chunk straight into the
 destination when it is raw and the destination is contiguous (a reader thread reads chunk k+1
-while this thread checks chunk k), else through the staging buffer, and checks every chunk's
-XXH3-128 as it lands. No posix_fadvise(WILLNEED): on this kernel it fills the page cache with
-4 KiB folios and made both cold and later warm reads slower than plain readahead.
+while this thread checks chunk k), else through the staging buffer (zstd payloads decode piece by
+piece from the file: no chunk-sized temporaries), and checks every chunk's XXH3-128 as it lands.
+
+At most ``_MAX_OPEN`` chunk files are open at once, whatever the plan's size, and the process's
+open-file limit is never touched: a larger plan has every header checked first (open, check,
+close), then streams in windows of that many files, each window opened and re-checked before
+its first byte is written. Damage found on the way (a missing file, a bad header, a checksum
+that does not match) is reported in ``damage`` for :func:`quarantine`.
+
+No posix_fadvise(WILLNEED): on this kernel it fills the page cache with 4 KiB folios and made
+both cold and later warm reads slower than plain readahead.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 
 from ._chunker import StagingBuffer
@@ -22,76 +31,152 @@ from ._chunkfile import (
     ChunkHeader,
     checksum,
     checksum_stream,
-    decode_payload,
+    decode_fd,
     parse_header,
     read_exact,
 )
+from ._db import Conn, Database
 from ._errors import CorruptChunkError, CorruptionError, RestoreError, SnapshotUnavailableError
 from ._plan import PlanItem, RestorePlan
 from ._ramtier import RamTier
 
-__all__ = ["stream_plan"]
+__all__ = ["Damage", "quarantine", "stream_plan"]
 
-def _ensure_fd_room(needed: int) -> None:
-    """Raise the soft open-file limit (up to the hard one) so every chunk of a plan can be held open."""
+_MAX_OPEN = 64  # chunk files one restore holds open at once
+
+# (chunk id, (st_dev, st_ino) of the damaged file, or None when the file was missing)
+Damage = list[tuple[bytes, "tuple[int, int] | None"]]
+
+_Opened = tuple[PlanItem, int, "ChunkHeader | None", "bytes | None"]
+
+
+def _outcome(touched: bool) -> str:
+    return "the destination was partly written: re-read the prompt" if touched else "nothing was written"
+
+
+def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[bytes], str], ram: RamTier | None,
+              touched: bool, damage: Damage, keep: bool = True) -> list[_Opened]:
+    """Open every chunk file of ``items`` and check its header against the catalog; with ``keep``
+    False close each again (a check only). Damage found is added to ``damage`` before raising."""
+    opened: list[_Opened] = []
+    fds: dict[bytes, tuple[int, ChunkHeader]] = {}
+    checked: set[bytes] = set()
+    sid = plan.snapshot_id
     try:
-        import resource
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = needed + 256
-        if soft != resource.RLIM_INFINITY and soft < want:
-            new = want if hard == resource.RLIM_INFINITY else min(hard, want)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-    except (ImportError, ValueError, OSError):
-        pass
-
-
-def _open_all(plan: RestorePlan, blob_path: Callable[[bytes], str],
-              ram: RamTier | None) -> list[tuple[PlanItem, int, ChunkHeader | None, bytes | None]]:
-    opened: list[tuple[PlanItem, int, ChunkHeader | None, bytes | None]] = []
-    fds: dict[bytes, int] = {}
-    _ensure_fd_room(len({item.chunk.id for item in plan.items}))
-    try:
-        for item in plan.items:
+        for item in items:
             cid = item.chunk.id
-            data = ram.get(cid) if ram is not None else None
+            data = ram.get(cid) if ram is not None and keep else None
             if data is not None:  # held from here on: a RAM eviction cannot pull it away mid-restore
                 opened.append((item, -1, None, data))
                 continue
-            if cid not in fds:
-                try:
-                    path = blob_path(cid)
-                except CorruptionError as e:
-                    raise SnapshotUnavailableError(f"snapshot {plan.snapshot_id}: {e}; nothing was written",
-                                                   snapshot_id=plan.snapshot_id) from None
-                try:
-                    fds[cid] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    raise SnapshotUnavailableError(
-                        f"snapshot {plan.snapshot_id}: chunk {cid.hex()} is gone (evicted or deleted); "
-                        "nothing was written", snapshot_id=plan.snapshot_id) from None
-                except OSError as e:
-                    raise SnapshotUnavailableError(
-                        f"snapshot {plan.snapshot_id}: cannot open chunk {cid.hex()}: {e.strerror}; "
-                        "nothing was written", snapshot_id=plan.snapshot_id) from None
-            fd = fds[cid]
+            if cid in fds:
+                fd, head = fds[cid]
+                opened.append((item, fd, head, None))
+                continue
+            if cid in checked:
+                continue
             try:
-                head = parse_header(os.pread(fd, HEADER_SIZE, 0))
-                size = os.fstat(fd).st_size
-            except (CorruptionError, OSError) as e:
-                raise CorruptChunkError(f"snapshot {plan.snapshot_id}: chunk {cid.hex()} is damaged ({e}); "
-                                        "nothing was written", snapshot_id=plan.snapshot_id) from None
-            if (head.raw_len != item.chunk.raw_len or head.checksum != item.chunk.checksum
-                    or size != HEADER_SIZE + head.payload_len):
-                raise CorruptChunkError(
-                    f"snapshot {plan.snapshot_id}: chunk {cid.hex()} does not match the catalog "
-                    f"(size {size}, header says {HEADER_SIZE + head.payload_len}); nothing was written",
-                    snapshot_id=plan.snapshot_id)
-            opened.append((item, fd, head, None))
+                path = blob_path(cid)
+            except CorruptionError as e:
+                raise SnapshotUnavailableError(f"snapshot {sid}: {e}; {_outcome(touched)}",
+                                               touched=touched, snapshot_id=sid) from None
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                damage.append((cid, None))  # quarantined if its row is still there (not an eviction)
+                raise SnapshotUnavailableError(
+                    f"snapshot {sid}: chunk {cid.hex()} is gone (evicted or deleted); {_outcome(touched)}",
+                    touched=touched, snapshot_id=sid) from None
+            except OSError as e:
+                raise SnapshotUnavailableError(
+                    f"snapshot {sid}: cannot open chunk {cid.hex()}: {e.strerror}; {_outcome(touched)}",
+                    touched=touched, snapshot_id=sid) from None
+            try:
+                head = _check_header(plan, item, fd, touched, damage)
+            except BaseException:
+                os.close(fd)
+                raise
+            if keep:
+                fds[cid] = (fd, head)
+                opened.append((item, fd, head, None))
+            else:
+                os.close(fd)
+                checked.add(cid)
     except BaseException:
-        for fd in fds.values():
+        for fd, _ in fds.values():
             os.close(fd)
         raise
     return opened
+
+
+def _check_header(plan: RestorePlan, item: PlanItem, fd: int, touched: bool, damage: Damage) -> ChunkHeader:
+    """The header of an open chunk file, checked against its catalog row."""
+    cid, sid = item.chunk.id, plan.snapshot_id
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        raise SnapshotUnavailableError(f"snapshot {sid}: cannot stat chunk {cid.hex()}: {e.strerror}; "
+                                       f"{_outcome(touched)}", touched=touched, snapshot_id=sid) from None
+    try:
+        head = parse_header(os.pread(fd, HEADER_SIZE, 0))
+    except (CorruptionError, OSError) as e:
+        if isinstance(e, CorruptionError):
+            damage.append((cid, (st.st_dev, st.st_ino)))
+        raise CorruptChunkError(f"snapshot {sid}: chunk {cid.hex()} is damaged ({e}); {_outcome(touched)}",
+                                touched=touched, snapshot_id=sid) from None
+    if (head.raw_len != item.chunk.raw_len or head.checksum != item.chunk.checksum
+            or st.st_size != HEADER_SIZE + head.payload_len):
+        damage.append((cid, (st.st_dev, st.st_ino)))
+        raise CorruptChunkError(
+            f"snapshot {sid}: chunk {cid.hex()} does not match the catalog "
+            f"(size {st.st_size}, header says {HEADER_SIZE + head.payload_len}); {_outcome(touched)}",
+            touched=touched, snapshot_id=sid)
+    return head
+
+
+def _windows(items: list[PlanItem]) -> list[list[PlanItem]]:
+    """Consecutive runs of plan items that use at most _MAX_OPEN distinct chunks each."""
+    out: list[list[PlanItem]] = []
+    cur: list[PlanItem] = []
+    ids: set[bytes] = set()
+    for item in items:
+        if item.chunk.id not in ids and len(ids) >= _MAX_OPEN:
+            out.append(cur)
+            cur, ids = [], set()
+        cur.append(item)
+        ids.add(item.chunk.id)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def quarantine(db: Database, blob_path: Callable[[bytes], str], damage: Damage) -> int:
+    """Quarantine the chunks a restore found damaged, re-checked under the write lock; returns how many.
+
+    A chunk whose row is gone (evicted meanwhile) is left alone, and so is one whose file was
+    replaced since the restore opened it (a save healed it: another inode is at the address).
+    """
+    now = time.time()
+
+    def run(c: Conn) -> int:
+        n = 0
+        for cid, seen in dict(damage).items():
+            row = Database.chunk(c, cid)
+            if row is None or row.quarantined is not None:
+                continue
+            try:
+                st = os.stat(blob_path(cid), follow_symlinks=False)
+                here: tuple[int, int] | None = (st.st_dev, st.st_ino)
+            except FileNotFoundError:
+                here = None
+            except (OSError, CorruptionError):
+                continue
+            if here is not None and here != seen:
+                continue  # missing then but present now, or another file now: republished meanwhile
+            n += Database.quarantine_chunk(c, cid, now)
+        return n
+
+    return db.write(run)
 
 
 class _Reader:
@@ -166,10 +251,25 @@ _PIPELINE_MIN = 2 * (1 << 20)  # below this much raw data a reader thread costs 
 
 
 def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
-                ram: RamTier | None) -> None:
-    """Write every chunk of ``plan``; RestoreError(touched=...) on any failure."""
-    opened = _open_all(plan, blob_path, ram)
+                ram: RamTier | None, damage: Damage | None = None) -> None:
+    """Write every chunk of ``plan``; RestoreError(touched=...) on any failure.
+
+    Chunks found damaged or missing are added to ``damage`` (for :func:`quarantine`).
+    """
+    found: Damage = damage if damage is not None else []
+    windows = _windows(plan.items)
+    if len(windows) > 1:  # check every header before a byte is written, holding few files at once
+        for items in windows:
+            _open_all(plan, items, blob_path, ram, False, found, keep=False)
     touched = False
+    for items in windows:
+        touched = _stream(plan, _open_all(plan, items, blob_path, ram, touched, found), staging, ram,
+                          touched, found)
+
+
+def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ram: RamTier | None,
+            touched: bool, damage: Damage) -> bool:
+    """Write the opened chunks of one window (their descriptors are closed on return); returns touched."""
     # Raw chunks with a contiguous destination are read in place by a reader thread while this
     # thread checks the previous one (preadv releases the GIL); everything else goes in order here.
     targets: list[memoryview | None] = []
@@ -216,12 +316,7 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
                     slot, buf = staging.acquire()
                     try:
                         out = buf[:n] if n <= len(buf) else memoryview(bytearray(n))
-                        if head.codec == CODEC_RAW:
-                            read_exact(fd, out, HEADER_SIZE)
-                        else:
-                            payload = memoryview(bytearray(head.payload_len))
-                            read_exact(fd, payload, HEADER_SIZE)
-                            decode_payload(head, payload, out)
+                        decode_fd(head, fd, out)  # raw: read; zstd: decompressed piece by piece
                         good = checksum(out) == item.chunk.checksum
                         if good:
                             touched = True
@@ -239,18 +334,21 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
                 touched = touched or (reader is not None and reader.started)
                 raise RestoreError(
                     f"snapshot {plan.snapshot_id}: reading chunk {cid.hex()} failed ({e.strerror}); "
-                    + ("the destination was partly written: re-read the prompt" if touched
-                       else "nothing was written"), touched=touched, snapshot_id=plan.snapshot_id) from None
+                    + _outcome(touched), touched=touched, snapshot_id=plan.snapshot_id) from None
             else:
                 reason = "checksum mismatch"
             if not good:
                 touched = touched or (reader is not None and reader.started)
                 if ram is not None:
                     ram.discard(cid)
+                try:
+                    st = os.fstat(fd)
+                    damage.append((cid, (st.st_dev, st.st_ino)))
+                except OSError:
+                    pass
                 raise CorruptChunkError(
-                    f"snapshot {plan.snapshot_id}: chunk {cid.hex()} is corrupt ({reason}); "
-                    + ("the destination was partly written: re-read the prompt" if touched
-                       else "nothing was written"), touched=touched, snapshot_id=plan.snapshot_id)
+                    f"snapshot {plan.snapshot_id}: chunk {cid.hex()} is corrupt ({reason}); " + _outcome(touched),
+                    touched=touched, snapshot_id=plan.snapshot_id)
             if ram is not None:
                 ram.put(cid, out)
     finally:
@@ -261,3 +359,4 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
                 os.close(fd)
             except OSError:
                 pass
+    return touched

@@ -133,6 +133,8 @@ class Stats:
     ram_bytes: int
     disk_budget: int
     chunks: int
+    quarantined: int = 0  # chunks a restore found damaged, not yet healed by a save (or repaired)
+    healed: int = 0  # quarantined (or mismatched) chunks a later save republished
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""

@@ -37,6 +37,7 @@ from ._errors import (
     SnapshotUnavailableError,
     SnapstoreError,
     StateError,
+    StoreIOError,
 )
 from ._identity import Identity
 from ._layout import Fixed, Layout, Rows
@@ -45,7 +46,7 @@ from ._owner import Liveness, Owner, collect_dead, reap_lock_files
 from ._plan import RestorePlan, build_plan
 from ._ramtier import RamTier
 from ._repo import Repo
-from ._restore import stream_plan
+from ._restore import Damage, quarantine, stream_plan
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._tokens import TokenIndex, as_token_array, decode_tokens, encode_tokens
 
@@ -84,6 +85,19 @@ class _Retry(Exception):
 
 
 _MAX_ID = 2**63 - 1  # SQLite's INTEGER range: no snapshot id lies beyond it
+
+
+def _needs_quarantined(chain: list[SnapRow], broken: dict[int, bool], *, leaf: bool) -> bool:
+    """Does restoring the chain's leaf (``leaf``), or a delta over it, read a quarantined chunk?
+
+    ``broken`` is Database.quarantined_users: a snapshot whose row segments use one breaks every
+    descendant; one whose fixed parts do breaks only itself (a delta over it never reads them).
+    """
+    if not broken:
+        return False
+    if leaf and chain and chain[-1].id in broken:
+        return True
+    return any(broken.get(link.id, False) for link in chain)
 
 
 def _snapshot_id(ref: Any) -> int:
@@ -163,8 +177,7 @@ class Store:
         self._inside = threading.local()  # depth of public calls on this thread (nested calls pass)
         self._identity_id = 0
         self._ensure_identity()
-        self._chunker = Chunker(repo.blob_path, repo.tmp, chunk_bytes, codec, self._staging, self._pool,
-                                self._chunk_known)
+        self._chunker = Chunker(repo.blob_path, repo.tmp, chunk_bytes, codec, self._staging, self._pool, repo.db)
         try:  # last: nothing after it can fail and leave the lock held and its thread running
             self._lease_owner = Owner(repo.db, repo.root, self.pending_lease)
         except BaseException:
@@ -338,10 +351,6 @@ class Store:
         """Does ``snap`` belong to this store's identity? Decided by the identity *key*, not the id."""
         return Database.identity_key(c, snap.identity_id) == self.identity.key
 
-    def _chunk_known(self, cid: bytes) -> bool:
-        # a read transaction of the retry loop: "database is locked" here is retried like anywhere
-        return self._repo.db.read(lambda c: Database.chunk_exists(c, cid))
-
     def _count(self, name: str, delta: int = 1) -> None:
         with self._counter_lock:
             self._mem_counters[name] = self._mem_counters.get(name, 0) + delta
@@ -491,9 +500,12 @@ class Store:
         if isinstance(parent, str):
             if parent != "auto":
                 raise InvalidInputError(f"parent must be 'auto', None or a snapshot id, got {parent!r}")
+            broken = Database.quarantined_users(c)
             for sid, cn, key in list(Database.match_candidates(c, self.identity.key, ns, index.chain, n - 1, 0.0)):
                 if key != index.prefix_key(cn):
                     continue
+                if broken and _needs_quarantined(Database.chain(c, sid), broken, leaf=False):
+                    continue  # a delta over it could not restore until its chunk is healed
                 cand = Database.snapshot(c, sid)
                 pr = parent_rows(cand) if cand is not None else None
                 if cand is not None and pr is not None:
@@ -580,12 +592,15 @@ class Store:
         meta: list[tuple[str, int, int]] = []  # name, row_start, row_end
         for name, src in sources.items():
             spec = specs[name]
+            # the chunk scope covers the part's dtype and (row) shape: bytes saved under another
+            # layout never deduplicate onto chunks, or a snapshot, that this layout cannot restore
             if isinstance(spec, Fixed):
-                pieces.append(Piece(src, 0, spec.nbytes))
+                pieces.append(Piece(src, 0, spec.nbytes, scope_key(self.identity.key, ns, spec.dtype, spec.shape)))
                 meta.append((name, 0, 0))
             else:
                 r0, r1 = prows.get(name, 0), row_counts[name]
-                pieces.append(Piece(src, r0 * spec.row_bytes, r1 * spec.row_bytes))
+                pieces.append(Piece(src, r0 * spec.row_bytes, r1 * spec.row_bytes,
+                                    scope_key(self.identity.key, ns, spec.dtype, spec.row_shape)))
                 meta.append((name, r0, r1))
         logical = sum(s.nbytes if isinstance(s, Fixed) else row_counts[k] * s.row_bytes
                       for k, s in specs.items() if k in sources)
@@ -594,16 +609,18 @@ class Store:
         reason = self._precheck(upper)
         if reason is not None:
             return self._skipped(reason, par, logical, n, ns)
-        key = scope_key(self.identity.key, ns)
-        refs = self._chunker.store(pieces, key)
+        refs = self._chunker.store(pieces)
         created = [r.id for rs in refs for r in rs if r.created]
+        keys = {r.id: p.key for p, rs in zip(pieces, refs) for r in rs}
         tokens_blob, width = encode_tokens(arr[par.n_tokens if par else 0:])
         # what the whole chain holds, independent of snapshot ids: the same state saved again
         # (through an equal chain) has the same key however its links are numbered
-        h = blake3.blake3(b"content v1")
+        h = blake3.blake3(b"content v2")
         h.update(par.content_key if par else bytes(16))
         for (name, r0, r1), rs in sorted(zip(meta, refs), key=lambda x: x[0]):
-            h.update(f"|{name}:{r0}:{r1}:".encode())
+            spec = specs[name]
+            kind, shape = (0, spec.shape) if isinstance(spec, Fixed) else (1, spec.row_shape)
+            h.update(f"|{name}:{kind}:{spec.dtype}:{list(shape)}:{r0}:{r1}:".encode())
             for r in rs:
                 h.update(r.id)
         content_key = h.digest(16)
@@ -616,6 +633,8 @@ class Store:
                 if p is None or (p.state == 0 and (p.owner != self._owner or commit)):
                     raise _Retry(parent_gone=True)
             iid = self._iid(c)
+            if not Database.quarantined_ids(c).isdisjoint(keys):
+                raise _Retry()  # a chunk found damaged since this save looked: the retry republishes it
             if not commit:
                 self._lease_owner.renew(c)  # a capture is never younger than its owner's lease
             if commit:
@@ -641,7 +660,7 @@ class Store:
                     if head.raw_len != r.raw_len or head.checksum != r.checksum:
                         missing.add(r.id)  # a damaged file sits at the address: republish it
                         continue
-                    if Database.add_chunk(c, r.id, r.raw_len, size, head.codec, r.checksum, key, now):
+                    if Database.add_chunk(c, r.id, r.raw_len, size, head.codec, r.checksum, keys[r.id], now):
                         new_bytes[0] += size
             if missing:
                 raise _Retry()
@@ -680,6 +699,7 @@ class Store:
             self._repo.unlink_unreferenced(created)
             return self._skipped(s.reason, par, logical, n, ns)
         except _Retry:
+            self._repo.unlink_unreferenced(created)  # the retry republishes what it needs: no orphans
             raise
         except BaseException:
             self._repo.unlink_unreferenced(created)
@@ -853,11 +873,14 @@ class Store:
         not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
 
         def find(c: Conn) -> SnapRow | None:
+            broken = Database.quarantined_users(c)
             for sid, cn, key in Database.match_candidates(c, self.identity.key, ns, index.chain, len(arr),
                                                           not_before):
                 if key != index.prefix_key(cn) or sid in skip:
                     continue
                 chain = Database.chain(c, sid)
+                if _needs_quarantined(chain, broken, leaf=True):
+                    continue  # it cannot restore until a save heals its chunk: the next-longest serves
                 if np.array_equal(self._tokens_of(c, chain), arr[:cn]):
                     return chain[-1]
             return None
@@ -925,12 +948,18 @@ class Store:
         wanted = self._wanted(components)
         t0 = time.perf_counter()
         _, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, into, wanted))
+        damage: Damage = []
         try:
-            stream_plan(plan, self._repo.blob_path, self._staging, self._ram)
+            stream_plan(plan, self._repo.blob_path, self._staging, self._ram, damage)
         except RestoreError as e:
             if e.snapshot_id is None:
                 e.snapshot_id = sid
             self._count("restore_errors")
+            if damage:  # in the same call: snapshots using it stop matching until a save heals it
+                try:
+                    quarantine(self._repo.db, self._repo.blob_path, damage)
+                except (StoreIOError, CorruptionError):
+                    pass  # a later restore finds (and quarantines) it again
             raise
         # last use and the hit are bookkeeping: recorded in memory and written now only if the
         # write lock is free; a restore never queues behind a long writer for them
@@ -1066,6 +1095,7 @@ class Store:
 
 def stats_of(c: Conn, disk_budget: int, ram_used: int) -> Stats:
     """Stats from the catalog (shared by Store.stats and the CLI)."""
+    quarantined = Database.quarantined_count(c)
     counters = Database.counters(c)
     stored, logical, entries, allsnaps = Database.totals(c)
     pending, nchunks, raw = Database.census(c)
@@ -1079,4 +1109,5 @@ def stats_of(c: Conn, disk_budget: int, ram_used: int) -> Stats:
         skipped={k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("skipped:")},
         stored_bytes=stored, logical_bytes=logical,
         dedup_ratio=(raw / stored) if stored else 1.0,
-        ram_hits=counters.get("ram_hits", 0), ram_bytes=ram_used, disk_budget=disk_budget, chunks=nchunks)
+        ram_hits=counters.get("ram_hits", 0), ram_bytes=ram_used, disk_budget=disk_budget, chunks=nchunks,
+        quarantined=quarantined, healed=counters.get("healed", 0))

@@ -90,12 +90,13 @@ def expected_state(k: int, n: int) -> dict[str, np.ndarray]:
     """The parts of conversation k after n tokens (row streams hold exactly n rows)."""
     if k not in _ROWS:
         rng = np.random.default_rng(9000 + k)
-        _ROWS[k] = {name: rng.integers(0, 256, MAX_N * spec.row_bytes, dtype=np.uint8).view(spec.dtype).reshape(
+        # 16 values per byte: zstd compresses it (~0.6), so writers of different codecs really differ
+        _ROWS[k] = {name: rng.integers(0, 16, MAX_N * spec.row_bytes, dtype=np.uint8).view(spec.dtype).reshape(
             (MAX_N, *spec.row_shape)) for name, spec in LAYOUT.rows.items()}
     out = {name: arr[:n].copy() for name, arr in _ROWS[k].items()}
     rng = np.random.default_rng(100_000 * (k + 1) + n)
     for name, spec in LAYOUT.fixed.items():
-        out[name] = rng.integers(0, 256, spec.nbytes, dtype=np.uint8).view(spec.dtype).reshape(spec.shape)
+        out[name] = rng.integers(0, 16, spec.nbytes, dtype=np.uint8).view(spec.dtype).reshape(spec.shape)
     return out
 
 
@@ -229,8 +230,11 @@ def crash_loop(path: str, seed: int) -> None:
 
 
 # -- concurrency mode -----------------------------------------------------------------------------
+CONC_CODECS = ("raw", "zstd", "zstd-shuffle2")  # worker seed % 3: writers of different codecs, one store
+
+
 def conc_worker(path: str, seed: int, seconds: float, threads: int, disk: int, ack_path: str) -> None:
-    store = open_store(path, disk=disk)
+    store = open_store(path, disk=disk, codec=CONC_CODECS[seed % len(CONC_CODECS)])
     stop = time.monotonic() + seconds
     totals = {"ops": 0, "saves": 0, "acked": 0, "restores": 0, "matches": 0, "gc": 0, "commits": 0,
               "abandons": 0, "skipped": 0, "unavailable": 0, "errors": 0, "budget_samples": 0,

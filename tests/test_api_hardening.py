@@ -226,7 +226,7 @@ def test_dedup_lookup_retries_while_another_process_holds_the_database(store_dir
     release.start()
     try:
         t0 = time.monotonic()
-        assert s._chunk_known(bytes(32)) is False  # the look-up the chunker makes for every chunk
+        assert s._chunker._state(bytes(32)) == 0  # the look-up the chunker makes for every chunk
         assert time.monotonic() - t0 >= 0.4
     finally:
         release.join()

@@ -1,13 +1,16 @@
 """Concurrency: 4 processes x 2 threads on one store, plus CLI readers, for 15 s (60 s with SNAPSTORE_LONG=1).
 
-Each worker thread mixes save (with and without a session, so supersede runs), pending save then
-commit/abandon, match + byte-exact restore, gc (grace 2 s) and stats() budget samples
+The worker processes use different codecs (raw, zstd, zstd-shuffle2 by seed) on compressible
+state, so the same chunk is written by writers of different codecs. Each worker thread mixes save
+(with and without a session, so supersede runs), pending save then commit/abandon, match +
+byte-exact restore, gc (grace 2 s) and stats() budget samples
 (tests/helpers_proc.py ``conc``); the parent meanwhile runs ``python -m snapstore --dir D inspect
 --json`` and ``verify --json`` in a loop and samples stored bytes. Checks: zero errors surfaced in any
 worker, zero CLI failures, stored bytes never above the disk budget at any sample, and after the
 run every acknowledged save restores exact or is legitimately gone (evicted/superseded: restore
 raises SnapshotUnavailableError/NotFoundError, and the count stays within the counters); verify
-(deep) ok. Prints operations per second.
+(deep) ok, the stored-bytes counter equals the bytes of the referenced chunk files, and chunk rows
+of at least two codecs exist. Prints operations per second.
 
 Beside them runs a gc sidecar in a PID namespace of its own (``unshare --pid --fork --mount-proc``,
 as a sidecar container would: the workers' pids are not visible to it) looping gc with the same
@@ -32,6 +35,8 @@ import numpy as np
 import pytest
 
 import snapstore as ss
+from snapstore._chunkfile import CODEC_NAMES
+from snapstore._db import Database
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -147,6 +152,16 @@ def run_concurrency(path: str, seconds: float) -> dict[str, Any]:
     try:
         rep = st.verify(deep=True)
         assert rep.ok, rep.problems[:5]
+        # writers of different codecs shared the store: every row describes the file at its address
+        # (verify checks sizes and headers), and the stored-bytes counter equals the referenced files
+        codecs: dict[int, int] = {}
+        for ch in st._repo.db.read(lambda c: list(Database.all_chunks(c))):
+            codecs[ch.codec] = codecs.get(ch.codec, 0) + 1
+        orphans = set(rep.orphan_files)
+        on_disk = sum(os.stat(p).st_size for _, p in st._repo.blob_files() if p not in orphans)
+        assert st.stats().stored_bytes == on_disk, (st.stats().stored_bytes, on_disk)
+        totals["chunk_codecs"] = {CODEC_NAMES[k]: v for k, v in sorted(codecs.items())}
+        totals["orphans_left"] = len(orphans)
         infos = {i.snapshot_id: i for i in st.snapshots()}
         gone = 0
         for sid, (k, n) in acked.items():
@@ -178,6 +193,7 @@ def test_concurrency(tmp_path: Any) -> None:
     assert fig["cli"]["runs"] > 0
     assert fig["lost"] == 0
     assert fig["acked"] > 0 and fig["restores"] > 0
+    assert len(fig["chunk_codecs"]) >= 2, fig["chunk_codecs"]  # mixed-codec writers really mixed
     side = fig["pidns_gc"]
     if side.get("skipped"):
         print("gc sidecar in another PID namespace left out:", side["skipped"])

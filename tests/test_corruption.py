@@ -217,6 +217,75 @@ def test_chunk_corruption_campaign(template: Any, tmp_path: Any) -> None:
     assert fig["tried"] >= CHUNK_TRIALS * 0.8 and fig["detected"] == fig["tried"]
 
 
+HEAL_TRIALS = 1000 if LONG else 20
+
+
+def test_quarantine_and_heal_campaign(template: Any, tmp_path: Any) -> None:
+    """Damage one chunk; every restore that meets it fails and quarantines it in the same call;
+    then match() serves nothing that needs it (each hit restores exact); a save of every state
+    (as the engine would after re-reading the prompt) republishes the damaged chunk, after which
+    every state matches at full length and restores exact and deep verify is clean: no repair."""
+    tmpl, codec, saved = template
+    rng = np.random.default_rng(52 if codec == "raw" else 53)
+    fig = {"tried": 0, "refused": 0, "quarantined": 0, "match_after_quarantine_exact": 0,
+           "match_after_quarantine_none_or_shorter": 0, "healed": 0, "exact_after_heal": 0, "clean_after_heal": 0}
+    work = str(tmp_path / "work")
+    shutil.copytree(tmpl, work)
+    tmpl_files = {os.path.relpath(os.path.join(d, f), tmpl) for d, _, fs in os.walk(tmpl) for f in fs}
+    order = sorted(saved.items(), key=lambda kv: (len(kv[1][0]), kv[0]))  # prefixes first, as turns go
+    for _t in range(HEAL_TRIALS):
+        _reset(tmpl, work, tmpl_files)
+        st = _open(work, codec)
+        try:
+            files = sorted(p for _, p in st._repo.blob_files())
+            victim = files[int(rng.integers(len(files)))]
+            cid = bytes.fromhex(os.path.basename(victim))
+            kind, _ = _damage(victim, rng, files[int(rng.integers(len(files)))])
+            if kind == "unchanged":
+                continue
+            fig["tried"] += 1
+            failed = _check_restores(st, saved, {cid}, {"restore_refused": 0, "restore_exact": 0})
+            assert failed, f"{kind} of {cid.hex()} met by no restore"
+            fig["refused"] += len(failed)
+            assert st.stats().quarantined == 1, "the restore that found the damage did not quarantine it"
+            fig["quarantined"] += 1
+            for _sid, (toks, state) in saved.items():
+                m = st.match(toks)
+                if m is None or m.n_tokens < len(toks):
+                    fig["match_after_quarantine_none_or_shorter"] += 1
+                    continue
+                into = {name: np.zeros_like(v) for name, v in state.items()}
+                st.restore(m, into=into)  # a match never needs the quarantined chunk: no error
+                same = [s2 for t2, s2 in saved.values() if len(t2) == len(toks) and np.array_equal(t2, toks)]
+                assert any(all(into[k].tobytes() == s2[k].tobytes() for k in state) for s2 in same)
+                fig["match_after_quarantine_exact"] += 1
+            for _sid, (toks, state) in order:
+                assert st.save(toks, state).ok
+            after = st.stats()
+            assert after.quarantined == 0, "a save of the right bytes did not heal the chunk"
+            fig["healed"] += after.healed
+            for _sid, (toks, state) in saved.items():
+                m = st.match(toks)
+                assert m is not None and m.n_tokens == len(toks)
+                into = {name: np.zeros_like(v) for name, v in state.items()}
+                st.restore(m, into=into)
+                same = [s2 for t2, s2 in saved.values() if len(t2) == len(toks) and np.array_equal(t2, toks)]
+                assert any(all(into[k].tobytes() == s2[k].tobytes() for k in state) for s2 in same)
+                fig["exact_after_heal"] += 1
+            for sid, (_toks, state) in saved.items():  # the damaged snapshots themselves are whole again
+                into = {name: np.zeros_like(v) for name, v in state.items()}
+                st.restore(sid, into=into)
+                assert all(into[k].tobytes() == state[k].tobytes() for k in state)
+            rep = st.verify(deep=True)
+            assert rep.ok, rep.problems
+            fig["clean_after_heal"] += 1
+        finally:
+            st.close()
+    FIGURES[f"heal-{codec}"] = fig
+    print(f"quarantine and heal ({codec}):", json.dumps(fig))
+    assert fig["tried"] >= HEAL_TRIALS * 0.8 and fig["clean_after_heal"] == fig["tried"]
+
+
 def _reset(tmpl: str, work: str, tmpl_files: set[str]) -> None:
     """Make ``work`` a byte copy of the template again (cheaper than a fresh copytree)."""
     have = {os.path.relpath(os.path.join(d, f), work) for d, _, fs in os.walk(work) for f in fs}
