@@ -237,3 +237,94 @@ def llama_server(model: str, slot_dir: str, **kw: Any) -> Iterator[LlamaServer]:
         yield s
     finally:
         s.close()
+
+
+class ServerProcess:
+    """llama-server in its own process (a restart is a new process): ``python helpers_llamacpp.py``."""
+
+    def __init__(self, model: str, slot_dir: str, **kw: Any) -> None:
+        import subprocess
+        import sys
+
+        os.makedirs(slot_dir, exist_ok=True)
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.proc = subprocess.Popen([sys.executable, os.path.join(here, "helpers_llamacpp.py"), model, slot_dir,
+                                      json.dumps(kw)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("http://"):
+            self.close()
+            raise RuntimeError(f"llama-server process did not start: {line!r}")
+        self.url = line.strip()
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST JSON and return the decoded reply (raises on HTTP errors)."""
+        return post(self.url, path, body)
+
+    def close(self) -> None:
+        """Stop the process (closing its stdin ends it; killed if it lingers)."""
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def post(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """POST JSON to ``url + path``; the decoded reply."""
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out: dict[str, Any] = json.loads(r.read())
+        return out
+
+
+@contextlib.contextmanager
+def server_process(model: str, slot_dir: str, **kw: Any) -> Iterator[ServerProcess]:
+    """A llama-server process, stopped on exit."""
+    s = ServerProcess(model, slot_dir, **kw)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@contextlib.contextmanager
+def proxy(bridge: Any) -> Iterator[tuple[str, Any]]:
+    """``snapstore llama-proxy``'s app for ``bridge`` on a free 127.0.0.1 port, in a thread; (url, metrics)."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from snapstore.llamacpp._metrics import BridgeMetrics
+    from snapstore.llamacpp._proxy import make_app
+
+    metrics = BridgeMetrics()
+    bridge.events = metrics.events()
+    loop = asyncio.new_event_loop()
+    port = free_port()
+    runner = web.AppRunner(make_app(bridge, metrics), access_log=None)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{port}", metrics
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(30)
+        loop.close()
+
+
+if __name__ == "__main__":  # the body of ServerProcess: serve until stdin closes
+    import sys
+
+    _srv = LlamaServer(sys.argv[1], sys.argv[2], **json.loads(sys.argv[3]))
+    print(_srv.url, flush=True)
+    sys.stdin.read()
+    _srv.close()

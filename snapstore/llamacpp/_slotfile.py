@@ -17,6 +17,7 @@ per-file choices (token form, which stream held the cells) so ``encode`` writes 
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +32,9 @@ __all__ = [
     "RecLayer",
     "SlotFile",
     "SlotFormatError",
+    "SlotProto",
     "decode",
+    "empty_parts",
     "encode",
     "from_parts",
     "layout_for",
@@ -394,20 +397,20 @@ def _elems(t: int, nbytes: int) -> int:
     return nbytes // 4 if _dtype(t) == "float32" else nbytes // 2 if _dtype(t) != "uint8" else nbytes
 
 
-def layout_for(sf: SlotFile, shape: ModelShape) -> Layout:
-    """The store layout of slot files like ``sf`` (same model, types and settings)."""
-    rows: dict[str, Rows] = {"cells": Rows("int32", (3,))}
-    for il, ly in zip(shape.attn_layers, sf.kv):
-        rows[f"k.{il}"] = Rows(_dtype(ly.k_type), (_elems(ly.k_type, ly.k_row),))
-        rows[f"v.{il}"] = Rows(_dtype(ly.v_type), (_elems(ly.v_type, ly.v_row),))
+def layout_for(proto: SlotProto) -> Layout:
+    """The store layout of slot files with constants ``proto`` (same model, types and settings)."""
+    rows: dict[str, Rows] = {"tokens": Rows("int32", (1,)), "cells": Rows("int32", (3,))}
+    for il, (kt, kr, vt, vr, _, _) in zip(proto.attn_layers, proto.kv):
+        rows[f"k.{il}"] = Rows(_dtype(kt), (_elems(kt, kr),))
+        rows[f"v.{il}"] = Rows(_dtype(vt), (_elems(vt, vr),))
     fixed: dict[str, Fixed] = {"slot.hdr": Fixed("int32", (2,))}
-    if sf.rec_cell is not None:
+    if proto.rec is not None:
         fixed["rec.cell"] = Fixed("int32", (3,))
-        for il, rl in zip(shape.recurrent_layers, sf.rec):
-            if rl.r_row:
-                fixed[f"r.{il}"] = Fixed(_dtype(rl.r_type), (_elems(rl.r_type, rl.r_row),))
-            if rl.s_row:
-                fixed[f"s.{il}"] = Fixed(_dtype(rl.s_type), (_elems(rl.s_type, rl.s_row),))
+        for il, (rt, rr, st, sr) in zip(proto.recurrent_layers, proto.rec):
+            if rr:
+                fixed[f"r.{il}"] = Fixed(_dtype(rt), (_elems(rt, rr),))
+            if sr:
+                fixed[f"s.{il}"] = Fixed(_dtype(st), (_elems(st, sr),))
     return Layout(fixed=fixed, rows=rows)
 
 
@@ -432,6 +435,7 @@ def to_parts(sf: SlotFile, shape: ModelShape, n: int | None = None) -> dict[str,
                               f"{sf.n_tokens} tokens (shifted or sparse context); it cannot be stored as a prefix")
     parts: dict[str, np.ndarray] = {
         "slot.hdr": np.array([sf.token_form, sf.stream], np.int32),
+        "tokens": sf.tokens[:n].reshape(n, 1),
         "cells": sf.cells[:n],
     }
     for il, ly in zip(shape.attn_layers, sf.kv):
@@ -457,9 +461,9 @@ def empty_parts(layout: Layout, n: int) -> dict[str, np.ndarray]:
     return out
 
 
-def from_parts(parts: dict[str, np.ndarray], tokens: np.ndarray, proto: SlotProto) -> SlotFile:
-    """A slot file from restored parts; ``proto`` carries what the identity fixes (types, sizes)."""
-    n = len(tokens)
+def from_parts(parts: dict[str, np.ndarray], n: int, proto: SlotProto) -> SlotFile:
+    """A slot file of ``n`` tokens from restored parts; ``proto`` carries what the identity fixes."""
+    tokens = np.frombuffer(parts["tokens"], np.int32)[:n]
     hdr = np.frombuffer(parts["slot.hdr"], np.int32)
     sf = SlotFile(version=proto.version, tokens=np.asarray(tokens, np.int32), token_form=int(hdr[0]),
                   n_stream=proto.n_stream, stream=int(hdr[1]), v_trans=proto.v_trans)
@@ -504,19 +508,22 @@ class SlotProto:
         """Identity extra keys that pin these constants (canonical text)."""
         kv = ";".join(",".join(map(str, t)) for t in self.kv)
         rec = "" if self.rec is None else ";".join(",".join(map(str, t)) for t in self.rec)
-        return {"state_version": str(self.version), "n_stream": str(self.n_stream), "v_trans": str(self.v_trans),
+        return {"attn_layers": ",".join(map(str, self.attn_layers)),
+                "rec_layers": ",".join(map(str, self.recurrent_layers)), "state_version": str(self.version), "n_stream": str(self.n_stream), "v_trans": str(self.v_trans),
                 "flash_attn": "0" if self.v_trans else "1", "kv_unified": "1" if self.n_stream == 1 else "0",
                 "kv_layout": kv, "rec_layout": rec, "rec_n_layer": str(self.rec_n_layer)}
 
     @classmethod
-    def from_extra(cls, extra: dict[str, object], shape: ModelShape) -> SlotProto:
+    def from_extra(cls, extra: Mapping[str, object]) -> SlotProto:
         """Inverse of ``to_extra``."""
         try:
+            attn = tuple(int(x) for x in str(extra["attn_layers"]).split(",") if x)
+            recl = tuple(int(x) for x in str(extra["rec_layers"]).split(",") if x)
             kv = tuple(tuple(int(x) for x in t.split(",")) for t in str(extra["kv_layout"]).split(";") if t)
             rs = str(extra["rec_layout"])
             rec = None if not rs else tuple(tuple(int(x) for x in t.split(",")) for t in rs.split(";"))
             return cls(int(str(extra["state_version"])), int(str(extra["n_stream"])), int(str(extra["v_trans"])),
-                       shape.attn_layers, kv, shape.recurrent_layers, rec,  # type: ignore[arg-type]
+                       attn, kv, recl, rec,  # type: ignore[arg-type]
                        int(str(extra["rec_n_layer"])))
         except (KeyError, ValueError) as e:
             raise SnapstoreError(f"identity is not a llama.cpp slot identity: {e}") from None
