@@ -93,12 +93,21 @@ def model_info(path: str) -> ModelInfo:
     per_layer = list(kvh) if isinstance(kvh, list) else [kvh] * n_layer
     if len(per_layer) != n_layer:
         raise InvalidInputError(f"{path}: head_count_kv has {len(per_layer)} entries for {n_layer} layers")
+    n_embd = _field(reader, f"{arch}.embedding_length")
+    n_head = _field(reader, f"{arch}.attention.head_count")
+    n_head = n_head[0] if isinstance(n_head, list) else n_head
+    hd_k = _field(reader, f"{arch}.attention.key_length") or (n_embd // n_head if n_embd and n_head else 0)
+    hd_v = _field(reader, f"{arch}.attention.value_length") or hd_k
+    rec_w = (0, 0)
     if arch == "lfm2":
         attn = tuple(i for i, h in enumerate(per_layer) if h)
         rec = tuple(i for i, h in enumerate(per_layer) if not h)
+        l_cache = _field(reader, "lfm2.shortconv.l_cache")
+        rec_w = ((int(l_cache) - 1) * int(n_embd) if l_cache and n_embd else 0, 0)
     else:
         attn, rec = tuple(range(n_layer)), ()
-    return ModelInfo(path, _sha256(path), ModelShape(arch, n_layer, attn, rec))
+    widths = tuple((int(per_layer[i]) * int(hd_k), int(per_layer[i]) * int(hd_v)) for i in attn)
+    return ModelInfo(path, _sha256(path), ModelShape(arch, n_layer, attn, rec, widths, rec_w))
 
 
 def build_of_server(url: str, timeout: float = 10.0) -> str:

@@ -31,11 +31,13 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
     """The aiohttp application: /metrics, and everything else passed through to the bridge's upstream."""
     from aiohttp import ClientSession, ClientTimeout, web
 
+    client_key = web.AppKey("client", ClientSession)
+
     async def on_startup(app: web.Application) -> None:
-        app["client"] = ClientSession(timeout=ClientTimeout(total=None, sock_connect=30), auto_decompress=False)
+        app[client_key] = ClientSession(timeout=ClientTimeout(total=None, sock_connect=30), auto_decompress=False)
 
     async def on_cleanup(app: web.Application) -> None:
-        await app["client"].close()
+        await app[client_key].close()
 
     async def metrics_handler(request: web.Request) -> web.Response:
         store = bridge.slots.store
@@ -77,7 +79,7 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
                     log.warning("bridge after() failed: %s", e)
 
     async def _forward(request: web.Request, body: bytes) -> web.StreamResponse:
-        client: ClientSession = request.app["client"]
+        client = request.app[client_key]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         url = bridge.upstream + request.rel_url.path_qs
         async with client.request(request.method, url, headers=headers, data=body) as up:

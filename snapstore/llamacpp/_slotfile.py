@@ -72,6 +72,8 @@ class ModelShape:
     n_layer: int
     attn_layers: tuple[int, ...]
     recurrent_layers: tuple[int, ...] = ()
+    kv_widths: tuple[tuple[int, int], ...] = ()  # per attention layer: K and V elements per token (0: unchecked)
+    rec_widths: tuple[int, int] = (0, 0)  # r and s elements of a recurrent layer's state (0: unchecked)
 
     @property
     def hybrid(self) -> bool:
@@ -167,11 +169,13 @@ def _type_name(t: int, what: str) -> str:
     return GGML_TYPES[t][0]
 
 
-def _check_row(t: int, row: int, what: str) -> None:
-    _, blk, size = GGML_TYPES[t]
+def _check_row(t: int, row: int, what: str, width: int = 0) -> None:
+    name, blk, size = GGML_TYPES[t]
     if row <= 0 or row % size or row > (1 << 31):
-        raise SlotFormatError(f"{what}: row size {row} is not a whole number of {GGML_TYPES[t][0]} blocks")
-    del blk
+        raise SlotFormatError(f"{what}: row size {row} is not a whole number of {name} blocks")
+    if width and row != width // blk * size:
+        raise SlotFormatError(f"{what}: row size {row} bytes, the model's {width} {name} elements take "
+                              f"{width // blk * size} (a file of another model?)")
 
 
 def decode(data: bytes | memoryview, shape: ModelShape, *, what: str = "slot file") -> SlotFile:
@@ -262,7 +266,7 @@ def _decode_kv(r: _Reader, sf: SlotFile, shape: ModelShape, what: str) -> None:
             t = r.i32(f"k type (layer {il})")
             _type_name(t, f"{what}: k layer {il}")
             row = r.u64(f"k row size (layer {il})")
-            _check_row(t, row, f"{what}: k layer {il}")
+            _check_row(t, row, f"{what}: k layer {il}", shape.kv_widths[il][0] if shape.kv_widths else 0)
             ks.append((t, row, bytes(r.take(row * cc, f"k rows (layer {il})"))))
         layers: list[KvLayer] = []
         for il in range(n_layer):
@@ -270,11 +274,12 @@ def _decode_kv(r: _Reader, sf: SlotFile, shape: ModelShape, what: str) -> None:
             _type_name(t, f"{what}: v layer {il}")
             if not sf.v_trans:
                 row = r.u64(f"v row size (layer {il})")
-                _check_row(t, row, f"{what}: v layer {il}")
+                _check_row(t, row, f"{what}: v layer {il}", shape.kv_widths[il][1] if shape.kv_widths else 0)
                 layers.append(KvLayer(*ks[il], t, row, bytes(r.take(row * cc, f"v rows (layer {il})"))))
             else:
                 el, ne = r.u32(f"v element size (layer {il})"), r.u32(f"v width (layer {il})")
-                if GGML_TYPES[t][1] != 1 or el != GGML_TYPES[t][2] or not 0 < ne <= (1 << 20):
+                want = shape.kv_widths[il][1] if shape.kv_widths else 0
+                if GGML_TYPES[t][1] != 1 or el != GGML_TYPES[t][2] or not 0 < ne <= (1 << 20) or want and ne != want:
                     raise SlotFormatError(f"{what}: transposed v layer {il}: element size {el} / width {ne} "
                                           f"do not fit type {GGML_TYPES[t][0]}")
                 cols = np.frombuffer(r.take(el * ne * cc, f"v columns (layer {il})"), np.uint8)
@@ -307,7 +312,9 @@ def _decode_rec(r: _Reader, sf: SlotFile, shape: ModelShape, what: str) -> None:
             _type_name(t, f"{what}: {part} layer {il}")
             row = r.u64(f"{part} row size (layer {il})")
             if row:
-                _check_row(t, row, f"{what}: {part} layer {il}")
+                _check_row(t, row, f"{what}: {part} layer {il}", shape.rec_widths[0 if part == "r" else 1])
+            elif shape.rec_widths[0 if part == "r" else 1]:
+                raise SlotFormatError(f"{what}: {part} layer {il} is empty, the model keeps state there")
             heads.append((t, row, bytes(r.take(row, f"{part} state (layer {il})"))))
     n = len(shape.recurrent_layers)
     sf.rec = [RecLayer(*heads[i], *heads[n + i]) for i in range(n)]
