@@ -91,7 +91,9 @@ def _export(store: Store, ref: Any, proto: SlotProto) -> bytes:
 def _n_tokens_of(store: Store, ref: Any) -> int:
     if isinstance(ref, Match):
         return ref.n_tokens
-    sid = int(ref.snapshot_id if isinstance(ref, SaveResult) else ref)
+    sid = ref.snapshot_id if isinstance(ref, SaveResult) else ref
+    if not isinstance(sid, int):
+        raise NotFoundError(f"not a snapshot: {ref!r}")
     for info in store.snapshots():
         if info.snapshot_id == sid:
             return info.n_tokens

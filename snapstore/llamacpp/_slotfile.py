@@ -384,12 +384,12 @@ def encode(sf: SlotFile) -> bytes:
         if nseq:
             p(struct.pack("<i", seq))
         p(struct.pack("<II", sf.s_trans, sf.rec_n_layer))
-        for ly in sf.rec:
-            p(struct.pack("<iQ", ly.r_type, ly.r_row))
-            p(ly.r)
-        for ly in sf.rec:
-            p(struct.pack("<iQ", ly.s_type, ly.s_row))
-            p(ly.s)
+        for rl in sf.rec:
+            p(struct.pack("<iQ", rl.r_type, rl.r_row))
+            p(rl.r)
+        for rl in sf.rec:
+            p(struct.pack("<iQ", rl.s_type, rl.s_row))
+            p(rl.s)
     p(sf.checkpoints)
     return bytes(out)
 
@@ -419,6 +419,10 @@ def layout_for(proto: SlotProto) -> Layout:
             if sr:
                 fixed[f"s.{il}"] = Fixed(_dtype(st), (_elems(st, sr),))
     return Layout(fixed=fixed, rows=rows)
+
+
+def _raw(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).tobytes()
 
 
 def _u8(b: bytes) -> np.ndarray:
@@ -478,14 +482,14 @@ def from_parts(parts: dict[str, np.ndarray], n: int, proto: SlotProto) -> SlotFi
         raise SlotFormatError(f"stored slot header {hdr.tolist()} is out of range")
     sf.cells = np.frombuffer(parts["cells"], np.int32)[: 3 * n].reshape(n, 3).copy()
     for il, (kt, kr, vt, vr, vel, vne) in zip(proto.attn_layers, proto.kv):
-        sf.kv.append(KvLayer(kt, kr, bytes(memoryview(parts[f"k.{il}"]).cast("B")[: n * kr]), vt, vr,
-                             bytes(memoryview(parts[f"v.{il}"]).cast("B")[: n * vr]), vel, vne))
+        sf.kv.append(KvLayer(kt, kr, _raw(parts[f"k.{il}"])[: n * kr], vt, vr,
+                             _raw(parts[f"v.{il}"])[: n * vr], vel, vne))
     if proto.rec is not None:
         sf.rec_cell = np.frombuffer(parts["rec.cell"], np.int32).copy()
         sf.rec_n_layer = proto.rec_n_layer
         for il, (rt, rr, st, sr) in zip(proto.recurrent_layers, proto.rec):
-            sf.rec.append(RecLayer(rt, rr, bytes(memoryview(parts[f"r.{il}"]).cast("B")) if rr else b"",
-                                   st, sr, bytes(memoryview(parts[f"s.{il}"]).cast("B")) if sr else b""))
+            sf.rec.append(RecLayer(rt, rr, _raw(parts[f"r.{il}"]) if rr else b"",
+                                   st, sr, _raw(parts[f"s.{il}"]) if sr else b""))
     return sf
 
 
@@ -516,7 +520,8 @@ class SlotProto:
         kv = ";".join(",".join(map(str, t)) for t in self.kv)
         rec = "" if self.rec is None else ";".join(",".join(map(str, t)) for t in self.rec)
         return {"attn_layers": ",".join(map(str, self.attn_layers)),
-                "rec_layers": ",".join(map(str, self.recurrent_layers)), "state_version": str(self.version), "n_stream": str(self.n_stream), "v_trans": str(self.v_trans),
+                "rec_layers": ",".join(map(str, self.recurrent_layers)),
+                "state_version": str(self.version), "n_stream": str(self.n_stream), "v_trans": str(self.v_trans),
                 "flash_attn": "0" if self.v_trans else "1", "kv_unified": "1" if self.n_stream == 1 else "0",
                 "kv_layout": kv, "rec_layout": rec, "rec_n_layer": str(self.rec_n_layer)}
 
