@@ -211,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("stats", parents=[common], formatter_class=fmt, description=_STATS_HELP,
                    help="the library's counters")
+    from .llamacpp._cli import add_commands  # import-slot, export-slot, llama-proxy (no heavy imports)
+    add_commands(sub, common, _COMMANDS)
     return p
 
 

@@ -1,0 +1,496 @@
+"""The bridge between llama-server slots and a snapstore store, as library classes.
+
+``SlotStore``: slot files of one model and build <-> snapshots (import: a delta over the deepest
+stored prefix; export: a file llama-server restores). ``LlamaBridge``: drives a running
+llama-server through its own HTTP API (``/tokenize``, ``/apply-template``, ``/completion``,
+``/slots``) so that a request first gets the longest stored prefix restored into its slot, and
+its boundaries — the end of the system prompt (shared by new chats) and the conversation's own
+prompt (under its session) — are saved. ``snapstore llama-proxy`` (``_proxy.py``) wraps it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._config import Budget
+from .._errors import IdentityError, InvalidInputError, NotFoundError, SnapstoreError, StoreIOError
+from .._identity import Identity
+from .._results import Match, SaveResult
+from .._store import Store
+from ._identity import ModelInfo, build_of_server, identity_for, model_info
+from ._slotfile import (
+    SlotFile,
+    SlotFormatError,
+    SlotProto,
+    decode,
+    empty_parts,
+    encode,
+    from_parts,
+    layout_for,
+    to_parts,
+)
+
+__all__ = ["BridgeEvents", "LlamaBridge", "Plan", "SlotStore", "UpstreamError", "export_snapshot"]
+
+log = logging.getLogger("snapstore.llamacpp")
+
+
+class UpstreamError(SnapstoreError):
+    """llama-server refused or failed a control request (tokenize, slot save/restore, ...)."""
+
+
+def _identity_extra_of(root: str, sid: int) -> Identity:
+    """The identity of snapshot ``sid`` (read-only look at the catalog; no other identity's data)."""
+    from .._db import Database
+    from .._repo import SnapshotRepo
+
+    repo = SnapshotRepo(root)
+    try:
+        def run(c: Any) -> Identity:
+            snap = Database.snapshot(c, sid)
+            if snap is None:
+                raise NotFoundError(f"no snapshot {sid} in {root}")
+            for iid, _key, canonical, *_ in Database.identities(c):
+                if iid == snap.identity_id:
+                    return Identity.from_dict(json.loads(canonical))
+            raise NotFoundError(f"snapshot {sid} has no identity row")
+        return repo.db.read(run)
+    finally:
+        repo.close()
+
+
+def export_snapshot(root: str, sid: int) -> bytes:
+    """The slot file of snapshot ``sid`` (any llama.cpp identity in the store), verified on restore."""
+    ident = _identity_extra_of(root, sid)
+    if ident.extra.get("engine") != "llama.cpp":
+        raise IdentityError(f"snapshot {sid} is not a llama.cpp slot (identity {ident.key})")
+    proto = SlotProto.from_extra(ident.extra)
+    with Store.open(root, identity=ident, layout=layout_for(proto), drop_stale=False) as store:
+        return _export(store, sid, proto)
+
+
+def _export(store: Store, ref: Any, proto: SlotProto) -> bytes:
+    n = _n_tokens_of(store, ref)
+    dest = empty_parts(store.layout, n)
+    store.restore(ref, into=dest)
+    return encode(from_parts(dest, n, proto))
+
+
+def _n_tokens_of(store: Store, ref: Any) -> int:
+    if isinstance(ref, Match):
+        return ref.n_tokens
+    sid = ref.snapshot_id if isinstance(ref, SaveResult) else ref
+    if not isinstance(sid, int):
+        raise NotFoundError(f"not a snapshot: {ref!r}")
+    for info in store.snapshots():
+        if info.snapshot_id == sid:
+            return info.n_tokens
+    raise NotFoundError(f"no snapshot {sid} of this model and build")
+
+
+@dataclass
+class ImportResult:
+    """What an import stored: the SaveResult and the file's facts."""
+
+    save: SaveResult
+    n_tokens: int
+    file_bytes: int
+    checkpoints_dropped: int
+
+
+class SlotStore:
+    """Slot files of one model (GGUF) and llama.cpp build <-> snapshots in one store directory.
+
+    The store identity also pins the slot's constants (state version, types, streams, V layout),
+    so it is opened on the first file; ``drop_stale`` then drops every other identity (a proxy's
+    default at start), never on a plain import.
+    """
+
+    def __init__(self, path: str | None, model: str | ModelInfo, build: str, *, budget: Budget | None = None,
+                 drop_stale: bool = False, check_rows: bool | None = None) -> None:
+        self.path = path
+        self.model = model if isinstance(model, ModelInfo) else model_info(model)
+        self.build = build
+        self.budget = budget
+        self.drop_stale = drop_stale
+        self.check_rows = check_rows
+        self.store: Store | None = None
+        self.proto: SlotProto | None = None
+        self._lock = threading.Lock()
+
+    def decode(self, data: bytes, what: str = "slot file") -> SlotFile:
+        """Parse a slot file of this model (refuses any other layout)."""
+        return decode(data, self.model.shape, what=what)
+
+    def open_for(self, sf: SlotFile) -> Store:
+        """The store for ``sf``'s constants (opened once; a file with other constants is refused)."""
+        proto = SlotProto.of(sf, self.model.shape)
+        with self._lock:
+            if self.store is None:
+                ident = identity_for(self.model, self.build, proto)
+                self.store = Store.open(self.path, identity=ident, layout=layout_for(proto), budget=self.budget,
+                                        drop_stale=self.drop_stale, check_rows=self.check_rows)
+                self.proto = proto
+            elif proto != self.proto:
+                raise IdentityError("this slot file was written with other cache settings (types, streams, "
+                                    "flash attention or state version) than the store was opened for")
+            return self.store
+
+    def save(self, sf: SlotFile, n: int | None = None, *, session: str | None = None) -> SaveResult:
+        """Store the first ``n`` tokens of ``sf`` (all by default) as a delta over its deepest stored prefix."""
+        store = self.open_for(sf)
+        n = sf.n_tokens if n is None else n
+        parts = to_parts(sf, self.model.shape, n)
+        return store.save(sf.tokens[:n], parts, session=session, parent="auto")
+
+    def import_bytes(self, data: bytes, *, session: str | None = None, what: str = "slot file") -> ImportResult:
+        """Decode (every byte checked) and store a slot file; the store is untouched on any error."""
+        sf = self.decode(data, what)
+        res = self.save(sf, session=session)
+        return ImportResult(res, sf.n_tokens, len(data), sf.n_checkpoints)
+
+    def export_bytes(self, ref: Any) -> bytes:
+        """The slot file of a snapshot (a Match, SaveResult or id) of this store."""
+        if self.store is None or self.proto is None:
+            raise NotFoundError("nothing stored yet for this model and build")
+        return _export(self.store, ref, self.proto)
+
+    def match(self, tokens: Sequence[int]) -> Match | None:
+        """The longest stored prefix of ``tokens``, or None."""
+        return None if self.store is None else self.store.match(list(tokens))
+
+    def close(self) -> None:
+        """Close the store."""
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+# -- the running-server bridge -----------------------------------------------------------------
+@dataclass
+class BridgeEvents:
+    """Callbacks for metrics: each gets the decision's facts (all optional)."""
+
+    on_restore: Callable[[int, float, int], None] | None = None  # tokens, seconds, bytes
+    on_miss: Callable[[], None] | None = None
+    on_save: Callable[[int, float, int], None] | None = None  # tokens, seconds, stored bytes
+    on_skip: Callable[[str], None] | None = None  # reason
+
+
+@dataclass
+class Plan:
+    """One request's slot, prompt tokens and boundaries, from ``LlamaBridge.before``."""
+
+    slot: int
+    body: dict[str, Any]
+    tokens: list[int] = field(default_factory=list)
+    system_end: int = 0
+    session: str | None = None
+    restored: int = 0
+    done: bool = False
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    diff = np.nonzero(x != y)[0]
+    return int(diff[0]) if len(diff) else n
+
+
+CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
+COMPLETION_PATHS = ("/completion", "/completions", "/v1/completions")
+SESSION_HEADER = "X-Snapstore-Session"
+
+
+class LlamaBridge:
+    """Prefix persistence for a running llama-server, driven through its HTTP API.
+
+    ``before(path, body)`` picks a slot, restores the longest stored prefix into it when that
+    beats what the slot holds, and (hybrid models) captures exact boundaries; the caller then
+    sends ``plan.body`` upstream and calls ``after(plan)``, which saves the boundaries of an
+    attention model from the slot. ``release(plan)`` frees the slot (always call it).
+    """
+
+    def __init__(self, upstream: str, slot_save_path: str, model: str, *, store_dir: str | None = None,
+                 build: str | None = None, budget: Budget | None = None, events: BridgeEvents | None = None,
+                 timeout: float = 600.0) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.slot_dir = slot_save_path
+        self.timeout = timeout
+        self.events = events or BridgeEvents()
+        self.build = build or os.environ.get("SNAPSTORE_LLAMA_BUILD") or build_of_server(self.upstream)
+        self.slots = SlotStore(store_dir, model, self.build, budget=budget, drop_stale=True)
+        self.hybrid = self.slots.model.shape.hybrid
+        props = self._get("/props")
+        self.n_slots = int(props.get("total_slots") or 1)
+        self._known: list[list[int]] = [[] for _ in range(self.n_slots)]
+        self._locks = [threading.Lock() for _ in range(self.n_slots)]
+        self._pick = threading.Lock()
+        self._seq = 0
+
+    # -- HTTP to llama-server (control calls; the proxy streams the real requests itself) --
+    def _get(self, path: str) -> dict[str, Any]:
+        try:
+            with urllib.request.urlopen(self.upstream + path, timeout=self.timeout) as r:  # noqa: S310
+                out: dict[str, Any] = json.loads(r.read())
+                return out
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise UpstreamError(f"llama-server GET {path}: {e}") from None
+
+    def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(self.upstream + path, data=json.dumps(body).encode(),  # noqa: S310
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:  # noqa: S310
+                out: dict[str, Any] = json.loads(r.read())
+                return out
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:300].decode(errors="replace")
+            raise UpstreamError(f"llama-server POST {path}: HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise UpstreamError(f"llama-server POST {path}: {e}") from None
+
+    def start(self) -> None:
+        """Open the store now (drops stale identities): a one-token capture in slot 0 tells the constants."""
+        with self._locks[0]:
+            bos = self._post("/tokenize", {"content": "", "add_special": True}).get("tokens") or [1]
+            sf = self._capture(0, [int(t) for t in bos[:1]])
+            self.slots.open_for(sf)
+
+    def close(self) -> None:
+        """Close the store."""
+        self.slots.close()
+
+    # -- prompts -------------------------------------------------------------------------------
+    def _tokenize(self, text: str) -> list[int]:
+        out = self._post("/tokenize", {"content": text, "add_special": True, "parse_special": True})
+        return [int(t) for t in out.get("tokens", [])]
+
+    def _render(self, messages: list[Any], extra: Mapping[str, Any]) -> str:
+        body = {"messages": messages, **{k: extra[k] for k in ("tools", "chat_template_kwargs") if k in extra}}
+        return str(self._post("/apply-template", body)["prompt"])
+
+    def prompt_of(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+                  ) -> tuple[list[int], int, str | None]:
+        """Prompt tokens, the end of the system prompt / tool list (0: none), and the session key."""
+        session = (headers or {}).get(SESSION_HEADER) or None
+        if path in CHAT_PATHS:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                return [], 0, session
+            full = self._tokenize(self._render(msgs, body))
+            head = [m for m in msgs if isinstance(m, dict) and m.get("role") in ("system", "developer")]
+            k = len(head)
+            if head and msgs[:k] == head or body.get("tools"):
+                sys_tokens = self._tokenize(self._render(msgs[:k], body))
+                system_end = _lcp(sys_tokens, full)
+            else:
+                system_end = 0
+            if session is None:
+                first_user = next((m for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None)
+                key = json.dumps([msgs[:k], first_user, body.get("tools")], sort_keys=True, default=str)
+                session = "chat:" + hashlib.sha256(key.encode()).hexdigest()[:24]
+            return full, system_end, session
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt], 0, session
+        if isinstance(prompt, str):
+            return self._tokenize(prompt), 0, session
+        return [], 0, session
+
+    # -- slots ---------------------------------------------------------------------------------
+    def _choose_slot(self, tokens: Sequence[int], wanted: Any) -> int:
+        if isinstance(wanted, int) and 0 <= wanted < self.n_slots:
+            self._locks[wanted].acquire()
+            return wanted
+        while True:
+            with self._pick:
+                order = sorted(range(self.n_slots), key=lambda s: -_lcp(self._known[s], tokens))
+                for s in order:
+                    if self._locks[s].acquire(blocking=False):
+                        return s
+            time.sleep(0.005)
+
+    def _slot_file(self, slot: int) -> tuple[str, str]:
+        with self._pick:
+            self._seq += 1
+            name = f"snapstore-{os.getpid()}-{slot}-{self._seq}.bin"
+        return name, os.path.join(self.slot_dir, name)
+
+    def _save_slot(self, slot: int) -> bytes:
+        name, path = self._slot_file(slot)
+        try:
+            self._post(f"/slots/{slot}?action=save", {"filename": name})
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise StoreIOError(f"reading the slot file llama-server wrote at {path}: {e} (is --slot-save-path "
+                               "the directory llama-server was started with?)") from None
+        finally:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def _restore_slot(self, slot: int, data: bytes, n: int) -> None:
+        name, path = self._slot_file(slot)
+        tmp = path + ".tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            out = self._post(f"/slots/{slot}?action=restore", {"filename": name})
+            if int(out.get("n_restored", -1)) != n:
+                raise UpstreamError(f"slot {slot} restored {out.get('n_restored')} tokens, expected {n}")
+        finally:
+            for p in (tmp, path):
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+
+    def _capture(self, slot: int, tokens: list[int]) -> SlotFile:
+        """Evaluate exactly ``tokens`` into ``slot`` (no generation) and read the slot back."""
+        self._post("/completion", {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
+                                   "stream": False})
+        sf = self.slots.decode(self._save_slot(slot), what=f"slot {slot}")
+        self._known[slot] = sf.tokens.tolist()
+        return sf
+
+    # -- decisions -----------------------------------------------------------------------------
+    def before(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Plan:
+        """Choose the slot, restore the longest stored prefix that beats it, capture hybrid boundaries."""
+        tokens, system_end, session = self.prompt_of(path, body, headers)
+        slot = self._choose_slot(tokens, body.get("id_slot"))
+        plan = Plan(slot=slot, body={**body, "id_slot": slot, "cache_prompt": True}, tokens=tokens,
+                    system_end=system_end, session=session)
+        try:
+            if len(tokens) >= 2:
+                self._maybe_restore(plan)
+                if self.hybrid:
+                    self._hybrid_captures(plan)
+        except SnapstoreError as e:  # the request still goes through; it just reads more tokens
+            log.warning("slot %d: restore skipped: %s", slot, e)
+            self._known[slot] = []
+            if self.events.on_skip:
+                self.events.on_skip("restore_error")
+        except BaseException:
+            self.release(plan)
+            raise
+        return plan
+
+    def _slot_reuse(self, slot: int, tokens: Sequence[int]) -> int:
+        known = self._known[slot]
+        common = _lcp(known, tokens)
+        if self.hybrid:  # recurrent state only continues from exactly the slot's end
+            return common if common == len(known) and common < len(tokens) else 0
+        return min(common, len(tokens) - 1)
+
+    def _maybe_restore(self, plan: Plan) -> None:
+        have = self._slot_reuse(plan.slot, plan.tokens)
+        m = self.slots.match(plan.tokens[:-1])  # leave the server at least one token to read
+        if m is None or m.n_tokens <= have:
+            if m is None and self.events.on_miss:
+                self.events.on_miss()
+            log.info("slot %d: no restore (store %s, slot reuses %d of %d)", plan.slot,
+                     "miss" if m is None else f"has {m.n_tokens}", have, len(plan.tokens))
+            return
+        t0 = time.perf_counter()
+        data = self.slots.export_bytes(m)
+        self._restore_slot(plan.slot, data, m.n_tokens)
+        self._known[plan.slot] = list(plan.tokens[: m.n_tokens])
+        dt = time.perf_counter() - t0
+        plan.restored = m.n_tokens
+        log.info("slot %d: restored %d of %d prompt tokens from snapshot %d (%d bytes, %.1f ms)", plan.slot,
+                 m.n_tokens, len(plan.tokens), m.snapshot_id, len(data), dt * 1e3)
+        if self.events.on_restore:
+            self.events.on_restore(m.n_tokens, dt, len(data))
+
+    def _stored(self, tokens: Sequence[int]) -> bool:
+        m = self.slots.match(tokens)
+        return m is not None and m.n_tokens == len(tokens)
+
+    def _boundaries(self, plan: Plan, upto: int) -> list[tuple[int, str | None]]:
+        out: list[tuple[int, str | None]] = []
+        if 0 < plan.system_end < upto:
+            out.append((plan.system_end, None))
+        out.append((upto, plan.session))
+        return out
+
+    def _store(self, sf: SlotFile, n: int, session: str | None, what: str) -> None:
+        t0 = time.perf_counter()
+        res = self.slots.save(sf, n, session=session)
+        dt = time.perf_counter() - t0
+        if res.skipped:
+            log.info("slot save skipped at %d tokens (%s): %s", n, what, res.skipped)
+            if self.events.on_skip:
+                self.events.on_skip(res.skipped)
+            return
+        log.info("saved %d tokens (%s) as snapshot %d over %s: %d bytes stored, %.1f ms", n, what,
+                 res.snapshot_id, res.parent_id, res.stored_bytes, dt * 1e3)
+        if self.events.on_save:
+            self.events.on_save(n, dt, res.stored_bytes)
+
+    def _hybrid_captures(self, plan: Plan) -> None:
+        # a recurrent state is only valid where it was taken: evaluate each boundary exactly
+        for n, session in self._boundaries(plan, len(plan.tokens) - 1):
+            what = "system prompt" if session is None and n == plan.system_end else "conversation"
+            if self._stored(plan.tokens[:n]):
+                log.info("slot %d: %s boundary at %d already stored", plan.slot, what, n)
+                if self.events.on_skip:
+                    self.events.on_skip("already_stored")
+                continue
+            sf = self._capture(plan.slot, list(plan.tokens[:n]))
+            if sf.tokens.tolist() != list(plan.tokens[:n]):
+                log.warning("slot %d: capture holds other tokens than the prompt; not saved", plan.slot)
+                continue
+            self._store(sf, n, session, what)
+
+    def after(self, plan: Plan, ok: bool = True) -> None:
+        """After the upstream response: save the attention model's boundaries from the slot."""
+        if plan.done:
+            return
+        plan.done = True
+        if not ok or len(plan.tokens) < 2:
+            return
+        try:
+            if self.hybrid:
+                self._known[plan.slot] = []  # generation moved it on; what exactly, only the server knows
+                return
+            sf = self.slots.decode(self._save_slot(plan.slot), what=f"slot {plan.slot}")
+            self._known[plan.slot] = sf.tokens.tolist()
+            upto = _lcp(sf.tokens.tolist(), plan.tokens)
+            for n, session in self._boundaries(plan, upto):
+                what = "system prompt" if session is None else "conversation"
+                if n < 1:
+                    continue
+                if session is None and self._stored(plan.tokens[:n]):
+                    if self.events.on_skip:
+                        self.events.on_skip("already_stored")
+                    continue
+                self._store(sf, n, session, what)
+        except (SnapstoreError, SlotFormatError, InvalidInputError) as e:
+            log.warning("slot %d: save skipped: %s", plan.slot, e)
+            if self.events.on_skip:
+                self.events.on_skip("save_error")
+
+    def release(self, plan: Plan) -> None:
+        """Free the plan's slot for the next request."""
+        lock = self._locks[plan.slot]
+        if lock.locked():
+            lock.release()
