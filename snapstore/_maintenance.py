@@ -234,9 +234,10 @@ def verify(repo: Repo, *, deep: bool = False, repair: bool = False, progress: Pr
         report.checked_chunks += 1
         done += ch.stored_len
         if problem is not None:
-            # a chunk may have been dropped (and unlinked) by a writer since we listed it
-            if problem == "missing chunk file" and not _row_exists(db, ch.id):
-                continue
+            # beside a running engine a chunk may have been dropped since we listed it, or dropped
+            # and saved again (another codec: another size): only damage against its current row counts
+            problem = _recheck(repo, ch.id, deep, scratch)
+        if problem is not None:
             damaged[ch.id] = problem
             report.problems.append(f"chunk {ch.id.hex()}: {problem}")
         if progress is not None:
@@ -271,8 +272,12 @@ def _path_or_id(repo: Repo, cid: bytes) -> str:
         return bytes(cid).hex()
 
 
-def _row_exists(db: Database, cid: bytes) -> bool:
-    return db.read(lambda c: Database.chunk(c, cid)) is not None
+def _recheck(repo: Repo, cid: bytes, deep: bool, scratch: bytearray) -> str | None:
+    """A suspect chunk checked again against its row as it is now (None: gone, or healthy now)."""
+    row = repo.db.read(lambda c: Database.chunk(c, cid))
+    if row is None:
+        return None
+    return _check_chunk(repo, cid, row.raw_len, row.stored_len, row.checksum, row.scope, deep, scratch)
 
 
 def _repair(repo: Repo, report: VerifyReport, bad: dict[int, list[str]], damaged: dict[bytes, str],
