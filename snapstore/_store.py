@@ -119,6 +119,7 @@ class Store:
         self._mem_counters: dict[str, int] = {}
         self._counter_lock = threading.Lock()
         self._closed = False
+        self._remote: Any = None  # the shared tier (snapstore._remote_tier.RemoteTier) when remote= is set
         now = time.time()
         self._identity_id: int = repo.db.write(
             lambda c: Database.ensure_identity(c, identity.key, identity.canonical, now))
@@ -130,7 +131,8 @@ class Store:
     def open(cls, path: str | os.PathLike[str] | None = None, *, identity: Identity, layout: Layout,
              budget: Budget | None = None, drop_stale: bool = True, chunk_bytes: int | None = None,
              codec: str | None = None, staging_bytes: int | None = None,
-             check_rows: bool | None = None) -> Store:
+             check_rows: bool | None = None, remote: str | None = None,
+             remote_wait: bool | None = None) -> Store:
         """Open (creating if needed) the store at ``path`` for ``identity``.
 
         path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove every
@@ -138,6 +140,8 @@ class Store:
         (``SNAPSTORE_CHUNK_MIB``, 32 MiB), codec (``SNAPSTORE_CODEC``: raw | zstd | zstd-shuffle2;
         raw), staging_bytes (``SNAPSTORE_STAGING_MIB``, 64 MiB), check_rows
         (``SNAPSTORE_CHECK_ROWS=1``: verify the rows a delta vouches for against the parent chain).
+        remote (``SNAPSTORE_REMOTE``): ``s3://BUCKET/PREFIX``, a shared tier behind this local one;
+        remote_wait (``SNAPSTORE_REMOTE_WAIT=1``): save() waits for the bucket (docs/engine.md).
         """
         if not isinstance(identity, Identity):
             raise ConfigError("Store.open needs identity=snapstore.Identity(...)")
@@ -167,6 +171,8 @@ class Store:
             store = cls(repo, identity, layout, budget, chunk_bytes=chunk, codec=CODECS[codec_name],
                         staging_bytes=staging, check_rows=bool(check_rows))
             store._housekeeping(drop_stale=drop_stale)
+            from ._remote_tier import open_remote
+            store._remote = open_remote(remote, repo, identity, store._owner, store._count, remote_wait)
         except BaseException:
             repo.close()
             raise
@@ -398,7 +404,9 @@ class Store:
             # "auto" whose parent keeps being evicted under it: after 3 tries store the state whole
             use = None if parent == "auto" and attempt >= 3 else parent
             try:
-                return self._save_once(arr, index, sources, row_counts, session, use, commit, ns)
+                res = self._save_once(arr, index, sources, row_counts, session, use, commit, ns)
+                self._remote_saved(res)
+                return res
             except _Retry as r:
                 if r.parent_gone and use not in ("auto", None):
                     raise NotFoundError(f"parent {_snapshot_id(use)} was removed (evicted, superseded or "
@@ -611,7 +619,13 @@ class Store:
             self.abandon(top[0], namespace=ns or None)  # a refused parent drops its pending children
             return self._skipped(s.reason, None, 0, 0, ns)
         self._repo.unlink_unreferenced(freed)
+        self._remote_saved(result)
         return result
+
+    def _remote_saved(self, res: SaveResult) -> None:
+        """Shared-tier hook: a committed snapshot is durable locally; upload it (queued, or now in wait mode)."""
+        if self._remote is not None and res.snapshot_id is not None and not res.pending:
+            self._remote.saved(res.snapshot_id)
 
     def abandon(self, res: Any, *, namespace: str | None = None) -> None:
         """Drop a pending capture and its pending descendants; their pins and bytes are released."""
@@ -656,6 +670,10 @@ class Store:
             return None
 
         hit = self._repo.db.read(find)
+        if self._remote is not None:  # the shared tier, when it may hold something longer
+            far = self._remote.lookup(arr, ns, hit.n_tokens if hit is not None else 0)
+            if far is not None:
+                return far  # type: ignore[no-any-return]
         if hit is None:
             self._count("misses")
             return None
@@ -673,6 +691,9 @@ class Store:
         ``into`` was modified.
         """
         self._check_open()
+        if self._remote is not None and getattr(m, "remote", None) is not None:
+            # a shared-tier match: fetch its missing chunks (verified) into the local tier first
+            m = self._remote.materialize(m, lambda c, fr: self._excess(c, fr) is None, self._iid)
         sid = _snapshot_id(m)
         ns = _ref_ns(m, namespace)
         if not isinstance(into, Mapping):
@@ -765,10 +786,23 @@ class Store:
         self._check_open()
         return gc(self._repo, budget=self.budget, grace=grace, dry_run=dry_run)
 
+    def flush(self, timeout: float | None = None) -> Any:
+        """Wait until every save so far is in the shared tier; a FlushResult (uploaded/failed/dropped)."""
+        self._check_open()
+        if self._remote is None:
+            from ._uploader import FlushResult
+            return FlushResult()
+        return self._remote.flush(timeout)
+
     def close(self) -> None:
         """Abandon this process's pending captures, flush counters, release resources."""
         if self._closed:
             return
+        if self._remote is not None:
+            try:
+                self._remote.close()  # finishes the queued uploads first
+            finally:
+                self._remote = None
         try:
             def txn(c: Conn) -> list[bytes]:
                 freed: list[bytes] = []
