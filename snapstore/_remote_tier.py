@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import blake3
 import numpy as np
@@ -232,11 +232,12 @@ class RemoteTier:
                 key = chunk_key(scope, e.id)
                 if self.client.head(key) is not None:
                     return e.id  # already there: maybe an old orphan a gc is about to delete
-                self.client.put_new(key, self._read_local(e))  # False: a concurrent writer, just now
-                self._count("remote_chunks_put", 1)
+                if self.client.put_new(key, self._read_local(e)):  # False: a concurrent writer, just now
+                    self._count("remote_chunks_put", 1)
                 return None
 
             old = [cid for cid in self._pool.map(one, list(entries.values())) if cid is not None]
+            _test_pause("after_heads")
             if time.monotonic() - t0 > LEASE_TTL / 2:
                 old = list(entries)  # the lease may have expired for a gc: check everything
             if old:
@@ -245,9 +246,10 @@ class RemoteTier:
                 if pause > 0:
                     time.sleep(pause)
                 for cid in old:
-                    if self.client.head(chunk_key(scope, cid)) is None:
-                        self.client.put_new(chunk_key(scope, cid), self._read_local(entries[cid]))
-                        self._count("remote_chunks_put", 1)
+                    if self.client.head(chunk_key(scope, cid)) is None:  # a gc removed it meanwhile
+                        if self.client.put_new(chunk_key(scope, cid), self._read_local(entries[cid])):
+                            self._count("remote_chunks_put", 1)
+                        self._count("remote_fence_republished", 1)
             _test_pause("before_manifest")
             self.client.put_new(mkey, encode(m))
             self._count("remote_manifests_put", 1)
@@ -470,6 +472,7 @@ class RemoteTier:
     def _fetch(self, scope: str, skey: bytes, e: ChunkEntry) -> tuple[bytes, bool]:
         """Stream one chunk object into a local chunk file, verifying it; (id, created)."""
         key = chunk_key(scope, e.id)
+        _test_pause("fetch")
         try:
             got = self.client.stream(key)
         except RemoteError as err:
@@ -541,7 +544,7 @@ class RemoteTier:
         self._count("remote_fetched_bytes", e.stored_len)
         return e.id, new
 
-    def _corrupt(self, e: ChunkEntry, why: str) -> None:
+    def _corrupt(self, e: ChunkEntry, why: str) -> NoReturn:
         self._count("remote_corrupt_chunks", 1)
         raise CorruptChunkError(f"chunk {e.id.hex()} in the shared tier is corrupt ({why}); it was not "
                                 "used and nothing was written (`snapstore verify --remote --deep`)", touched=False)

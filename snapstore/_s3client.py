@@ -86,10 +86,10 @@ class S3Client:
                 kw["credential_provider"] = Boto3CredentialProvider()
             except ImportError:
                 pass  # obstore's own chain: environment, web identity, instance roles
-        client_options: dict[str, Any] = {"timeout": timedelta(seconds=timeout),
+        client_options: Any = {"timeout": timedelta(seconds=timeout),
                                           "connect_timeout": timedelta(seconds=min(timeout, 5.0)),
                                           "allow_http": bool(endpoint and endpoint.startswith("http://"))}
-        retry = {"max_retries": 4, "retry_timeout": timedelta(seconds=timeout),
+        retry: Any = {"max_retries": 4, "retry_timeout": timedelta(seconds=timeout),
                  "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=2),
                              "base": 2}}
         try:

@@ -100,18 +100,23 @@ class SeaweedCluster:
         deadline = time.monotonic() + timeout
         _wait_http(f"http://127.0.0.1:{self.m_port}/cluster/status", deadline)
         _wait_http(self.endpoint + "/", deadline, ok=(200, 403, 404))
-        while True:  # every volume server registered with the master
+        self.wait_volumes(deadline)
+        return self
+
+    def wait_volumes(self, deadline: float | None = None) -> None:
+        """Wait until every running volume server is registered with the master."""
+        deadline = deadline if deadline is not None else time.monotonic() + 60
+        while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.m_port}/dir/status", timeout=2) as r:  # noqa: S310
                     body = r.read().decode()
-                if all(f":{p}" in body for p, _ in self.volume_ports):
+                if all(f":{p}" in body for i, (p, _) in enumerate(self.volume_ports) if f"vol{i}" in self.procs):
                     break
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError("volume servers did not register with the master")
             time.sleep(0.2)
-        return self
 
     def start_volume(self, i: int) -> None:
         """(Re)start volume server ``i`` on its own ports and data directory."""
