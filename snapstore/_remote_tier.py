@@ -184,17 +184,25 @@ class RemoteTier:
         return self._repo.db.read(run)
 
     def publish(self, sid: int) -> None:
-        """Publish a committed snapshot's chain, root first; manifests only after their chunks."""
+        """Publish a committed snapshot's chain: one lease, every missing chunk, the fence, then the
+        manifests the bucket lacks, root first (a manifest only after its chunks and its parent)."""
         chain = self._local_chain(sid)
         if chain is None:
             self._count("remote_upload_gone", 1)
             return
         ns = chain[-1][0].namespace
-        skey, scope = self.scope(ns)
-        parent: str | None = None
+        _skey, scope = self.scope(ns)
         try:
+            manifests: list[Manifest] = []
+            parent: str | None = None
             for link, parts in chain:
-                parent = self._publish_link(scope, ns, link, parts, parent)
+                manifests.append(self._manifest_of(ns, link, parts, parent))
+                parent = manifests[-1].name
+            present = list(self._pool.map(lambda m: self.client.head(manifest_key(scope, m.name)) is not None,
+                                          manifests))
+            todo = [m for m, there in zip(manifests, present) if not there]
+            if todo:
+                self._publish_links(scope, todo)
         except _Gone:
             self._count("remote_upload_gone", 1)
             return
@@ -215,15 +223,10 @@ class RemoteTier:
             content_key=bytes(link.content_key), parent=parent, matchable=bool(link.matchable),
             logical_bytes=link.logical_bytes, created=time.time(), writer=self._writer, parts=tuple(entries))
 
-    def _publish_link(self, scope: str, ns: str, link: SnapRow, parts: list[tuple[Any, list[Any]]],
-                      parent: str | None) -> str:
-        m = self._manifest_of(ns, link, parts, parent)
-        mkey = manifest_key(scope, m.name)
-        if self.client.head(mkey) is not None:
-            return m.name  # published before (by this node or another): its chunks are durable
-        entries = {ch.id: ch for p in m.parts for ch in p.chunks}
+    def _publish_links(self, scope: str, todo: list[Manifest]) -> None:
+        entries = {ch.id: ch for m in todo for p in m.parts for ch in p.chunks}
         lease = f"{LAYOUT}/l/{self._writer}-{secrets.token_hex(8)}"
-        body = json.dumps({"writer": self._writer, "scope": scope, "manifest": m.name,
+        body = json.dumps({"writer": self._writer, "scope": scope, "manifests": [m.name for m in todo],
                            "chunks": sorted(c.hex() for c in entries)}, sort_keys=True).encode()
         self.client.put(lease, body)
         t0 = time.monotonic()
@@ -251,14 +254,14 @@ class RemoteTier:
                             self._count("remote_chunks_put", 1)
                         self._count("remote_fence_republished", 1)
             _test_pause("before_manifest")
-            self.client.put_new(mkey, encode(m))
-            self._count("remote_manifests_put", 1)
+            for m in todo:  # root first: a manifest's parent is in the bucket before it
+                if self.client.put_new(manifest_key(scope, m.name), encode(m)):
+                    self._count("remote_manifests_put", 1)
         finally:
             try:
                 self.client.delete([lease])
             except RemoteError:
                 pass  # an expired lease protects nothing; gc removes it
-        return m.name
 
     def _read_local(self, e: ChunkEntry) -> bytes:
         """The local chunk file's bytes, checked against its catalog row (never publish damage)."""

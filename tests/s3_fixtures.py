@@ -124,7 +124,7 @@ class SeaweedCluster:
         os.makedirs(vdir, exist_ok=True)
         port, grpc = self.volume_ports[i]
         self._spawn(f"vol{i}", [
-            "volume", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={vdir}", "-max=16",
+            "volume", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={vdir}", "-max=64",
             f"-mserver=127.0.0.1:{self.m_port}.{self.m_grpc}", f"-port={port}", f"-port.grpc={grpc}",
             "-preStopSeconds=0",
         ])
