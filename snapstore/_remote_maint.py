@@ -277,6 +277,7 @@ def gc_remote(client: S3Client, *, grace: float = 3600.0, budget_bytes: int | No
     window = gc_window()
     t_leases = time.monotonic()
     s = _scan(client)
+    t_scan = time.monotonic()
     min_age = max(grace, 2 * window) + 1.0  # + LastModified's one-second resolution
     rep = RemoteGcReport(client.url, dry_run, grace, budget_bytes,
                          bytes_before=sum(i.size for i in s.chunks.values()))
@@ -333,8 +334,10 @@ def gc_remote(client: S3Client, *, grace: float = 3600.0, budget_bytes: int | No
         if not dry_run:
             if time.monotonic() - t_leases > window:  # past the delete window: look at the leases again
                 t_leases = time.monotonic()
-                for _info, lrefs in _leases(client):
-                    protected |= lrefs
+                now = s.server_now + (t_leases - t_scan)
+                for info, lrefs in _leases(client):
+                    if now - info.modified < lease_ttl:
+                        protected |= lrefs
             if k in protected:
                 rep.kept_for_leases += 1
                 continue

@@ -341,7 +341,7 @@ def test_kill_campaign_50_sigkills_mid_upload(bucket: str, tmp_path: Path) -> No
     assert acked["uploaded"] == 3
     rng = random.Random(16)
     total_acked = 0
-    for i in range(50):
+    for i in range(int(os.environ.get("SNAPSTORE_TEST_KILLS", "50"))):
         p = subprocess.Popen([sys.executable, NODE, json.dumps(
             {"op": "loop", "dir": str(tmp_path / "victim"), "url": bucket, "seed": 1000 + 10 * i,
              "lengths": LENGTHS})], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -353,11 +353,11 @@ def test_kill_campaign_50_sigkills_mid_upload(bucket: str, tmp_path: Path) -> No
         total_acked += out.count("acked")
         rep = verify_remote(client)  # after every kill: no manifest references a missing chunk
         assert rep.ok, (i, rep.damaged_manifests, rep.missing_chunks)
-    time.sleep(1.5)
+    time.sleep(3.0)  # past the gc's minimum age (2 x window + LastModified's one-second resolution)
     g = gc_remote(client, grace=0, lease_ttl=0)  # the dead nodes' leases and orphans go
     rep = verify_remote(client, deep=True)
-    assert rep.ok and rep.orphan_chunks == 0, rep
-    assert g.leases_removed >= 0 and keys(bucket, "l") == []
+    assert rep.ok and rep.orphan_chunks == 0, (rep, g)
+    assert keys(bucket, "l") == [] and total_acked > 0  # some victims got uploads acknowledged first
     b = node({"op": "restore", "dir": str(tmp_path / "b"), "url": bucket, "seed": 100, "n": LENGTHS[-1],
               "n_max": LENGTHS[-1]})
     kv, st = expected(100, LENGTHS[-1], LENGTHS[-1])
