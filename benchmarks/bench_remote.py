@@ -70,9 +70,10 @@ def main() -> None:
                 s = snapstore.Store.open(os.path.join(tmp, f"lat-{mode[:4]}-{rep}"), identity=ident, layout=layout,
                                          **kw, **extra)  # type: ignore[arg-type]
                 toks = tokens[:small].copy()
-                toks[0] = 60_000 + rep  # a new prompt each time: nothing deduplicates
+                toks[0] = 60_000 + rep  # a new prompt (and new state) each time: nothing deduplicates
+                fresh = kv[:small] + np.float16(rep + 1)
                 t = time.perf_counter()
-                s.save(toks, {"st": st, "kv": kv}, rows=small)
+                s.save(toks, {"st": st + rep, "kv": fresh}, rows=small)
                 times.append(time.perf_counter() - t)
                 s.flush()
                 s.close()
@@ -81,8 +82,8 @@ def main() -> None:
         out["save_mib"] = small * row_bytes / 2**20
         # -- node A saves the chain and uploads it
         A = snapstore.Store.open(os.path.join(tmp, "a"), identity=ident, layout=layout, remote=url, **kw)
-        for b in bounds:
-            A.save(tokens[:b], {"st": st, "kv": kv}, rows=b)
+        for i, b in enumerate(bounds):
+            A.save(tokens[:b], {"st": st + i, "kv": kv}, rows=b)
         t = time.perf_counter()
         A.flush()
         out["upload_flush_s"] = round(time.perf_counter() - t, 3)
@@ -117,7 +118,7 @@ def main() -> None:
             t2 = time.perf_counter()
             B.restore(local, {"st": dest_st, "kv": dest_kv})
             t3 = time.perf_counter()
-            assert np.array_equal(dest_kv, kv)
+            assert np.array_equal(dest_kv, kv) and np.array_equal(dest_st, st + len(bounds) - 1)
             fetch.append(t2 - t1)
             restore_t.append(t3 - t2)
             first.append(t3 - t0)

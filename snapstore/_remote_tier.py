@@ -74,7 +74,7 @@ def gc_window() -> float:
     """
     raw = os.environ.get("SNAPSTORE_REMOTE_GC_WINDOW_S", "").strip()
     try:
-        value = float(raw) if raw else 5.0
+        value = float(raw) if raw else 2.0
     except ValueError:
         raise ConfigError(f"$SNAPSTORE_REMOTE_GC_WINDOW_S must be a number of seconds, got {raw!r}") from None
     if value <= 0:
@@ -230,11 +230,17 @@ class RemoteTier:
                            "chunks": sorted(c.hex() for c in entries)}, sort_keys=True).encode()
         self.client.put(lease, body)
         t0 = time.monotonic()
+        window = gc_window()
+        info = self.client.head(lease)  # the server's clock at t0
+        young_after = (info.modified - window) if info is not None else float("inf")
         try:
             def one(e: ChunkEntry) -> bytes | None:
                 key = chunk_key(scope, e.id)
-                if self.client.head(key) is not None:
-                    return e.id  # already there: maybe an old orphan a gc is about to delete
+                there = self.client.head(key)
+                if there is not None:
+                    # an old one may be an orphan a gc is deleting; one written less than a window before
+                    # our lease is younger than any gc's minimum age until that gc's deletes are over
+                    return e.id if there.modified < young_after else None
                 if self.client.put_new(key, self._read_local(e)):  # False: a concurrent writer, just now
                     self._count("remote_chunks_put", 1)
                 return None
@@ -245,7 +251,7 @@ class RemoteTier:
                 old = list(entries)  # the lease may have expired for a gc: check everything
             if old:
                 # the fence: any gc that listed the leases before ours existed has stopped deleting by now
-                pause = t0 + 2 * gc_window() - time.monotonic()
+                pause = t0 + 2 * window - time.monotonic()
                 if pause > 0:
                     time.sleep(pause)
                 for cid in old:
