@@ -362,3 +362,32 @@ def test_kill_campaign_50_sigkills_mid_upload(bucket: str, tmp_path: Path) -> No
               "n_max": LENGTHS[-1]})
     kv, st = expected(100, LENGTHS[-1], LENGTHS[-1])
     assert b["match"] == LENGTHS[-1] and b["kv"] == kv and b["st"] == st  # acknowledged: never lost
+
+
+def test_cli_remote_flags(bucket: str, tmp_path: Path) -> None:
+    from snapstore._cli import main
+    s = _save_chain(bucket, tmp_path / "a", 14)
+    s.flush()
+    s.close()
+    env = dict(os.environ, SNAPSTORE_REMOTE=bucket)
+    run = [sys.executable, "-m", "snapstore"]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*run, *args], capture_output=True, text=True, env=env, timeout=120)
+
+    p = cli("--dir", str(tmp_path / "a"), "stats", "--remote", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["remote"]["manifests"] == 3 and doc["counters"]["remote_uploads"] == 3
+    assert doc["stats"]["entries"] == 3
+    p = cli("--dir", str(tmp_path / "a"), "inspect", "--remote", bucket)
+    assert p.returncode == 0 and "shared tier" in p.stdout and "2100 tokens" in p.stdout, p.stdout
+    assert cli("verify", "--remote", "--deep").returncode == 0
+    p = cli("gc", "--remote", "--dry-run", "--grace", "0", "--remote-budget-mib", "0", "--json")
+    assert p.returncode == 0 and len(json.loads(p.stdout)["evicted_manifests"]) == 3
+    assert len(keys(bucket, "m")) == 3  # a dry run changes nothing
+    victim = sorted(keys(bucket, "c"))[0]
+    S3Client(bucket).delete([victim])
+    p = cli("verify", "--remote", "--json")
+    assert p.returncode == 1 and json.loads(p.stdout)["status"] == "damaged"
+    assert main(["verify", "--remote", "s3://Bad_Bucket/x"]) == 2  # a usage error, not a traceback
