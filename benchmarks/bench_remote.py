@@ -118,7 +118,8 @@ def main() -> None:
             t2 = time.perf_counter()
             B.restore(local, {"st": dest_st, "kv": dest_kv})
             t3 = time.perf_counter()
-            assert np.array_equal(dest_kv, kv) and np.array_equal(dest_st, st + len(bounds) - 1)
+            assert np.array_equal(dest_kv, kv), "kv"
+            assert np.array_equal(dest_st, st + (len(bounds) - 1)), ("st", dest_st[0, :4], st[0, :4])
             fetch.append(t2 - t1)
             restore_t.append(t3 - t2)
             first.append(t3 - t0)

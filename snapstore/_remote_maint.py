@@ -10,8 +10,8 @@ budget, least-recently-used leaf manifests (last use = the newer of the manifest
 marker) are removed until the chunks the kept manifests reference fit. A chunk object is removed
 when no kept manifest and no live lease references it and it is older than the grace (at least
 twice the gc delete window, plus a second for LastModified's resolution). Deletes stop
-``gc_window()`` seconds after the leases were listed unless the leases are listed again: together with the uploaders' fence this keeps a chunk that a
-live upload relies on (see _remote_tier).
+``gc_window()`` seconds after the leases were listed unless the leases are listed again: together
+with the uploaders' fence this keeps a chunk that a live upload relies on (see _remote_tier).
 """
 
 from __future__ import annotations
