@@ -150,8 +150,17 @@ class SeaweedCluster:
 
     def stop(self) -> None:
         """Stop every process and remove the data directories."""
-        for name in list(self.procs):
-            _kill(self.procs.pop(name))
+        procs = [self.procs.pop(name) for name in list(self.procs)]
+        for p in procs:  # every process is signalled before any is waited for
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            try:
+                _kill(p)
+            except (OSError, subprocess.SubprocessError):
+                pass
         for log in self._logs:
             log.close()  # type: ignore[attr-defined]
         shutil.rmtree(self.root, ignore_errors=True)
