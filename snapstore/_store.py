@@ -171,6 +171,7 @@ class Store:
         self._touches: dict[int, tuple[float, int]] = {}
         self._counter_lock = threading.Lock()
         self._closed = False
+        self._remote: Any = None  # the shared tier (snapstore._remote_tier.RemoteTier) when remote= is set
         self._gate = threading.Condition()  # guards _closed and _active (calls in flight)
         self._active = 0
         self._shut = False  # close() has finished
@@ -190,7 +191,8 @@ class Store:
     def open(cls, path: str | os.PathLike[str] | None = None, *, identity: Identity, layout: Layout,
              budget: Budget | None = None, drop_stale: bool = True, chunk_bytes: int | None = None,
              codec: str | None = None, staging_bytes: int | None = None,
-             check_rows: bool | None = None, pending_lease: float | None = None) -> Store:
+             check_rows: bool | None = None, pending_lease: float | None = None, remote: str | None = None,
+             remote_wait: bool | None = None) -> Store:
         """Open (creating if needed) the store at ``path`` for ``identity``.
 
         path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove every
@@ -200,6 +202,8 @@ class Store:
         (``SNAPSTORE_CHECK_ROWS=1``: verify the rows a delta vouches for against the parent chain),
         pending_lease (``SNAPSTORE_PENDING_LEASE_S``, 300 s: how long this store's pending captures
         outlive a stalled renewal, as seen from another host; docs/format.md "Owners and liveness").
+        remote (``SNAPSTORE_REMOTE``): ``s3://BUCKET/PREFIX``, a shared tier behind this local one;
+        remote_wait (``SNAPSTORE_REMOTE_WAIT=1``): save() waits for the bucket (docs/engine.md).
         """
         if not isinstance(identity, Identity):
             raise ConfigError("Store.open needs identity=snapstore.Identity(...)")
@@ -243,6 +247,8 @@ class Store:
             raise
         try:
             store._housekeeping(drop_stale=drop_stale)
+            from ._remote_tier import open_remote
+            store._remote = open_remote(remote, repo, identity, store._owner, store._count, remote_wait)
         except BaseException:
             store._lease_owner.release()
             store._pool.shutdown(wait=True)
@@ -563,7 +569,9 @@ class Store:
             # "auto" whose parent keeps being evicted under it: after 3 tries store the state whole
             use = None if parent == "auto" and attempt >= 3 else parent
             try:
-                return self._save_once(arr, index, sources, row_counts, session, use, commit, ns)
+                res = self._save_once(arr, index, sources, row_counts, session, use, commit, ns)
+                self._remote_saved(res)
+                return res
             except _Retry as r:
                 if r.identity_gone:
                     self._ensure_identity()  # committed on its own before the save is redone
@@ -790,7 +798,13 @@ class Store:
             self._drop_refused(sid)
             return self._skipped(s.reason, None, 0, 0, ns)
         self._release(freed)
+        self._remote_saved(result)
         return result
+
+    def _remote_saved(self, res: SaveResult) -> None:
+        """Shared-tier hook: a committed snapshot is durable locally; upload it (queued, or now in wait mode)."""
+        if self._remote is not None and res.snapshot_id is not None and not res.pending:
+            self._remote.saved(res.snapshot_id)
 
     def _drop_refused(self, sid: int) -> None:
         """A refused commit: drop the capture asked for and its pending descendants, nothing else."""
@@ -886,6 +900,10 @@ class Store:
             return None
 
         hit = self._repo.db.read(find)
+        if self._remote is not None:  # the shared tier, when it may hold something longer
+            far = self._remote.lookup(arr, ns, hit.n_tokens if hit is not None else 0)
+            if far is not None:
+                return far  # type: ignore[no-any-return]
         if hit is None:
             self._count("misses")
             return None
@@ -941,6 +959,13 @@ class Store:
         must name the snapshot's namespace). Raises a RestoreError whose ``touched`` says whether
         ``into`` was modified.
         """
+        if self._remote is not None and getattr(m, "remote", None) is not None:
+            # a shared-tier match: fetch its missing chunks (verified) into the local tier first
+            try:
+                m = self._remote.materialize(m, lambda c, fr: self._excess(c, fr) is None, self._iid)
+            except _Retry:
+                raise SnapshotUnavailableError("this store's identity was dropped as stale by another store "
+                                               "during the fetch; match again", snapshot_id=None) from None
         sid = _snapshot_id(m)
         ns = _ref_ns(m, namespace)
         if not isinstance(into, Mapping):
@@ -1036,6 +1061,14 @@ class Store:
         from ._maintenance import gc
         return gc(self._repo, budget=self.budget, grace=grace, dry_run=dry_run, pending_lease=self.pending_lease)
 
+    def flush(self, timeout: float | None = None) -> Any:
+        """Wait until every save so far is in the shared tier; a FlushResult (uploaded/failed/dropped)."""
+        self._check_open()
+        if self._remote is None:
+            from ._uploader import FlushResult
+            return FlushResult()
+        return self._remote.flush(timeout)
+
     def close(self) -> None:
         """Abandon this store's pending captures (and dead owners'), flush counters, release resources.
 
@@ -1055,6 +1088,11 @@ class Store:
             while self._active:
                 self._gate.wait()
         dead_owners: list[str] = []
+        if self._remote is not None:
+            try:
+                self._remote.close()  # finishes the queued uploads first
+            finally:
+                self._remote = None
         try:
             self._lease_owner.stop()  # no renewal may re-register the row this transaction deletes
 
