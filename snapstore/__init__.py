@@ -6,6 +6,7 @@ request, process or restart that starts with the same tokens. See docs/api.md.
 
 from __future__ import annotations
 
+from ._async_save import SaveHandle
 from ._config import Budget
 from ._errors import (
     ConfigError,
@@ -51,6 +52,7 @@ __all__ = [
     "RestoreError",
     "RestoreResult",
     "Rows",
+    "SaveHandle",
     "SaveResult",
     "SnapshotInfo",
     "SnapshotUnavailableError",

@@ -47,7 +47,7 @@ _MAX_OPEN = 64  # chunk files one restore holds open at once
 # (chunk id, (st_dev, st_ino) of the damaged file, or None when the file was missing)
 Damage = list[tuple[bytes, "tuple[int, int] | None"]]
 
-_Opened = tuple[PlanItem, int, "ChunkHeader | None", "bytes | None"]
+_Opened = tuple[PlanItem, int, "ChunkHeader | None", "memoryview | None"]
 
 
 def _outcome(touched: bool) -> str:
