@@ -301,3 +301,32 @@ def test_torch_adapter_save_async_copies_device_and_strided_tensors_before_retur
         ad.restore(res, out)
         assert torch.equal(out["kv"], want["kv"]) and torch.equal(out["rec"], want["rec"])
         ad.close()
+
+
+# -- match(): cached chains ----------------------------------------------------------------------
+def test_cached_chains_equal_a_fresh_hash_whatever_the_caller_does_with_its_buffer() -> None:
+    """The chain cache keeps its own copy of the tokens: a caller that reuses its token buffer
+    (a new prompt with the same first block) gets the chain of its new tokens, never a stale one."""
+    import blake3
+
+    from snapstore import _tokens
+
+    def fresh(t: np.ndarray) -> list[bytes]:
+        raw = np.ascontiguousarray(t, dtype="<u8").data.cast("B")
+        h, out = _tokens._SEED, [_tokens._SEED]
+        for off in range(0, len(t) // _tokens.BLOCK * 2048, 2048):
+            h = blake3.blake3(h + raw[off:off + 2048]).digest(16)
+            out.append(h)
+        return out
+
+    rng = np.random.default_rng(12)
+    buf = rng.integers(0, 1000, 5000).astype("<u8")
+    assert _tokens.TokenIndex(buf).chain == fresh(buf)
+    buf[3000] += 1  # the engine reuses its buffer in place
+    assert _tokens.TokenIndex(buf).chain == fresh(buf)
+    for n in (255, 256, 257, 2999, 3000, 5000, 7000):
+        t = np.concatenate([buf, rng.integers(0, 1000, 2000).astype("<u8")])[:n]
+        assert _tokens.TokenIndex(t).chain == fresh(t)
+    ix = _tokens.TokenIndex(buf)
+    ix.chain.append(b"x" * 16)  # a caller's list is its own: the cache is not changed through it
+    assert _tokens.TokenIndex(buf).chain == fresh(buf)
