@@ -378,6 +378,12 @@ def power_record(path: str, seed: int, log_path: str, n_ops: int) -> None:
             fd_path.pop(fd, None)
             real["close"](fd)
 
+    def p_ftruncate(fd: int, size: int) -> None:  # a direct-I/O chunk: aligned write, then truncate
+        with lock:
+            real["ftruncate"](fd, size)
+            if fd in fd_path:
+                emit({"op": "truncate", "path": fd_path[fd], "size": size})
+
     def p_link(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
         with lock:
             real["link"](src, dst, *a, **kw)
@@ -403,6 +409,7 @@ def power_record(path: str, seed: int, log_path: str, n_ops: int) -> None:
                 emit({"op": "mkdir", "path": os.path.abspath(p)})
 
     os.open, os.write, os.fsync, os.close = p_open, p_write, p_fsync, p_close  # type: ignore[assignment]
+    os.ftruncate = p_ftruncate  # type: ignore[assignment]
     os.link, os.unlink, os.replace, os.rename, os.mkdir = (  # type: ignore[assignment]
         p_link, p_unlink, p_rename, p_rename, p_mkdir)
 
