@@ -6,6 +6,7 @@ request, process or restart that starts with the same tokens. See docs/api.md.
 
 from __future__ import annotations
 
+from ._async_save import SaveHandle
 from ._config import Budget
 from ._errors import (
     ConfigError,
@@ -29,6 +30,7 @@ from ._layout import Fixed, Layout, Rows
 from ._maintenance import GcReport, VerifyReport
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._store import Store
+from ._uploader import FlushResult
 
 __version__ = "0.1.0"
 
@@ -40,6 +42,7 @@ __all__ = [
     "DeleteResult",
     "DestinationError",
     "Fixed",
+    "FlushResult",
     "GcReport",
     "Identity",
     "IdentityError",
@@ -53,6 +56,7 @@ __all__ = [
     "RestoreError",
     "RestoreResult",
     "Rows",
+    "SaveHandle",
     "SaveResult",
     "SnapshotInfo",
     "SnapshotUnavailableError",

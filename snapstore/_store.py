@@ -15,17 +15,19 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
 import blake3
 import numpy as np
 
+from ._async_save import AsyncSaver, SaveHandle, copy_budget
 from ._buffers import Source, as_source
 from ._chunker import Chunker, Piece, StagingBuffer
 from ._chunkfile import CODECS, HEADER_SIZE, checksum, header_at, scope_key
 from ._config import MIB, Budget, default_dir, env_int
 from ._config import pending_lease as resolve_lease
 from ._db import Conn, Database, SnapRow
+from ._direct_io import direct_default
 from ._errors import (
     ConfigError,
     CorruptionError,
@@ -33,6 +35,7 @@ from ._errors import (
     InvalidInputError,
     LayoutError,
     NotFoundError,
+    RemoteError,
     RestoreError,
     SnapshotUnavailableError,
     SnapstoreError,
@@ -49,6 +52,7 @@ from ._repo import Repo
 from ._restore import Damage, quarantine, stream_plan
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._tokens import TokenIndex, as_token_array, decode_tokens, encode_tokens
+from ._uploader import FlushResult
 
 __all__ = ["Store"]
 
@@ -152,7 +156,8 @@ class Store:
 
     def __init__(self, repo: Repo, identity: Identity, layout: Layout, budget: Budget, *,
                  chunk_bytes: int, codec: int, staging_bytes: int, check_rows: bool,
-                 pending_lease: float | None = None):
+                 pending_lease: float | None = None, direct_io: bool | None = None,
+                 async_copy_bytes: int | None = None):
         self._repo = repo
         self.identity = identity
         self.layout = layout
@@ -165,6 +170,7 @@ class Store:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapstore")
         self._staging = StagingBuffer(staging_bytes, chunk_bytes)
         self._ram = RamTier(budget.ram_bytes or 0) if budget.ram_bytes else None
+        self._saver = AsyncSaver(copy_budget(async_copy_bytes))  # issue 12: save(wait=False)
         self._mem_counters: dict[str, int] = {}
         # restores recorded but not yet written: sid -> (latest use, hits); flushed by the next
         # write of this store or by a restore that finds the write lock free (never waits for it)
@@ -178,7 +184,8 @@ class Store:
         self._inside = threading.local()  # depth of public calls on this thread (nested calls pass)
         self._identity_id = 0
         self._ensure_identity()
-        self._chunker = Chunker(repo.blob_path, repo.tmp, chunk_bytes, codec, self._staging, self._pool, repo.db)
+        self._chunker = Chunker(repo.blob_path, repo.tmp, chunk_bytes, codec, self._staging, self._pool, repo.db,
+                                direct=direct_default(direct_io))  # issue 12: O_DIRECT saves, see _direct_io
         try:  # last: nothing after it can fail and leave the lock held and its thread running
             self._lease_owner = Owner(repo.db, repo.root, self.pending_lease)
         except BaseException:
@@ -192,7 +199,8 @@ class Store:
              budget: Budget | None = None, drop_stale: bool = True, chunk_bytes: int | None = None,
              codec: str | None = None, staging_bytes: int | None = None,
              check_rows: bool | None = None, pending_lease: float | None = None, remote: str | None = None,
-             remote_wait: bool | None = None) -> Store:
+             remote_wait: bool | None = None, direct_io: bool | None = None,
+             async_copy_bytes: int | None = None) -> Store:
         """Open (creating if needed) the store at ``path`` for ``identity``.
 
         path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove every
@@ -201,7 +209,10 @@ class Store:
         raw), staging_bytes (``SNAPSTORE_STAGING_MIB``, 64 MiB), check_rows
         (``SNAPSTORE_CHECK_ROWS=1``: verify the rows a delta vouches for against the parent chain),
         pending_lease (``SNAPSTORE_PENDING_LEASE_S``, 300 s: how long this store's pending captures
-        outlive a stalled renewal, as seen from another host; docs/format.md "Owners and liveness").
+        outlive a stalled renewal, as seen from another host; docs/format.md "Owners and liveness"),
+        direct_io (``SNAPSTORE_DIRECT_IO``, on: raw chunks written with O_DIRECT where the file system
+        allows it; docs/benchmarks.md has the trade-off), async_copy_bytes
+        (``SNAPSTORE_ASYNC_COPY_MIB``, 1024 MiB: what saves with ``wait=False`` may hold copied).
         remote (``SNAPSTORE_REMOTE``): ``s3://BUCKET/PREFIX``, a shared tier behind this local one;
         remote_wait (``SNAPSTORE_REMOTE_WAIT=1``): save() waits for the bucket (docs/engine.md).
         """
@@ -238,10 +249,13 @@ class Store:
             raise ConfigError(f"store path {root!r} is empty; pass a directory, or path=None for "
                               "$SNAPSTORE_DIR / the per-user cache directory")
         lease = resolve_lease(pending_lease)
+        direct_default(direct_io)  # a bad value is a ConfigError before anything is created
+        copy_budget(async_copy_bytes)
         repo = Repo(root)
         try:
             store = cls(repo, identity, layout, budget, chunk_bytes=chunk, codec=CODECS[codec_name],
-                        staging_bytes=staging, check_rows=bool(check_rows), pending_lease=lease)
+                        staging_bytes=staging, check_rows=bool(check_rows), pending_lease=lease,
+                        direct_io=direct_io, async_copy_bytes=async_copy_bytes)
         except BaseException:
             repo.close()
             raise
@@ -549,13 +563,41 @@ class Store:
                     off += ch.raw_len
         return True
 
-    @_operation
+    # -- issue 12: save(wait=False) -> SaveHandle (snapstore/_async_save.py) -----------------
+    @overload
     def save(self, tokens: Any, parts: Mapping[str, Any], rows: Any = None, *, session: str | None = None,
-             parent: Any = "auto", commit: bool = True, namespace: str | None = None) -> SaveResult:
+             parent: Any = "auto", commit: bool = True, namespace: str | None = None,
+             wait: Literal[True] = True) -> SaveResult: ...
+
+    @overload
+    def save(self, tokens: Any, parts: Mapping[str, Any], rows: Any = None, *, session: str | None = None,
+             parent: Any = "auto", commit: bool = True, namespace: str | None = None,
+             wait: Literal[False]) -> SaveHandle: ...
+
+    @overload
+    def save(self, tokens: Any, parts: Mapping[str, Any], rows: Any = None, *, session: str | None = None,
+             parent: Any = "auto", commit: bool = True, namespace: str | None = None,
+             wait: bool) -> SaveResult | SaveHandle: ...
+
+    def save(self, tokens: Any, parts: Mapping[str, Any], rows: Any = None, *, session: str | None = None,
+             parent: Any = "auto", commit: bool = True, namespace: str | None = None,
+             wait: bool = True) -> SaveResult | SaveHandle:
         """Save the state after ``tokens``; a delta over ``parent`` ("auto", None or an id).
 
         Returns a SaveResult; a save that does not fit the budget is skipped with a reason.
+        ``wait=False``: returns a SaveHandle at once and writes in the background (docs/api.md).
         """
+        if not wait:
+            kw = {"session": session, "parent": parent, "commit": commit, "namespace": namespace}
+            with self._in_operation():
+                return self._saver.submit(self, tokens, parts, rows, kw)
+        return self._save(tokens, parts, rows, session=session, parent=parent, commit=commit, namespace=namespace)
+
+
+    @_operation
+    def _save(self, tokens: Any, parts: Mapping[str, Any], rows: Any = None, *, session: str | None = None,
+              parent: Any = "auto", commit: bool = True, namespace: str | None = None) -> SaveResult:
+        """The synchronous save (``save(wait=True)``)."""
         arr = as_token_array(tokens)
         n = len(arr)
         if n == 0:
@@ -1061,13 +1103,22 @@ class Store:
         from ._maintenance import gc
         return gc(self._repo, budget=self.budget, grace=grace, dry_run=dry_run, pending_lease=self.pending_lease)
 
-    def flush(self, timeout: float | None = None) -> Any:
-        """Wait until every save so far is in the shared tier; a FlushResult (uploaded/failed/dropped)."""
+    def flush(self, timeout: float | None = None) -> FlushResult:
+        """Wait for every save made with ``wait=False`` so far, then (with a shared tier) for their
+        uploads. A FlushResult (uploads published/failed/dropped); false when ``timeout`` ran out."""
         self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._saver.flush(timeout):
+            return FlushResult(timed_out=True)
         if self._remote is None:
-            from ._uploader import FlushResult
             return FlushResult()
-        return self._remote.flush(timeout)
+        try:
+            res: FlushResult = self._remote.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            return res
+        except RemoteError as e:
+            if e.errno != 110:
+                raise
+            return FlushResult(timed_out=True, errors=[str(e)])
 
     def close(self) -> None:
         """Abandon this store's pending captures (and dead owners'), flush counters, release resources.
@@ -1079,6 +1130,7 @@ class Store:
         if getattr(self._inside, "depth", 0):
             raise StateError("close() was called from inside a call on this same store (a part source "
                              "or destination?); close the store after that call returns")
+        self._saver.close()  # issue 12: saves made with wait=False finish first
         with self._gate:
             if self._closed:
                 while not self._shut:

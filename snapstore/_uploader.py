@@ -28,11 +28,16 @@ class FlushResult:
     failed: int = 0
     dropped: int = 0
     errors: list[str] = field(default_factory=list)
+    timed_out: bool = False  # the timeout ran out first: what is in flight goes on in the background
 
     @property
     def ok(self) -> bool:
-        """True when nothing failed or was dropped."""
-        return not self.failed and not self.dropped
+        """True when everything finished and nothing failed or was dropped."""
+        return not self.failed and not self.dropped and not self.timed_out
+
+    def __bool__(self) -> bool:
+        """False only when the timeout ran out before everything in flight finished."""
+        return not self.timed_out
 
 
 class Uploader:
