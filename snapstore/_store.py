@@ -1162,7 +1162,8 @@ class Store:
                     Database.add_counter(c, "abandoned", len(gone))
                 return freed + f
 
-            self._release(self._write(txn))
+            if not self._lease_owner.inherited:  # a forked child's copy: the parent's captures and row stay
+                self._release(self._write(txn))
         finally:
             try:
                 self._lease_owner.release()  # after the transaction: our captures are gone before the lock is free
