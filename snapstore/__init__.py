@@ -6,6 +6,7 @@ request, process or restart that starts with the same tokens. See docs/api.md.
 
 from __future__ import annotations
 
+from ._buffers import PartReader, PartWriter
 from ._config import Budget
 from ._errors import (
     ConfigError,
@@ -26,8 +27,11 @@ from ._errors import (
 from ._identity import Identity
 from ._layout import Fixed, Layout, Rows
 from ._maintenance import GcReport, VerifyReport
+from ._meta import EngineMeta
+from ._paged import PagedRows
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._store import Store
+from ._turn import Turn
 
 __version__ = "0.1.0"
 
@@ -38,6 +42,7 @@ __all__ = [
     "CorruptionError",
     "DeleteResult",
     "DestinationError",
+    "EngineMeta",
     "Fixed",
     "GcReport",
     "Identity",
@@ -48,6 +53,9 @@ __all__ = [
     "Match",
     "MatchDetails",
     "NotFoundError",
+    "PagedRows",
+    "PartReader",
+    "PartWriter",
     "RestoreError",
     "RestoreResult",
     "Rows",
@@ -60,6 +68,7 @@ __all__ = [
     "Store",
     "StoreFormatError",
     "StoreIOError",
+    "Turn",
     "VerifyReport",
     "__version__",
 ]

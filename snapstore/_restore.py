@@ -278,7 +278,7 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
     for item, fd, head, data in opened:
         target = None
         first = len(jobs)
-        if data is None and head is not None and head.codec == CODEC_RAW:
+        if data is None and head is not None and head.codec == CODEC_RAW and not item.skip:
             target = item.sink.view(item.offset, item.offset + item.chunk.raw_len)
             if target is not None:
                 for off in range(0, item.chunk.raw_len, _PIECE):
@@ -292,7 +292,7 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
             cid, n = item.chunk.id, item.chunk.raw_len
             if data is not None:
                 touched = True
-                item.sink.write(item.offset, memoryview(data))
+                item.sink.write(item.offset + item.skip, memoryview(data)[item.skip:])
                 continue
             assert head is not None
             target = targets[k]
@@ -320,7 +320,7 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                         good = checksum(out) == item.chunk.checksum
                         if good:
                             touched = True
-                            item.sink.write(item.offset, out)
+                            item.sink.write(item.offset + item.skip, out[item.skip:])  # rows_from
                             if ram is not None:
                                 ram.put(cid, out)
                     finally:
