@@ -105,6 +105,11 @@ def build_plan(c: Conn, sid: int, chain: list[SnapRow], layout: Layout, into: Ma
             if spec.component is not None:
                 plan.missing_components.add(spec.component)
                 continue
+            if not leaf.matchable and leaf.state == 1 and isinstance(spec, Fixed):
+                raise SnapshotUnavailableError(
+                    f"snapshot {sid} was superseded by a longer snapshot of its session {leaf.session!r}: it is "
+                    f"kept only as a chain link (rows, no fixed parts such as {name!r}); restore the newer "
+                    "snapshot (match() the prompt again); nothing was written", snapshot_id=sid)
             raise SnapshotUnavailableError(
                 f"snapshot {sid} has no part {name!r} (saved with another layout?); nothing was written",
                 snapshot_id=sid)

@@ -109,6 +109,9 @@ def _snapshot_id(ref: Any) -> int:
             raise InvalidInputError(f"snapshot id {int(sid)} is out of range: snapshot ids are integers in "
                                     "[1, 2**63) as save() and match() report them")
         return int(sid)
+    if isinstance(ref, SaveResult) and ref.skipped is not None:
+        raise InvalidInputError(f"that save was skipped ({ref.skipped}): no snapshot was stored, so there is nothing "
+                                "to commit, abandon or restore; skipped saves are counted in stats().skipped")
     raise InvalidInputError(f"expected a snapshot id, Match or SaveResult, got {ref!r}")
 
 
@@ -186,6 +189,7 @@ class Store:
             self._pool.shutdown(wait=True)
             raise
         self._owner = self._lease_owner.token
+        self._gone: dict[int, str] = {}  # ids this store dropped on purpose -> why (for error messages)
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -479,6 +483,9 @@ class Store:
         for name, r in row_counts.items():
             if r < 0:
                 raise InvalidInputError(f"rows[{name!r}] must be >= 0, got {r}")
+            if r > n:
+                raise InvalidInputError(f"rows[{name!r}] = {r} but only {n} tokens are saved: a stream holds at "
+                                        "most one row per token")
         sources = {name: as_source(name, obj, specs[name], row_counts.get(name, 0)) for name, obj in parts.items()}
         return sources, row_counts
 
@@ -825,9 +832,21 @@ class Store:
                 raise StateError(f"snapshot {sid} is a pending capture of another process")
             freed, gone = drop_subtree(c, sid)
             Database.add_counter(c, "abandoned", len(gone))
+            self._note_gone(gone, f"abandoned: its turn was abandoned (abandon({sid}))")
             return freed
 
         self._release(self._write(txn))
+
+    def _note_gone(self, ids: Iterable[int], why: str) -> None:
+        """Remember why this store dropped ``ids`` (bounded), so a later restore can say so."""
+        for i in ids:
+            self._gone[i] = why
+        while len(self._gone) > 4096:
+            del self._gone[next(iter(self._gone))]
+
+    def _gone_why(self, sid: int) -> str:
+        return self._gone.get(sid, "evicted for the budget, superseded within its session, deleted, or a pending "
+                                   "capture that was abandoned or whose process is gone")
 
     @_operation
     def delete(self, ref: Any, *, namespace: str | None = None) -> DeleteResult:
@@ -850,6 +869,7 @@ class Store:
             before = Database.stored_bytes(c)
             freed, gone = drop_subtree(c, sid)
             Database.add_counter(c, "deleted", len(gone))
+            self._note_gone(gone, f"deleted (delete({sid}))")
             return DeleteResult(tuple(gone), before - Database.stored_bytes(c)), freed
 
         result, freed = self._write(txn)
@@ -923,7 +943,7 @@ class Store:
         """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
         snap = Database.snapshot(c, sid)
         if snap is None:
-            raise SnapshotUnavailableError(f"snapshot {sid} no longer exists (evicted or superseded); "
+            raise SnapshotUnavailableError(f"snapshot {sid} no longer exists ({self._gone_why(sid)}); "
                                            "nothing was written", snapshot_id=sid)
         if not self._mine(c, snap):
             raise IdentityError(f"snapshot {sid} belongs to another identity than this store was opened for")
