@@ -10,7 +10,6 @@ Every copy is a same-width integer view, so bf16 / fp8 move bit-exact.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch

@@ -78,6 +78,12 @@ class Sink:
         """A writable view of bytes [start, end), or None when the destination is not contiguous."""
         return self.mv[start:end] if self.mv is not None else None
 
+    def segments(self, start: int, end: int) -> list[memoryview] | None:
+        """Writable host views covering [start, end) in order, from a writer that has ``views`` (paged
+        pools): the restore reads chunks straight into them. None: use ``write``."""
+        views = getattr(self.writer, "views", None) if self.writer is not None else None
+        return views(start, end - start) if views is not None else None
+
     def write(self, start: int, data: memoryview) -> None:
         """Write ``data`` at byte ``start``."""
         if self.mv is not None:

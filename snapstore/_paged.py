@@ -14,7 +14,6 @@ through a one-row temporary, whole rows are moved block by block with slice copi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -80,6 +79,11 @@ class PagedRows:
         self.dtype = pool.dtype
         self.nbytes = len(table) * self.block_size * self.row_bytes
         self._writeable = bool(pool.flags.writeable)
+        # each block's (slot, *row) bytes one C-contiguous run: restores may read into them in place
+        self._blocks_contiguous = self._writeable and bool(self._pool[0].flags.c_contiguous) \
+            and self._pool.dtype.byteorder in ("=", "<", "|")
+        self._flat = pool.reshape(-1).view(np.uint8).data if self._blocks_contiguous and \
+            pool.flags.c_contiguous and self._pool.strides[0] > 0 else None
 
     def __repr__(self) -> str:
         return (f"PagedRows(blocks={len(self._table)}, block_size={self.block_size}, row_shape={self.row_shape}, "
@@ -137,6 +141,28 @@ class PagedRows:
             pos += (r_end - r_whole) * rb
         if pos < len(data):
             self._patch(r_end, 0, data[pos:])
+
+    def views(self, offset: int, n: int) -> list[memoryview] | None:
+        """Writable byte views of [offset, offset + n) in order — one per block touched — when each
+        block is contiguous in memory, so a restore reads chunks straight into the blocks; else None."""
+        if not self._blocks_contiguous:
+            return None
+        self._span(offset, n)
+        out: list[memoryview] = []
+        per = self.block_size * self.row_bytes
+        base, stride = self._flat, self._pool.strides[0]
+        pos, end = offset, offset + n
+        while pos < end:
+            i, within = divmod(pos, per)
+            take = min(per - within, end - pos)
+            b = int(self._table[i])
+            if base is not None:  # plain memoryview slices of the whole pool: no numpy call per block
+                o = b * stride + within
+                out.append(base[o:o + take])
+            else:
+                out.append(self._pool[b].reshape(-1).view(np.uint8).data[within:within + take])
+            pos += take
+        return out
 
     def _patch(self, r: int, at: int, data: memoryview) -> None:
         """Overwrite bytes [at, at + len(data)) of row ``r``, keeping the rest of the row."""
