@@ -538,12 +538,6 @@ class Database:
         return c.execute("SELECT 1 FROM snapshots WHERE parent_id = ? LIMIT 1", (sid,)).fetchone() is not None
 
     @staticmethod
-    def has_children_outside(c: Conn, sid: int, session: str) -> bool:
-        """Does another session (or a snapshot without one) extend ``sid``? (supersede spares it)"""
-        return c.execute("SELECT 1 FROM snapshots WHERE parent_id = ? AND (session IS NULL OR session != ?) "
-                         "LIMIT 1", (sid, session)).fetchone() is not None
-
-    @staticmethod
     def set_state(c: Conn, sid: int, state: int, owner: str | None, now: float) -> None:
         c.execute("UPDATE snapshots SET state = ?, owner = ?, last_used = ? WHERE id = ?",
                   (state, owner, now, sid))

@@ -65,8 +65,6 @@ def supersede(c: Conn, new: SnapRow, index: TokenIndex) -> tuple[list[bytes], in
     for old in Database.session_prefixes(c, new.identity_id, new.namespace, new.session, new.n_tokens, new.id):
         if old.prefix_key != index.prefix_key(old.n_tokens):
             continue  # same session, not a prefix: untouched
-        if Database.has_children_outside(c, old.id, new.session):
-            continue  # a prefix other conversations build on (a shared system prompt): it stays matchable
         freed += Database.drop_fixed_parts(c, old.id)
         Database.set_unmatchable(c, old.id)
         if not Database.has_children(c, old.id):

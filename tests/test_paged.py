@@ -290,19 +290,21 @@ def test_turn_abandons_every_capture_on_error(store: ss.Store) -> None:
 
 
 # -- sessions that fit chats -------------------------------------------------------------------------
-def test_shared_prefix_other_sessions_build_on_is_not_superseded(store: ss.Store) -> None:
-    """A prefix saved under conversation A's session that conversation B extends stays matchable
-    when A's next turn supersedes A's other snapshots."""
+def test_shared_root_outside_sessions_survives_every_conversation(store: ss.Store) -> None:
+    """The engine.md recipe: the shared prefix saved with session=None stays matchable for a new
+    conversation after other conversations' turns superseded their own snapshots."""
     st = make_state(LAYOUT, 500, seed=1)
     sysp = list(range(200))
 
     def at(toks: list[int]) -> dict[str, Any]:
         return {k: v[:len(toks)] if k in LAYOUT.rows else v for k, v in st.items()}
 
-    root = store.save(sysp, at(sysp), session="A")
-    b = store.save(sysp + [9] * 50, at(sysp + [9] * 50), session="B")
-    assert b.parent_id == root.snapshot_id
-    store.save(sysp + [8] * 100, at(sysp + [8] * 100), session="A")  # A's next turn
+    root = store.save(sysp, at(sysp))  # outside any session
+    for conv, tok in (("A", 9), ("B", 8)):
+        first = store.save(sysp + [tok] * 50, at(sysp + [tok] * 50), session=conv)
+        assert first.parent_id == root.snapshot_id
+        store.save(sysp + [tok] * 150, at(sysp + [tok] * 150), session=conv)  # the next turn
+        assert store.match(sysp + [tok] * 50 + [1]).n_tokens == 200  # superseded in its session
     m = store.match(sysp + [7, 7])  # a new conversation with the same system prompt
     assert m is not None and m.snapshot_id == root.snapshot_id
 
