@@ -21,6 +21,7 @@ import blake3
 import numpy as np
 
 from ._async_save import AsyncSaver, SaveHandle, copy_budget
+from ._batch import planned_destination, restore_batch
 from ._buffers import Source, as_source
 from ._chunker import Chunker, Piece, StagingBuffer
 from ._chunkfile import CODECS, HEADER_SIZE, checksum, header_at, scope_key
@@ -52,6 +53,7 @@ from ._repo import Repo
 from ._restore import Damage, quarantine, stream_plan
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._tokens import TokenIndex, as_token_array, decode_tokens, encode_tokens
+from ._turn import Turn
 from ._uploader import FlushResult
 
 __all__ = ["Store"]
@@ -111,6 +113,9 @@ def _snapshot_id(ref: Any) -> int:
             raise InvalidInputError(f"snapshot id {int(sid)} is out of range: snapshot ids are integers in "
                                     "[1, 2**63) as save() and match() report them")
         return int(sid)
+    if isinstance(ref, SaveResult) and ref.skipped is not None:
+        raise InvalidInputError(f"that save was skipped ({ref.skipped}): no snapshot was stored, so there is nothing "
+                                "to commit, abandon or restore; skipped saves are counted in stats().skipped")
     raise InvalidInputError(f"expected a snapshot id, Match or SaveResult, got {ref!r}")
 
 
@@ -192,6 +197,7 @@ class Store:
             self._pool.shutdown(wait=True)
             raise
         self._owner = self._lease_owner.token
+        self._gone: dict[int, str] = {}  # ids this store dropped on purpose -> why (for error messages)
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -497,6 +503,9 @@ class Store:
         for name, r in row_counts.items():
             if r < 0:
                 raise InvalidInputError(f"rows[{name!r}] must be >= 0, got {r}")
+            if r > n:
+                raise InvalidInputError(f"rows[{name!r}] = {r} but only {n} tokens are saved: a stream holds at "
+                                        "most one row per token")
         sources = {name: as_source(name, obj, specs[name], row_counts.get(name, 0)) for name, obj in parts.items()}
         return sources, row_counts
 
@@ -879,9 +888,21 @@ class Store:
                 raise StateError(f"snapshot {sid} is a pending capture of another process")
             freed, gone = drop_subtree(c, sid)
             Database.add_counter(c, "abandoned", len(gone))
+            self._note_gone(gone, f"abandoned: its turn was abandoned (abandon({sid}))")
             return freed
 
         self._release(self._write(txn))
+
+    def _note_gone(self, ids: Iterable[int], why: str) -> None:
+        """Remember why this store dropped ``ids`` (bounded), so a later restore can say so."""
+        for i in ids:
+            self._gone[i] = why
+        while len(self._gone) > 4096:
+            del self._gone[next(iter(self._gone))]
+
+    def _gone_why(self, sid: int) -> str:
+        return self._gone.get(sid, "evicted for the budget, superseded within its session, deleted, or a pending "
+                                   "capture that was abandoned or whose process is gone")
 
     @_operation
     def delete(self, ref: Any, *, namespace: str | None = None) -> DeleteResult:
@@ -904,6 +925,7 @@ class Store:
             before = Database.stored_bytes(c)
             freed, gone = drop_subtree(c, sid)
             Database.add_counter(c, "deleted", len(gone))
+            self._note_gone(gone, f"deleted (delete({sid}))")
             return DeleteResult(tuple(gone), before - Database.stored_bytes(c)), freed
 
         result, freed = self._write(txn)
@@ -977,11 +999,11 @@ class Store:
         return wanted
 
     def _plan(self, c: Conn, sid: int, ns: str, into: Mapping[str, Any] | None,
-              wanted: set[str]) -> tuple[SnapRow, RestorePlan]:
+              wanted: set[str], rows_from: int = 0) -> tuple[SnapRow, RestorePlan]:
         """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
         snap = Database.snapshot(c, sid)
         if snap is None:
-            raise SnapshotUnavailableError(f"snapshot {sid} no longer exists (evicted or superseded); "
+            raise SnapshotUnavailableError(f"snapshot {sid} no longer exists ({self._gone_why(sid)}); "
                                            "nothing was written", snapshot_id=sid)
         if not self._mine(c, snap):
             raise IdentityError(f"snapshot {sid} belongs to another identity than this store was opened for")
@@ -990,16 +1012,21 @@ class Store:
         if snap.state == 0 and snap.owner != self._owner:
             raise SnapshotUnavailableError(f"snapshot {sid} is a pending capture of another process",
                                            snapshot_id=sid)
-        return snap, build_plan(c, sid, self._chain(c, snap), self.layout, into, wanted)
+        if rows_from < 0 or rows_from > snap.n_tokens:
+            raise InvalidInputError(f"rows_from={rows_from} is outside snapshot {sid}'s [0, {snap.n_tokens}] tokens")
+        return snap, build_plan(c, sid, self._chain(c, snap), self.layout, into, wanted, rows_from)
 
     @_operation
-    def restore(self, m: Any, into: Mapping[str, Any], components: Iterable[str] | None = None, *,
-                namespace: str | None = None) -> RestoreResult:
+    def restore(self, m: Any, into: Mapping[str, Any] | Callable[[MatchDetails], Mapping[str, Any]],
+                components: Iterable[str] | None = None, *, namespace: str | None = None,
+                rows_from: int = 0) -> RestoreResult:
         """Write the snapshot's state into ``into`` (name → writable buffer), exactly, or raise.
 
         ``m`` is a Match (its namespace applies), a SaveResult or a snapshot id (then ``namespace``
-        must name the snapshot's namespace). Raises a RestoreError whose ``touched`` says whether
-        ``into`` was modified.
+        must name the snapshot's namespace). ``into`` may be a callable: it gets the checked plan
+        (``describe``) and returns the mapping (plan, then write). ``rows_from``: rows the engine
+        already holds, not written. Raises a RestoreError whose ``touched`` says whether ``into``
+        was modified.
         """
         if self._remote is not None and getattr(m, "remote", None) is not None:
             # a shared-tier match: fetch its missing chunks (verified) into the local tier first
@@ -1010,11 +1037,15 @@ class Store:
                                                "during the fetch; match again", snapshot_id=None) from None
         sid = _snapshot_id(m)
         ns = _ref_ns(m, namespace)
-        if not isinstance(into, Mapping):
-            raise InvalidInputError("into must be a mapping of part name to writable buffer")
+        k = _count_of(rows_from, "rows_from")
         wanted = self._wanted(components)
         t0 = time.perf_counter()
-        _, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, into, wanted))
+        if callable(into) and not isinstance(into, Mapping):  # plan, then write: see _batch.py
+            into = planned_destination(self.describe(sid, components, namespace=ns or None, rows_from=k), into)
+        if not isinstance(into, Mapping):
+            raise InvalidInputError("into must be a mapping of part name to writable buffer, or a callable "
+                                    "that takes the plan (MatchDetails) and returns one")
+        _, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, into, wanted, k))
         damage: Damage = []
         try:
             stream_plan(plan, self._repo.blob_path, self._staging, self._ram, damage)
@@ -1037,23 +1068,41 @@ class Store:
 
     @_operation
     def describe(self, m: Any, components: Iterable[str] | None = None, *,
-                 namespace: str | None = None) -> MatchDetails:
+                 namespace: str | None = None, rows_from: int = 0) -> MatchDetails:
         """What restoring ``m`` would write — rows per stream, components, bytes — checked like a
         restore's plan but without destinations, so an engine can size its buffers first."""
         sid = _snapshot_id(m)
         ns = _ref_ns(m, namespace)
         wanted = self._wanted(components)
+        k = _count_of(rows_from, "rows_from")
 
         def run(c: Conn) -> MatchDetails:
-            snap, plan = self._plan(c, sid, ns, None, wanted)
+            snap, plan = self._plan(c, sid, ns, None, wanted, k)
             held = {p.component for p in Database.parts(c, sid) if p.component is not None}
             return MatchDetails(
                 snapshot_id=sid, n_tokens=plan.n_tokens, namespace=ns or None, rows=dict(plan.rows),
                 components=frozenset(held), missing_components=frozenset(plan.missing_components),
                 part_bytes=dict(plan.part_bytes), nbytes=sum(plan.part_bytes.values()),
-                chain=list(plan.chain), pending=snap.state == 0)
+                chain=list(plan.chain), pending=snap.state == 0, rows_from=k)
 
         return self._repo.db.read(run)
+
+    # -- batches and turns (logic in _batch.py and _turn.py) ---------------------------------
+    def match_many(self, token_lists: Iterable[Any], *, namespace: str | None = None) -> list[Match | None]:
+        """``match()`` for each of many prompts (a scheduler admitting a batch), in order."""
+        return [self.match(t, namespace=namespace) for t in token_lists]
+
+    @_operation
+    def restore_many(self, requests: Iterable[tuple[Any, Mapping[str, Any]]], components: Iterable[str] | None = None,
+                     *, namespace: str | None = None, rows_from: int = 0) -> list[RestoreResult]:
+        """Restore many (match, into) pairs at once; a chunk their chains share is read once."""
+        return restore_batch(self, list(requests), self._wanted(components), namespace,
+                             _count_of(rows_from, "rows_from"))
+
+    def turn(self, *, session: str | None = None, namespace: str | None = None, parent: Any = "auto") -> Turn:
+        """A capture chain for one turn: ``with store.turn(session=...) as t: t.capture(tokens, parts)``."""
+        self._check_open()
+        return Turn(self, session=session, namespace=namespace, parent=parent)
 
     # -- inspection --------------------------------------------------------------------------
     @_operation
