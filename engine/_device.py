@@ -66,5 +66,9 @@ class CudaBackend:
         """A host memcpy between staging and the core's buffer (runs now, on the calling thread)."""
         dst.copy_(src)
 
+    def lend(self, half: torch.Tensor, write: bool) -> None:
+        """Staging memory ``half`` is about to be read (or, ``write``, filled) by the core in place,
+        instead of through :meth:`host_copy`; nothing to do on a GPU (its copies are done by now)."""
+
 
 CUDA = CudaBackend()

@@ -8,11 +8,14 @@ canonical order. A CPU tensor that is already canonical and contiguous is handed
 zero-copy numpy ``uint8`` view instead (no copy at all on save or restore).
 
 Device tensors go through :class:`Staging`: one reusable host buffer (page-locked when CUDA is
-available), split in two halves. On restore, chunk *k* is copied into one half and its
-host-to-device copy is queued on a side CUDA stream; the core then reads/decompresses chunk *k+1*
-into its own slot while that copy runs, and only waits when it comes back to the same half. On
-save, the device-to-host copy of the next range is queued into the other half while the core
-hashes and writes the current one (never past the bytes the save reads). Streams, events, pinned
+available), split in two halves. On restore, the core reads/decompresses chunk *k* straight into
+one half (``buffer_for``), and once its checksum matched its host-to-device copy is queued on a
+side CUDA stream (``commit``); chunk *k+1* goes into the other half while that copy runs, and the
+core only waits when it comes back to the same half. On save, the core hashes and writes chunk *k*
+straight from the half its device-to-host copy landed in (``view``) while the copy of the next
+range is queued into the other half (never past the bytes the save reads); a half the core still
+holds is not reused before it hands it back (``release``). A chunk larger than a half goes through
+``read_into`` / ``write_from`` and the core's own slot instead (one host memcpy more). Streams, events, pinned
 memory and queued copies go through the device seam (``engine._device``), so tests run this very
 code against a late-execution stream model; the ordering rules live in :meth:`Staging.transfer`
 (docs/engine.md, "Ordering").
@@ -33,7 +36,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from snapstore import ConfigError, DestinationError, Fixed, LayoutError, RestoreError, Rows, SnapstoreError
+from snapstore import (
+    ConfigError,
+    DestinationError,
+    Fixed,
+    LayoutError,
+    RestoreError,
+    Rows,
+    SnapstoreError,
+    SourceError,
+)
 from snapstore._layout import DTYPE_SIZES
 
 from ._device import CUDA
@@ -220,9 +232,10 @@ class Staging:
     need it). One Staging serves any number of parts and threads (``lock``), one chunk at a time.
     backend: the device seam (``engine._device``; default ``torch.cuda``).
 
-    Ordering rules, kept in one place (:meth:`transfer`): every transfer waits for the engine's
-    stream first; each half's event is recorded after its copies even when queuing them raised;
-    a half is reused only after its event; :meth:`synchronize` waits for both halves and the side
+    Ordering rules, kept in one place (:meth:`transfer`, :meth:`wait_half`): every transfer waits
+    for the engine's stream first; each half's event is recorded after its copies even when
+    queuing them raised; a half is reused only after its event, and only once the core handed it
+    back if it was lent (:meth:`lend`); :meth:`synchronize` waits for both halves and the side
     streams and drops any prefetch.
     """
 
@@ -244,6 +257,10 @@ class Staging:
         # wants it. Keyed on the object itself (held), never on id(), and dropped by synchronize().
         self._prefetch: tuple[Any, int, int, int] | None = None
         self.lock = threading.RLock()
+        # halves lent to the core (read or filled in place); handed back from any thread, without
+        # ``lock`` (a chunker pool thread gives a save's half back while the saver holds the lock)
+        self._lent = [False, False]
+        self._lent_cv = threading.Condition()
 
     @property
     def allocated(self) -> bool:
@@ -283,8 +300,22 @@ class Staging:
             ev.record(stream)
             self._events[h] = ev
 
+    def lend(self, h: int) -> None:
+        """Half ``h`` is lent to the core: not reused until :meth:`give_back`."""
+        with self._lent_cv:
+            self._lent[h] = True
+
+    def give_back(self, h: int) -> None:
+        """The core is through with half ``h``."""
+        with self._lent_cv:
+            self._lent[h] = False
+            self._lent_cv.notify_all()
+
     def wait_half(self, h: int) -> None:
-        """Block until the transfer last queued on half ``h`` is done."""
+        """Block until half ``h`` is handed back (if lent) and the transfer last queued on it is done."""
+        with self._lent_cv:
+            while self._lent[h]:
+                self._lent_cv.wait()
         ev = self._events[h]
         if ev is not None:
             ev.synchronize()
@@ -346,6 +377,11 @@ def _backend_of(staging: Staging | None, backend: Any) -> Any:
     return staging.backend if staging is not None else (backend if backend is not None else CUDA)
 
 
+def _source_error(e: Exception) -> SourceError:
+    return SourceError(f"reading the tensor failed on the device ({type(e).__name__}: {e}); the engine's state "
+                       "could not be read and nothing was saved")
+
+
 def _device_error(e: Exception, what: str) -> RestoreError:
     return RestoreError(f"{what} failed on the device ({type(e).__name__}: {e}); the destination was partly "
                         "written: re-read the prompt", touched=True)
@@ -383,6 +419,7 @@ class TensorSource:
         self.staging = staging if staging is not None else (shared_staging(be) if self.cuda else None)
         self.limit = None if limit is None else min(limit, self.data_bytes)
         self.stream = stream
+        self._lent: dict[int, int] = {}  # offset of a view lent to the core -> its staging half
 
     def _d2h(self, a: int, b: int, h: int) -> None:
         st = self.staging
@@ -409,31 +446,64 @@ class TensorSource:
         assert st is not None
         with st.lock:
             try:
-                self._read_device(offset, data_end, dst, st)
-            except BaseException:
+                pos = offset
+                while pos < data_end:
+                    n = min(st.half, data_end - pos)
+                    h = self._fetch(pos, n, data_end, st)
+                    st.backend.host_copy(dst[pos - offset:pos - offset + n], st.half_view(h, n))
+                    pos += n
+            except BaseException as e:
                 st.drain()  # nothing queued before the error may land later
+                if isinstance(e, Exception) and not isinstance(e, SnapstoreError):
+                    raise _source_error(e) from e
                 raise
 
-    def _read_device(self, offset: int, data_end: int, dst: torch.Tensor, st: Staging) -> None:
+    def _fetch(self, pos: int, n: int, data_end: int, st: Staging) -> int:
+        """The half holding bytes [pos, pos + n) once they are copied; the next range is queued
+        into the other half meanwhile (never past ``limit``)."""
         pf_end = self.limit if self.limit is not None else data_end
-        pos = offset
-        while pos < data_end:
-            n = min(st.half, data_end - pos)
-            h = st.take_prefetch(self, pos, n)
-            if h is None:
-                h = st.flip()
-                self._d2h(pos, pos + n, h)
-            # queue the next range into the other half: it copies while the core hashes this one
-            nxt = min(pf_end - (pos + n), st.half, n)
-            if nxt > 0:
-                h2 = h ^ 1
-                st.wait_half(h2)
-                self._d2h(pos + n, pos + n + nxt, h2)
-                st._prefetch = (self, pos + n, nxt, h2)
-                st._next = h
-            st.wait_half(h)
-            st.backend.host_copy(dst[pos - offset:pos - offset + n], st.half_view(h, n))
-            pos += n
+        h = st.take_prefetch(self, pos, n)
+        if h is None:
+            h = st.flip()
+            self._d2h(pos, pos + n, h)
+        # queue the next range into the other half: it copies while the core hashes this one
+        nxt = min(pf_end - (pos + n), st.half, n)
+        if nxt > 0:
+            h2 = h ^ 1
+            st.wait_half(h2)
+            self._d2h(pos + n, pos + n + nxt, h2)
+            st._prefetch = (self, pos + n, nxt, h2)
+            st._next = h
+        st.wait_half(h)
+        return h
+
+    def view(self, offset: int, nbytes: int) -> memoryview | None:
+        """Core reader hook: canonical bytes [offset, offset + nbytes) as a view of the staging half
+        their device-to-host copy landed in, lent until :meth:`release` (no host memcpy); None when
+        the range does not fit a half or is not all on the device (then ``read_into`` copies it)."""
+        st = self.staging
+        if (not self.cuda or st is None or nbytes <= 0 or nbytes > st.half or offset < 0
+                or offset + nbytes > self.data_bytes):
+            return None
+        with st.lock:
+            try:
+                h = self._fetch(offset, nbytes, offset + nbytes, st)
+                half = st.half_view(h, nbytes)
+                st.backend.lend(half, False)
+                st.lend(h)
+            except BaseException as e:
+                st.drain()
+                if isinstance(e, Exception) and not isinstance(e, SnapstoreError):
+                    raise _source_error(e) from e
+                raise
+        self._lent[offset] = h
+        return half.numpy().data.toreadonly()
+
+    def release(self, offset: int, nbytes: int) -> None:
+        """Core reader hook: the view of [offset, offset + nbytes) is no longer used (any thread)."""
+        h = self._lent.pop(offset, None)
+        if h is not None and self.staging is not None:
+            self.staging.give_back(h)
 
 
 class TensorSink:
@@ -459,6 +529,7 @@ class TensorSink:
         self.staging = staging if staging is not None else (shared_staging(be) if self.cuda else None)
         self.stream = stream
         self.touched = False  # some bytes were (or may have been) written into the tensor
+        self._lent: dict[int, int] = {}  # offset of a buffer lent to the core -> its staging half
 
     def write_from(self, offset: int, data: memoryview) -> None:
         """Write canonical bytes [offset, offset + len(data))."""
@@ -496,6 +567,54 @@ class TensorSink:
             st.transfer(h, self.c.device, self.stream,
                         functools.partial(_xfer, self.c, pos, pos + n, half, True, be.copy))
             pos += n
+
+    def buffer_for(self, offset: int, nbytes: int) -> memoryview | None:
+        """Core writer hook: a staging half for canonical bytes [offset, offset + nbytes), filled by
+        the core in place (no host memcpy), then :meth:`commit` or :meth:`discard`; None when the
+        range does not fit a half (then ``write_from`` copies it)."""
+        st = self.staging
+        if (not self.cuda or st is None or nbytes <= 0 or nbytes > st.half or offset < 0
+                or offset + nbytes > self.nbytes):
+            return None
+        try:
+            with st.lock:
+                h = st.flip()  # waits until this half's previous copy is done
+                half = st.half_view(h, nbytes)
+                st.backend.lend(half, True)
+                st.lend(h)
+        except SnapstoreError:
+            raise
+        except Exception as e:
+            raise _device_error(e, "waiting for an earlier copy into the destination tensor") from e
+        self._lent[offset] = h
+        return half.numpy().data
+
+    def commit(self, offset: int, nbytes: int) -> None:
+        """Core writer hook: queue the copy of the lent half's bytes into the tensor."""
+        st = self.staging
+        h = self._lent.pop(offset)
+        assert st is not None
+        try:
+            with st.lock:
+                try:
+                    st.give_back(h)  # queued below: its event now guards the half
+                    self.touched = True
+                    st.transfer(h, self.c.device, self.stream,
+                                functools.partial(_xfer, self.c, offset, offset + nbytes, st.half_view(h, nbytes),
+                                                  True, st.backend.copy))
+                except BaseException:
+                    st.drain()  # copies queued before the error land now, not on a later restore
+                    raise
+        except SnapstoreError:
+            raise
+        except Exception as e:
+            raise _device_error(e, "writing the destination tensor") from e
+
+    def discard(self, offset: int, nbytes: int) -> None:
+        """Core writer hook: the lent half's bytes are not to be written (nothing was queued)."""
+        h = self._lent.pop(offset, None)
+        if h is not None and self.staging is not None:
+            self.staging.give_back(h)
 
     def finish(self) -> None:
         """Wait until every queued copy into the tensor is done; later work on the engine's stream

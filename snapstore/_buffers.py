@@ -4,19 +4,36 @@ A part is a buffer-protocol object (numpy array, memoryview, bytearray) or an ob
 ``read_into(offset, out)`` (source) / ``write_from(offset, data)`` (destination) — the hook the
 torch adapter uses to stream device tensors through its staging buffer. Contiguous buffers are
 read and written in place (no copy); strided numpy arrays go element-wise through ``.flat``.
+
+A reader/writer may also lend its own host memory (the adapter's page-locked staging halves), so
+a chunk is not copied once more between that memory and the core's staging slot:
+
+- a reader with ``view(offset, nbytes)`` returns a read-only view of those bytes (or None: "copy
+  them instead"), valid until the core calls ``release(offset, nbytes)``; the chunker hashes,
+  compresses and writes the chunk from it;
+- a writer with ``buffer_for(offset, nbytes)`` returns a writable host buffer (or None) the core
+  reads or decompresses the chunk into; once its checksum matched, ``commit(offset, nbytes)``
+  writes it to the destination, else ``discard(offset, nbytes)`` drops it. Exactly one of the two
+  follows every buffer handed out.
+
+Any non-snapstore exception a reader raises is a :class:`SourceError` (nothing was saved); a
+writer's is a ``RestoreError(touched=True)``.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from ._errors import DestinationError, LayoutError, RestoreError
+from ._errors import DestinationError, LayoutError, RestoreError, SnapstoreError, SourceError
 from ._layout import Fixed, PartSpec, Rows, dtype_size
 
 __all__ = ["PartReader", "PartWriter", "Source", "Sink", "as_sink", "as_source"]
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -54,12 +71,41 @@ class Source:
         assert self.mv is not None
         return self.mv[start:end]
 
+    def _reader_call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run a call into the engine's reader; its own (device) errors become a SourceError."""
+        try:
+            return fn()
+        except SnapstoreError:
+            raise
+        except Exception as e:
+            raise SourceError(f"part {self.name!r}: the source's {what} raised {type(e).__name__}: {e}; "
+                              "the engine's state could not be read and nothing was saved") from e
+
+    def borrow(self, start: int, n: int) -> memoryview | None:
+        """A view of bytes [start, start + n) lent by the reader (see the module doc), or None:
+        copy them with :meth:`copy_into` instead. Give it back with :meth:`give_back`."""
+        view = getattr(self.reader, "view", None)
+        if view is None or not callable(getattr(self.reader, "release", None)):
+            return None
+        out: memoryview | None = self._reader_call(f"view({start}, {n})", lambda: view(start, n))
+        if out is not None and len(out) != n:
+            self.give_back(start, n)
+            raise SourceError(f"part {self.name!r}: the source's view({start}, {n}) returned {len(out)} bytes")
+        return out
+
+    def give_back(self, start: int, n: int) -> None:
+        """The core is through with a view :meth:`borrow` returned."""
+        assert self.reader is not None
+        reader: Any = self.reader
+        self._reader_call(f"release({start}, {n})", lambda: reader.release(start, n))
+
     def copy_into(self, start: int, out: memoryview) -> None:
         """Copy bytes [start, start + len(out)) into ``out``."""
         if self.mv is not None:
             out[:] = self.mv[start:start + len(out)]
         elif self.reader is not None:
-            self.reader.read_into(start, out)
+            reader = self.reader
+            self._reader_call(f"read_into({start}, <{len(out)} bytes>)", lambda: reader.read_into(start, out))
         else:
             assert self.arr is not None
             item = self.arr.dtype.itemsize
@@ -84,22 +130,50 @@ class Sink:
         views = getattr(self.writer, "views", None) if self.writer is not None else None
         return views(start, end - start) if views is not None else None
 
+    def _writer_call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run a call into the engine's writer; any failure is a RestoreError(touched=True)."""
+        try:
+            return fn()
+        except RestoreError as e:
+            e.touched = True  # whatever it says, the destination may hold part of this write
+            raise
+        except Exception as e:
+            # the engine's own destination failed part-way: the caller must know it was touched
+            raise RestoreError(
+                f"part {self.name!r}: the destination's {what} raised {type(e).__name__}: {e}; "
+                "the destination was partly written: re-read the prompt", touched=True) from e
+
+    def buffer(self, start: int, n: int) -> memoryview | None:
+        """A host buffer the writer lends for bytes [start, start + n) (see the module doc), or
+        None: use :meth:`write`. Follow it with :meth:`commit` or :meth:`discard`."""
+        lend = getattr(self.writer, "buffer_for", None)
+        if lend is None or not callable(getattr(self.writer, "commit", None)):
+            return None
+        out: memoryview | None = self._writer_call(f"buffer_for({start}, {n})", lambda: lend(start, n))
+        if out is not None and (len(out) != n or out.readonly):
+            self.discard(start, n)
+            raise RestoreError(f"part {self.name!r}: the destination's buffer_for({start}, {n}) returned "
+                               f"{len(out)} {'read-only ' if out.readonly else ''}bytes", touched=True)
+        return out
+
+    def commit(self, start: int, n: int) -> None:
+        """Write the bytes now in the buffer :meth:`buffer` lent (their checksum matched)."""
+        writer: Any = self.writer
+        self._writer_call(f"commit({start}, {n})", lambda: writer.commit(start, n))
+
+    def discard(self, start: int, n: int) -> None:
+        """Drop a lent buffer unwritten (its chunk failed to read or its checksum)."""
+        drop = getattr(self.writer, "discard", None)
+        if drop is not None:
+            self._writer_call(f"discard({start}, {n})", lambda: drop(start, n))
+
     def write(self, start: int, data: memoryview) -> None:
         """Write ``data`` at byte ``start``."""
         if self.mv is not None:
             self.mv[start:start + len(data)] = data
         elif self.writer is not None:
-            try:
-                self.writer.write_from(start, data)
-            except RestoreError as e:
-                e.touched = True  # whatever it says, the destination may hold part of this write
-                raise
-            except Exception as e:
-                # the engine's own destination failed part-way: the caller must know it was touched
-                raise RestoreError(
-                    f"part {self.name!r}: the destination's write_from({start}, <{len(data)} bytes>) raised "
-                    f"{type(e).__name__}: {e}; the destination was partly written: re-read the prompt",
-                    touched=True) from e
+            writer = self.writer
+            self._writer_call(f"write_from({start}, <{len(data)} bytes>)", lambda: writer.write_from(start, data))
         else:
             assert self.arr is not None
             item = self.arr.dtype.itemsize

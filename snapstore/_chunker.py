@@ -7,6 +7,15 @@ save's own snapshot, never a chunk another snapshot deduplicates onto. The copy 
 (numpy, without the GIL) overlaps the hash, write and fsync of chunk k on a small thread pool, so
 memory stays bounded by the staging buffer and the disk stays busy.
 
+A source that lends its own private host memory (the torch adapter's page-locked staging halves:
+``view``/``release`` of the reader protocol, see ``_buffers``) is hashed, compressed and written
+straight from it instead — that memory is already a private copy, so the rule above holds with
+one host memcpy fewer. Not when the chunk would be written raw with O_DIRECT: that needs the
+slot's aligned frame, and copying into it costs the same memcpy the buffered write would.
+
+A save that fails before its catalog transaction (a source's device error, a full disk) removes
+the chunk files it had published and no row references, so nothing of it is left behind.
+
 A chunk file is placed by ``link()`` when its name is free; when the name is taken, the catalog
 decides under the write lock (:func:`settle`): a file a live row vouches for is kept (this save
 deduplicates onto it, whatever codec wrote it), anything else — an orphan, a quarantined or
@@ -16,6 +25,7 @@ mismatched file — is replaced and the row, if any, made to describe the new fi
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -36,8 +46,9 @@ from ._chunkfile import (
 )
 from ._db import ChunkRow, Conn, Database
 from ._direct_io import ALIGN, align_up, write_direct
-from ._errors import CorruptionError, StoreIOError
+from ._errors import CorruptionError, SnapstoreError, StoreIOError
 from ._publish import create_temp, discard, finish_temp, fsync_dirs, link_new, replace_into, write_all, write_temp
+from ._repo import unlink_unreferenced
 
 __all__ = ["ChunkRef", "Chunker", "Piece", "settle"]
 
@@ -188,10 +199,16 @@ class Chunker:
         self._db = db
 
     def store(self, pieces: Sequence[Piece], key: bytes = b"") -> list[list[ChunkRef]]:
-        """Publish every piece; returns, per piece, its chunks in order. Files are durable on return."""
+        """Publish every piece; returns, per piece, its chunks in order. Files are durable on return.
+
+        On an error, the files this call published that no catalog row references are removed.
+        """
         jobs: list[tuple[int, Future[ChunkRef]]] = []
         window = max(2, self._staging.slots)
         results: list[list[ChunkRef]] = [[] for _ in pieces]
+        # lend: hash and write from the source's own memory, unless this chunk goes raw with O_DIRECT
+        lend = not (self.direct and self.codec == CODEC_RAW)
+        ok = False
         try:
             for idx, piece in enumerate(pieces):
                 pkey = piece.key or key
@@ -200,6 +217,15 @@ class Chunker:
                     if len(jobs) >= window:  # bound the chunks in flight (and staging slots held)
                         i, fut = jobs.pop(0)
                         results[i].append(fut.result())
+                    lent = piece.source.borrow(off, end - off) if lend else None
+                    if lent is not None:
+                        back = functools.partial(piece.source.give_back, off, end - off)
+                        try:
+                            jobs.append((idx, self._pool.submit(self._one, lent, -1, pkey, back)))
+                        except BaseException:
+                            back()
+                            raise
+                        continue
                     slot, mv = self._staging.acquire()
                     try:
                         view = mv[:end - off]
@@ -211,12 +237,19 @@ class Chunker:
             for i, fut in jobs:
                 results[i].append(fut.result())
             jobs = []
+            ok = True
         finally:
-            for _, fut in jobs:  # an error above: let in-flight work finish before buffers go away
+            for i, fut in jobs:  # an error above: let in-flight work finish before buffers go away
                 try:
-                    fut.result()
+                    results[i].append(fut.result())
                 except BaseException:  # noqa: S110 - the first error is the one raised
                     pass
+            if not ok:
+                created = [r.id for rs in results for r in rs if r.created]
+                try:  # what no row references goes now, not as orphans for gc
+                    unlink_unreferenced(self._db, self._blob_path, created)
+                except SnapstoreError:
+                    pass  # the first error is the one raised; gc removes what stays
         # every file this save published (codec known), new or replacing an orphan: its name must be
         # durable before the catalog row that references it commits
         dirs = {os.path.dirname(self._blob_path(r.id)) for rs in results for r in rs if r.codec >= 0}
@@ -228,8 +261,9 @@ class Chunker:
         # a read transaction: retried while SQLite is busy, errors translated
         return self._db.read(lambda c: Database.chunk_state(c, cid))
 
-    def _one(self, raw: memoryview, slot: int, key: bytes) -> ChunkRef:
-        """Address, checksum and publish one chunk from its private copy in a staging slot."""
+    def _one(self, raw: memoryview, slot: int, key: bytes, done: Callable[[], None] | None = None) -> ChunkRef:
+        """Address, checksum and publish one chunk from its private copy: staging slot ``slot``, or
+        (slot -1) memory a source lent, handed back by ``done``."""
         try:
             cid = chunk_id(raw, key)
             csum = checksum(raw)
@@ -263,7 +297,10 @@ class Chunker:
                 return ChunkRef(cid, len(raw), stored, codec, csum, True)
             raise AssertionError("unreachable")  # pragma: no cover
         finally:
-            self._staging.release(slot)
+            if done is not None:
+                done()
+            else:
+                self._staging.release(slot)
 
     def _write(self, raw: memoryview, csum: bytes, slot: int = -1) -> tuple[str, int, int]:
         """Write one chunk file to a durable temp file; returns (temp path, codec used, payload length).

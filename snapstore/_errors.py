@@ -14,6 +14,8 @@ also subclasses it so generic handlers keep working::
     ├── StoreIOError(OSError)              the file system failed (disk full, EIO, permissions)
     ├── CorruptionError                    stored bytes fail their checksum or do not parse
     ├── RemoteError(OSError)               the shared tier (object storage) failed or is misconfigured
+    ├── SourceError                        a save's source (an engine's device/reader) failed while
+    │                                      its state was read; nothing was saved
     └── RestoreError                       a restore failed; ``.touched`` says if the
         ├── DestinationError(LayoutError)  destination was written (then re-read the prompt)
         ├── SnapshotUnavailableError
@@ -35,6 +37,7 @@ __all__ = [
     "RestoreError",
     "SnapshotUnavailableError",
     "SnapstoreError",
+    "SourceError",
     "StateError",
     "StoreFormatError",
     "StoreIOError",
@@ -111,3 +114,11 @@ class CorruptChunkError(RestoreError, CorruptionError):
 
 class RemoteError(SnapstoreError, OSError):
     """The shared tier (S3-compatible object storage) failed or is misconfigured; the local tier is intact."""
+
+
+class SourceError(SnapstoreError):
+    """A save's source failed while its bytes were read (a device error, the engine's reader raised).
+
+    Nothing was saved: no snapshot was created and the chunk files this save had published are
+    removed again; the store is as before the call. The cause is chained (``__cause__``).
+    """

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ._chunkfile import is_hex_id
 from ._db import Conn, Database, MemDatabase, snapshot_catalog
 from ._errors import ConfigError, CorruptionError, StoreFormatError
 from ._publish import ensure_dir, fsync_dir, io_error
 
-__all__ = ["Repo"]
+__all__ = ["Repo", "unlink_unreferenced"]
 
 DB_NAME = "snapstore.db"
 _HEX2 = [f"{i:02x}" for i in range(256)]
@@ -87,28 +87,8 @@ class Repo:
                 continue
 
     def unlink_unreferenced(self, ids: Iterable[bytes]) -> int:
-        """Unlink chunk files whose rows are gone, inside a write transaction (so no concurrent save
-        can commit a reference to a file between the check and the unlink). Returns bytes freed."""
-        todo = list(dict.fromkeys(ids))
-        if not todo or self.readonly:
-            return 0
-
-        def run(c: Conn) -> int:
-            freed = 0
-            for cid in todo:
-                if Database.chunk(c, cid) is None:
-                    try:
-                        path = self.blob_path(cid)
-                    except CorruptionError:
-                        continue  # never unlink through a planted symlink
-                    try:
-                        freed += os.stat(path, follow_symlinks=False).st_size
-                        os.unlink(path)
-                    except OSError:
-                        pass  # already gone, or not removable now: an orphan for gc, never an error here
-            return freed
-
-        return self.db.write(run)
+        """Unlink chunk files whose rows are gone (see :func:`unlink_unreferenced`). Returns bytes freed."""
+        return 0 if self.readonly else unlink_unreferenced(self.db, self.blob_path, ids)
 
     def close(self) -> None:
         """Close the catalog."""
@@ -133,3 +113,28 @@ class SnapshotRepo(Repo):
         if not os.path.isfile(self.db_path):
             raise StoreFormatError(f"{self.root} is not a snapstore store (no {DB_NAME})")
         self.db = MemDatabase(snapshot_catalog(self.db_path), self.db_path)
+
+
+def unlink_unreferenced(db: Database, blob_path: Callable[[bytes], str], ids: Iterable[bytes]) -> int:
+    """Unlink chunk files whose rows are gone, inside a write transaction (so no concurrent save
+    can commit a reference to a file between the check and the unlink). Returns bytes freed."""
+    todo = list(dict.fromkeys(ids))
+    if not todo:
+        return 0
+
+    def run(c: Conn) -> int:
+        freed = 0
+        for cid in todo:
+            if Database.chunk(c, cid) is None:
+                try:
+                    path = blob_path(cid)
+                except CorruptionError:
+                    continue  # never unlink through a planted symlink
+                try:
+                    freed += os.stat(path, follow_symlinks=False).st_size
+                    os.unlink(path)
+                except OSError:
+                    pass  # already gone, or not removable now: an orphan for gc, never an error here
+        return freed
+
+    return db.write(run)

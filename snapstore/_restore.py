@@ -342,6 +342,18 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                         for p in ([piece] if isinstance(piece, memoryview) else piece):
                             h.update(p)
                     good = h.digest() == item.chunk.checksum
+                elif (lent := item.sink.buffer(item.offset, n)) is not None:
+                    committed = False
+                    try:
+                        decode_fd(head, fd, lent)
+                        good = checksum(lent) == item.chunk.checksum
+                        if good:
+                            touched = True
+                            item.sink.commit(item.offset, n)
+                            committed = True
+                    finally:
+                        if not committed:
+                            item.sink.discard(item.offset, n)
                 else:
                     slot, buf = staging.acquire()
                     try:

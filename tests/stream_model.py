@@ -13,7 +13,10 @@ Written from CUDA's stream semantics, not from the adapter:
   (like a debug allocator), so bytes nobody copied are visible.
 - a host memcpy between staging and the core's buffer (``host_copy``) that touches host memory a
   queued, not yet run copy still reads or writes is recorded in :attr:`LateCuda.hazards` — a race
-  on real hardware, whatever bytes it happened to produce here.
+  on real hardware, whatever bytes it happened to produce here. So does staging memory the core
+  is lent to read or fill in place (``lend``) while a queued copy still writes (or reads) it.
+- host memcpys between staging and the core's own buffers are counted (:attr:`LateCuda.host_copies`),
+  and so are the halves lent to the core instead (:attr:`LateCuda.lent_reads` / ``lent_fills``).
 
 "Device" tensors are CPU tensors registered with the model (:meth:`LateCuda.to_device`); the
 adapter recognises them through ``is_device``. Fault injection: ``fail_at = n`` makes the n-th
@@ -151,6 +154,9 @@ class LateCuda:
         self.d2h_bytes = 0
         self.h2d_bytes = 0
         self.pinned_allocs = 0
+        self.host_copies = 0  # host_copy calls: a memcpy between staging and the core's buffer
+        self.lent_reads = 0  # halves the core read in place (save)
+        self.lent_fills = 0  # halves the core filled in place (restore)
         self.fail_at: int | None = None
         self.on_copy: Callable[[int], None] | None = None
 
@@ -220,17 +226,32 @@ class LateCuda:
                  writes_host=None if d_dev else _span(dst))
         self.current.enqueue(op)
 
+    def _check_host(self, dst: tuple[int, int] | None, src: tuple[int, int] | None) -> None:
+        """Record a hazard if queued work still reads ``dst`` or writes ``dst`` / ``src``."""
+        for s in self.streams:
+            for op in s.ops:
+                if dst is not None and _overlaps(op.reads_host, dst):
+                    self.hazards.append(f"host overwrote memory a queued copy on {s.name} still reads")
+                if (dst is not None and _overlaps(op.writes_host, dst)) or (
+                        src is not None and _overlaps(op.writes_host, src)):
+                    self.hazards.append(f"host touched memory a queued copy on {s.name} still writes")
+
     def host_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A host memcpy now; record a hazard if queued work still reads/writes that memory."""
         with self.lock:
-            dspan, sspan = _span(dst), _span(src)
-            for s in self.streams:
-                for op in s.ops:
-                    if _overlaps(op.reads_host, dspan):
-                        self.hazards.append(f"host overwrote memory a queued copy on {s.name} still reads")
-                    if _overlaps(op.writes_host, dspan) or _overlaps(op.writes_host, sspan):
-                        self.hazards.append(f"host touched memory a queued copy on {s.name} still writes")
+            self.host_copies += 1
+            self._check_host(_span(dst), _span(src))
             dst.copy_(src)
+
+    def lend(self, half: torch.Tensor, write: bool) -> None:
+        """The core reads (or fills) staging memory in place: a hazard if queued work still uses it."""
+        with self.lock:
+            if write:
+                self.lent_fills += 1
+                self._check_host(_span(half), None)
+            else:
+                self.lent_reads += 1
+                self._check_host(None, _span(half))
 
     # -- the test API --------------------------------------------------------------------
     def to_device(self, t: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ tests against ``torch.cuda`` when a GPU is present (launched kernels are delayed
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -67,9 +68,12 @@ def _flat(t: Any, td: int | None) -> Any:
     return canonical(t, td).contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _open(path: Any, layout: ss.Layout, chunk: int = 4096, staging: int = 4 * 4096) -> ss.Store:
+def _open(path: Any, layout: ss.Layout, chunk: int = 4096, staging: int = 4 * 4096,
+          direct_io: bool = False) -> ss.Store:
+    """A store whose raw chunks are written buffered by default: the chunker then hashes and writes
+    straight from the staging half a device source lends (with O_DIRECT it copies into its slot)."""
     return ss.Store.open(str(path), identity=IDENT, layout=layout, budget=ss.Budget(reserve_bytes=0, ram_bytes=0),
-                         chunk_bytes=chunk, staging_bytes=staging, check_rows=False)
+                         chunk_bytes=chunk, staging_bytes=staging, check_rows=False, direct_io=direct_io)
 
 
 def _adapter(store: ss.Store, h: Any, td: dict[str, int], nbytes: int = 2 * 4096) -> TorchAdapter:
@@ -393,4 +397,93 @@ def test_staging_none_shares_one_pinned_buffer(late: LateCuda, tmp_path: Any) ->
     assert late.pinned_allocs == 1
     for n, t in parts_cpu.items():
         assert _canon(late.host(dst[n]), 0) == _canon(t, 0)
+    store.close()
+
+
+# -- item 7: the core reads / writes the pinned half in place -----------------------------------
+def _disk_bytes(store: ss.Store) -> int:
+    return sum(os.stat(p).st_size for _, p in store._repo.blob_files())
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_one_host_memcpy_per_chunk_each_way(late: LateCuda, tmp_path: Any, codec: str) -> None:
+    """Save hashes/writes each chunk straight from the pinned half its device->host copy landed in;
+    restore reads/decompresses each chunk straight into a pinned half: no staging<->core memcpy
+    (2 host memcpys per chunk -> 1: only the core's own file write/read), bytes exact, no hazard."""
+    kv_cpu, rec_cpu, _, _ = _kv_setup(None, tmp_path / "unused", T=96)
+    layout = layout_of({"rec": rec_cpu}, {"kv": kv_cpu}, token_dims={"kv": 2})
+    store = ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=layout,
+                          budget=ss.Budget(reserve_bytes=0, ram_bytes=0), chunk_bytes=4096,
+                          staging_bytes=4 * 4096, check_rows=False, direct_io=False, codec=codec)
+    ad = _adapter(store, late, {"kv": 2})  # halves of 4096 bytes: every chunk fits one
+    res = ad.save(list(range(96)), {"kv": late.to_device(kv_cpu), "rec": late.to_device(rec_cpu)})
+    n_chunks = -(-kv_cpu.numel() * 2 // 4096) + -(-rec_cpu.numel() * 4 // 4096)
+    assert res.ok and len(list(store._repo.blob_files())) == n_chunks
+    # per chunk: the core's file write, plus (old code) one memcpy pinned half -> core slot
+    assert (late.host_copies + n_chunks) / n_chunks == 1, late.host_copies
+    assert late.lent_reads == n_chunks
+    late.host_copies = 0
+    dk, dr = late.empty(tuple(kv_cpu.shape), kv_cpu.dtype), late.empty(tuple(rec_cpu.shape), torch.float32)
+    ad.restore(res, {"kv": dk, "rec": dr})
+    # per chunk: the core's file read, plus (old code) one memcpy core slot -> pinned half
+    assert (late.host_copies + n_chunks) / n_chunks == 1, late.host_copies
+    assert late.lent_fills == n_chunks
+    assert _canon(late.host(dk), 2) == _canon(kv_cpu, 2) and _canon(late.host(dr), None) == _canon(rec_cpu, None)
+    assert not late.hazards
+    store.close()
+
+
+def test_direct_io_saves_still_copy_into_the_aligned_slot(late: LateCuda, tmp_path: Any) -> None:
+    """With O_DIRECT a raw chunk is DMAed from the core's aligned slot: the one host memcpy is
+    pinned half -> slot (a buffered write from the half would cost the same memcpy), bytes exact."""
+    kv_cpu, rec_cpu, layout, _ = _kv_setup(None, tmp_path / "unused", T=96)
+    store = _open(tmp_path / "s", layout, direct_io=True)
+    ad = _adapter(store, late, {"kv": 2})
+    res = ad.save(list(range(96)), {"kv": late.to_device(kv_cpu), "rec": late.to_device(rec_cpu)})
+    assert res.ok and late.lent_reads == 0 and late.host_copies == len(list(store._repo.blob_files()))
+    dk, dr = torch.zeros_like(kv_cpu), torch.zeros_like(rec_cpu)
+    TorchAdapter(store, token_dims={"kv": 2}).restore(res, {"kv": dk, "rec": dr})
+    assert _canon(dk, 2) == _canon(kv_cpu, 2) and _canon(dr, None) == _canon(rec_cpu, None)
+    assert not late.hazards
+    store.close()
+
+
+# -- save-side device errors --------------------------------------------------------------------
+@pytest.mark.parametrize("via", ["adapter", "store"])
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_device_error_on_save_is_a_source_error(late: LateCuda, tmp_path: Any, via: str, direct_io: bool) -> None:
+    """An injected OOM on a device->host copy mid-save: SourceError (a SnapstoreError) saying nothing
+    was saved; no snapshot, no orphan file, stored bytes = bytes on disk; the next save works."""
+    kv_a, rec_cpu, layout, _ = _kv_setup(None, tmp_path / "unused", T=96)
+    store = _open(tmp_path / "s", layout, direct_io=direct_io)
+    staging = Staging(2 * 4096, backend=late)
+    ad = TorchAdapter(store, token_dims={"kv": 2}, staging=staging)
+
+    def save(kv: Any, toks: list[int]) -> Any:
+        parts = {"kv": late.to_device(kv), "rec": late.to_device(rec_cpu)}
+        if via == "adapter":
+            return ad.save(toks, parts)
+        return store.save(toks, {"kv": TensorSource(parts["kv"], 2, staging),
+                                 "rec": TensorSource(parts["rec"], None, staging)})
+
+    before = late.copies
+    ra = save(kv_a, list(range(96)))
+    per_save = late.copies - before
+    kv_b = _rand(tuple(kv_a.shape), torch.bfloat16, 55)
+    late.fail_at = late.copies + per_save - 1  # late in the save: earlier chunks are published by then
+    with pytest.raises(ss.SourceError) as ei:
+        save(kv_b, list(range(200, 296)))
+    late.fail_at = None
+    assert isinstance(ei.value, ss.SnapstoreError) and isinstance(ei.value.__cause__, torch.OutOfMemoryError)
+    assert "nothing was saved" in str(ei.value)
+    assert [s.snapshot_id for s in store.snapshots()] == [ra.snapshot_id]
+    rep = store.verify(deep=True)
+    assert rep.ok and not rep.orphan_files, rep.orphan_files
+    assert store.stats().stored_bytes == _disk_bytes(store)
+    assert all(s.done == s.queued for s in late.streams if s is not late.compute)  # nothing left queued
+    rb = save(kv_b, list(range(200, 296)))
+    dk, dr = torch.zeros_like(kv_a), torch.zeros_like(rec_cpu)
+    TorchAdapter(store, token_dims={"kv": 2}).restore(rb, {"kv": dk, "rec": dr})
+    assert _canon(dk, 2) == _canon(kv_b, 2) and _canon(dr, None) == _canon(rec_cpu, None)
+    assert not late.hazards
     store.close()
