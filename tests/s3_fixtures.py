@@ -98,9 +98,13 @@ class SeaweedCluster:
         for i in range(len(self.volume_ports)):
             self.start_volume(i)
         deadline = time.monotonic() + timeout
-        _wait_http(f"http://127.0.0.1:{self.m_port}/cluster/status", deadline)
-        _wait_http(self.endpoint + "/", deadline, ok=(200, 403, 404))
-        self.wait_volumes(deadline)
+        try:
+            _wait_http(f"http://127.0.0.1:{self.m_port}/cluster/status", deadline)
+            _wait_http(self.endpoint + "/", deadline, ok=(200, 403, 404))
+            self.wait_volumes(deadline)
+        except BaseException:
+            self.stop()  # nothing left running when it does not come up
+            raise
         return self
 
     def wait_volumes(self, deadline: float | None = None) -> None:
@@ -178,12 +182,21 @@ def _kill(p: subprocess.Popen[bytes]) -> None:
 @pytest.fixture(scope="session")
 def seaweed() -> Iterator[SeaweedCluster]:
     """A SeaweedFS cluster for the whole session; skipped only if the weed binary cannot run."""
-    try:
-        cluster = SeaweedCluster().start()
-    except FileNotFoundError as e:
-        pytest.skip(f"SeaweedFS not available: {e}")
-    except OSError as e:  # e.g. an exec format error: the binary genuinely cannot run here
-        pytest.skip(f"the weed binary cannot run here: {e}")
+    cluster: SeaweedCluster | None = None
+    for attempt in range(2):
+        try:
+            cluster = SeaweedCluster().start()
+            break
+        except TimeoutError:
+            # slow to come up (a loaded machine, a port taken meanwhile): once more on fresh ports,
+            # then fail — a server that does not start is a failure, never a silent skip
+            if attempt == 1:
+                raise
+        except FileNotFoundError as e:
+            pytest.skip(f"SeaweedFS not available: {e}")
+        except OSError as e:  # e.g. an exec format error: the binary genuinely cannot run here
+            pytest.skip(f"the weed binary cannot run here: {e}")
+    assert cluster is not None
     try:
         yield cluster
     finally:
