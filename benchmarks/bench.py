@@ -6,7 +6,9 @@ Sections (``--only`` picks some): raw (raw write + fsync / read), store (snapsto
 restore, cold and warm, RAM tier), alt (safetensors, torch.save/torch.load), delta (stored bytes
 of a depth 1..8 delta chain), codec (raw vs zstd vs zstd-shuffle2 on bf16-like data), chunks
 (chunk size sweep), match (match() over 10,000 snapshots of 128K-token prompts), rss (peak memory
-of a 2 GiB save and restore, each in a fresh subprocess).
+of a 2 GiB save and restore, each in a fresh subprocess), side (bench_side.py: the field workload and
+the 512 MiB one, raw / O_DIRECT / snapstore / safetensors / torch / diskcache + pickle side by side,
+restore time vs prefix length against re-prefill, and a PNG chart).
 
 Every figure is a median of ``--repeat`` runs (5; ``--quick``: 3 runs of a smaller state), and
 the raw baselines are measured interleaved with the snapstore runs, so ratios compare like with
@@ -791,8 +793,10 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=None, help="state size (default 512 MiB)")
     ap.add_argument("--dir", default=os.environ.get("SNAPSTORE_BENCH_DIR", DEFAULT_DIR),
                     help=f"work directory (same file system as the store would use; default {DEFAULT_DIR})")
-    ap.add_argument("--only", default="core,issue12,alt,delta,codec,chunks,match,rss",
-                    help="comma-separated sections: core,alt,delta,codec,chunks,match,rss")
+    ap.add_argument("--only", default="core,issue12,alt,side,delta,codec,chunks,match,rss",
+                    help="comma-separated sections: core,issue12,alt,side,delta,codec,chunks,match,rss")
+    ap.add_argument("--chart", default=None,
+                    help="where section side writes its PNG (default: benchmarks-side[-quick].png under --dir)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-gib", type=float, default=2.0, help=argparse.SUPPRESS)
@@ -823,6 +827,9 @@ def main() -> None:
             section_chunks(args, st, work)
         del st
         gc.collect()
+        if "side" in sections:  # issue 12 item 5: both workloads, every method, the chart (bench_side.py)
+            import bench_side
+            _results["side"] = bench_side.section_side(args, work)
         if "delta" in sections:
             section_delta(args, work)
         if "codec" in sections:
