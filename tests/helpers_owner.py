@@ -67,10 +67,15 @@ def capture(path: str, k: int, n: int, disk: int) -> None:
         elif cmd == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         elif cmd == "fork":
+            r, w = os.pipe()
             pid = os.fork()
             if pid == 0:  # a forked worker that never touches the store, killed by the test
+                os.write(w, b"1")  # running: the fork hook has dropped its copies of the lock fds
                 time.sleep(120)
                 os._exit(0)
+            os.close(w)
+            os.read(r, 1)  # report the helper only once it runs (the hook's tiny window is closed)
+            os.close(r)
             print(f"F {pid}", flush=True)
         elif cmd == "close":
             store.close()
