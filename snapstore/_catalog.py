@@ -323,7 +323,8 @@ class Txn:
     def _drop_parts(self, sid: int, kind: int | None) -> None:
         cond = "" if kind is None else " AND name IN (SELECT name FROM parts WHERE snapshot_id = ? AND kind = ?)"
         args: tuple[Any, ...] = (sid,) if kind is None else (sid, sid, kind)
-        ids = [bytes(r[0]) for r in self._c.execute(f"SELECT chunk_id FROM part_chunks WHERE snapshot_id = ?{cond}", args)]
+        ids = [bytes(r[0]) for r in
+               self._c.execute(f"SELECT chunk_id FROM part_chunks WHERE snapshot_id = ?{cond}", args)]
         self._c.execute(f"DELETE FROM part_chunks WHERE snapshot_id = ?{cond}", args)
         if kind is None:
             self._c.execute("DELETE FROM parts WHERE snapshot_id = ?", (sid,))
@@ -349,7 +350,8 @@ class Txn:
 
     def renew_owner(self, oid: str, kernel: str, host: str, pid: int, lease: float, now: float) -> None:
         """Register an owner or renew its lease (re-registering one a sweeper declared dead)."""
-        self._c.execute("INSERT INTO owners(id, kernel, host, pid, lease, renewed, created) VALUES (?, ?, ?, ?, ?, ?, ?) "
+        self._c.execute("INSERT INTO owners(id, kernel, host, pid, lease, renewed, created) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?) "
                   "ON CONFLICT(id) DO UPDATE SET renewed = max(renewed, excluded.renewed), lease = excluded.lease",
                   (oid, kernel, host, pid, lease, now, now))
 
@@ -462,7 +464,8 @@ class Txn:
         """(pending snapshots, chunks, raw bytes referenced counting every reference: for dedup ratio)."""
         return (_int(self._c, "SELECT count(*) FROM snapshots WHERE state = 0"),
                 _int(self._c, "SELECT count(*) FROM chunks"),
-                _int(self._c, "SELECT coalesce(sum(c.raw_len), 0) FROM part_chunks pc JOIN chunks c ON c.id = pc.chunk_id"))
+                _int(self._c, "SELECT coalesce(sum(c.raw_len), 0) FROM part_chunks pc "
+                     "JOIN chunks c ON c.id = pc.chunk_id"))
 
     def quarantined_count(self) -> int:
         """Chunks quarantined now (damaged, awaiting a save of the correct bytes or a repair)."""

@@ -68,7 +68,8 @@ def snapshot_entry(c: Txn, s: SnapRow, keys: dict[int, str], kids: dict[int, lis
     for p in parts:
         chunks = c.part_chunks(s.id, p.name)
         entry: dict[str, Any] = {
-            "name": p.name, "kind": "rows" if p.kind == PartKind.ROWS else "fixed", "dtype": p.dtype, "shape": list(p.shape),
+            "name": p.name, "kind": "rows" if p.kind == PartKind.ROWS else "fixed", "dtype": p.dtype,
+            "shape": list(p.shape),
             "component": p.component, "row_start": p.row_start, "row_end": p.row_end, "nbytes": p.nbytes,
             "chunk_count": len(chunks)}
         listed: list[dict[str, Any] | None] = []
@@ -156,6 +157,7 @@ def inspect_one(c: Txn, root: str, sid: int) -> dict[str, Any]:
     kids = {sid: c.children(sid)}
     entry = snapshot_entry(c, s, keys, kids, with_chunks=True)
     entry["parts"] = entry.pop("part_details")
-    entry["chain"] = [{"id": x.id, "n_tokens": x.n_tokens, "base_tokens": x.base_tokens, "pending": x.state == SnapState.PENDING,
+    entry["chain"] = [{"id": x.id, "n_tokens": x.n_tokens, "base_tokens": x.base_tokens,
+                       "pending": x.state == SnapState.PENDING,
                        "matchable": bool(x.matchable)} for x in c.chain(sid)]
     return {"format": FORMAT, "command": "inspect", "dir": os.path.abspath(root), "snapshot": entry}

@@ -458,7 +458,8 @@ class Store:
 
     # -- match -------------------------------------------------------------------------------
     @_operation
-    def match(self, tokens: Any, *, namespace: str | None = None, exclude: Iterable[SnapshotRef] | None = ()) -> Match | None:
+    def match(self, tokens: Any, *, namespace: str | None = None,
+              exclude: Iterable[SnapshotRef] | None = ()) -> Match | None:
         """The longest committed snapshot whose tokens are a prefix of ``tokens``, or None.
 
         ``exclude``: snapshot ids (or Match / SaveResult) to pass over (None: none) — after a failed restore,

@@ -9,7 +9,7 @@ import threading
 import time
 
 import numpy as np
-from test_lifecycle import IDENT, LAY, Conv, open_store
+from test_lifecycle import IDENT, Conv, open_store
 
 import snapstore as ss
 from snapstore._gc import gc
