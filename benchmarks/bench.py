@@ -589,7 +589,7 @@ def section_match(args: argparse.Namespace, work: str) -> None:
         conn = s._repo.db.conn()
         for _ in range(50):
             t1 = time.perf_counter()
-            list(orig(conn, s.identity.key, "", idx.chain, plen + 517, 0.0))
+            list(orig(_catalog.Txn(conn), s.identity.key, "", idx.chain, plen + 517, 0.0))
             sql_probe.append(time.perf_counter() - t1)
         plan = [r for r in conn.execute(
             "EXPLAIN QUERY PLAN SELECT id FROM snapshots WHERE identity_id = (SELECT id FROM identities WHERE "

@@ -366,8 +366,8 @@ def test_retried_save_leaves_no_uncounted_orphans(store_dir: str, hook: Any, par
                 if parent == "explicit":
                     s.abandon(p)
                 else:
-                    freed = s._repo.db.write(lambda c: c.delete_snapshot(p.snapshot_id))
-                    s._repo.unlink_unreferenced(freed)  # as an eviction by another process would
+                    # as an eviction by another process would: rows first, files after the commit
+                    s._repo.write(lambda t: t.delete_snapshot(p.snapshot_id))
 
         hook(vanish)
         if parent == "explicit":
