@@ -260,6 +260,101 @@ def section_core(args: argparse.Namespace, st: State, work: str) -> None:
     _results["core"]["ratios"] = {k: m[k] / m[b] for _, k, b in rows}
 
 
+def raw_write_direct(path: str, buf: np.ndarray) -> float:
+    """O_DIRECT write + fsync of ``buf`` (4 KiB-aligned copy made before the clock starts)."""
+    from snapstore._direct_io import ALIGN, O_DIRECT, align_up
+    n = align_up(buf.nbytes)
+    big = np.zeros(n + ALIGN, dtype=np.uint8)
+    off = -big.ctypes.data % ALIGN
+    frame = big[off:off + n]
+    frame[:buf.nbytes] = buf.reshape(-1).view(np.uint8)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, 0o600)
+    try:
+        mv = memoryview(frame)
+        while mv:
+            mv = mv[os.write(fd, mv):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def section_issue12(args: argparse.Namespace, st: State, work: str) -> None:
+    """Issue 12 side by side, one run: raw buffered / O_DIRECT write + fsync and cold / warm read;
+    snapstore save with direct I/O on / off, the engine-visible latency of save(wait=False); restores
+    cold, 1st warm, later warm with the RAM tier on (default 2 GiB) and off."""
+    nb = st.nbytes
+    raw = os.path.join(work, "raw12.bin")
+    fig: dict[str, list[float]] = {}
+
+    def add(k: str, t: float) -> None:
+        fig.setdefault(k, []).append(t)
+
+    flat = np.concatenate([st.kv, st.fixed])
+    for _ in range(args.repeat):
+        add("raw write buffered+fsync", raw_write(raw, [st.kv, st.fixed]))
+        add("raw write O_DIRECT+fsync", raw_write_direct(raw, flat))
+        drop_cache([raw])
+        add("raw read cold", raw_read(raw, [st.dst_kv, st.dst_fixed]))
+        add("raw read warm", raw_read(raw, [st.dst_kv, st.dst_fixed]))
+        for direct in (True, False):
+            sdir = os.path.join(work, f"s12-{direct}")
+            shutil.rmtree(sdir, ignore_errors=True)
+            s = Store.open(sdir, identity=identity(), layout=layout(), direct_io=direct,
+                           budget=Budget(disk_bytes=64 * GIB, reserve_bytes=256 * MIB))  # RAM tier: default
+            try:
+                tag = "direct" if direct else "buffered"
+                t = timed(lambda: s.save(st.tokens, st.parts(), parent=None))  # noqa: B023
+                add(f"save durable ({tag})", t)
+                if direct:
+                    s2 = os.path.join(work, "s12-async")
+                    shutil.rmtree(s2, ignore_errors=True)
+                    with Store.open(s2, identity=identity(), layout=layout(),
+                                    budget=Budget(disk_bytes=64 * GIB, reserve_bytes=256 * MIB)) as a:
+                        t0 = time.perf_counter()
+                        h = a.save(st.tokens, st.parts(), parent=None, wait=False)
+                        add("save wait=False: engine-visible", time.perf_counter() - t0)
+                        h.result()
+                        add("save wait=False: until durable", time.perf_counter() - t0)
+                m = s.match(st.tokens)
+                assert m is not None
+                drop_cache(blob_files(sdir))
+                for label in ("cold", "1st warm", "2nd warm", "3rd warm"):
+                    add(f"restore {label} ({tag}, RAM tier on)", timed(lambda: s.restore(m, st.into())))  # noqa: B023
+                    st.check()
+                    if s._ram is not None:
+                        s._ram.drain()  # admission runs in the background; not on the timed path
+            finally:
+                s.close()
+            s = open_store(sdir, ram=0)
+            try:
+                m = s.match(st.tokens)
+                assert m is not None
+                drop_cache(blob_files(sdir))
+                add(f"restore cold ({tag}, RAM tier off)", timed(lambda: s.restore(m, st.into())))  # noqa: B023
+                st.check()
+                add(f"restore warm ({tag}, RAM tier off)", timed(lambda: s.restore(m, st.into())))  # noqa: B023
+                st.check()
+            finally:
+                s.close()
+            shutil.rmtree(sdir, ignore_errors=True)
+    os.unlink(raw)
+    print(f"\n== issue 12: {nb / MIB:.0f} MiB state, medians of {args.repeat}, same run ==")
+    ref = {"save": median(fig["raw write O_DIRECT+fsync"]), "cold": median(fig["raw read cold"]),
+           "warm": median(fig["raw read warm"])}
+    out: dict[str, Any] = {}
+    for k, ts in fig.items():
+        t = median(ts)
+        base = "save" if k.startswith("save") else ("cold" if "cold" in k else ("warm" if "warm" in k else None))
+        ratio = f"{ref[base] / t:5.2f}x raw" if base and not k.startswith("raw") else ""
+        print(f"{k:44s} {t * 1e3:8.1f} ms {gbps(nb, t):6.2f} GB/s {spread(ts, nb)} {ratio}")
+        out[k] = {"ms": t * 1e3, "gbps": gbps(nb, t)}
+    _results["issue12"] = out
+
+
 def section_alt(args: argparse.Namespace, st: State, work: str) -> None:
     """safetensors and torch.save/torch.load of the same tensors, against raw and snapstore."""
     try:
@@ -696,7 +791,7 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=None, help="state size (default 512 MiB)")
     ap.add_argument("--dir", default=os.environ.get("SNAPSTORE_BENCH_DIR", DEFAULT_DIR),
                     help=f"work directory (same file system as the store would use; default {DEFAULT_DIR})")
-    ap.add_argument("--only", default="core,alt,delta,codec,chunks,match,rss",
+    ap.add_argument("--only", default="core,issue12,alt,delta,codec,chunks,match,rss",
                     help="comma-separated sections: core,alt,delta,codec,chunks,match,rss")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
@@ -717,9 +812,11 @@ def main() -> None:
     sections = set(args.only.split(","))
     t0 = time.perf_counter()
     try:
-        st = State(size) if sections & {"core", "alt", "chunks"} else None
+        st = State(size) if sections & {"core", "alt", "chunks", "issue12"} else None
         if "core" in sections:
             section_core(args, st, work)
+        if "issue12" in sections:
+            section_issue12(args, st, work)
         if "alt" in sections:
             section_alt(args, st, work)
         if "chunks" in sections:

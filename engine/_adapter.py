@@ -8,7 +8,17 @@ from typing import Any
 
 import torch
 
-from snapstore import DestinationError, Fixed, Layout, LayoutError, RestoreResult, Rows, SaveResult, Store
+from snapstore import (
+    DestinationError,
+    Fixed,
+    Layout,
+    LayoutError,
+    RestoreResult,
+    Rows,
+    SaveHandle,
+    SaveResult,
+    Store,
+)
 
 from ._device import CUDA
 from ._torch import (
@@ -151,6 +161,7 @@ class TorchAdapter:
              token_dims: Mapping[str, int] | None = None, pad_rows: Mapping[str, int] | None = None,
              stream: Any = None, **kwargs: Any) -> SaveResult:
         """``store.save`` for tensors: same arguments (session, parent, commit, namespace).
+        For ``wait=False`` use :meth:`save_async`.
 
         stream: the stream the engine's kernels that wrote the state ran on, when it is not the
         current stream here (an engine whose forward runs on its own stream): every device copy
@@ -161,12 +172,33 @@ class TorchAdapter:
         parts = self.sources(tensors, rows, n, token_dims, pad_rows, stream=stream)
         with self.staging.lock:
             try:
-                res = self.store.save(tokens, parts, rows, **kwargs)
+                res: SaveResult = self.store.save(tokens, parts, rows, **kwargs)
             except BaseException:
                 self.staging.drain()
                 raise
             self.staging.synchronize()  # also ends any prefetch: nothing carries over to the next save
             return res
+
+    def save_async(self, tokens: Any, tensors: Mapping[str, Any], rows: Any = None, *,
+                   token_dims: Mapping[str, int] | None = None, pad_rows: Mapping[str, int] | None = None,
+                   stream: Any = None, **kwargs: Any) -> SaveHandle:
+        """``store.save(..., wait=False)`` for tensors: returns a SaveHandle once every device tensor
+        (and every fixed part) has been copied to host memory; the disk write happens after.
+
+        Host CPU row streams are read in place later (rows below a boundary never change): do not
+        overwrite rows ``[0, n)`` of a CPU arena until the handle is done. Device tensors may be
+        overwritten as soon as this returns.
+        """
+        n = len(tokens)
+        parts = self.sources(tensors, rows, n, token_dims, pad_rows, stream=stream)
+        with self.staging.lock:
+            try:
+                handle: SaveHandle = self.store.save(tokens, parts, rows, wait=False, **kwargs)
+            except BaseException:
+                self.staging.drain()
+                raise
+            self.staging.synchronize()  # the device->host copies are complete before the engine moves on
+            return handle
 
     def sinks(self, into: Mapping[str, Any], token_dims: Mapping[str, int] | None = None, *,
               stream: Any = None) -> dict[str, Any]:

@@ -6,6 +6,7 @@ request, process or restart that starts with the same tokens. See docs/api.md.
 
 from __future__ import annotations
 
+from ._async_save import SaveHandle
 from ._config import Budget
 from ._errors import (
     ConfigError,
@@ -16,6 +17,7 @@ from ._errors import (
     InvalidInputError,
     LayoutError,
     NotFoundError,
+    RemoteError,
     RestoreError,
     SnapshotUnavailableError,
     SnapstoreError,
@@ -28,6 +30,7 @@ from ._identity import Identity
 from ._layout import Fixed, Layout, Rows
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._store import Store
+from ._uploader import FlushResult
 from ._verify import VerifyReport
 
 __version__ = "0.1.0"
@@ -40,6 +43,7 @@ __all__ = [
     "DeleteResult",
     "DestinationError",
     "Fixed",
+    "FlushResult",
     "GcReport",
     "Identity",
     "IdentityError",
@@ -49,9 +53,11 @@ __all__ = [
     "Match",
     "MatchDetails",
     "NotFoundError",
+    "RemoteError",
     "RestoreError",
     "RestoreResult",
     "Rows",
+    "SaveHandle",
     "SaveResult",
     "SnapshotInfo",
     "SnapshotUnavailableError",

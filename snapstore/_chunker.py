@@ -35,6 +35,7 @@ from ._chunkfile import (
     header_at,
 )
 from ._db import ChunkRow, Conn, Database
+from ._direct_io import ALIGN, align_up, write_direct
 from ._errors import CorruptionError, StoreIOError
 from ._publish import create_temp, discard, finish_temp, fsync_dirs, link_new, replace_into, write_all, write_temp
 
@@ -76,12 +77,19 @@ class Piece:
 
 
 class StagingBuffer:
-    """One reusable host buffer split into equal slots; at most len(slots) chunks in flight."""
+    """One reusable host buffer split into equal slots; at most len(slots) chunks in flight.
+
+    Each slot is a 4 KiB-aligned frame: HEADER_SIZE bytes of room for a chunk header, then the
+    slot's ``slot_bytes`` of data (what :meth:`acquire` hands out), then padding to the alignment,
+    so a raw chunk can be written straight from its slot with O_DIRECT (see ``_direct_io``).
+    """
 
     def __init__(self, nbytes: int, slot_bytes: int):
         count = max(1, nbytes // slot_bytes)
         self.slot_bytes = slot_bytes
+        self._stride = align_up(slot_bytes + HEADER_SIZE)
         self._buf: np.ndarray | None = None
+        self._base = 0
         self._count = count
         self._free: list[int] = list(range(count))
         self._cv = threading.Condition()
@@ -98,8 +106,17 @@ class StagingBuffer:
                 self._cv.wait()
             i = self._free.pop()
             if self._buf is None:
-                self._buf = np.empty(self._count * self.slot_bytes, dtype=np.uint8)
-            return i, self._buf.data[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+                self._buf = np.empty(self._count * self._stride + ALIGN, dtype=np.uint8)
+                self._base = -self._buf.ctypes.data % ALIGN
+            start = self._base + i * self._stride + HEADER_SIZE
+            return i, self._buf.data[start:start + self.slot_bytes]
+
+    def frame(self, i: int, n: int) -> memoryview:
+        """Slot ``i``'s aligned frame for a chunk of ``n`` data bytes: the header room, the data
+        (as :meth:`acquire` handed it out) and padding up to the alignment."""
+        assert self._buf is not None and 0 <= n <= self.slot_bytes
+        start = self._base + i * self._stride
+        return self._buf.data[start:start + align_up(HEADER_SIZE + n)]
 
     def release(self, i: int) -> None:
         """Give a slot back."""
@@ -160,8 +177,9 @@ class Chunker:
     """Turns pieces of parts into published chunk files of at most ``chunk_bytes`` each."""
 
     def __init__(self, blob_path: Callable[[bytes], str], tmp_dir: str, chunk_bytes: int, codec: int,
-                 staging: StagingBuffer, pool: ThreadPoolExecutor, db: Database):
+                 staging: StagingBuffer, pool: ThreadPoolExecutor, db: Database, direct: bool = False):
         self._blob_path = blob_path
+        self.direct = direct  # O_DIRECT for raw chunks; turned off for good once the file system refuses it
         self._tmp = tmp_dir
         self.chunk_bytes = chunk_bytes
         self.codec = codec
@@ -228,7 +246,7 @@ class Chunker:
             # no row, a quarantined row (this save holds the right bytes: it heals it), or a lost file
             _hook("publish", self, cid)
             for attempt in range(3):
-                tmp, codec, payload_len = self._write(raw, csum)
+                tmp, codec, payload_len = self._write(raw, csum, slot)
                 stored = HEADER_SIZE + payload_len
                 try:
                     if state == 0 and link_new(tmp, path):
@@ -247,7 +265,7 @@ class Chunker:
         finally:
             self._staging.release(slot)
 
-    def _write(self, raw: memoryview, csum: bytes) -> tuple[str, int, int]:
+    def _write(self, raw: memoryview, csum: bytes, slot: int = -1) -> tuple[str, int, int]:
         """Write one chunk file to a durable temp file; returns (temp path, codec used, payload length).
 
         Compressed output streams into the file piece by piece (constant memory); once it is no
@@ -271,4 +289,11 @@ class Chunker:
             if path is not None:
                 return path, self.codec, out[0]
         header = ChunkHeader(CODEC_RAW, len(raw), len(raw), csum).pack()
+        if self.direct and slot >= 0:
+            frame = self._staging.frame(slot, len(raw))
+            frame[:HEADER_SIZE] = header  # in front of the data already in the slot: no payload copy
+            path = write_direct(self._tmp, frame, HEADER_SIZE + len(raw))
+            if path is not None:
+                return path, CODEC_RAW, len(raw)
+            self.direct = False  # the file system refuses O_DIRECT (tmpfs, ...): buffered from now on
         return write_temp(self._tmp, [header, raw]), CODEC_RAW, len(raw)

@@ -209,8 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only remove orphan chunk files and temp files older than S seconds (default 3600)")
     pg.add_argument("--pending-lease", type=_nonneg_float, metavar="S", help=_LEASE_HELP)
 
-    sub.add_parser("stats", parents=[common], formatter_class=fmt, description=_STATS_HELP,
-                   help="the library's counters")
+    ps = sub.add_parser("stats", parents=[common], formatter_class=fmt, description=_STATS_HELP,
+                        help="the library's counters")
+    from ._remote_cli import add_remote_flags  # the shared tier's flags (docs/cli.md)
+    for name, sp in (("inspect", pi), ("verify", pv), ("gc", pg), ("stats", ps)):
+        add_remote_flags(sp, name)
     from .llamacpp._cli import add_commands  # import-slot, export-slot, llama-proxy (no heavy imports)
     add_commands(sub, common, _COMMANDS)
     return p
@@ -629,6 +632,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json = bool(getattr(args, "json", False))
     command = str(args.command)
     try:
+        if getattr(args, "remote", None) is not None:
+            return _remote(command, args)
         return _COMMANDS[command](args, _Out())
     except KeyboardInterrupt:
         _close_meters()
@@ -646,6 +651,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK
         _emit_error(command, str(e) or type(e).__name__, EXIT_USAGE, args.json)
         return EXIT_USAGE
+
+
+def _remote(command: str, args: argparse.Namespace) -> int:
+    """``--remote``: the shared tier's verify/gc; stats/inspect print the local store (if any) first."""
+    from ._remote_cli import run_remote
+
+    out = _Out()
+
+    def local() -> dict[str, Any] | None:
+        if command not in ("stats", "inspect"):
+            return None
+        root = getattr(args, "dir", None) or default_dir()
+        if not os.path.isfile(os.path.join(root, DB_NAME)):
+            return None  # no local store here: the shared tier alone
+        if not args.json:
+            _COMMANDS[command](args, out)
+            if command == "stats":  # this node's traffic with the shared tier
+                with _open(root, readonly=True, snapshot=True) as repo:
+                    mine = repo.db.read(lambda c: sorted((k, v) for k, v in c.counters().items()
+                                                         if k.startswith("remote_")))
+                out.line("  " + (", ".join(f"{k[7:]}={v}" for k, v in mine) or "no shared-tier traffic yet"))
+            return None
+        with _open(root, readonly=True, snapshot=True) as repo:
+            if command == "stats":
+                from ._inspect import stats_of
+                st = repo.db.read(lambda c: stats_of(c, Budget().resolved().disk_bytes or 0, 0))
+                return {"dir": os.path.abspath(root), "stats": st.to_dict(),
+                        "counters": repo.db.read(lambda c: {k: v for k, v in c.counters().items()
+                                                            if k.startswith("remote_")})}
+            return {"dir": os.path.abspath(root), "local": repo.db.read(lambda c: inspect_all(c, root))}
+
+    return run_remote(command, args, out.line, _emit_json, local)
 
 
 def _close_meters() -> None:

@@ -13,6 +13,7 @@ also subclasses it so generic handlers keep working::
     ├── StoreFormatError                   not a snapstore store, a newer format, an old SQLite
     ├── StoreIOError(OSError)              the file system failed (disk full, EIO, permissions)
     ├── CorruptionError                    stored bytes fail their checksum or do not parse
+    ├── RemoteError(OSError)               the shared tier (object storage) failed or is misconfigured
     └── RestoreError                       a restore failed; ``.touched`` says if the
         ├── DestinationError(LayoutError)  destination was written (then re-read the prompt)
         ├── SnapshotUnavailableError
@@ -30,6 +31,7 @@ __all__ = [
     "InvalidInputError",
     "LayoutError",
     "NotFoundError",
+    "RemoteError",
     "RestoreError",
     "SnapshotUnavailableError",
     "SnapstoreError",
@@ -105,3 +107,7 @@ class SnapshotUnavailableError(RestoreError):
 
 class CorruptChunkError(RestoreError, CorruptionError):
     """A chunk failed its checksum or could not be decoded while streaming."""
+
+
+class RemoteError(SnapstoreError, OSError):
+    """The shared tier (S3-compatible object storage) failed or is misconfigured; the local tier is intact."""

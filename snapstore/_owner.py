@@ -21,14 +21,16 @@ import os
 import re
 import secrets
 import socket
+import stat
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 
 from ._catalog import OwnerRow, SnapRow
 from ._catalog import Txn as Conn
 from ._db import Database
-from ._errors import SnapstoreError
+from ._errors import SnapstoreError, StateError
 from ._publish import ensure_dir, io_error
 
 __all__ = ["OWNERS_DIR", "OWNER_PREFIX", "Liveness", "Owner", "kernel_id", "owner_id", "reap_lock_files"]
@@ -42,28 +44,81 @@ _HEX32 = re.compile(r"[0-9a-f]{32}")
 _LOCK_SUFFIX = ".lock"
 _NEW_SUFFIX = ".new"
 _KERNEL_FILE = "/proc/sys/kernel/random/boot_id"
-_NEW_STALE_S = 60.0  # a .new name lives for microseconds (create, lock, write, rename); older: a crashed open
+# A .new name lives for microseconds (create, lock, write, rename): older means an open that crashed.
+# A lock file of another kernel this young may belong to an owner between its rename and its row.
+_STALE_S = 60.0
 
-_live_here: set[str] = set()  # owner ids this process holds: never probed (POSIX-lock emulations are per process)
-_live_lock = threading.Lock()
+# Test hook, never set in production: a test sets it in a child process to make that process look
+# like one on another machine (its lock then cannot be probed, only its lease speaks for it).
+_kernel_override: str | None = None
+_boot_id: str | None = None  # this kernel's id, read once: it cannot change while the process lives
+
+
+class _LockFile:
+    """The flock'd lock file of one owner in this process: what a fork or a finalizer releases."""
+
+    __slots__ = ("fd", "id", "inherited")
+
+    def __init__(self, fd: int, oid: str):
+        self.fd: int | None = fd
+        self.id = oid
+        self.inherited = False  # set in a forked child: the lock and the row are the parent's
+
+
+# The owners this process holds, by id: never probed (POSIX-lock emulations are per process).
+# Re-entrant: a finalizer releasing an unclosed Store's lock may run inside any code that holds it.
+_held: dict[str, _LockFile] = {}
+_live_lock = threading.RLock()
+
+
+def _before_fork() -> None:
+    _live_lock.acquire()  # no fork while a lock file is being created or swapped: the child sees every fd
+
+
+def _after_fork_in_parent() -> None:
+    _live_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child holds none of its parent's owners: close their inherited lock fds (else a
+    killed parent's captures stay pinned while the child lives) and make them inert."""
+    global _live_lock
+    files = list(_held.values())
+    _held.clear()
+    _live_lock = threading.RLock()  # the parent's may be held by a thread that does not exist here
+    for f in files:
+        f.inherited = True
+        fd, f.fd = f.fd, None
+        if fd is not None:
+            try:
+                os.close(fd)  # the parent's descriptor keeps the flock; only the child's copy goes
+            except OSError:
+                pass
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
+
+
+def _is_held_here(oid: str) -> bool:
+    with _live_lock:
+        return oid in _held
 
 
 def kernel_id() -> str:
-    """What one kernel is: its boot id (shared by every PID/UTS namespace on it), else the hostname.
-
-    ``SNAPSTORE_TEST_KERNEL_ID`` (a test knob) stands in for another machine's boot id.
-    """
-    fake = os.environ.get("SNAPSTORE_TEST_KERNEL_ID")
-    if fake:
-        return fake
-    try:
-        with open(_KERNEL_FILE, encoding="ascii") as f:
-            boot = f.read().strip()
-        if boot:
-            return boot
-    except (OSError, ValueError):
-        pass
-    return "host:" + socket.gethostname()
+    """What one kernel is: its boot id (shared by every PID/UTS namespace on it), else the hostname."""
+    global _boot_id
+    if _kernel_override:
+        return _kernel_override
+    if _boot_id is None:
+        boot = ""
+        try:
+            with open(_KERNEL_FILE, encoding="ascii") as f:
+                boot = f.read().strip()
+        except (OSError, ValueError):
+            pass
+        _boot_id = boot or "host:" + socket.gethostname()
+    return _boot_id
 
 
 def owner_id(token: str | None) -> str | None:
@@ -124,6 +179,41 @@ def _read_kernel(fd: int) -> str:
         return ""
 
 
+def _open_lock(path: str) -> int | None:
+    """A read-only fd on the lock file at ``path``, or None when something else sits there (a FIFO
+    would block an open without O_NONBLOCK forever). Raises OSError when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _create_lock(owners: str, oid: str, kernel: str) -> int:
+    """A new lock file for ``oid``: created, locked and written under ``<id>.new``, then renamed to
+    ``<id>.lock`` (so no prober ever sees the final name unlocked). Returns its fd, flock held."""
+    tmp, path = _lock_path(owners, oid, _NEW_SUFFIX), _lock_path(owners, oid)
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise io_error(f"cannot create the owner lock {tmp}", e) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, (kernel + "\n").encode("ascii", "replace"))
+        os.rename(tmp, path)
+    except OSError as e:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise io_error(f"cannot take the owner lock {path}", e) from None
+    return fd
+
+
 def _try_lock(fd: int) -> bool | None:
     """True: we took the lock (nobody holds it); False: someone holds it; None: cannot tell."""
     try:
@@ -169,9 +259,8 @@ class Liveness:
         return self._verdict[oid]
 
     def _judge(self, oid: str) -> bool:
-        with _live_lock:
-            if oid in _live_here:
-                return True
+        if _is_held_here(oid):
+            return True
         row = self._owners.get(oid)
         probe = self._probe(oid, row)
         if probe == _HELD:
@@ -185,12 +274,13 @@ class Liveness:
         if row is not None and row.kernel != self._kernel:
             return _UNKNOWN
         try:
-            fd = os.open(_lock_path(self._dir, oid), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            # a live owner's file exists from before its row until after it is gone
-            return _FREE if row is not None else _UNKNOWN
+            fd = _open_lock(_lock_path(self._dir, oid))
         except OSError:
+            # Absent: the owner is gone, or an operator removed owners/ under a live one (it makes
+            # its file again at its next renewal); unreadable: cannot tell. The lease decides.
             return _UNKNOWN
+        if fd is None:
+            return _UNKNOWN  # not a lock file (a FIFO, a device): proves nothing
         try:
             if row is None and _read_kernel(fd) != self._kernel:
                 return _UNKNOWN
@@ -209,10 +299,12 @@ class Liveness:
 
 
 def reap_lock_files(root: str, ids: Iterable[str] | None = None, registered: Iterable[str] = ()) -> int:
-    """Unlink lock files of owners that are gone: ``ids``, or with None every file in owners/ whose
-    id is not in ``registered``. A ``.lock`` file is removed only by a process on the owner's kernel
-    that took its lock (flock is trusted only there); a ``.new`` file (an open that crashed before
-    its rename) once it is a minute old. Returns how many went."""
+    """Unlink lock files of owners that are gone: ``ids`` (rows just deleted as dead), or with None
+    every file in owners/ whose id is not in ``registered``. A ``.lock`` file goes only while this
+    process holds its lock (nothing else does): on its own kernel at once; one of another kernel
+    (another host, or this host before a reboot) once it is a minute old, since its owner may be
+    between its rename and its row. A ``.new`` file (an open that crashed before its rename) goes
+    once it is a minute old. Anything that is not a regular file is left alone. Returns how many went."""
     d = os.path.join(root, OWNERS_DIR)
     if ids is None:
         keep = set(registered)
@@ -232,26 +324,33 @@ def reap_lock_files(root: str, ids: Iterable[str] | None = None, registered: Ite
     n = 0
     now = time.time()
     for oid, suffix in todo:
-        with _live_lock:
-            if oid in _live_here:
-                continue
+        if _is_held_here(oid):
+            continue
         path = _lock_path(d, oid, suffix)
         if suffix == _NEW_SUFFIX:
             try:
-                if now - os.stat(path, follow_symlinks=False).st_mtime >= _NEW_STALE_S:
+                st = os.stat(path, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= _STALE_S:
                     os.unlink(path)
                     n += 1
             except OSError:
                 pass
             continue
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = _open_lock(path)
         except OSError:
             continue
+        if fd is None:
+            continue
         try:
-            if _read_kernel(fd) == kernel and _try_lock(fd):
-                os.unlink(path)  # while holding the lock: the owner is gone and its id never returns
-                n += 1
+            st = os.fstat(fd)
+            if _read_kernel(fd) != kernel and (ids is None and now - st.st_mtime < _STALE_S):
+                continue
+            if _try_lock(fd):
+                cur = os.stat(path, follow_symlinks=False)
+                if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
+                    os.unlink(path)  # while holding the lock: the owner is gone and its id never returns
+                    n += 1
         except OSError:
             pass
         finally:
@@ -260,8 +359,42 @@ def reap_lock_files(root: str, ids: Iterable[str] | None = None, registered: Ite
 
 
 # -- this process's owner -----------------------------------------------------------------------------
+def _renew_loop(ref: weakref.ref[Owner], stop: threading.Event, interval: float) -> None:
+    """The lease thread: holds only a weak reference, so a Store dropped unclosed takes its owner along."""
+    while not stop.wait(interval):
+        owner = ref()
+        if owner is None:
+            return
+        try:
+            owner._db.write(owner.renew, durable=False)  # a renewal lost to a power cut is harmless
+        except SnapstoreError:
+            pass  # locked for long, disk full, store closing: retry at the next tick
+        del owner
+
+
+def _abandon(lock: _LockFile, stop: threading.Event) -> None:
+    """Finalizer of an Owner dropped without release(): stop its thread and let its lock go.
+
+    The file stays (its row does too): a free lock reads as a dead owner, and gc removes both.
+    """
+    stop.set()
+    with _live_lock:
+        if _held.get(lock.id) is lock:
+            del _held[lock.id]
+        fd, lock.fd = lock.fd, None
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 class Owner:
-    """The owner of one open Store: its lock (held until :meth:`release`) and its renewed lease."""
+    """The owner of one open Store: its lock (held until :meth:`release`) and its renewed lease.
+
+    Inert in a process forked from its own (:attr:`inherited`): the lock, the row and the captures
+    stay the parent's. Dropped without release(), a finalizer stops its thread and frees its lock.
+    """
 
     def __init__(self, db: Database, root: str, lease: float):
         self.id = secrets.token_hex(16)
@@ -271,30 +404,14 @@ class Owner:
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self._db = db
-        owners = os.path.join(root, OWNERS_DIR)
-        ensure_dir(owners)
-        self._path = _lock_path(owners, self.id)
-        # locked under a temporary name, then renamed: no prober ever sees the final name unlocked
-        tmp = _lock_path(owners, self.id, _NEW_SUFFIX)
-        try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise io_error(f"cannot create the owner lock {tmp}", e) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(fd, (self.kernel + "\n").encode("ascii", "replace"))
-            os.rename(tmp, self._path)
-        except OSError as e:
-            os.close(fd)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise io_error(f"cannot take the owner lock {self._path}", e) from None
-        self._fd: int | None = fd
-        with _live_lock:
-            _live_here.add(self.id)
+        self._dir = os.path.join(root, OWNERS_DIR)
+        ensure_dir(self._dir)
+        self._path = _lock_path(self._dir, self.id)
+        with _live_lock:  # the fd is recorded before any fork can copy it
+            self._lock = _LockFile(_create_lock(self._dir, self.id, self.kernel), self.id)
+            _held[self.id] = self._lock
         self._stop = threading.Event()
+        self._finalizer = weakref.finalize(self, _abandon, self._lock, self._stop)
         self._thread: threading.Thread | None = None
         try:
             # registered before any capture names it; not fsynced: every transaction that inserts one
@@ -303,7 +420,9 @@ class Owner:
         except BaseException:
             self.release()
             raise
-        self._thread = threading.Thread(target=self._run, name="snapstore-lease", daemon=True)
+        # its own thread and connection: an engine busy in save/restore never starves its lease
+        self._thread = threading.Thread(target=_renew_loop, args=(weakref.ref(self), self._stop, self.interval),
+                                        name="snapstore-lease", daemon=True)
         self._thread.start()
 
     @property
@@ -311,39 +430,85 @@ class Owner:
         """Seconds between renewals: a quarter of the lease (at most a minute)."""
         return min(self.lease / 4.0, 60.0)
 
+    @property
+    def inherited(self) -> bool:
+        """Whether this process only inherited the owner through fork() (it is the parent's)."""
+        return self._lock.inherited or os.getpid() != self.pid
+
+    def _refuse_inherited(self) -> None:
+        if self.inherited:
+            raise StateError(f"this Store was opened by process {self.pid} before a fork(); a forked "
+                             "process cannot make or drop captures for it: open its own Store "
+                             "in the child (Store.open)")
+
     def renew(self, c: Conn) -> None:
         """Register or renew this owner's lease inside the caller's write transaction."""
+        self._refuse_inherited()
+        self._keep_file()
         c.renew_owner(self.id, self.kernel, self.host, self.pid, self.lease, time.time())
 
-    def _run(self) -> None:
-        # its own thread and connection: an engine busy in save/restore never starves its lease
-        while not self._stop.wait(self.interval):
+    def _keep_file(self) -> None:
+        """Make the lock file again if it is no longer the one we hold (an operator removed it or
+        owners/): without it the lock cannot speak for this owner, only its lease."""
+        with _live_lock:
+            fd = self._lock.fd
+            if fd is None:
+                return  # released
             try:
-                self._db.write(self.renew, durable=False)  # a renewal lost to a power cut is harmless
-            except SnapstoreError:
-                continue  # locked for long, disk full, store closing: retry at the next tick
+                held = os.fstat(fd)
+                cur = os.stat(self._path, follow_symlinks=False)
+                if held.st_nlink and (cur.st_dev, cur.st_ino) == (held.st_dev, held.st_ino):
+                    return
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return  # cannot tell: keep the lock we hold
+            try:
+                ensure_dir(self._dir)
+                try:
+                    os.unlink(_lock_path(self._dir, self.id, _NEW_SUFFIX))  # ours alone: a crashed remake
+                except FileNotFoundError:
+                    pass
+                self._lock.fd = _create_lock(self._dir, self.id, self.kernel)
+            except (SnapstoreError, OSError):
+                return  # retried at the next renewal; meanwhile the lease speaks for this owner
+            os.close(fd)  # the new lock is in place before the old one goes
 
     def stop(self) -> None:
         """Stop renewing (before the owner's row is deleted, so no renewal re-creates it)."""
         self._stop.set()
         t = self._thread
-        if t is not None and t is not threading.current_thread():
+        if t is not None and t is not threading.current_thread() and not self.inherited:
             t.join()
 
     def retire(self, c: Conn) -> None:
         """Remove this owner's row (in the transaction that drops its remaining captures)."""
+        self._refuse_inherited()
         c.delete_owner(self.id)
 
+    def _row_gone(self) -> bool:
+        try:
+            return self.id not in self._db.read(lambda c: c.owners())
+        except SnapstoreError:
+            return False
+
     def release(self) -> None:
-        """Stop renewing, unlink the lock file while still holding it, then let the lock go."""
+        """Stop renewing, unlink the lock file (once the row is gone) while still holding it, then
+        let the lock go. In a forked child: only its inherited copy of the fd goes."""
         self.stop()
+        self._finalizer.detach()
         with _live_lock:
-            _live_here.discard(self.id)
-        fd, self._fd = self._fd, None
+            if _held.get(self.id) is self._lock:
+                del _held[self.id]
+            fd, self._lock.fd = self._lock.fd, None
         if fd is None:
             return
         try:
-            os.unlink(self._path)
+            # with the row still there (a failed close), the file stays: a free lock reads as a
+            # dead owner at once, where an absent file leaves the judgement to the lease
+            if not self.inherited and self._row_gone():
+                os.unlink(self._path)
         except OSError:
             pass  # a leftover file with a free lock reads as a dead owner; gc removes it
-        os.close(fd)
+        finally:
+            os.close(fd)

@@ -70,11 +70,15 @@ def fsync_dirs(paths: Iterable[str], pool: ThreadPoolExecutor | None = None) -> 
         raise io_error("cannot fsync a store directory", e) from None
 
 
-def create_temp(tmp_dir: str) -> tuple[int, str]:
-    """Create a fresh temp file (0600, O_EXCL) in ``tmp_dir``; return (descriptor, path)."""
+def create_temp(tmp_dir: str, extra_flags: int = 0) -> tuple[int, str]:
+    """Create a fresh temp file (0600, O_EXCL) in ``tmp_dir``; return (descriptor, path).
+
+    ``extra_flags``: e.g. O_DIRECT (an EINVAL from a file system that refuses it keeps its errno).
+    """
     path = os.path.join(tmp_dir, TEMP_PREFIX + secrets.token_hex(12))
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | extra_flags,
+                     _FILE_MODE)
     except OSError as e:
         raise io_error(f"cannot create temp file in {tmp_dir}", e) from None
     return fd, path

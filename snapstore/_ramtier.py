@@ -2,14 +2,34 @@
 
 A chunk is admitted on its second restore, not its first: a one-off restore pays no extra copy
 and holds no extra memory, while a hot prefix restored again is served at memory speed from then on.
+
+Admission never runs on the restoring thread. Copying a chunk into fresh memory costs a page
+fault per 4 KiB page (~1.3-2 GB/s here, slower than reading the page cache), and it made the
+first warm restore of a prefix slower than a cold one (docs/benchmarks.md). A restore only
+*offers* the chunk (its file path): one background thread reads the file again (from the page
+cache the restore just filled), checks its XXH3 against the catalog's, and admits it. The RAM
+copy never comes from the engine's destination, which the engine may change once restore returns.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+import numpy as np
+
+from ._chunkfile import HEADER_SIZE, checksum, decode_fd, parse_header
+from ._errors import CorruptionError
 
 __all__ = ["RamTier"]
+
+# Test hook: called as _TEST_HOOK(chunk_id) on the admission thread before it reads a chunk;
+# tests pause it there with an Event to observe a restore that does not wait for admission.
+_TEST_HOOK: Callable[[bytes], None] | None = None
+
+_MAX_QUEUED = 256  # offers waiting for the admission thread; more are dropped (admitted next time)
 
 
 class RamTier:
@@ -19,11 +39,17 @@ class RamTier:
         self.capacity = capacity
         self.used = 0
         self.hits = 0
-        self._items: OrderedDict[bytes, bytes] = OrderedDict()
+        self._items: OrderedDict[bytes, memoryview] = OrderedDict()
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # restored once: admitted next time
         self._lock = threading.Lock()
+        self._queue: deque[tuple[bytes, str, int, bytes]] = deque()
+        self._queued: set[bytes] = set()
+        self._cv = threading.Condition(self._lock)
+        self._busy = False  # the admission thread is working on an offer
+        self._thread: threading.Thread | None = None
+        self._stop = False
 
-    def get(self, cid: bytes) -> bytes | None:
+    def get(self, cid: bytes) -> memoryview | None:
         """The chunk's bytes, or None; a hit refreshes its place."""
         with self._lock:
             data = self._items.get(cid)
@@ -32,30 +58,86 @@ class RamTier:
                 self.hits += 1
             return data
 
-    def put(self, cid: bytes, data: bytes | memoryview) -> None:
-        """Keep a verified chunk (copied); evicts the least recently used to make room."""
-        n = len(data)
+    def _wanted(self, cid: bytes, n: int) -> bool:
+        """Under the lock: should this restore of ``cid`` lead to admitting it (second sighting)?"""
         if n == 0 or n > self.capacity // 2:
-            return
+            return False
+        if cid in self._items:
+            self._items.move_to_end(cid)
+            return False
+        if cid in self._queued:
+            return False
+        if cid not in self._seen:
+            self._seen[cid] = None
+            if len(self._seen) > 65536:
+                self._seen.popitem(last=False)
+            return False
+        del self._seen[cid]
+        return True
+
+    def offer(self, cid: bytes, path: str, raw_len: int, csum: bytes) -> None:
+        """A chunk was restored (verified) from the file at ``path``: admit it in the background if
+        it was restored before. Never blocks on the copy; a full queue drops the offer."""
         with self._lock:
-            if cid in self._items:
-                self._items.move_to_end(cid)
+            if self._stop or not self._wanted(cid, raw_len) or len(self._queue) >= _MAX_QUEUED:
                 return
-            if cid not in self._seen:
-                self._seen[cid] = None
-                if len(self._seen) > 65536:
-                    self._seen.popitem(last=False)
-                return
-            del self._seen[cid]
-        copy = bytes(data)
+            self._queue.append((cid, path, raw_len, csum))
+            self._queued.add(cid)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="snapstore-ramtier", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def put(self, cid: bytes, data: bytes | memoryview) -> None:
+        """Keep verified bytes now (copied) if this is their second sighting; evicts LRU to make room."""
+        n = len(data)
         with self._lock:
-            if cid in self._items:  # another thread put it meanwhile
+            if not self._wanted(cid, n):
+                return
+        self._insert(cid, memoryview(bytes(data)))
+
+    def _insert(self, cid: bytes, data: memoryview) -> None:
+        n = len(data)
+        with self._lock:
+            if cid in self._items or self._stop:
                 return
             while self.used + n > self.capacity and self._items:
                 _, old = self._items.popitem(last=False)
                 self.used -= len(old)
-            self._items[cid] = copy
+            self._items[cid] = data
             self.used += n
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._stop:
+                    self._busy = False
+                    self._cv.notify_all()
+                    self._cv.wait()
+                if self._stop:
+                    self._busy = False
+                    self._cv.notify_all()
+                    return
+                cid, path, n, csum = self._queue.popleft()
+                self._busy = True
+            try:
+                hook = _TEST_HOOK
+                if hook is not None:
+                    hook(cid)
+                data = _load(path, n, csum)
+                if data is not None:
+                    self._insert(cid, data)
+            except Exception:  # noqa: S110 - admission is best effort: a later restore offers it again
+                pass
+            finally:
+                with self._lock:
+                    self._queued.discard(cid)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every offer so far is admitted or dropped (tests, benchmarks); False on timeout."""
+        with self._lock:
+            return self._cv.wait_for(lambda: (not self._queue and not self._busy) or self._thread is None,
+                                     timeout)
 
     def take_hits(self) -> int:
         """Hits since the last call (for the persistent counters)."""
@@ -72,8 +154,40 @@ class RamTier:
                 self.used -= len(old)
 
     def clear(self) -> None:
-        """Forget everything."""
+        """Forget everything and stop the admission thread (the store is closing)."""
+        with self._lock:
+            self._stop = True
+            self._queue.clear()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
         with self._lock:
             self._items.clear()
             self._seen.clear()
+            self._queued.clear()
             self.used = 0
+            self._thread = None
+            self._stop = False
+
+
+def _load(path: str, n: int, csum: bytes) -> memoryview | None:
+    """Read and decode the chunk file at ``path`` into fresh memory; None unless it is the chunk
+    the catalog describes (``n`` raw bytes with checksum ``csum``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None  # evicted meanwhile
+    try:
+        head = parse_header(os.pread(fd, HEADER_SIZE, 0))
+        if head.raw_len != n or head.checksum != csum:
+            return None
+        out = np.empty(n, dtype=np.uint8).data
+        decode_fd(head, fd, out)
+        if checksum(out) != csum:
+            return None
+        return out
+    except (OSError, CorruptionError):
+        return None
+    finally:
+        os.close(fd)

@@ -47,7 +47,7 @@ _MAX_OPEN = 64  # chunk files one restore holds open at once
 # (chunk id, (st_dev, st_ino) of the damaged file, or None when the file was missing)
 Damage = list[tuple[bytes, "tuple[int, int] | None"]]
 
-_Opened = tuple[PlanItem, int, "ChunkHeader | None", "bytes | None"]
+_Opened = tuple[PlanItem, int, "ChunkHeader | None", "memoryview | None"]
 
 
 def _outcome(touched: bool) -> str:
@@ -264,11 +264,11 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
     touched = False
     for items in windows:
         touched = _stream(plan, _open_all(plan, items, blob_path, ram, touched, found), staging, ram,
-                          touched, found)
+                          touched, found, blob_path)
 
 
 def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ram: RamTier | None,
-            touched: bool, damage: Damage) -> bool:
+            touched: bool, damage: Damage, blob_path: Callable[[bytes], str]) -> bool:
     """Write the opened chunks of one window (their descriptors are closed on return); returns touched."""
     # Raw chunks with a contiguous destination are read in place by a reader thread while this
     # thread checks the previous one (preadv releases the GIL); everything else goes in order here.
@@ -311,7 +311,6 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                             read_exact(fd, piece, offset)
                         h.update(piece)
                     good = h.digest() == item.chunk.checksum
-                    out = target
                 else:
                     slot, buf = staging.acquire()
                     try:
@@ -322,7 +321,7 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                             touched = True
                             item.sink.write(item.offset, out)
                             if ram is not None:
-                                ram.put(cid, out)
+                                ram.offer(cid, blob_path(cid), n, item.chunk.checksum)
                     finally:
                         staging.release(slot)
                     if good:
@@ -349,8 +348,8 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                 raise CorruptChunkError(
                     f"snapshot {plan.snapshot_id}: chunk {cid.hex()} is corrupt ({reason}); " + _outcome(touched),
                     touched=touched, snapshot_id=plan.snapshot_id)
-            if ram is not None:
-                ram.put(cid, out)
+            if ram is not None:  # admitted off this thread, from the file (see _ramtier)
+                ram.offer(cid, blob_path(cid), n, item.chunk.checksum)
     finally:
         if reader is not None:
             reader.stop()  # before the descriptors close, and before an error reaches the caller

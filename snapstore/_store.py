@@ -16,23 +16,26 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
 import numpy as np
 
+from ._async_save import AsyncSaver, SaveHandle, copy_budget
 from ._bookkeeping import Ledger
-from ._buffers import Destination, PartSource
+from ._buffers import Destination, PartSource, Source
 from ._capacity import Capacity
 from ._catalog import SnapRow, SnapState, Txn
 from ._chunker import Chunker, StagingBuffer
 from ._chunkfile import CODECS
 from ._config import Budget, StoreOptions, store_options
+from ._direct_io import direct_default
 from ._errors import (
     ConfigError,
     CorruptionError,
     IdentityError,
     InvalidInputError,
     NotFoundError,
+    RemoteError,
     RestoreError,
     SnapshotUnavailableError,
     SnapstoreError,
@@ -53,6 +56,7 @@ from ._restore import Damage, quarantine, stream_plan
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._save import MAX_ATTEMPTS, WHOLE_AFTER, Retry, Saver, Skip, needs_quarantined, validate_parts
 from ._tokens import TokenIndex, as_token_array, decode_tokens
+from ._uploader import FlushResult
 from ._verify import VerifyReport
 
 __all__ = ["Store"]
@@ -89,8 +93,8 @@ class Store:
     Open with :meth:`Store.open` (``__init__`` only assigns); see docs/api.md.
     """
 
-    def __init__(self, repo: Repo, identity: Identity, layout: Layout, budget: Budget, options: StoreOptions
-                 ) -> None:
+    def __init__(self, repo: Repo, identity: Identity, layout: Layout, budget: Budget, options: StoreOptions, *,
+                 direct_io: bool = False, async_copy_bytes: int = 0) -> None:
         self._repo = repo
         self.identity = identity
         self.layout = layout
@@ -100,11 +104,14 @@ class Store:
         self.check_rows = options.check_rows
         self.staging_bytes = options.staging_bytes
         self.pending_lease = options.pending_lease
+        self.direct_io = direct_io  # issue 12: O_DIRECT for raw chunks (see _direct_io)
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingBuffer(options.staging_bytes, options.chunk_bytes)
         self._ram = RamTier(budget.ram_bytes or 0) if budget.ram_bytes else None
         self._ledger = Ledger(self._ram.take_hits if self._ram is not None else None)
         self._capacity = Capacity(repo.root, budget, repo.blob_path)
+        self._saver = AsyncSaver(async_copy_bytes)  # issue 12: save(wait=False); no thread until a save queues
+        self._remote: Any = None  # the shared tier (snapstore._remote_tier.RemoteTier) when remote= is set
         self._closed = False
         self._gate = threading.Condition()  # guards _closed and _active (calls in flight)
         self._active = 0
@@ -114,14 +121,16 @@ class Store:
         self._lease_owner: Owner | None = None
         self._owner = ""
         self._chunker: Chunker | None = None
-        self._saver: Saver | None = None
+        self._stages: Saver | None = None
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike[str] | None = None, *, identity: Identity, layout: Layout,
              budget: Budget | None = None, drop_stale: bool = True, chunk_bytes: int | None = None,
              codec: str | None = None, staging_bytes: int | None = None,
-             check_rows: bool | None = None, pending_lease: float | None = None) -> Store:
+             check_rows: bool | None = None, pending_lease: float | None = None, remote: str | None = None,
+             remote_wait: bool | None = None, direct_io: bool | None = None,
+             async_copy_bytes: int | None = None) -> Store:
         """Open (creating if needed) the store at ``path`` for ``identity``.
 
         path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove every
@@ -130,7 +139,12 @@ class Store:
         raw), staging_bytes (``SNAPSTORE_STAGING_MIB``, 64 MiB), check_rows
         (``SNAPSTORE_CHECK_ROWS=1``: verify the rows a delta vouches for against the parent chain),
         pending_lease (``SNAPSTORE_PENDING_LEASE_S``, 300 s: how long this store's pending captures
-        outlive a stalled renewal, as seen from another host; docs/format.md "Owners and liveness").
+        outlive a stalled renewal, as seen from another host; docs/format.md "Owners and liveness"),
+        direct_io (``SNAPSTORE_DIRECT_IO``, on: raw chunks written with O_DIRECT where the file system
+        allows it; docs/benchmarks.md has the trade-off), async_copy_bytes
+        (``SNAPSTORE_ASYNC_COPY_MIB``, 1024 MiB: what saves with ``wait=False`` may hold copied).
+        remote (``SNAPSTORE_REMOTE``): ``s3://BUCKET/PREFIX``, a shared tier behind this local one;
+        remote_wait (``SNAPSTORE_REMOTE_WAIT=1``): save() waits for the bucket (docs/engine.md).
         """
         if not isinstance(identity, Identity):
             raise ConfigError("Store.open needs identity=snapstore.Identity(...)")
@@ -139,28 +153,33 @@ class Store:
         budget = (budget or Budget()).resolved()
         options = store_options(path, chunk_bytes=chunk_bytes, codec=codec, staging_bytes=staging_bytes,
                                 check_rows=check_rows, pending_lease=pending_lease, codecs=CODECS)
+        direct = direct_default(direct_io)  # a bad value is a ConfigError before anything is created
+        copy = copy_budget(async_copy_bytes)
         repo = Repo.open(options.root)
-        store = cls(repo, identity, layout, budget, options)
+        store = cls(repo, identity, layout, budget, options, direct_io=direct, async_copy_bytes=copy)
         try:
-            store._start(drop_stale=drop_stale)
+            store._start(drop_stale=drop_stale, remote=remote, remote_wait=remote_wait)
         except BaseException:
             store._teardown()
             raise
         return store
 
-    def _start(self, *, drop_stale: bool) -> None:
-        """The I/O of opening: the identity row, the owner (lock file, lease thread), housekeeping."""
+    def _start(self, *, drop_stale: bool, remote: str | None = None, remote_wait: bool | None = None) -> None:
+        """The I/O of opening: the identity row, the owner (lock file, lease thread), housekeeping,
+        then the shared tier (``remote``)."""
         repo = self._repo
         self._ensure_identity()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapstore")
         self._chunker = Chunker(repo.blob_path, repo.tmp, self.chunk_bytes, self.codec, self._staging, self._pool,
-                                repo.db)
+                                repo.db, direct=self.direct_io)
         self._lease_owner = Owner(repo.db, repo.root, self.pending_lease)
         self._owner = self._lease_owner.token
-        self._saver = Saver(layout=self.layout, identity_key=self.identity.key, owner=self._owner,
+        self._stages = Saver(layout=self.layout, identity_key=self.identity.key, owner=self._owner,
                             chunk_bytes=self.chunk_bytes, chunker=self._chunker, capacity=self._capacity,
                             blob_path=repo.blob_path, renew=self._lease_owner.renew, mine=self._mine)
         self._housekeeping(drop_stale=drop_stale)
+        from ._remote_tier import open_remote  # imported on demand: obstore only where remote= is used
+        self._remote = open_remote(remote, repo, self.identity, self._owner, self._ledger.count, remote_wait)
 
     def _teardown(self) -> None:
         """Release what :meth:`_start` acquired (a failed open)."""
@@ -196,6 +215,10 @@ class Store:
         reap_lock_files(self._repo.root, dead_owners)
 
     # -- helpers -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("the store is closed; open it again with Store.open()")
+
     @contextmanager
     def _in_operation(self) -> Iterator[None]:
         """Count a public call in flight; StateError once close() has begun."""
@@ -285,14 +308,46 @@ class Store:
         return snap
 
     # -- save --------------------------------------------------------------------------------
-    @_operation
+    # issue 12: save(wait=False) -> SaveHandle (snapstore/_async_save.py)
+    @overload
     def save(self, tokens: Any, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
              session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
-             namespace: str | None = None) -> SaveResult:
+             namespace: str | None = None, wait: Literal[True] = True) -> SaveResult: ...
+
+    @overload
+    def save(self, tokens: Any, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
+             session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+             namespace: str | None = None, wait: Literal[False]) -> SaveHandle: ...
+
+    @overload
+    def save(self, tokens: Any, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
+             session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+             namespace: str | None = None, wait: bool) -> SaveResult | SaveHandle: ...
+
+    def save(self, tokens: Any, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
+             session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+             namespace: str | None = None, wait: bool = True) -> SaveResult | SaveHandle:
         """Save the state after ``tokens``; a delta over ``parent`` ("auto", None or an id).
 
         Returns a SaveResult; a save that does not fit the budget is skipped with a reason.
+        ``wait=False``: returns a SaveHandle at once and writes in the background (docs/api.md).
         """
+        if not wait:
+            kw = {"session": session, "parent": parent, "commit": commit, "namespace": namespace}
+            with self._in_operation():
+                return self._saver.submit(self, tokens, parts, rows, kw)
+        return self._save(tokens, parts, rows, session=session, parent=parent, commit=commit, namespace=namespace)
+
+    def _validate_parts(self, parts: Mapping[str, Any], rows: Any, n: int
+                        ) -> tuple[dict[str, Source], dict[str, int]]:
+        """Stage 1 of a save for this store's layout (also run by ``save(wait=False)`` before it queues)."""
+        return validate_parts(self.layout, parts, rows, n)
+
+    @_operation
+    def _save(self, tokens: Any, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
+              session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+              namespace: str | None = None) -> SaveResult:
+        """The synchronous save (``save(wait=True)``)."""
         arr = as_token_array(tokens)
         n = len(arr)
         if n == 0:
@@ -300,13 +355,15 @@ class Store:
         if session is not None and (not isinstance(session, str) or not session):
             raise InvalidInputError(f"session must be None or a non-empty string, got {session!r}")
         ns = namespace_key(namespace)
-        sources, row_counts = validate_parts(self.layout, parts, rows, n)
+        sources, row_counts = self._validate_parts(parts, rows, n)
         index = TokenIndex(arr)
         for attempt in range(MAX_ATTEMPTS):
             # "auto" whose parent keeps being evicted under it: after WHOLE_AFTER tries store it whole
             use = None if parent == "auto" and attempt >= WHOLE_AFTER else parent
             try:
-                return self._save_once(arr, index, sources, row_counts, session, use, commit, ns)
+                res = self._save_once(arr, index, sources, row_counts, session, use, commit, ns)
+                self._remote_saved(res)
+                return res
             except Retry as r:
                 if r.identity_gone:
                     self._ensure_identity()  # committed on its own before the save is redone
@@ -318,7 +375,7 @@ class Store:
     def _save_once(self, arr: np.ndarray, index: TokenIndex, sources: dict[str, Any], row_counts: dict[str, int],
                    session: str | None, parent: Any, commit: bool, ns: str) -> SaveResult:
         """One attempt: parent, plan, capacity pre-check, publish, commit (Retry / Skip / saved)."""
-        saver = self._saver
+        saver = self._stages
         assert saver is not None and self._chunker is not None
         n = len(arr)
         db = self._repo.db
@@ -390,10 +447,17 @@ class Store:
             return done(snap)
 
         try:
-            return self._write(txn)
+            result = self._write(txn)
         except Skip as s:
             self._drop_mine(sid, refused=True)
             return self._skipped(s.reason, None, 0, 0, ns)
+        self._remote_saved(result)
+        return result
+
+    def _remote_saved(self, res: SaveResult) -> None:
+        """Shared-tier hook: a committed snapshot is durable locally; upload it (queued, or now in wait mode)."""
+        if self._remote is not None and res.snapshot_id is not None and not res.pending:
+            self._remote.saved(res.snapshot_id)
 
     def _drop_mine(self, sid: int, *, refused: bool) -> None:
         """Drop this store's pending capture ``sid`` and its pending descendants, nothing else."""
@@ -487,6 +551,10 @@ class Store:
             return None
 
         hit = self._repo.db.read(find)
+        if self._remote is not None:  # the shared tier, when it may hold something longer
+            far = self._remote.lookup(arr, ns, hit.n_tokens if hit is not None else 0)
+            if far is not None:
+                return far  # type: ignore[no-any-return]
         if hit is None:
             self._ledger.count("misses")
             return None
@@ -542,6 +610,13 @@ class Store:
         must name the snapshot's namespace). Raises a RestoreError whose ``touched`` says whether
         ``into`` was modified.
         """
+        if self._remote is not None and getattr(m, "remote", None) is not None:
+            # a shared-tier match: fetch its missing chunks (verified) into the local tier first
+            try:
+                m = self._remote.materialize(m, lambda t, _freed: self._capacity.excess(t) is None, self._iid)
+            except Retry:
+                raise SnapshotUnavailableError("this store's identity was dropped as stale by another store "
+                                               "during the fetch; match again", snapshot_id=None) from None
         sid = snapshot_id(m)
         ns = ref_namespace(m, namespace)
         if not isinstance(into, Mapping):
@@ -618,6 +693,23 @@ class Store:
         from ._gc import gc
         return gc(self._repo, budget=self.budget, grace=grace, dry_run=dry_run, pending_lease=self.pending_lease)
 
+    def flush(self, timeout: float | None = None) -> FlushResult:
+        """Wait for every save made with ``wait=False`` so far, then (with a shared tier) for their
+        uploads. A FlushResult (uploads published/failed/dropped); false when ``timeout`` ran out."""
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._saver.flush(timeout):
+            return FlushResult(timed_out=True)
+        if self._remote is None:
+            return FlushResult()
+        try:
+            res: FlushResult = self._remote.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            return res
+        except RemoteError as e:
+            if e.errno != 110:
+                raise
+            return FlushResult(timed_out=True, errors=[str(e)])
+
     def close(self) -> None:
         """Abandon this store's pending captures (and dead owners'), flush counters, release resources.
 
@@ -628,6 +720,7 @@ class Store:
         if getattr(self._inside, "depth", 0):
             raise StateError("close() was called from inside a call on this same store (a part source "
                              "or destination?); close the store after that call returns")
+        self._saver.close()  # issue 12: saves made with wait=False finish first
         with self._gate:
             if self._closed:
                 while not self._shut:
@@ -639,6 +732,11 @@ class Store:
         dead_owners: list[str] = []
         owner, pool = self._lease_owner, self._pool
         assert owner is not None and pool is not None  # set by open(); a Store is only handed out open
+        if self._remote is not None:
+            try:
+                self._remote.close()  # finishes the queued uploads first
+            finally:
+                self._remote = None
         try:
             owner.stop()  # no renewal may re-register the row this transaction deletes
 
@@ -654,7 +752,8 @@ class Store:
                 _, _, dead = drop_dead_pending(t, Liveness(self._repo.root, t, self.pending_lease))
                 dead_owners[:] = dead
 
-            self._write(txn)
+            if not owner.inherited:  # a forked child's copy: the parent's captures and row stay
+                self._write(txn)
         finally:
             try:
                 owner.release()  # after the transaction: our captures are gone before the lock is free

@@ -5,10 +5,19 @@ A prompt is cut into blocks of ``BLOCK`` tokens. ``chain[i]`` hashes blocks 0..i
 *anchor* ``chain[n // BLOCK]``; its *prefix key* hashes the anchor and the < BLOCK tokens after
 it, so it names the exact sequence. A query computes its own chain once and looks every anchor up
 in one indexed statement.
+
+The chain costs ~2 us per block (BLAKE3 of 2 KiB; ~1 ms for a 128K-token prompt), more than
+the index probes behind it, and an engine hashes the same prompt again and again (match, then
+save of the same prompt plus the answer, then match of the next turn). So the chains of the last
+few sequences are kept (their own copy of the tokens, never the caller's buffer): a new sequence
+reuses the chain of the longest common prefix of a cached one with the same first block and
+hashes only the blocks after it.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import blake3
@@ -72,6 +81,47 @@ def decode_tokens(blob: bytes, width: int, count: int) -> np.ndarray:
     return arr.astype("<u8")
 
 
+_CACHE_ENTRIES = 8  # sequences whose chains are kept (a 128K-token one: 1 MiB of tokens + 8 KiB)
+_cache: OrderedDict[bytes, tuple[np.ndarray, list[bytes]]] = OrderedDict()  # first block -> (tokens, chain)
+_cache_lock = threading.Lock()
+
+
+def _reusable(tokens: np.ndarray) -> tuple[bytes, list[bytes]]:
+    """(cache key, the cached chain prefix that holds for ``tokens``: at least [_SEED])."""
+    key = tokens[:BLOCK].tobytes()
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+    if hit is None or len(tokens) < BLOCK:
+        return key, [_SEED]
+    cached, chain = hit
+    m = min(len(cached), len(tokens)) // BLOCK * BLOCK
+    diff = np.flatnonzero(cached[:m] != tokens[:m])
+    same = int(diff[0]) if diff.size else m
+    return key, chain[:same // BLOCK + 1]
+
+
+def _chain_of(tokens: np.ndarray) -> list[bytes]:
+    """The chain of ``tokens`` (a fresh list), reusing and refreshing the cache."""
+    key, chain = _reusable(tokens)
+    raw = np.ascontiguousarray(tokens, dtype="<u8").data.cast("B")
+    step = BLOCK * 8
+    h = chain[-1]
+    reused = len(chain)
+    for off in range((len(chain) - 1) * step, (len(tokens) // BLOCK) * step, step):
+        h = blake3.blake3(h + raw[off:off + step]).digest(16)
+        chain.append(h)
+    if len(tokens) >= BLOCK and len(chain) > reused:  # a prefix of the cached one: keep the longer
+        own = np.array(tokens[:len(chain[1:]) * BLOCK], dtype="<u8")  # a copy: the caller may reuse its buffer
+        with _cache_lock:
+            _cache[key] = (own, chain)
+            _cache.move_to_end(key)
+            while len(_cache) > _CACHE_ENTRIES:
+                _cache.popitem(last=False)
+    return chain
+
+
 class TokenIndex:
     """Chained block hashes of one token sequence, computed once per save or match."""
 
@@ -79,14 +129,7 @@ class TokenIndex:
 
     def __init__(self, tokens: np.ndarray):
         self.tokens = tokens
-        raw = np.ascontiguousarray(tokens, dtype="<u8").data.cast("B")
-        step = BLOCK * 8
-        chain = [_SEED]
-        h = _SEED
-        for off in range(0, (len(tokens) // BLOCK) * step, step):
-            h = blake3.blake3(h + raw[off:off + step]).digest(16)
-            chain.append(h)
-        self.chain = chain
+        self.chain = list(_chain_of(np.asarray(tokens, dtype="<u8")))
 
     def anchor(self, n: int) -> bytes:
         """The anchor of the prefix of length ``n``."""

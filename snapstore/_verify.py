@@ -18,7 +18,6 @@ import blake3
 from ._catalog import Txn
 from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, decode_payload, parse_header, read_exact
 from ._config import pending_lease as resolve_lease
-from ._db import Database
 from ._errors import CorruptionError
 from ._gc import Progress, collect_orphans, temp_files
 from ._lifecycle import drop_leaf
@@ -202,9 +201,10 @@ def verify(repo: Repo, *, deep: bool = False, repair: bool = False, progress: Pr
         report.checked_chunks += 1
         done += ch.stored_len
         if problem is not None:
-            # a chunk may have been dropped (and unlinked) by a writer since we listed it
-            if problem == "missing chunk file" and not _row_exists(db, ch.id):
-                continue
+            # beside a running engine a chunk may have been dropped since we listed it, or dropped
+            # and saved again (another codec: another size): only damage against its current row counts
+            problem = _recheck(repo, ch.id, deep, scratch)
+        if problem is not None:
             damaged[ch.id] = problem
             report.problems.append(f"chunk {ch.id.hex()}: {problem}")
         if progress is not None:
@@ -232,8 +232,12 @@ def verify(repo: Repo, *, deep: bool = False, repair: bool = False, progress: Pr
     return report
 
 
-def _row_exists(db: Database, cid: bytes) -> bool:
-    return db.read(lambda c: c.chunk(cid)) is not None
+def _recheck(repo: Repo, cid: bytes, deep: bool, scratch: bytearray) -> str | None:
+    """A suspect chunk checked again against its row as it is now (None: gone, or healthy now)."""
+    row = repo.db.read(lambda c: c.chunk(cid))
+    if row is None:
+        return None
+    return _check_chunk(repo, cid, row.raw_len, row.stored_len, row.checksum, row.scope, deep, scratch)
 
 
 def _repair(repo: Repo, report: VerifyReport, bad: dict[int, list[str]], damaged: dict[bytes, str],

@@ -134,7 +134,8 @@ class NumpyEngine:
 
     def save(self, store: Store, tokens: np.ndarray, state: Mapping[str, np.ndarray], **kw: Any) -> SaveResult:
         """Save ``state`` (part name -> raw bytes; streams hold at least len(tokens) rows)."""
-        return store.save(tokens, dict(state), **kw)
+        res: SaveResult = store.save(tokens, dict(state), **kw)
+        return res
 
     def restore(self, store: Store, ref: Any) -> tuple[RestoreResult, dict[str, bytes]]:
         """Restore ``ref``; return the result and each restored part's valid bytes."""

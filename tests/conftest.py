@@ -62,7 +62,8 @@ def part_hashes(layout: ss.Layout, state: dict[str, np.ndarray], rows: dict[str,
 
 LIBRARY_ENV = ("SNAPSTORE_DISK_MIB", "SNAPSTORE_RAM_MIB", "SNAPSTORE_MAX_ENTRIES", "SNAPSTORE_TTL",
                "SNAPSTORE_RESERVE_MIB", "SNAPSTORE_CHUNK_MIB", "SNAPSTORE_STAGING_MIB", "SNAPSTORE_CODEC",
-               "SNAPSTORE_CHECK_ROWS", "SNAPSTORE_PENDING_LEASE_S")
+               "SNAPSTORE_CHECK_ROWS", "SNAPSTORE_PENDING_LEASE_S", "SNAPSTORE_DIRECT_IO",
+               "SNAPSTORE_ASYNC_COPY_MIB")
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@
 ``capture STORE K N DISK``: open the store (budget DISK bytes; the lease from
 ``$SNAPSTORE_PENDING_LEASE_S``), save a pending capture of conversation K after N tokens, print
 ``P <sid>``, then obey lines on stdin: ``commit`` → print ``C <sid or None>``; ``die`` → SIGKILL
-itself (no close, no cleanup); ``close`` → close the store and exit 0.
+itself (no close, no cleanup); ``fork`` → fork a helper that sleeps (no exec: it inherits the
+open store), print ``F <pid>``; ``close`` → close the store and exit 0.
 
 ``resave STORE N CODEC``: a running engine beside a verify: evict every snapshot (gc to zero
 entries), then save :func:`compressible_state` after N tokens again with CODEC; print ``S <sid>``.
@@ -11,8 +12,9 @@ entries), then save :func:`compressible_state` after N tokens again with CODEC; 
 ``gcloop STORE SECONDS DISK``: a gc sidecar: gc (grace 2 s, disk budget DISK) in a loop for
 SECONDS; print one JSON line {"runs", "dead_pending", "removed", "errors"}.
 
-Run it under ``unshare`` to put it in another PID or UTS namespace; ``SNAPSTORE_TEST_KERNEL_ID``
-makes it look like a process on another machine (its lock cannot be probed from here).
+Run it under ``unshare`` to put it in another PID or UTS namespace; ``HELPER_KERNEL_ID`` (read
+here, by the test helper, never by snapstore) sets the private ``snapstore._owner._kernel_override``
+hook so that it looks like a process on another machine (its lock cannot be probed from here).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def resave(path: str, n: int, codec: str) -> None:
 
 
 def capture(path: str, k: int, n: int, disk: int) -> None:
+    import time
+
     store = hp.open_store(path, disk=disk, drop_stale=False)
     r = store.save(hp.conv_tokens(k)[:n], hp.expected_state(k, n), commit=False)
     print(f"P {r.snapshot_id}", flush=True)
@@ -62,6 +66,12 @@ def capture(path: str, k: int, n: int, disk: int) -> None:
             print(f"C {c.snapshot_id}", flush=True)
         elif cmd == "die":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif cmd == "fork":
+            pid = os.fork()
+            if pid == 0:  # a forked worker that never touches the store, killed by the test
+                time.sleep(120)
+                os._exit(0)
+            print(f"F {pid}", flush=True)
         elif cmd == "close":
             store.close()
             return
@@ -97,6 +107,10 @@ def gcloop(path: str, seconds: float, disk: int) -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get("HELPER_KERNEL_ID"):
+        import snapstore._owner
+
+        snapstore._owner._kernel_override = os.environ["HELPER_KERNEL_ID"]
     if sys.argv[1] == "capture":
         capture(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     elif sys.argv[1] == "gcloop":

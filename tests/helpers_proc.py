@@ -11,7 +11,8 @@ delta over any prefix is a valid delta.
 Modes:
 
 ``crash``   loop forever: save (committed, pending then commit/abandon, whole or delta, with and
-            without a session), match+restore, gc(grace=0); print ``A <sid> <k> <n>`` on stdout
+            without a session; also with wait=False: acknowledged once its handle is done, its fixed
+            parts zeroed right after the call returns), match+restore, gc(grace=0); print ``A <sid> <k> <n>`` on stdout
             (one ``os.write``) after every acknowledged save. ``SNAPSTORE_TEST_CRASH_AT=name:N:when``
             makes the child SIGKILL itself at the N-th call of ``name`` (``fsync``, ``write``,
             ``link``, ``unlink``, ``txn`` = inside a metadata transaction before COMMIT, ``dbwrite`` =
@@ -195,7 +196,12 @@ def crash_loop(path: str, seed: int) -> None:
     rng = np.random.default_rng(seed)
     store = open_store(path)
     _say("R")
+    inflight: list[tuple[Any, int, int]] = []  # saves made with wait=False: acknowledged once done
     while True:
+        for h, hk, hn in [x for x in inflight if x[0].done()]:
+            inflight.remove((h, hk, hn))
+            if h.exception() is None and h.result().snapshot_id is not None:
+                _say(f"A {h.result().snapshot_id} {hk} {hn}")
         op = rng.random()
         k = int(rng.integers(N_CONV))
         n = int(rng.integers(1, MAX_N // STEP + 1)) * STEP
@@ -203,7 +209,13 @@ def crash_loop(path: str, seed: int) -> None:
             n -= int(rng.integers(1, STEP))  # off-boundary lengths too
         toks = conv_tokens(k)[:n]
         session = f"s{k}" if rng.random() < 0.5 else None
-        if op < 0.45:
+        if op < 0.15:  # off the engine's path; the fixed parts are overwritten as soon as it returns
+            state = expected_state(k, n)
+            h = store.save(toks, state, session=session, wait=False)
+            for name in LAYOUT.fixed:
+                state[name][...] = 0
+            inflight.append((h, k, n))
+        elif op < 0.45:
             parent = None if rng.random() < 0.2 else "auto"
             r = store.save(toks, expected_state(k, n), session=session, parent=parent)
             if r.snapshot_id is not None:
@@ -365,6 +377,12 @@ def power_record(path: str, seed: int, log_path: str, n_ops: int) -> None:
             fd_path.pop(fd, None)
             real["close"](fd)
 
+    def p_ftruncate(fd: int, size: int) -> None:  # a direct-I/O chunk: aligned write, then truncate
+        with lock:
+            real["ftruncate"](fd, size)
+            if fd in fd_path:
+                emit({"op": "truncate", "path": fd_path[fd], "size": size})
+
     def p_link(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
         with lock:
             real["link"](src, dst, *a, **kw)
@@ -390,6 +408,7 @@ def power_record(path: str, seed: int, log_path: str, n_ops: int) -> None:
                 emit({"op": "mkdir", "path": os.path.abspath(p)})
 
     os.open, os.write, os.fsync, os.close = p_open, p_write, p_fsync, p_close  # type: ignore[assignment]
+    os.ftruncate = p_ftruncate  # type: ignore[assignment]
     os.link, os.unlink, os.replace, os.rename, os.mkdir = (  # type: ignore[assignment]
         p_link, p_unlink, p_rename, p_rename, p_mkdir)
 

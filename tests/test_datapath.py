@@ -316,7 +316,8 @@ def test_ram_tier_never_serves_a_quarantined_chunk(store_dir: str) -> None:
     with open_store(store_dir, budget=ram) as hot, open_store(store_dir) as cold:
         r = hot.save(toks, state)
         restore_exact(hot, r, state)
-        restore_exact(hot, r, state)  # admitted to hot's RAM tier
+        restore_exact(hot, r, state)  # admitted to hot's RAM tier (in the background)
+        assert hot._ram is not None and hot._ram.drain(10)
         assert hot.stats().ram_bytes > 0
         _damage_one(hot, r.snapshot_id)
         with pytest.raises(ss.CorruptChunkError):  # another process reads the file and finds the damage

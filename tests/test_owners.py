@@ -3,20 +3,26 @@
 Real processes throughout: owners run as child processes (tests/helpers_owner.py), in another UTS
 namespace (another hostname) or PID namespace (``unshare``, as root) where the kernel allows it,
 and die by SIGKILL. The one thing a single machine cannot provide, another kernel, is stood in for
-by ``SNAPSTORE_TEST_KERNEL_ID`` (the owner then looks like a process on another host: its lock
-cannot be probed and only its lease speaks for it).
+by ``HELPER_KERNEL_ID`` in the child (it sets the private ``_owner._kernel_override`` hook there:
+the owner then looks like a process on another host, its lock cannot be probed and only its lease
+speaks for it). Forked children use a real ``os.fork()``.
 """
 
 from __future__ import annotations
 
+import gc as pygc
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
+import apsw
 import pytest
 
 import snapstore as ss
@@ -151,7 +157,7 @@ def test_owner_on_another_host_is_collected_after_its_lease(tmp_path: Any) -> No
     """Another kernel (a pod restarted elsewhere): nothing can probe its lock; its lease expires."""
     path = str(tmp_path / "store")
     hp.open_store(path, disk=DISK).close()
-    child = Child(path, 2, 320, hostname="pod-b-2", SNAPSTORE_TEST_KERNEL_ID="another-machine",
+    child = Child(path, 2, 320, hostname="pod-b-2", HELPER_KERNEL_ID="another-machine",
                   SNAPSTORE_PENDING_LEASE_S="1")
     child.die()
     t_dead = time.time()
@@ -177,7 +183,7 @@ def test_owner_on_another_host_that_renews_is_never_collected(tmp_path: Any) -> 
     path = str(tmp_path / "store")
     hp.open_store(path, disk=DISK).close()
     child = Child(path, 4, 160, prefix=_unshare("--pid", "--fork", "--mount-proc"),
-                  SNAPSTORE_TEST_KERNEL_ID="another-machine", SNAPSTORE_PENDING_LEASE_S="0.5")
+                  HELPER_KERNEL_ID="another-machine", SNAPSTORE_PENDING_LEASE_S="0.5")
     try:
         deadline = time.monotonic() + 2.5  # five leases
         with hp.open_store(path, disk=DISK, drop_stale=False) as s:
@@ -288,27 +294,245 @@ def test_cli_pending_lease_flag_for_old_form_owners(tmp_path: Any) -> None:
         assert r.returncode == 2 and "pending_lease" in r.stderr
 
 
-def test_gc_removes_leftover_lock_files_of_this_kernel_only(store: ss.Store) -> None:
+def _leftover(d: str, name: str, content: str, age: float = 0.0) -> str:
+    p = os.path.join(d, name)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, content.encode())
+    os.close(fd)
+    if age:
+        os.utime(p, (time.time() - age, time.time() - age))
+    return p
+
+
+def test_gc_removes_leftover_lock_files_it_can_lock(store: ss.Store) -> None:
+    """Review 1 item 7: lock files of another kernel (another host, or this one before a reboot)
+    are no longer left forever: gone once a minute old and their lock is free."""
+    import fcntl
+
     from snapstore._owner import kernel_id
 
     d = os.path.join(store.path, OWNERS_DIR)
-
-    def leftover(name: str, content: str, age: float = 0.0) -> str:
-        p = os.path.join(d, name)
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, content.encode())
-        os.close(fd)
-        if age:
-            os.utime(p, (time.time() - age, time.time() - age))
-        return p
-
-    here = leftover("a" * 32 + ".lock", kernel_id() + "\n")          # crashed before registering: lock free
-    remote = leftover("b" * 32 + ".lock", "another-machine\n")        # another kernel: not ours to judge
-    crashed_new = leftover("c" * 32 + ".new", "", age=120)            # an open that died before its rename
-    fresh_new = leftover("d" * 32 + ".new", "")                       # may be an open in progress
-    other = leftover("not-an-owner.lock", "")
-    store.gc(grace=3600)
+    here = _leftover(d, "a" * 32 + ".lock", kernel_id() + "\n")              # crashed before registering: lock free
+    remote = _leftover(d, "b" * 32 + ".lock", "another-machine\n")            # may be registering right now
+    rebooted = _leftover(d, "e" * 32 + ".lock", "boot-before-reboot\n", age=120)  # nothing holds it any more
+    held_remote = _leftover(d, "f" * 32 + ".lock", "another-machine\n", age=120)
+    crashed_new = _leftover(d, "c" * 32 + ".new", "", age=120)                # an open that died before its rename
+    fresh_new = _leftover(d, "d" * 32 + ".new", "")                           # may be an open in progress
+    other = _leftover(d, "not-an-owner.lock", "")
+    holder = os.open(held_remote, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # its owner's lock, seen through the network fs
+        store.gc(grace=3600)
+    finally:
+        os.close(holder)
     left = set(os.listdir(d))
-    assert os.path.basename(here) not in left and os.path.basename(crashed_new) not in left
-    assert {os.path.basename(p) for p in (remote, fresh_new, other)} <= left
+    assert not {os.path.basename(p) for p in (here, rebooted, crashed_new)} & left
+    assert {os.path.basename(p) for p in (remote, held_remote, fresh_new, other)} <= left
     assert store._lease_owner.id + ".lock" in left  # held: a live owner's lock is never removed
+
+
+def test_lock_file_of_an_owner_on_another_kernel_goes_after_its_lease(tmp_path: Any) -> None:
+    """Review 1 item 7, end to end: a killed owner of another kernel id (this host before a reboot)
+    loses row and captures after its lease, and its lock file once it is a minute old."""
+    path = str(tmp_path / "store")
+    hp.open_store(path, disk=DISK).close()
+    child = Child(path, 2, 160, HELPER_KERNEL_ID="boot-before-reboot", SNAPSTORE_PENDING_LEASE_S="1")
+    child.die()
+    t_dead = time.time()
+    d = os.path.join(path, OWNERS_DIR)
+    with hp.open_store(path, disk=DISK, drop_stale=False) as s:
+        (lock,) = [n for n in os.listdir(d) if n != s._lease_owner.id + ".lock"]
+        time.sleep(max(0.0, t_dead + 1.3 - time.time()))
+        assert s.gc(grace=3600).dead_pending == [child.sid]
+        assert list(s._repo.db.read(lambda c: c.owners())) == [s._lease_owner.id]
+        assert lock in os.listdir(d)  # a minute has not passed since it was made
+        then = time.time() - 120
+        os.utime(os.path.join(d, lock), (then, then))  # as if a minute had passed
+        s.gc(grace=3600)
+        assert os.listdir(d) == [s._lease_owner.id + ".lock"]
+
+
+def test_fifo_in_owners_does_not_hang_gc(tmp_path: Any) -> None:
+    """Review 1 item 8: a FIFO named like a lock file (of an unregistered owner that a pending
+    capture names) made every gc block in open() forever."""
+    from snapstore._owner import OWNER_PREFIX
+    from snapstore._repo import Repo
+
+    path = str(tmp_path / "store")
+    fifo_id = "0123456789abcdef0123456789abcdef"
+    with hp.open_store(path, disk=DISK) as s:
+        r = s.save(hp.conv_tokens(1)[:64], hp.expected_state(1, 64))
+        assert r.snapshot_id is not None
+        sid = r.snapshot_id
+    repo = Repo(path)  # made pending for that owner without any sweep (an old one would hang here)
+    try:
+        repo.db.write(lambda c: c.set_state(sid, 0, OWNER_PREFIX + fifo_id, time.time()))
+    finally:
+        repo.close()
+    fifo = os.path.join(path, OWNERS_DIR, fifo_id + ".lock")
+    os.mkfifo(fifo, 0o600)
+    assert _gc_cli(path)["dead_pending"] == [sid]  # no owner row, no lock: dead; and gc returns
+    assert os.path.exists(fifo)  # not a lock file: left alone
+
+
+# -- review 1: fork, unclosed stores, a removed owners/ --------------------------------------------
+def _wait_child(pid: int, timeout: float = 60.0) -> int:
+    """The exit code of forked child ``pid``; kills it (by its pid) and fails when it hangs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"forked child {pid} hung for {timeout} s")
+
+
+def test_forked_child_closing_its_copy_leaves_the_parents_owner_alone(tmp_path: Any) -> None:
+    """Review 1 item 1: a forked child that closed its copy of the Store (left a ``with`` block)
+    retired the parent's owner: its captures dropped, its lock file unlinked, later ones collected."""
+    path = str(tmp_path / "store")
+    s = hp.open_store(path, disk=1 << 30)
+    try:
+        before = s.save(hp.conv_tokens(1)[:64], hp.expected_state(1, 64), commit=False)
+        lock = os.path.join(path, OWNERS_DIR, s._lease_owner.id + ".lock")
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                # the inherited owner refuses to register or retire (a pending capture made here
+                # would be blamed on the parent); a throw-away connection stands in for a transaction
+                scratch = apsw.Connection(":memory:")
+                for act in (s._lease_owner.renew, s._lease_owner.retire):
+                    try:
+                        act(scratch)
+                    except ss.StateError as e:
+                        code = 0 if "fork" in str(e) and code != 3 else 3
+                    else:
+                        code = 3
+                s.close()  # leaving a `with` block in a forked worker
+            except BaseException:
+                code = 2
+            finally:
+                os._exit(code)
+        assert _wait_child(pid) == 0
+        assert os.path.exists(lock)
+        assert list(s._repo.db.read(lambda c: c.owners())) == [s._lease_owner.id]
+        after = s.save(hp.conv_tokens(3)[:64], hp.expected_state(3, 64), commit=False)
+        assert _gc_cli(path)["dead_pending"] == []  # another process sweeps
+        assert s.commit(before).snapshot_id == before.snapshot_id
+        assert s.commit(after).snapshot_id == after.snapshot_id
+    finally:
+        s.close()
+
+
+def test_killed_engine_is_collected_while_its_forked_child_lives(tmp_path: Any) -> None:
+    """Review 1 item 2: a forked helper's inherited lock fd kept a SIGKILLed engine's flock held,
+    so its captures (and budget) stayed pinned as long as the helper lived."""
+    path = str(tmp_path / "store")
+    hp.open_store(path, disk=DISK).close()
+    child = Child(path, 2, 320)
+    child.send("fork")
+    helper = int(child._read("F"))
+    try:
+        child.die()
+        assert _pending(path) == []  # collected at once by the next open, the helper still running
+        os.kill(helper, 0)
+    finally:
+        os.kill(helper, signal.SIGKILL)
+
+
+def _lease_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "snapstore-lease"]
+
+
+def test_store_dropped_without_close_frees_its_thread_fds_and_lock(tmp_path: Any) -> None:
+    """Review 1 item 6: an unclosed Store kept its lease thread, connection and flock for the
+    life of the process (the thread held the owner strongly), pinning its captures."""
+    path = str(tmp_path / "store")
+    hp.open_store(path, disk=1 << 30).close()
+    pygc.collect()
+    threads, fds = len(_lease_threads()), len(os.listdir("/proc/self/fd"))
+    for k in range(10):
+        s = hp.open_store(path, disk=1 << 30, drop_stale=False)
+        s.save(hp.conv_tokens(k)[:64], hp.expected_state(k, 64), commit=False)
+        del s
+    pygc.collect()
+    for t in _lease_threads():
+        t.join(timeout=10)
+    assert len(_lease_threads()) == threads
+    assert len(os.listdir("/proc/self/fd")) <= fds + 1
+    with hp.open_store(path, disk=1 << 30, drop_stale=False) as s:
+        assert s.stats().pending == 0  # their locks are free: provably gone, collected at once
+
+
+def test_owner_survives_removal_of_owners_dir_and_makes_its_file_again(tmp_path: Any) -> None:
+    """Review 1, suspected: an operator removing owners/ made every live owner on this kernel read
+    as dead at once (no file → dead); the owner never noticed its file was gone."""
+    import fcntl
+
+    path = str(tmp_path / "store")
+    d = os.path.join(path, OWNERS_DIR)
+    with hp.open_store(path, disk=1 << 30) as s:  # lease 300 s: no renewal during the test
+        r = s.save(hp.conv_tokens(1)[:64], hp.expected_state(1, 64), commit=False)
+        shutil.rmtree(d)
+        assert _gc_cli(path)["dead_pending"] == []  # no file: the lease speaks for it
+        r2 = s.save(hp.conv_tokens(2)[:64], hp.expected_state(2, 64), commit=False)  # renews: makes it again
+        lock = os.path.join(d, s._lease_owner.id + ".lock")
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):  # held: the lock speaks for the owner again
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        assert s.commit(r).snapshot_id == r.snapshot_id and s.commit(r2).snapshot_id == r2.snapshot_id
+    assert os.listdir(d) == []
+    with hp.open_store(path, disk=1 << 30, pending_lease=0.5) as s:  # the lease thread notices too
+        os.unlink(os.path.join(d, s._lease_owner.id + ".lock"))
+        deadline = time.monotonic() + 10
+        while not os.listdir(d) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.listdir(d) == [s._lease_owner.id + ".lock"]
+
+
+def test_fork_while_another_thread_registers_an_owner(tmp_path: Any) -> None:
+    """Review 1, suspected: a fork while another thread held the owner registry's lock left it
+    held forever in the child, whose Store.open then hung."""
+    import snapstore._owner as own
+
+    held, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with own._live_lock:
+            held.set()
+            go.wait(0.5)  # bounded: a fork waits for it (it must not copy a half-made registry)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            hp.open_store(str(tmp_path / "child")).close()
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        assert _wait_child(pid, timeout=30) == 0
+    finally:
+        go.set()
+        t.join()
+
+
+def test_kernel_id_is_not_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review 1 nit: a test knob (``$SNAPSTORE_TEST_KERNEL_ID``) was read on every probe in
+    production; tests now set the private ``_kernel_override`` hook in their child process."""
+    import snapstore._owner as own
+
+    real = own.kernel_id()
+    monkeypatch.setenv("SNAPSTORE_TEST_KERNEL_ID", "another-machine")
+    assert own.kernel_id() == real
+    monkeypatch.setattr(own, "_kernel_override", "another-machine")
+    assert own.kernel_id() == "another-machine"

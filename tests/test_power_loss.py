@@ -12,7 +12,7 @@ fsyncs the directory of a WAL or journal it creates at its first sync; the model
 Everything not followed by an fsync is dropped. For every fsync point and every acknowledgement
 the durable image is materialized into a fresh directory and checked: the store opens,
 verify(deep=True) is ok (so no committed snapshot references a chunk file that would be lost),
-every visible snapshot restores byte-exact, and every snapshot acknowledged before the cut is
+every visible committed snapshot restores byte-exact, and every snapshot acknowledged before the cut is
 there (exact) or legitimately gone (evicted/superseded in that image).
 
 A negative control replays the same log as if chunk files had not been fsynced: the checker must
@@ -164,7 +164,9 @@ def check_image(image: str, acked: dict[int, tuple[int, int]]) -> tuple[bool, st
             kn = hp.identify(hp.snapshot_tokens(st, sid))
             if kn is None or kn[1] != info.n_tokens:
                 return False, f"snapshot {sid} has tokens of no save"
-            if info.matchable:
+            # a capture left pending by the cut is another (dead) owner's: kept until its lease
+            # ends (its lock file was never fsynced; after a real cut the boot id differs too)
+            if info.matchable and not info.pending:
                 hp.check_restore(st, sid, *kn)
         gone = 0
         for sid, (k, n) in acked.items():

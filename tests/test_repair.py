@@ -50,9 +50,12 @@ def _restores_exactly(path: str, sid: int) -> None:
             assert into[k].tobytes() == v.tobytes(), k
 
 
+@pytest.mark.parametrize("repair", [False, True], ids=["verify", "repair"])
 @pytest.mark.parametrize("deep", [False, True])
-def test_repair_keeps_a_chunk_evicted_and_saved_again_during_the_scan(tmp_path: Any, deep: bool) -> None:
-    """Listed raw, evicted, saved again compressed (another size) while verify scans: not damage."""
+def test_repair_keeps_a_chunk_evicted_and_saved_again_during_the_scan(tmp_path: Any, deep: bool,
+                                                                      repair: bool) -> None:
+    """Listed raw, evicted, saved again compressed (another size) while verify scans: not damage —
+    neither for repair (nothing removed) nor for a plain verify (no false alarm, exit 0)."""
     path = str(tmp_path / "store")
     with hp.open_store(path, codec="raw") as s:
         assert s.save(hp.conv_tokens(0)[:N], ho.compressible_state(N)).snapshot_id is not None
@@ -64,7 +67,7 @@ def test_repair_keeps_a_chunk_evicted_and_saved_again_during_the_scan(tmp_path: 
 
     repo = Repo.open(path)
     try:
-        rep = verify(repo, deep=deep, repair=True, progress=progress)
+        rep = verify(repo, deep=deep, repair=repair, progress=progress)
     finally:
         repo.close()
     assert resaved

