@@ -8,6 +8,7 @@ caches. See docs/engine.md. The core package never imports torch; this package d
 from __future__ import annotations
 
 from ._adapter import TorchAdapter, layout_of, part_sink, part_source
+from ._paged import TorchPagedRows
 from ._torch import (
     DEFAULT_STAGING_BYTES,
     Staging,
@@ -26,6 +27,7 @@ __all__ = [
     "TensorSink",
     "TensorSource",
     "TorchAdapter",
+    "TorchPagedRows",
     "canonical",
     "dtype_name",
     "fixed_spec",

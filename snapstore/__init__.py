@@ -7,6 +7,7 @@ request, process or restart that starts with the same tokens. See docs/api.md.
 from __future__ import annotations
 
 from ._async_save import SaveHandle
+from ._buffers import PartReader, PartWriter
 from ._config import Budget
 from ._errors import (
     ConfigError,
@@ -28,8 +29,11 @@ from ._errors import (
 from ._gc import GcReport
 from ._identity import Identity
 from ._layout import Fixed, Layout, Rows
+from ._meta import EngineMeta
+from ._paged import PagedRows
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._store import Store
+from ._turn import Turn
 from ._uploader import FlushResult
 from ._verify import VerifyReport
 
@@ -42,6 +46,7 @@ __all__ = [
     "CorruptionError",
     "DeleteResult",
     "DestinationError",
+    "EngineMeta",
     "Fixed",
     "FlushResult",
     "GcReport",
@@ -54,6 +59,9 @@ __all__ = [
     "MatchDetails",
     "NotFoundError",
     "RemoteError",
+    "PagedRows",
+    "PartReader",
+    "PartWriter",
     "RestoreError",
     "RestoreResult",
     "Rows",
@@ -67,6 +75,7 @@ __all__ = [
     "Store",
     "StoreFormatError",
     "StoreIOError",
+    "Turn",
     "VerifyReport",
     "__version__",
 ]

@@ -84,6 +84,12 @@ class Sink:
         """A writable view of bytes [start, end), or None when the destination is not contiguous."""
         return self.mv[start:end] if self.mv is not None else None
 
+    def segments(self, start: int, end: int) -> list[memoryview] | None:
+        """Writable host views covering [start, end) in order, from a writer that has ``views`` (paged
+        pools): the restore reads chunks straight into them. None: use ``write``."""
+        views = getattr(self.writer, "views", None) if self.writer is not None else None
+        return views(start, end - start) if views is not None else None
+
     def write(self, start: int, data: memoryview) -> None:
         """Write ``data`` at byte ``start``."""
         if self.mv is not None:
@@ -140,8 +146,10 @@ def _check_array(name: str, arr: np.ndarray, spec: PartSpec, rows: int, err: typ
             raise err(f"part {name!r}: shape is {tuple(arr.shape)}, the layout says {spec.shape}")
     else:
         if arr.ndim < 1 or tuple(arr.shape[1:]) != spec.row_shape:
-            raise err(f"part {name!r}: row shape is {tuple(arr.shape[1:])}, the layout says {spec.row_shape} "
-                      "(the token axis must be the leading one; the torch adapter reorders others)")
+            axes = [k for k in range(1, arr.ndim) if arr.shape[:k] + arr.shape[k + 1:] == spec.row_shape]
+            hint = (f"the token axis looks like axis {axes[0]}: pass np.moveaxis(arr, {axes[0]}, 0) (a view, no copy)"
+                    if axes else "the token axis must be the leading one (np.moveaxis(arr, token_axis, 0))")
+            raise err(f"part {name!r}: row shape is {tuple(arr.shape[1:])}, the layout says {spec.row_shape}; {hint}")
         if arr.shape[0] < rows:
             raise err(f"part {name!r}: holds {arr.shape[0]} rows, {rows} are needed")
 
@@ -150,29 +158,46 @@ def _needed(spec: PartSpec, rows: int) -> int:
     return spec.nbytes if isinstance(spec, Fixed) else rows * spec.row_bytes
 
 
+def _short(name: str, what: str, have: int, need: int, spec: PartSpec) -> str:
+    """'too small' in bytes and, for a row stream, in rows."""
+    if isinstance(spec, Fixed):
+        return f"part {name!r}: {what} has {have} bytes, {need} are needed"
+    rb = spec.row_bytes
+    return (f"part {name!r}: {what} has {have} bytes ({have // rb} rows of {rb} bytes), "
+            f"{need // rb} rows ({need} bytes) are needed")
+
+
+_READER_HELP = ("a numpy array, memoryview or bytes, or a snapstore.PartReader: an object with an `nbytes` "
+                "attribute and read_into(offset, out); torch tensors go through snapstore.engine")
+_WRITER_HELP = ("a writable numpy array, memoryview or bytearray, or a snapstore.PartWriter: an object with an "
+                "`nbytes` attribute and write_from(offset, data); torch tensors go through snapstore.engine")
+
+
 def as_source(name: str, obj: Any, spec: PartSpec, rows: int) -> Source:
     """Check a save buffer against its spec and wrap it; LayoutError explains any mismatch."""
     need = _needed(spec, rows)
     if isinstance(obj, PartReader) and not isinstance(obj, (np.ndarray, memoryview, bytes, bytearray)):
         if obj.nbytes < need:
-            raise LayoutError(f"part {name!r}: source has {obj.nbytes} bytes, {need} are needed")
+            raise LayoutError(_short(name, "source", obj.nbytes, need, spec))
         return Source(name, need, reader=obj)
     if isinstance(obj, np.ndarray):
         _check_array(name, obj, spec, rows, LayoutError)
         if obj.nbytes < need:
-            raise LayoutError(f"part {name!r}: buffer has {obj.nbytes} bytes, {need} are needed")
+            raise LayoutError(_short(name, "buffer", obj.nbytes, need, spec))
         if obj.flags.c_contiguous:
             return Source(name, need, mv=obj.reshape(-1).view(np.uint8).data)
         return Source(name, need, arr=obj)
     try:
         mv = memoryview(obj)
     except TypeError:
-        raise LayoutError(f"part {name!r}: {type(obj).__name__} is not a buffer (pass a numpy array, "
-                          "memoryview or bytes; torch tensors go through snapstore.engine)") from None
+        if hasattr(obj, "read_into"):
+            raise LayoutError(f"part {name!r}: {type(obj).__name__} has read_into() but no `nbytes` attribute; "
+                              f"a PartReader needs both (pass {_READER_HELP})") from None
+        raise LayoutError(f"part {name!r}: {type(obj).__name__} is not a buffer (pass {_READER_HELP})") from None
     if not mv.c_contiguous or _swapped_format(mv):
         return as_source(name, np.asarray(mv), spec, rows)
     if mv.nbytes < need:
-        raise LayoutError(f"part {name!r}: buffer has {mv.nbytes} bytes, {need} are needed")
+        raise LayoutError(_short(name, "buffer", mv.nbytes, need, spec))
     return Source(name, need, mv=mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
 
 
@@ -181,14 +206,14 @@ def as_sink(name: str, obj: Any, spec: PartSpec, rows: int) -> Sink:
     need = _needed(spec, rows)
     if isinstance(obj, PartWriter) and not isinstance(obj, (np.ndarray, memoryview, bytearray)):
         if obj.nbytes < need:
-            raise DestinationError(f"part {name!r}: destination has {obj.nbytes} bytes, {need} are needed")
+            raise DestinationError(_short(name, "destination", obj.nbytes, need, spec))
         return Sink(name, need, writer=obj)
     if isinstance(obj, np.ndarray):
         _check_array(name, obj, spec, rows, DestinationError)
         if not obj.flags.writeable:
             raise DestinationError(f"part {name!r}: destination array is read-only")
         if obj.nbytes < need:
-            raise DestinationError(f"part {name!r}: destination has {obj.nbytes} bytes, {need} are needed")
+            raise DestinationError(_short(name, "destination", obj.nbytes, need, spec))
         if obj.flags.c_contiguous:
             return Sink(name, need, mv=obj.reshape(-1).view(np.uint8).data)
         if isinstance(spec, Rows) and obj.dtype.itemsize != dtype_size(spec.dtype):
@@ -197,11 +222,15 @@ def as_sink(name: str, obj: Any, spec: PartSpec, rows: int) -> Sink:
     try:
         mv = memoryview(obj)
     except TypeError:
-        raise DestinationError(f"part {name!r}: {type(obj).__name__} is not a writable buffer") from None
+        if hasattr(obj, "write_from"):
+            raise DestinationError(f"part {name!r}: {type(obj).__name__} has write_from() but no `nbytes` "
+                                   f"attribute; a PartWriter needs both (pass {_WRITER_HELP})") from None
+        raise DestinationError(f"part {name!r}: {type(obj).__name__} is not a writable buffer "
+                               f"(pass {_WRITER_HELP})") from None
     if mv.readonly:
         raise DestinationError(f"part {name!r}: destination buffer is read-only")
     if not mv.c_contiguous or _swapped_format(mv):
         return as_sink(name, np.asarray(mv), spec, rows)
     if mv.nbytes < need:
-        raise DestinationError(f"part {name!r}: destination has {mv.nbytes} bytes, {need} are needed")
+        raise DestinationError(_short(name, "destination", mv.nbytes, need, spec))
     return Sink(name, need, mv=mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)

@@ -21,11 +21,12 @@ __all__ = ["PlanItem", "RestorePlan", "build_plan"]
 
 @dataclass(frozen=True)
 class PlanItem:
-    """Write chunk ``chunk`` to ``sink`` at byte ``offset``."""
+    """Write chunk ``chunk`` to ``sink`` at byte ``offset``, less its first ``skip`` bytes (``rows_from``)."""
 
     sink: Sink
     offset: int
     chunk: ChunkRow
+    skip: int = 0
 
 
 @dataclass
@@ -43,7 +44,7 @@ class RestorePlan:
     @property
     def nbytes(self) -> int:
         """Bytes the restore writes."""
-        return sum(i.chunk.raw_len for i in self.items)
+        return sum(i.chunk.raw_len - i.skip for i in self.items)
 
 
 def _spec_matches(p: PartRow, spec: PartSpec) -> bool:
@@ -72,11 +73,13 @@ def _chunks(c: Conn, sid: int, part: PartRow) -> list[ChunkRow]:
 
 
 def build_plan(c: Conn, sid: int, chain: list[SnapRow], layout: Layout, into: Mapping[str, Any] | None,
-               components: set[str]) -> RestorePlan:
+               components: set[str], rows_from: int = 0) -> RestorePlan:
     """Validate the chain and the destinations and list every chunk to write, in order.
 
     ``into=None`` describes instead (``Store.describe``): the same checks of the chain and its
     chunks, no destinations, no items; ``rows`` and ``part_bytes`` say what a restore would write.
+    ``rows_from``: rows below it (the engine holds them) are not written; a chunk wholly below is
+    not read at all, one that straddles it is read and checked whole and written from that row.
     """
     leaf = chain[-1]
     prev_n = 0
@@ -102,6 +105,11 @@ def build_plan(c: Conn, sid: int, chain: list[SnapRow], layout: Layout, into: Ma
             if spec.component is not None:
                 plan.missing_components.add(spec.component)
                 continue
+            if not leaf.matchable and leaf.state == 1 and isinstance(spec, Fixed):
+                raise SnapshotUnavailableError(
+                    f"snapshot {sid} was superseded by a longer snapshot of its session {leaf.session!r}: it is "
+                    f"kept only as a chain link (rows, no fixed parts such as {name!r}); restore the newer "
+                    "snapshot (match() the prompt again); nothing was written", snapshot_id=sid)
             raise SnapshotUnavailableError(
                 f"snapshot {sid} has no part {name!r} (saved with another layout?); nothing was written",
                 snapshot_id=sid)
@@ -142,15 +150,17 @@ def build_plan(c: Conn, sid: int, chain: list[SnapRow], layout: Layout, into: Ma
             rows = p.row_end
             segments.append((link.id, p))
         plan.rows[name] = rows
-        plan.part_bytes[name] = rows * spec.row_bytes
+        plan.part_bytes[name] = (rows - min(rows_from, rows)) * spec.row_bytes
         if into is None:
             for link_id, p in segments:
                 _chunks(c, link_id, p)  # every chunk row present and sized: what a restore checks
             continue
         sink = as_sink(name, into[name], spec, rows)
+        keep_from = min(rows_from, rows) * spec.row_bytes
         for link_id, p in segments:
             off = p.row_start * spec.row_bytes
             for ch in _chunks(c, link_id, p):
-                plan.items.append(PlanItem(sink, off, ch))
+                if off + ch.raw_len > keep_from:
+                    plan.items.append(PlanItem(sink, off, ch, max(0, keep_from - off)))
                 off += ch.raw_len
     return plan

@@ -26,6 +26,9 @@ def snapshot_id(ref: Any) -> int:
             raise InvalidInputError(f"snapshot id {int(sid)} is out of range: snapshot ids are integers in "
                                     "[1, 2**63) as save() and match() report them")
         return int(sid)
+    if isinstance(ref, SaveResult) and ref.skipped is not None:
+        raise InvalidInputError(f"that save was skipped ({ref.skipped}): no snapshot was stored, so there is nothing "
+                                "to commit, abandon or restore; skipped saves are counted in stats().skipped")
     raise InvalidInputError(f"expected a snapshot id, Match or SaveResult, got {ref!r}")
 
 

@@ -179,6 +179,24 @@ def quarantine(db: Database, blob_path: Callable[[bytes], str], damage: Damage) 
     return db.write(run)
 
 
+def _read(fd: int, target: memoryview | list[memoryview], offset: int) -> None:
+    """read_exact into one view, or into several in order (scattered paged blocks: vectored preadv)."""
+    if isinstance(target, memoryview):
+        read_exact(fd, target, offset)
+        return
+    bufs = list(target)
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
+        if n == 0:
+            raise CorruptionError("chunk file is shorter than its header says (truncated)")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
 class _Reader:
     """Reads raw chunks straight into their destinations on ``threads`` threads, ahead of the checker.
 
@@ -187,7 +205,7 @@ class _Reader:
     thread is idle: after a restore raises, nothing writes into the destination any more.
     """
 
-    def __init__(self, jobs: list[tuple[int, memoryview, int]], depth: int, threads: int):
+    def __init__(self, jobs: list[tuple[int, memoryview | list[memoryview], int]], depth: int, threads: int):
         self._jobs = jobs
         self._depth = depth
         self._ready = [False] * len(jobs)
@@ -211,7 +229,7 @@ class _Reader:
                 self.started = True
             fd, target, offset = self._jobs[j]
             try:
-                read_exact(fd, target, offset)
+                _read(fd, target, offset)
             except BaseException as e:  # handed to the checker, which raises it in order
                 self._errors[j] = e
             with self._cv:
@@ -272,27 +290,39 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
     """Write the opened chunks of one window (their descriptors are closed on return); returns touched."""
     # Raw chunks with a contiguous destination are read in place by a reader thread while this
     # thread checks the previous one (preadv releases the GIL); everything else goes in order here.
-    targets: list[memoryview | None] = []
+    targets: list[memoryview | list[memoryview] | None] = []
     pieces: list[range] = []  # per item: its jobs
-    jobs: list[tuple[int, memoryview, int]] = []
+    jobs: list[tuple[int, memoryview | list[memoryview], int]] = []
     for item, fd, head, data in opened:
-        target = None
+        target: memoryview | list[memoryview] | None = None
         first = len(jobs)
-        if data is None and head is not None and head.codec == CODEC_RAW:
+        if data is None and head is not None and head.codec == CODEC_RAW and not item.skip:
             target = item.sink.view(item.offset, item.offset + item.chunk.raw_len)
             if target is not None:
                 for off in range(0, item.chunk.raw_len, _PIECE):
                     jobs.append((fd, target[off:off + _PIECE], HEADER_SIZE + off))
+            else:  # a scattered destination (paged blocks) read in place, segment by segment
+                segs = item.sink.segments(item.offset, item.offset + item.chunk.raw_len)
+                if segs is not None:  # grouped into jobs of about _PIECE bytes, each one preadv
+                    pos, group, size = 0, [], 0
+                    for seg in segs:
+                        group.append(seg)
+                        size += len(seg)
+                        if size >= _PIECE or seg is segs[-1]:
+                            jobs.append((fd, group, HEADER_SIZE + pos))
+                            pos, group, size = pos + size, [], 0
+                    target = segs
         targets.append(target)
         pieces.append(range(first, len(jobs)))
-    big = len(jobs) > 1 and sum(len(t) for _, t, _ in jobs) >= _PIPELINE_MIN
+    big = len(jobs) > 1 and sum(len(t) if isinstance(t, memoryview) else sum(map(len, t))
+                                for _, t, _ in jobs) >= _PIPELINE_MIN
     reader = _Reader(jobs, depth=_DEPTH, threads=_THREADS) if big else None
     try:
         for k, (item, fd, head, data) in enumerate(opened):
             cid, n = item.chunk.id, item.chunk.raw_len
             if data is not None:
                 touched = True
-                item.sink.write(item.offset, memoryview(data))
+                item.sink.write(item.offset + item.skip, memoryview(data)[item.skip:])
                 continue
             assert head is not None
             target = targets[k]
@@ -308,8 +338,9 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                             finally:
                                 reader.done()
                         else:
-                            read_exact(fd, piece, offset)
-                        h.update(piece)
+                            _read(fd, piece, offset)
+                        for p in ([piece] if isinstance(piece, memoryview) else piece):
+                            h.update(p)
                     good = h.digest() == item.chunk.checksum
                 else:
                     slot, buf = staging.acquire()
@@ -319,7 +350,7 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                         good = checksum(out) == item.chunk.checksum
                         if good:
                             touched = True
-                            item.sink.write(item.offset, out)
+                            item.sink.write(item.offset + item.skip, out[item.skip:])  # rows_from
                             if ram is not None:
                                 ram.offer(cid, blob_path(cid), n, item.chunk.checksum)
                     finally:

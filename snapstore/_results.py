@@ -43,7 +43,9 @@ class MatchDetails:
     ``rows``: valid rows per row stream; ``part_bytes``: bytes per part (fixed parts whole, row
     streams ``rows × row_bytes``) and ``nbytes`` their sum, for the requested components;
     ``components``: the components the snapshot holds; ``missing_components``: requested ones it
-    lacks (a restore leaves their destinations untouched); ``chain``: snapshot ids root … leaf.
+    lacks (a restore leaves their destinations untouched); ``chain``: snapshot ids root … leaf;
+    ``rows_from``: rows the restore skips (the engine holds them): ``part_bytes`` counts only the
+    rest, ``rows`` stays the valid row count.
     """
 
     snapshot_id: int
@@ -56,6 +58,7 @@ class MatchDetails:
     nbytes: int
     chain: list[int]
     pending: bool = False
+    rows_from: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from ._lifecycle import evict_until, supersede
 from ._refs import snapshot_id
 from ._tokens import TokenIndex, encode_tokens
 
-__all__ = ["MAX_ATTEMPTS", "WHOLE_AFTER", "Retry", "SavePlan", "Saver", "Skip", "needs_quarantined",
+__all__ = ["MAX_ATTEMPTS", "WHOLE_AFTER", "Retry", "SavePlan", "Saver", "Skip", "count_of", "needs_quarantined",
            "validate_parts"]
 
 # docs/format.md "Saving" cites these: a save redone after a lost race (a chunk file evicted under
@@ -69,7 +69,7 @@ def needs_quarantined(chain: list[SnapRow], broken: dict[int, bool], *, leaf: bo
     return any(broken.get(link.id, False) for link in chain)
 
 
-def _count_of(value: Any, what: str) -> int:
+def count_of(value: Any, what: str) -> int:
     """A row count: an int (numpy ints too), never a float or a string."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         return int(value)
@@ -96,7 +96,7 @@ def validate_parts(layout: Layout, parts: Mapping[str, Any], rows: Any, n: int
         extra = sorted(set(rows) - {k for k in parts if isinstance(specs[k], Rows)})
         if extra:
             raise LayoutError(f"rows given for parts that are not saved row streams: {extra}")
-        row_counts = {name: _count_of(rows.get(name, n), f"rows[{name!r}]") for name in parts
+        row_counts = {name: count_of(rows.get(name, n), f"rows[{name!r}]") for name in parts
                       if isinstance(specs[name], Rows)}
     elif isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
         row_counts = {name: int(rows) for name in parts if isinstance(specs[name], Rows)}
@@ -105,6 +105,9 @@ def validate_parts(layout: Layout, parts: Mapping[str, Any], rows: Any, n: int
     for name, r in row_counts.items():
         if r < 0:
             raise InvalidInputError(f"rows[{name!r}] must be >= 0, got {r}")
+        if r > n:
+            raise InvalidInputError(f"rows[{name!r}] = {r} but only {n} tokens are saved: a stream holds at "
+                                    "most one row per token")
     sources = {name: as_source(name, obj, specs[name], row_counts.get(name, 0)) for name, obj in parts.items()}
     return sources, row_counts
 

@@ -21,6 +21,7 @@ from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 import numpy as np
 
 from ._async_save import AsyncSaver, SaveHandle, copy_budget
+from ._batch import planned_destination, restore_batch
 from ._bookkeeping import Ledger
 from ._buffers import Destination, PartSource, Source
 from ._capacity import Capacity
@@ -54,8 +55,9 @@ from ._refs import SnapshotRef, excluded, namespace_key, ref_namespace, snapshot
 from ._repo import Repo
 from ._restore import Damage, quarantine, stream_plan
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
-from ._save import MAX_ATTEMPTS, WHOLE_AFTER, Retry, Saver, Skip, needs_quarantined, validate_parts
+from ._save import MAX_ATTEMPTS, WHOLE_AFTER, Retry, Saver, Skip, count_of, needs_quarantined, validate_parts
 from ._tokens import TokenIndex, as_token_array, decode_tokens
+from ._turn import Turn
 from ._uploader import FlushResult
 from ._verify import VerifyReport
 
@@ -122,6 +124,7 @@ class Store:
         self._owner = ""
         self._chunker: Chunker | None = None
         self._stages: Saver | None = None
+        self._gone: dict[int, str] = {}  # ids this store dropped on purpose -> why (for error messages)
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -489,8 +492,20 @@ class Store:
                 raise StateError(f"snapshot {sid} is a pending capture of another process")
             gone, _ = drop_subtree(t, sid)
             t.add_counter("abandoned", len(gone))
+            self._note_gone(gone, f"abandoned: its turn was abandoned (abandon({sid}))")
 
         self._write(txn)
+
+    def _note_gone(self, ids: Iterable[int], why: str) -> None:
+        """Remember why this store dropped ``ids`` (bounded), so a later restore can say so."""
+        for i in ids:
+            self._gone[i] = why
+        while len(self._gone) > 4096:
+            del self._gone[next(iter(self._gone))]
+
+    def _gone_why(self, sid: int) -> str:
+        return self._gone.get(sid, "evicted for the budget, superseded within its session, deleted, or a pending "
+                                   "capture that was abandoned or whose process is gone")
 
     @_operation
     def delete(self, ref: SnapshotRef, *, namespace: str | None = None) -> DeleteResult:
@@ -516,6 +531,7 @@ class Store:
             before = t.stored_bytes()
             gone, pruned = drop_subtree(t, sid)
             t.add_counter("deleted", len(gone) + len(pruned))
+            self._note_gone(gone + pruned, f"deleted (delete({sid}))")
             return DeleteResult(tuple(gone + pruned), before - t.stored_bytes())
 
         return self._write(txn)
@@ -586,11 +602,11 @@ class Store:
         return wanted
 
     def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
-              wanted: set[str]) -> tuple[SnapRow, RestorePlan]:
+              wanted: set[str], rows_from: int = 0) -> tuple[SnapRow, RestorePlan]:
         """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
         snap = c.snapshot(sid)
         if snap is None:
-            raise SnapshotUnavailableError(f"snapshot {sid} no longer exists (evicted or superseded); "
+            raise SnapshotUnavailableError(f"snapshot {sid} no longer exists ({self._gone_why(sid)}); "
                                            "nothing was written", snapshot_id=sid)
         if not self._mine(c, snap):
             raise IdentityError(f"snapshot {sid} belongs to another identity than this store was opened for")
@@ -599,16 +615,21 @@ class Store:
         if snap.state == SnapState.PENDING and snap.owner != self._owner:
             raise SnapshotUnavailableError(f"snapshot {sid} is a pending capture of another process",
                                            snapshot_id=sid)
-        return snap, build_plan(c, sid, self._chain(c, snap), self.layout, into, wanted)
+        if rows_from < 0 or rows_from > snap.n_tokens:
+            raise InvalidInputError(f"rows_from={rows_from} is outside snapshot {sid}'s [0, {snap.n_tokens}] tokens")
+        return snap, build_plan(c, sid, self._chain(c, snap), self.layout, into, wanted, rows_from)
 
     @_operation
-    def restore(self, m: SnapshotRef, into: Mapping[str, Destination], components: Iterable[str] | None = None, *,
-                namespace: str | None = None) -> RestoreResult:
+    def restore(self, m: SnapshotRef, into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Any]],
+                components: Iterable[str] | None = None, *, namespace: str | None = None,
+                rows_from: int = 0) -> RestoreResult:
         """Write the snapshot's state into ``into`` (name → writable buffer), exactly, or raise.
 
         ``m`` is a Match (its namespace applies), a SaveResult or a snapshot id (then ``namespace``
-        must name the snapshot's namespace). Raises a RestoreError whose ``touched`` says whether
-        ``into`` was modified.
+        must name the snapshot's namespace). ``into`` may be a callable: it gets the checked plan
+        (``describe``) and returns the mapping (plan, then write). ``rows_from``: rows the engine
+        already holds, not written. Raises a RestoreError whose ``touched`` says whether ``into``
+        was modified.
         """
         if self._remote is not None and getattr(m, "remote", None) is not None:
             # a shared-tier match: fetch its missing chunks (verified) into the local tier first
@@ -619,11 +640,16 @@ class Store:
                                                "during the fetch; match again", snapshot_id=None) from None
         sid = snapshot_id(m)
         ns = ref_namespace(m, namespace)
-        if not isinstance(into, Mapping):
-            raise InvalidInputError("into must be a mapping of part name to writable buffer")
+        k = count_of(rows_from, "rows_from")
         wanted = self._wanted(components)
         t0 = time.perf_counter()
-        _, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, into, wanted))
+        if callable(into) and not isinstance(into, Mapping):  # plan, then write: see _batch.py
+            into = planned_destination(self.describe(sid, components, namespace=ns or None, rows_from=k), into)
+        if not isinstance(into, Mapping):
+            raise InvalidInputError("into must be a mapping of part name to writable buffer, or a callable "
+                                    "that takes the plan (MatchDetails) and returns one")
+        dest = into
+        _, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k))
         damage: Damage = []
         try:
             stream_plan(plan, self._repo.blob_path, self._staging, self._ram, damage)
@@ -646,23 +672,41 @@ class Store:
 
     @_operation
     def describe(self, m: SnapshotRef, components: Iterable[str] | None = None, *,
-                 namespace: str | None = None) -> MatchDetails:
+                 namespace: str | None = None, rows_from: int = 0) -> MatchDetails:
         """What restoring ``m`` would write — rows per stream, components, bytes — checked like a
         restore's plan but without destinations, so an engine can size its buffers first."""
         sid = snapshot_id(m)
         ns = ref_namespace(m, namespace)
         wanted = self._wanted(components)
+        k = count_of(rows_from, "rows_from")
 
         def run(c: Txn) -> MatchDetails:
-            snap, plan = self._plan(c, sid, ns, None, wanted)
+            snap, plan = self._plan(c, sid, ns, None, wanted, k)
             held = {p.component for p in c.parts(sid) if p.component is not None}
             return MatchDetails(
                 snapshot_id=sid, n_tokens=plan.n_tokens, namespace=ns or None, rows=dict(plan.rows),
                 components=frozenset(held), missing_components=frozenset(plan.missing_components),
                 part_bytes=dict(plan.part_bytes), nbytes=sum(plan.part_bytes.values()),
-                chain=list(plan.chain), pending=snap.state == SnapState.PENDING)
+                chain=list(plan.chain), pending=snap.state == SnapState.PENDING, rows_from=k)
 
         return self._repo.db.read(run)
+
+    # -- batches and turns (logic in _batch.py and _turn.py) ---------------------------------
+    def match_many(self, token_lists: Iterable[Any], *, namespace: str | None = None) -> list[Match | None]:
+        """``match()`` for each of many prompts (a scheduler admitting a batch), in order."""
+        return [self.match(t, namespace=namespace) for t in token_lists]
+
+    @_operation
+    def restore_many(self, requests: Iterable[tuple[Any, Mapping[str, Any]]], components: Iterable[str] | None = None,
+                     *, namespace: str | None = None, rows_from: int = 0) -> list[RestoreResult]:
+        """Restore many (match, into) pairs at once; a chunk their chains share is read once."""
+        return restore_batch(self, list(requests), self._wanted(components), namespace,
+                             count_of(rows_from, "rows_from"))
+
+    def turn(self, *, session: str | None = None, namespace: str | None = None, parent: Any = "auto") -> Turn:
+        """A capture chain for one turn: ``with store.turn(session=...) as t: t.capture(tokens, parts)``."""
+        self._check_open()
+        return Turn(self, session=session, namespace=namespace, parent=parent)
 
     # -- inspection --------------------------------------------------------------------------
     @_operation

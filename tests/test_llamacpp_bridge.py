@@ -96,8 +96,17 @@ def test_bad_files_refused_store_unchanged(models, tmp_path):
     if os.path.isdir(store):
         st = _cli("--dir", store, "stats", "--json")
         assert json.loads(st.stdout)["stats"]["entries"] == 0
-    r = _cli("--dir", store, "import-slot", str(p), "--model", models["llama"])
-    assert r.returncode == 2 and "--build" in r.stderr
+    # no build named: stored, under a build no server reports, so a real build never matches it
+    r = _cli("--dir", store, "import-slot", str(p), "--model", models["llama"], "--json")
+    assert r.returncode == 0 and "--build" in r.stderr, r.stderr
+    assert json.loads(r.stdout)["snapshot_id"] is not None
+    real = SlotStore(store, models["llama"], BUILD, drop_stale=False)
+    try:
+        sf = real.decode(good)
+        real.open_for(sf)
+        assert real.match(sf.tokens.tolist()) is None
+    finally:
+        real.close()
 
 
 def test_other_model_or_build_never_matched(models, tmp_path):

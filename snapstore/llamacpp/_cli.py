@@ -92,8 +92,10 @@ def _root(args: argparse.Namespace, create: bool) -> str:
     return root
 
 
+UNSPECIFIED_BUILD = "unspecified"  # the build of an import that named none
+
+
 def _build(args: argparse.Namespace) -> str:
-    from .._cli import UsageError
     from ._identity import BUILD_ENV, build_of_server
 
     if getattr(args, "build", None):
@@ -103,7 +105,11 @@ def _build(args: argparse.Namespace) -> str:
     env = os.environ.get(BUILD_ENV)
     if env:
         return env
-    raise UsageError(f"which llama.cpp build wrote the slot? pass --build B, set ${BUILD_ENV}, or --upstream URL")
+    # no build named: stored under a build no real server reports, so no build ever restores it by
+    # match (export-slot by id still works); the operator is told how to make it matchable
+    print(f"snapstore: no llama.cpp build given; stored under build {UNSPECIFIED_BUILD!r}, which llama-proxy "
+          f"never matches — pass --build B, --upstream URL or set ${BUILD_ENV} so it can", file=sys.stderr)
+    return UNSPECIFIED_BUILD
 
 
 def cmd_import_slot(args: argparse.Namespace, out: Any) -> int:

@@ -1,0 +1,113 @@
+"""Paged K/V in torch: one sequence's rows in a block pool on any device, gathered and scattered there.
+
+The torch twin of :class:`snapstore.PagedRows`. A restore's chunk goes to the pool's device in
+one copy and lands in the sequence's blocks with one ``index_put_`` (a scatter on the device); a
+save gathers the blocks with one indexing kernel and copies the result to the host range the
+store asked for. Rows cut by a chunk edge are patched through that row's own tensor (``_xfer``).
+Every copy is a same-width integer view, so bf16 / fp8 move bit-exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from snapstore import InvalidInputError
+
+from ._torch import _bits, _host_u8, _sync_copy, _xfer, flat_bytes
+
+__all__ = ["TorchPagedRows"]
+
+
+class TorchPagedRows:
+    """A ``PartReader`` / ``PartWriter`` over ``(pool, block_table, axes)`` of a torch pool.
+
+    ``axes = (block_axis, token_axis)``; the other axes, in order, are the row shape (e.g. a
+    vLLM-style ``(2, n_blocks, block_size, heads, dim)`` pool has ``axes=(1, 2)``).
+    """
+
+    def __init__(self, pool: torch.Tensor, block_table: Sequence[int] | np.ndarray | torch.Tensor,
+                 axes: Sequence[int] = (0, 1)):
+        if not isinstance(pool, torch.Tensor):
+            raise InvalidInputError(f"pool must be a torch tensor, got {type(pool).__name__} "
+                                    "(numpy pools: snapstore.PagedRows)")
+        nd = pool.dim()
+        if len(axes) != 2 or any(not -nd <= int(a) < nd for a in axes) or int(axes[0]) % nd == int(axes[1]) % nd:
+            raise InvalidInputError(f"axes {tuple(axes)!r} must be two different axes of a {nd}-dim pool")
+        b_ax, t_ax = int(axes[0]) % nd, int(axes[1]) % nd
+        self._pool = _bits(pool.detach().movedim((b_ax, t_ax), (0, 1)))  # a view: writes land in the pool
+        self.device = pool.device
+        table = torch.as_tensor(np.asarray(block_table) if not isinstance(block_table, torch.Tensor)
+                                else block_table)
+        if table.dim() != 1 or table.dtype.is_floating_point or table.dtype == torch.bool:
+            raise InvalidInputError("block_table must be a 1-D sequence of block indices")
+        table = table.to(device=self.device, dtype=torch.long)
+        n_blocks = self._pool.shape[0]
+        if table.numel() and (int(table.min()) < 0 or int(table.max()) >= n_blocks):
+            raise InvalidInputError(f"block_table names a block outside the pool's {n_blocks} blocks")
+        self._table = table
+        self.block_size = int(self._pool.shape[1])
+        self.row_shape = tuple(int(d) for d in self._pool.shape[2:])
+        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * pool.element_size()
+        self.nbytes = int(table.numel()) * self.block_size * self.row_bytes
+
+    def __repr__(self) -> str:
+        return (f"TorchPagedRows(blocks={self._table.numel()}, block_size={self.block_size}, "
+                f"row_shape={self.row_shape}, device={self.device})")
+
+    def _index(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, slot) index tensors of rows [r0, r1), on the pool's device."""
+        r = torch.arange(r0, r1, device=self.device)
+        return self._table[r // self.block_size], r % self.block_size
+
+    def _row(self, r: int) -> torch.Tensor:
+        return self._pool[int(self._table[r // self.block_size]), r % self.block_size]
+
+    def _span(self, offset: int, n: int) -> None:
+        if offset < 0 or offset + n > self.nbytes:
+            raise InvalidInputError(f"bytes [{offset}, {offset + n}) are outside this block table's {self.nbytes}")
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Gather the sequence's canonical bytes [offset, offset + len(out)) into ``out`` (PartReader)."""
+        self._span(offset, len(out))
+        host = _host_u8(out)
+        rb, end = self.row_bytes, offset + len(out)
+        r, pos = offset // rb, 0
+        if offset % rb:
+            take = min(rb - offset % rb, len(out))
+            _xfer(self._row(r), offset % rb, offset % rb + take, host[:take], False, _sync_copy)
+            pos, r = take, r + 1
+        r_end = end // rb
+        if r < r_end:
+            rows = self._pool[self._index(r, r_end)]  # one gather kernel, a fresh contiguous tensor
+            n = (r_end - r) * rb
+            host[pos:pos + n].copy_(flat_bytes(rows))
+            pos += n
+        if pos < len(out):
+            _xfer(self._row(r_end), 0, len(out) - pos, host[pos:], False, _sync_copy)
+
+    def write_from(self, offset: int, data: memoryview) -> None:
+        """Scatter canonical bytes ``data`` into the sequence's blocks at byte ``offset`` (PartWriter)."""
+        self._span(offset, len(data))
+        src = _host_u8(data)
+        if self.device.type != "cpu":
+            src = src.to(self.device)  # one host-to-device copy per chunk; blocking: data is only ours now
+        rb, end = self.row_bytes, offset + len(data)
+        r, pos = offset // rb, 0
+        if offset % rb:
+            take = min(rb - offset % rb, len(data))
+            _xfer(self._row(r), offset % rb, offset % rb + take, src[:take], True, _sync_copy)
+            pos, r = take, r + 1
+        r_end = end // rb
+        if r < r_end:
+            n = (r_end - r) * rb
+            seg = src[pos:pos + n]
+            if seg.storage_offset() % self._pool.element_size():
+                seg = seg.clone()  # a dtype view needs element alignment
+            vals = seg.view(self._pool.dtype).view(r_end - r, *self.row_shape)
+            self._pool.index_put_(self._index(r, r_end), vals)  # one scatter kernel
+            pos += n
+        if pos < len(data):
+            _xfer(self._row(r_end), 0, len(data) - pos, src[pos:], True, _sync_copy)

@@ -1,0 +1,103 @@
+"""Plan, then write: a destination chosen from the checked plan, and batches of restores.
+
+``Store.restore(m, into=callable)`` first checks the plan as ``describe`` does, hands it to the
+engine's callable (which allocates exactly the blocks it needs and returns the destinations),
+then restores. ``Store.restore_many`` builds every plan in one read transaction and streams them
+as one: a chunk that several chains share (a common system prompt) is read and checked once,
+then copied into each destination.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ._buffers import Sink
+from ._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
+from ._plan import PlanItem, RestorePlan
+from ._refs import ref_namespace, snapshot_id
+from ._restore import Damage, quarantine, stream_plan
+from ._results import MatchDetails, RestoreResult
+
+if TYPE_CHECKING:
+    from ._db import Conn
+    from ._store import Store
+
+__all__ = ["planned_destination", "restore_batch"]
+
+
+def planned_destination(details: MatchDetails, make: Callable[[MatchDetails], Any]) -> Mapping[str, Any]:
+    """The engine's destinations for a checked plan; what ``make`` raises reaches the caller as is
+    (nothing has been written yet)."""
+    into = make(details)
+    if not isinstance(into, Mapping):
+        raise InvalidInputError(f"the destination callable must return a mapping of part name to buffer, "
+                                f"got {type(into).__name__}; nothing was written")
+    return into
+
+
+class _FanSink(Sink):
+    """One chunk, several destinations: read and checked once (staged), then written to each."""
+
+    def __init__(self, sinks: list[Sink]):
+        super().__init__(sinks[0].name, sinks[0].nbytes)
+        self.sinks = sinks
+
+    def view(self, start: int, end: int) -> memoryview | None:
+        return None  # no single place to read into: the staging buffer holds it for every copy
+
+    def write(self, start: int, data: memoryview) -> None:
+        for s in self.sinks:
+            s.write(start, data)
+
+
+def _merged(plans: list[RestorePlan]) -> RestorePlan:
+    """Every plan's items as one plan; items that write the same chunk at the same place share a read."""
+    groups: dict[tuple[str, bytes, int, int], list[PlanItem]] = {}
+    for plan in plans:
+        for item in plan.items:
+            groups.setdefault((item.sink.name, item.chunk.id, item.offset, item.skip), []).append(item)
+    items = [g[0] if len(g) == 1 else PlanItem(_FanSink([i.sink for i in g]), g[0].offset, g[0].chunk, g[0].skip)
+             for g in groups.values()]
+    return RestorePlan(plans[0].snapshot_id, plans[0].n_tokens, [], {}, set(), items)
+
+
+def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str], namespace: str | None,
+                  rows_from: int) -> list[RestoreResult]:
+    """Validate every request's plan, then stream them together; one error fails the batch."""
+    refs = []
+    for k, pair in enumerate(requests):
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise InvalidInputError(f"restore_many: request {k} must be a (match, into) pair, got {pair!r}")
+        m, into = pair
+        if not isinstance(into, Mapping):
+            raise InvalidInputError(f"restore_many: request {k}: into must be a mapping of part name to buffer")
+        refs.append((snapshot_id(m), ref_namespace(m, namespace), into))
+    if not refs:
+        return []
+    t0 = time.perf_counter()
+
+    def build(c: Conn) -> list[RestorePlan]:
+        return [store._plan(c, sid, ns, into, wanted, rows_from)[1] for sid, ns, into in refs]
+
+    plans = store._repo.db.read(build)
+    damage: Damage = []
+    try:
+        stream_plan(_merged(plans), store._repo.blob_path, store._staging, store._ram, damage)
+    except RestoreError as e:
+        store._ledger.count("restore_errors")
+        if damage:
+            try:
+                quarantine(store._repo.db, store._repo.blob_path, damage)
+            except (StoreIOError, CorruptionError):
+                pass  # a later restore finds (and quarantines) it again
+        e.args = (f"restore_many ({len(plans)} requests, failed as one; every destination counts as "
+                  f"touched={e.touched}): {e}",)
+        raise
+    now, dt = time.time(), time.perf_counter() - t0
+    for plan in plans:
+        store._ledger.record_use(plan.snapshot_id, now)
+    store._try_flush()
+    return [RestoreResult(p.n_tokens, p.rows, frozenset(p.missing_components), p.chain, p.nbytes, dt)
+            for p in plans]
