@@ -630,7 +630,7 @@ def section_chunks(args: argparse.Namespace, st: State, work: str) -> None:
 
 def section_match(args: argparse.Namespace, work: str) -> None:
     """match() latency over many snapshots of 128K-token prompts (delta chains, tiny layout)."""
-    from snapstore import _db
+    from snapstore import _catalog
 
     prompts, per = (20, 50) if args.quick else (100, 100)
     plen = 128 * 1024
@@ -650,7 +650,7 @@ def section_match(args: argparse.Namespace, work: str) -> None:
         build = time.perf_counter() - t0
         count = len(s.snapshots())
         probes: list[list[int]] = []
-        orig = _db.Database.match_candidates
+        orig = _catalog.Txn.match_candidates
 
         def counting(c: Any, identity_id: int, namespace: str, anchors: Any, *a: Any, **k: Any) -> Any:
             # candidate rows actually read: match() stops at the first exact hit
@@ -660,7 +660,7 @@ def section_match(args: argparse.Namespace, work: str) -> None:
                 rec[1] += 1
                 yield row
 
-        _db.Database.match_candidates = staticmethod(counting)  # type: ignore[method-assign]
+        _catalog.Txn.match_candidates = counting  # type: ignore[method-assign]
         try:
             lat: list[float] = []
             miss: list[float] = []
@@ -679,14 +679,14 @@ def section_match(args: argparse.Namespace, work: str) -> None:
                 assert s.match(query) is None
                 miss.append(time.perf_counter() - t1)
         finally:
-            _db.Database.match_candidates = orig  # type: ignore[method-assign]
+            _catalog.Txn.match_candidates = orig  # type: ignore[method-assign]
         sql_probe: list[float] = []
         from snapstore._tokens import TokenIndex
         idx = TokenIndex(np.asarray(prompt_tokens[0][:plen + 517], dtype="<u8"))
         conn = s._repo.db.conn()
         for _ in range(50):
             t1 = time.perf_counter()
-            list(orig(conn, s.identity.key, "", idx.chain, plen + 517, 0.0))
+            list(orig(_catalog.Txn(conn), s.identity.key, "", idx.chain, plen + 517, 0.0))
             sql_probe.append(time.perf_counter() - t1)
         plan = [r for r in conn.execute(
             "EXPLAIN QUERY PLAN SELECT id FROM snapshots WHERE identity_id = (SELECT id FROM identities WHERE "

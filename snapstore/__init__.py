@@ -27,15 +27,16 @@ from ._errors import (
     StoreFormatError,
     StoreIOError,
 )
+from ._gc import GcReport
 from ._identity import Identity
 from ._layout import Fixed, Layout, Rows
-from ._maintenance import GcReport, VerifyReport
 from ._meta import EngineMeta
 from ._paged import PagedRows
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._store import Store
 from ._turn import Turn
 from ._uploader import FlushResult
+from ._verify import VerifyReport
 
 __version__ = "0.1.0"
 

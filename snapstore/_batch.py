@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ._buffers import Sink
 from ._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
 from ._plan import PlanItem, RestorePlan
+from ._refs import ref_namespace, snapshot_id
 from ._restore import Damage, quarantine, stream_plan
 from ._results import MatchDetails, RestoreResult
 
@@ -65,8 +66,6 @@ def _merged(plans: list[RestorePlan]) -> RestorePlan:
 def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str], namespace: str | None,
                   rows_from: int) -> list[RestoreResult]:
     """Validate every request's plan, then stream them together; one error fails the batch."""
-    from ._store import _ref_ns, _snapshot_id  # the store's own reference rules (import cycle)
-
     refs = []
     for k, pair in enumerate(requests):
         if not isinstance(pair, tuple) or len(pair) != 2:
@@ -74,7 +73,7 @@ def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str
         m, into = pair
         if not isinstance(into, Mapping):
             raise InvalidInputError(f"restore_many: request {k}: into must be a mapping of part name to buffer")
-        refs.append((_snapshot_id(m), _ref_ns(m, namespace), into))
+        refs.append((snapshot_id(m), ref_namespace(m, namespace), into))
     if not refs:
         return []
     t0 = time.perf_counter()
@@ -87,7 +86,7 @@ def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str
     try:
         stream_plan(_merged(plans), store._repo.blob_path, store._staging, store._ram, damage)
     except RestoreError as e:
-        store._count("restore_errors")
+        store._ledger.count("restore_errors")
         if damage:
             try:
                 quarantine(store._repo.db, store._repo.blob_path, damage)
@@ -98,7 +97,7 @@ def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str
         raise
     now, dt = time.time(), time.perf_counter() - t0
     for plan in plans:
-        store._record_use(plan.snapshot_id, now)
+        store._ledger.record_use(plan.snapshot_id, now)
     store._try_flush()
     return [RestoreResult(p.n_tokens, p.rows, frozenset(p.missing_components), p.chain, p.nbytes, dt)
             for p in plans]

@@ -31,7 +31,13 @@ import numpy as np
 from ._errors import DestinationError, LayoutError, RestoreError, SnapstoreError, SourceError
 from ._layout import Fixed, PartSpec, Rows, dtype_size
 
-__all__ = ["PartReader", "PartWriter", "Source", "Sink", "as_sink", "as_source"]
+__all__ = ["Destination", "PartReader", "PartSource", "PartWriter", "Source", "Sink", "as_sink", "as_source"]
+
+# What save() takes per part and restore() writes into: any object exposing the buffer protocol
+# (numpy array, memoryview, bytearray, a C-contiguous torch CPU tensor's numpy view) or a
+# PartReader / PartWriter. Named so public signatures say what they take instead of Any.
+PartSource = Any
+Destination = Any
 
 T = TypeVar("T")
 

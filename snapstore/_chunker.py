@@ -168,14 +168,14 @@ def settle(db: Database, cid: bytes, tmp: str, path: str, stored_len: int, codec
     placed = [False]
 
     def run(c: Conn) -> int | None:
-        row = Database.chunk(c, cid)
+        row = c.chunk(cid)
         if not placed[0]:
             if row is not None and row.quarantined is None and _vouched(path, row):
                 return int(row.stored_len)
             replace_into(tmp, path)
             placed[0] = True
         if row is not None:
-            Database.heal_chunk(c, cid, stored_len, codec)
+            c.heal_chunk(cid, stored_len, codec)
         return None
 
     kept = db.write(run)
@@ -259,7 +259,7 @@ class Chunker:
 
     def _state(self, cid: bytes) -> int:
         # a read transaction: retried while SQLite is busy, errors translated
-        return self._db.read(lambda c: Database.chunk_state(c, cid))
+        return self._db.read(lambda c: c.chunk_state(cid))
 
     def _one(self, raw: memoryview, slot: int, key: bytes, done: Callable[[], None] | None = None) -> ChunkRef:
         """Address, checksum and publish one chunk from its private copy: staging slot ``slot``, or

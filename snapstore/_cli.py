@@ -16,17 +16,17 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn, TextIO
 
-from ._chunkfile import CODEC_NAMES
 from ._config import MIB, Budget, default_dir, env_int
-from ._db import Conn, Database, SnapRow, release_wal
-from ._errors import CorruptionError, SnapstoreError
-from ._maintenance import VerifyReport, gc, verify
+from ._db import release_wal
+from ._errors import CorruptionError, NotFoundError, SnapstoreError
+from ._gc import gc
+from ._inspect import FORMAT, inspect_all, inspect_one
 from ._progress import Meter, human_bytes
 from ._repo import DB_NAME, Repo, SnapshotRepo
+from ._verify import VerifyReport, verify
 
 __all__ = ["main"]
 
-FORMAT = 1
 EXIT_OK, EXIT_DAMAGE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _DELAY_ENV = "_SNAPSTORE_PROGRESS_DELAY"  # tests only: sleep per progress step (to interrupt mid-work)
 
@@ -306,7 +306,7 @@ def _open(root: str, *, readonly: bool, snapshot: bool = False) -> Iterator[Repo
     A read-only session leaves no -wal/-shm files it created behind.
     """
     if snapshot:
-        snap = SnapshotRepo(root)
+        snap = SnapshotRepo.open(root)
         try:
             yield snap
         finally:
@@ -314,117 +314,13 @@ def _open(root: str, *, readonly: bool, snapshot: bool = False) -> Iterator[Repo
         return
     db_path = os.path.join(root, DB_NAME)
     had_wal = os.path.exists(db_path + "-wal") or os.path.exists(db_path + "-shm")
-    repo = Repo(root, readonly=readonly, create=False)
+    repo = Repo.open(root, readonly=readonly, create=False)
     try:
         yield repo
     finally:
         repo.close()
         if readonly and not had_wal:
             release_wal(db_path)
-
-
-# -- inspect ---------------------------------------------------------------------------------
-def _snapshot_entry(c: Conn, s: SnapRow, keys: dict[int, str], kids: dict[int, list[int]],
-                    with_chunks: bool = False) -> dict[str, Any]:
-    parts = Database.parts(c, s.id)
-    counts: dict[bytes, int] = {}
-    rows_by_chunk: dict[bytes, Any] = {}
-    part_list: list[dict[str, Any]] = []
-    for p in parts:
-        chunks = Database.part_chunks(c, s.id, p.name)
-        entry: dict[str, Any] = {
-            "name": p.name, "kind": "rows" if p.kind == 1 else "fixed", "dtype": p.dtype, "shape": list(p.shape),
-            "component": p.component, "row_start": p.row_start, "row_end": p.row_end, "nbytes": p.nbytes,
-            "chunk_count": len(chunks)}
-        listed: list[dict[str, Any] | None] = []
-        for ch in chunks:
-            if ch is None:
-                listed.append(None)
-                continue
-            counts[ch.id] = counts.get(ch.id, 0) + 1
-            rows_by_chunk[ch.id] = ch
-            listed.append({"id": ch.id.hex(), "raw_len": ch.raw_len, "stored_len": ch.stored_len,
-                           "codec": CODEC_NAMES.get(ch.codec, str(ch.codec)), "refs": ch.refs})
-        if with_chunks:
-            entry["chunks"] = listed
-            entry["missing_chunk_rows"] = sum(1 for x in listed if x is None)
-        part_list.append(entry)
-    stored = sum(ch.stored_len for ch in rows_by_chunk.values())
-    exclusive = sum(ch.stored_len for cid, ch in rows_by_chunk.items() if ch.refs <= counts[cid])
-    d: dict[str, Any] = {
-        "id": s.id, "identity": keys.get(s.identity_id), "namespace": s.namespace or None,
-        "parent_id": s.parent_id, "children": sorted(kids.get(s.id, [])), "depth": s.depth,
-        "n_tokens": s.n_tokens, "base_tokens": s.base_tokens,
-        "rows": {p.name: p.row_end for p in parts if p.kind == 1},
-        "components": sorted({p.component for p in parts if p.component is not None}),
-        "parts": [p.name for p in parts],
-        "logical_bytes": s.logical_bytes, "segment_bytes": sum(p.nbytes for p in parts),
-        "stored_bytes": stored, "exclusive_bytes": exclusive,
-        "pinned": bool(kids.get(s.id)), "pending": s.state == 0, "matchable": bool(s.matchable),
-        "session": s.session, "created": s.created, "last_used": s.last_used, "hits": s.hits,
-    }
-    if with_chunks:
-        d["part_details"] = part_list
-    return d
-
-
-def _identity_fields(canonical: str) -> dict[str, Any]:
-    try:
-        fields = json.loads(canonical)
-    except ValueError:
-        return {"unparsable": canonical}
-    return fields if isinstance(fields, dict) else {"value": fields}
-
-
-def _inspect_all(c: Conn, root: str) -> dict[str, Any]:
-    from ._store import stats_of
-
-    idents = Database.identities(c)
-    keys = {i: key for i, key, *_ in idents}
-    snaps = Database.snapshots(c)
-    kids: dict[int, list[int]] = {}
-    for s in snaps:
-        if s.parent_id is not None:
-            kids.setdefault(s.parent_id, []).append(s.id)
-    ids = {s.id for s in snaps}
-    entries = [_snapshot_entry(c, s, keys, kids) for s in snaps]
-    identities = []
-    for ident_id, key, canonical, created, last_open in idents:
-        mine = [s for s in snaps if s.identity_id == ident_id]
-        namespaces: dict[str, list[int]] = {}
-        for s in mine:
-            bucket = namespaces.setdefault(s.namespace, [])
-            if s.parent_id is None or s.parent_id not in ids:
-                bucket.append(s.id)
-        identities.append({
-            "key": key, "fields": _identity_fields(canonical), "created": created, "last_open": last_open,
-            "snapshots": len(mine),
-            "namespaces": [{"namespace": ns or None, "snapshots": sum(1 for s in mine if s.namespace == ns),
-                            "roots": sorted(r)} for ns, r in sorted(namespaces.items())]})
-    st = stats_of(c, 0, 0)
-    referenced = sum(ch.raw_len for s in snaps for p in Database.parts(c, s.id)
-                     for ch in Database.part_chunks(c, s.id, p.name) if ch is not None)
-    totals = {
-        "identities": len(idents), "snapshots": st.snapshots, "entries": st.entries, "pending": st.pending,
-        "chunks": st.chunks, "logical_bytes": st.logical_bytes, "referenced_bytes": referenced,
-        "stored_bytes": st.stored_bytes, "dedup_ratio": round(st.dedup_ratio, 4),
-        "logical_ratio": round(st.logical_bytes / st.stored_bytes, 4) if st.stored_bytes else 1.0,
-    }
-    return {"format": FORMAT, "command": "inspect", "dir": os.path.abspath(root), "identities": identities,
-            "snapshots": entries, "totals": totals}
-
-
-def _inspect_one(c: Conn, root: str, sid: int) -> dict[str, Any]:
-    s = Database.snapshot(c, sid)
-    if s is None:
-        raise NotFound(f"no snapshot {sid} in {root} (evicted, superseded, abandoned or never saved)")
-    keys = {i: key for i, key, *_ in Database.identities(c)}
-    kids = {sid: Database.children(c, sid)}
-    entry = _snapshot_entry(c, s, keys, kids, with_chunks=True)
-    entry["parts"] = entry.pop("part_details")
-    entry["chain"] = [{"id": x.id, "n_tokens": x.n_tokens, "base_tokens": x.base_tokens, "pending": x.state == 0,
-                       "matchable": bool(x.matchable)} for x in Database.chain(c, sid)]
-    return {"format": FORMAT, "command": "inspect", "dir": os.path.abspath(root), "snapshot": entry}
 
 
 def _snap_line(d: dict[str, Any], now: float) -> str:
@@ -534,9 +430,9 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
     root = _store_dir(args)
     with _open(root, readonly=True, snapshot=True) as repo:
         if args.id is not None:
-            doc = repo.db.read(lambda c: _inspect_one(c, root, args.id))
+            doc = repo.db.read(lambda c: inspect_one(c, root, args.id))
         else:
-            doc = repo.db.read(lambda c: _inspect_all(c, root))
+            doc = repo.db.read(lambda c: inspect_all(c, root))
     if args.json:
         _emit_json(doc)
     elif args.id is not None:
@@ -620,7 +516,7 @@ def _print_verify(doc: dict[str, Any], sqlite_errors: list[str], out: _Out, repa
 
 # -- gc --------------------------------------------------------------------------------------
 def _resolve_identity(repo: Repo, key: str) -> str:
-    keys = [k for _i, k, *_ in repo.db.read(Database.identities)]
+    keys = [k for _i, k, *_ in repo.db.read(lambda t: t.identities())]
     if key in keys:
         return key
     hits = [k for k in keys if k.startswith(key)] if len(key) >= 6 else []
@@ -685,7 +581,7 @@ def _print_gc(doc: dict[str, Any], out: _Out) -> None:
 
 # -- stats -----------------------------------------------------------------------------------
 def cmd_stats(args: argparse.Namespace, out: _Out) -> int:
-    from ._store import stats_of
+    from ._inspect import stats_of
 
     root = _store_dir(args)
     disk_budget = Budget().resolved().disk_bytes or 0
@@ -744,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _emit_error(command, "interrupted; the store is consistent (`snapstore gc` collects any leftovers)",
                     EXIT_INTERRUPTED, args.json)
         return EXIT_INTERRUPTED
-    except NotFound as e:
+    except (NotFound, NotFoundError) as e:
         _close_meters()
         _emit_error(command, str(e), EXIT_DAMAGE, args.json)
         return EXIT_DAMAGE
@@ -773,18 +669,18 @@ def _remote(command: str, args: argparse.Namespace) -> int:
             _COMMANDS[command](args, out)
             if command == "stats":  # this node's traffic with the shared tier
                 with _open(root, readonly=True, snapshot=True) as repo:
-                    mine = repo.db.read(lambda c: sorted((k, v) for k, v in Database.counters(c).items()
+                    mine = repo.db.read(lambda c: sorted((k, v) for k, v in c.counters().items()
                                                          if k.startswith("remote_")))
                 out.line("  " + (", ".join(f"{k[7:]}={v}" for k, v in mine) or "no shared-tier traffic yet"))
             return None
         with _open(root, readonly=True, snapshot=True) as repo:
             if command == "stats":
-                from ._store import stats_of
+                from ._inspect import stats_of
                 st = repo.db.read(lambda c: stats_of(c, Budget().resolved().disk_bytes or 0, 0))
                 return {"dir": os.path.abspath(root), "stats": st.to_dict(),
-                        "counters": repo.db.read(lambda c: {k: v for k, v in Database.counters(c).items()
+                        "counters": repo.db.read(lambda c: {k: v for k, v in c.counters().items()
                                                             if k.startswith("remote_")})}
-            return {"dir": os.path.abspath(root), "local": repo.db.read(lambda c: _inspect_all(c, root))}
+            return {"dir": os.path.abspath(root), "local": repo.db.read(lambda c: inspect_all(c, root))}
 
     return run_remote(command, args, out.line, _emit_json, local)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import platformdirs
@@ -11,7 +12,7 @@ import platformdirs
 from ._errors import ConfigError
 from ._layout import Layout
 
-__all__ = ["Budget", "default_dir", "env_int", "pending_lease"]
+__all__ = ["Budget", "StoreOptions", "default_dir", "env_int", "pending_lease", "store_options"]
 
 MIB = 1 << 20
 DEFAULT_DISK_MIB = 51200
@@ -126,3 +127,57 @@ class Budget:
             raise ConfigError("for_model needs conversations >= 1, tokens >= 1 and headroom >= 1")
         per = tokens * layout.bytes_per_token + layout.fixed_bytes
         return cls(disk_bytes=int(conversations * per * headroom), **kw)  # type: ignore[arg-type]
+
+
+DEFAULT_CHUNK_MIB = 32  # measured: docs/benchmarks.md (chunk size sweep)
+DEFAULT_STAGING_MIB = 64
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """Store.open's knobs, resolved: keyword, then ``SNAPSTORE_*`` environment, then default."""
+
+    root: str
+    chunk_bytes: int
+    codec: str
+    staging_bytes: int
+    check_rows: bool
+    pending_lease: float
+
+
+def store_options(path: str | os.PathLike[str] | None, *, chunk_bytes: int | None, codec: str | None,
+                  staging_bytes: int | None, check_rows: bool | None, pending_lease: float | None,
+                  codecs: Iterable[str]) -> StoreOptions:
+    """Resolve and check Store.open's options (ConfigError with the fix for a bad one)."""
+    env_chunk, env_staging = env_int("SNAPSTORE_CHUNK_MIB"), env_int("SNAPSTORE_STAGING_MIB")
+    if env_chunk == 0 or env_staging == 0:
+        raise ConfigError("$SNAPSTORE_CHUNK_MIB and $SNAPSTORE_STAGING_MIB must be >= 1")
+    chunk = chunk_bytes if chunk_bytes is not None else (env_chunk or DEFAULT_CHUNK_MIB) * MIB
+    staging = staging_bytes if staging_bytes is not None else (env_staging or DEFAULT_STAGING_MIB) * MIB
+    if not isinstance(chunk, int) or chunk < 4096 or chunk % 4096 or chunk > (1 << 30):
+        raise ConfigError(f"chunk_bytes must be a multiple of 4096 in [4 KiB, 1 GiB], got {chunk!r}")
+    if not isinstance(staging, int) or staging < chunk:
+        raise ConfigError(f"staging_bytes ({staging}) must be >= chunk_bytes ({chunk}): chunks are "
+                          "bounded by the staging buffer")
+    codec_name = codec if codec is not None else os.environ.get("SNAPSTORE_CODEC", "raw")
+    known = sorted(codecs)
+    if codec_name not in known:
+        raise ConfigError(f"codec must be one of {known}, got {codec_name!r}")
+    if check_rows is None:
+        flag = os.environ.get("SNAPSTORE_CHECK_ROWS", "0").strip().lower()
+        if flag not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+            raise ConfigError(f"$SNAPSTORE_CHECK_ROWS must be 0/1 (or true/false), got {flag!r}")
+        check_rows = flag in ("1", "true", "yes", "on")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"path must be a directory path or None, got {path!r}")
+    root = os.fspath(path) if path is not None else default_dir()
+    if not isinstance(root, str):
+        raise ConfigError(f"path must be a str (or os.PathLike of str), got {path!r}")
+    if not root.strip():
+        # "" would silently become the current directory; None is how to ask for the default
+        raise ConfigError(f"store path {root!r} is empty; pass a directory, or path=None for "
+                          "$SNAPSTORE_DIR / the per-user cache directory")
+    return StoreOptions(root, chunk, codec_name, staging, bool(check_rows), _resolve_lease(pending_lease))
+
+
+_resolve_lease = pending_lease  # store_options() takes a keyword of the same name

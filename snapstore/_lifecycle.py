@@ -1,97 +1,166 @@
-"""Lifecycle policy inside one write transaction: delete, supersede, evict, expire, drop stale.
+"""Lifecycle policy inside one write transaction: one copy of each rule, whoever applies it.
 
-Every function returns the chunk ids whose last reference it removed; the caller unlinks their
-files only after the transaction commits (:meth:`Repo.unlink_unreferenced`).
+Open-time housekeeping, :meth:`Store.close` and ``gc`` call the same functions, with their
+differences as arguments: drop dead pending captures, drop other identities, expire, evict;
+plus delete, supersede and the pruning of chain links. Each bumps its own counter. Chunk rows
+they remove are recorded on the transaction (:attr:`Txn.freed`); the repository's write path
+unlinks the files after the commit (:meth:`snapstore._repo.Repo.write`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from ._db import Conn, Database, SnapRow
+from ._catalog import SnapRow, SnapState, Txn
+from ._owner import Liveness
 from ._tokens import TokenIndex
 
-__all__ = ["drop_leaf", "drop_subtree", "evict_until", "over_budget", "supersede"]
+__all__ = ["drop_dead_pending", "drop_identities", "drop_leaf", "drop_subtree", "evict_until", "expire",
+           "over_budget", "supersede"]
 
 
-def over_budget(c: Conn, disk_bytes: int | None, max_entries: int | None) -> str | None:
+def over_budget(t: Txn, disk_bytes: int | None, max_entries: int | None) -> str | None:
     """Which limit the catalog exceeds now ("disk_budget", "max_entries"), or None."""
-    if disk_bytes is not None and Database.stored_bytes(c) > disk_bytes:
+    if disk_bytes is not None and t.stored_bytes() > disk_bytes:
         return "disk_budget"
-    if max_entries is not None and Database.entry_count(c) > max_entries:
+    if max_entries is not None and t.entry_count() > max_entries:
         return "max_entries"
     return None
 
 
-def drop_subtree(c: Conn, sid: int) -> tuple[list[bytes], list[int]]:
-    """Delete a snapshot and every descendant (deepest first); then prune dead ancestors."""
-    freed: list[bytes] = []
+def drop_subtree(t: Txn, sid: int) -> tuple[list[int], list[int]]:
+    """Delete a snapshot and every descendant (deepest first); then prune dead ancestors.
+
+    Returns (the snapshot and its descendants, the ancestors pruned as bare chain links).
+    """
     gone: list[int] = []
-    for d in Database.descendants(c, sid):
-        freed += Database.delete_snapshot(c, d)
+    for d in t.descendants(sid):
+        t.delete_snapshot(d)
         gone.append(d)
-    f, g = drop_leaf(c, sid)
-    return freed + f, gone + g
+    own, pruned = drop_leaf(t, sid)
+    return gone + own, pruned
 
 
-def drop_leaf(c: Conn, sid: int) -> tuple[list[bytes], list[int]]:
-    """Delete a childless snapshot, then any ancestor left childless that only served as a chain link."""
-    snap = Database.snapshot(c, sid)
+def drop_leaf(t: Txn, sid: int) -> tuple[list[int], list[int]]:
+    """Delete a childless snapshot, then any ancestor left childless that only served as a chain link.
+
+    Returns ([sid] or [] if it was gone already, the ancestors pruned).
+    """
+    snap = t.snapshot(sid)
     if snap is None:
         return [], []
-    freed = Database.delete_snapshot(c, sid)
-    gone = [sid]
+    t.delete_snapshot(sid)
+    pruned: list[int] = []
     parent = snap.parent_id
     while parent is not None:
-        p = Database.snapshot(c, parent)
-        if p is None or p.matchable or Database.has_children(c, parent):
+        p = t.snapshot(parent)
+        if p is None or p.matchable or t.has_children(parent):
             break
-        freed += Database.delete_snapshot(c, parent)
-        gone.append(parent)
+        t.delete_snapshot(parent)
+        pruned.append(parent)
         parent = p.parent_id
-    return freed, gone
+    return [sid], pruned
 
 
-def supersede(c: Conn, new: SnapRow, index: TokenIndex) -> tuple[list[bytes], int]:
+def supersede(t: Txn, new: SnapRow, index: TokenIndex) -> int:
     """In the new snapshot's session, retire older committed snapshots it strictly extends.
 
     A retired snapshot stops being matched and loses its fixed parts; if it still carries a
     chain (it is the new one's ancestor, or another branch's), its row segments stay.
     """
     if new.session is None:
-        return [], 0
-    freed: list[bytes] = []
+        return 0
     count = 0
-    for old in Database.session_prefixes(c, new.identity_id, new.namespace, new.session, new.n_tokens, new.id):
+    for old in t.session_prefixes(new.identity_id, new.namespace, new.session, new.n_tokens, new.id):
         if old.prefix_key != index.prefix_key(old.n_tokens):
             continue  # same session, not a prefix: untouched
-        freed += Database.drop_fixed_parts(c, old.id)
-        Database.set_unmatchable(c, old.id)
-        if not Database.has_children(c, old.id):
-            f, _ = drop_leaf(c, old.id)
-            freed += f
+        t.drop_fixed_parts(old.id)
+        t.set_unmatchable(old.id)
+        if not t.has_children(old.id):
+            drop_leaf(t, old.id)
         count += 1
     if count:
-        Database.add_counter(c, "supersedes", count)
-    return freed, count
+        t.add_counter("supersedes", count)
+    return count
 
 
-def evict_until(c: Conn, fits: Callable[[list[bytes]], bool], protect: Iterable[int]) -> tuple[bool, list[bytes], int]:
-    """Pop least-recently-used committed leaves (never ``protect``) until ``fits(freed)``.
+def evict_until(t: Txn, fits: Callable[[list[bytes]], bool], protect: Iterable[int]) -> tuple[bool, list[int]]:
+    """Pop least-recently-used committed leaves (never ``protect``) until ``fits(t.freed)``.
 
-    Returns (fits now, freed chunk ids, snapshots evicted).
+    Returns (fits now, snapshot ids evicted, pruned chain links included); counts "evictions".
     """
     keep = set(protect)
-    freed: list[bytes] = []
+    gone: list[int] = []
     evicted = 0
-    while not fits(freed):
+    while not fits(t.freed):
         # one leaf at a time: dropping it may turn its (older) parent into the next LRU leaf
-        leaves = Database.lru_leaves(c, keep, limit=1)
+        leaves = t.lru_leaves(keep, limit=1)
         if not leaves:
-            return False, freed, evicted
-        f, _ = drop_leaf(c, leaves[0].id)
-        freed += f
+            return False, gone
+        own, pruned = drop_leaf(t, leaves[0].id)
+        gone += own + pruned
         evicted += 1
     if evicted:
-        Database.add_counter(c, "evictions", evicted)
-    return True, freed, evicted
+        t.add_counter("evictions", evicted)
+    return True, gone
+
+
+def drop_dead_pending(t: Txn, live: Liveness) -> tuple[list[int], list[int], list[str]]:
+    """Drop every pending capture whose owner is dead (with its descendants) and the dead owners' rows.
+
+    Counts each dropped capture (not the chain links pruned after it) as "abandoned". Returns
+    (captures dropped, chain links pruned, owner ids removed); the caller reaps the owners' lock
+    files after the commit (:func:`snapstore._owner.reap_lock_files`).
+    """
+    gone: list[int] = []
+    pruned: list[int] = []
+    for snap in live.dead_pending(t):
+        if t.snapshot(snap.id) is not None:
+            g, p = drop_subtree(t, snap.id)
+            gone += g
+            pruned += p
+    dead = live.dead_owners()
+    for oid in dead:
+        t.delete_owner(oid)
+    if gone:
+        t.add_counter("abandoned", len(gone))
+    return gone, pruned, dead
+
+
+def drop_identities(t: Txn, doomed: Callable[[str], bool], live: Liveness) -> list[int]:
+    """Drop the snapshots of every identity whose key is ``doomed``, deepest first, and its row.
+
+    A live owner's pending capture stays, and with it the chain it extends (its ancestors keep a
+    child); such an identity's row stays too. Counts the drops as "stale_dropped". No chunk file
+    is read (invariant 7).
+    """
+    gone: list[int] = []
+    for ident_id, key, *_ in t.identities():
+        if not doomed(key):
+            continue
+        for snap in sorted(t.snapshots(ident_id), key=lambda s: -s.depth):
+            if snap.state == SnapState.PENDING and live.alive(snap.owner, snap.created):
+                continue
+            if t.snapshot(snap.id) is not None and not t.has_children(snap.id):
+                t.delete_snapshot(snap.id)
+                gone.append(snap.id)
+        t.delete_identity(ident_id)  # only once it holds no snapshot
+    if gone:
+        t.add_counter("stale_dropped", len(gone))
+    return gone
+
+
+def expire(t: Txn, before: float) -> list[int]:
+    """Drop committed leaves last used before ``before`` (and the chain links they leave bare).
+
+    Counts every snapshot dropped as "expired".
+    """
+    gone: list[int] = []
+    for snap in t.expired(before):
+        if t.snapshot(snap.id) is None or t.has_children(snap.id):
+            continue
+        own, pruned = drop_subtree(t, snap.id)
+        gone += own + pruned
+    if gone:
+        t.add_counter("expired", len(gone))
+    return gone

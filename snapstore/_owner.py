@@ -9,7 +9,8 @@ directory; flock over NFS is not reliable) cannot be probed: it is alive until i
 Pids and hostnames are never used to decide anything (they lie across namespaces and pod restarts).
 
 Every sweep of dead pending captures (open-time housekeeping, gc, verify's listing, close) goes
-through :class:`Liveness` and :func:`collect_dead`; nothing else judges an owner.
+through :class:`Liveness` (and :func:`snapstore._lifecycle.drop_dead_pending`); nothing else judges
+an owner.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import time
 import weakref
 from collections.abc import Iterable
 
-from ._db import Conn, Database, OwnerRow, SnapRow
+from ._catalog import OwnerRow, SnapRow
+from ._catalog import Txn as Conn
+from ._db import Database
 from ._errors import SnapstoreError, StateError
-from ._lifecycle import drop_subtree
 from ._publish import ensure_dir, io_error
 
-__all__ = ["OWNERS_DIR", "OWNER_PREFIX", "Liveness", "Owner", "collect_dead", "kernel_id", "owner_id",
-           "reap_lock_files"]
+__all__ = ["OWNERS_DIR", "OWNER_PREFIX", "Liveness", "Owner", "kernel_id", "owner_id", "reap_lock_files"]
 
 OWNERS_DIR = "owners"
 # The token stored in snapshots.owner. Shaped like the previous "<host>:<pid>:<start>:<nonce>" form
@@ -233,7 +234,7 @@ class Liveness:
 
     def __init__(self, root: str, c: Conn, lease: float, now: float | None = None):
         self._dir = os.path.join(root, OWNERS_DIR)
-        self._owners: dict[str, OwnerRow] = Database.owners(c)
+        self._owners: dict[str, OwnerRow] = c.owners()
         self._lease = lease
         self._now = time.time() if now is None else now
         self._kernel = kernel_id()
@@ -290,32 +291,11 @@ class Liveness:
 
     def dead_pending(self, c: Conn) -> list[SnapRow]:
         """Pending captures whose owner is provably gone or whose lease expired."""
-        return [s for s in Database.pending(c) if not self.alive(s.owner, s.created)]
+        return [s for s in c.pending() if not self.alive(s.owner, s.created)]
 
     def dead_owners(self) -> list[str]:
         """Registered owners that are provably gone or whose lease expired."""
         return [oid for oid in self._owners if not self.alive(OWNER_PREFIX + oid, self._now)]
-
-
-def collect_dead(c: Conn, root: str, lease: float, live: Liveness | None = None
-                 ) -> tuple[list[bytes], list[int], list[str]]:
-    """Drop every dead pending capture (with its descendants) and every dead owner's row.
-
-    Returns (chunk ids freed, snapshot ids dropped, owner ids removed); the caller unlinks the
-    chunk files after its transaction commits and then :func:`reap_lock_files` the owners.
-    """
-    live = live or Liveness(root, c, lease)
-    freed: list[bytes] = []
-    gone: list[int] = []
-    for snap in live.dead_pending(c):
-        if Database.snapshot(c, snap.id) is not None:
-            f, g = drop_subtree(c, snap.id)
-            freed += f
-            gone += g
-    dead = live.dead_owners()
-    for oid in dead:
-        Database.delete_owner(c, oid)
-    return freed, gone, dead
 
 
 def reap_lock_files(root: str, ids: Iterable[str] | None = None, registered: Iterable[str] = ()) -> int:
@@ -465,7 +445,7 @@ class Owner:
         """Register or renew this owner's lease inside the caller's write transaction."""
         self._refuse_inherited()
         self._keep_file()
-        Database.renew_owner(c, self.id, self.kernel, self.host, self.pid, self.lease, time.time())
+        c.renew_owner(self.id, self.kernel, self.host, self.pid, self.lease, time.time())
 
     def _keep_file(self) -> None:
         """Make the lock file again if it is no longer the one we hold (an operator removed it or
@@ -504,11 +484,11 @@ class Owner:
     def retire(self, c: Conn) -> None:
         """Remove this owner's row (in the transaction that drops its remaining captures)."""
         self._refuse_inherited()
-        Database.delete_owner(c, self.id)
+        c.delete_owner(self.id)
 
     def _row_gone(self) -> bool:
         try:
-            return self.id not in self._db.read(Database.owners)
+            return self.id not in self._db.read(lambda c: c.owners())
         except SnapstoreError:
             return False
 

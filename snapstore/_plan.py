@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._buffers import Sink, as_sink
-from ._db import ChunkRow, Conn, Database, PartRow, SnapRow
+from ._db import ChunkRow, Conn, PartRow, SnapRow
 from ._errors import CorruptChunkError, DestinationError, SnapshotUnavailableError
 from ._layout import Fixed, Layout, PartSpec, Rows
 
@@ -54,7 +54,7 @@ def _spec_matches(p: PartRow, spec: PartSpec) -> bool:
 
 
 def _chunks(c: Conn, sid: int, part: PartRow) -> list[ChunkRow]:
-    chunks = Database.part_chunks(c, sid, part.name)
+    chunks = c.part_chunks(sid, part.name)
     if any(ch is None for ch in chunks):
         raise SnapshotUnavailableError(
             f"snapshot {sid} part {part.name!r} references a chunk that is gone; nothing was written",
@@ -93,7 +93,7 @@ def build_plan(c: Conn, sid: int, chain: list[SnapRow], layout: Layout, into: Ma
                 f"snapshot {sid}: chain is not contiguous at snapshot {link.id} "
                 f"(starts at token {link.base_tokens}, parent ends at {prev_n})", snapshot_id=sid)
         prev_n = link.n_tokens
-    parts_by_link = [{p.name: p for p in Database.parts(c, link.id)} for link in chain]
+    parts_by_link = [{p.name: p for p in c.parts(link.id)} for link in chain]
     plan = RestorePlan(sid, leaf.n_tokens, [s.id for s in chain], {}, set())
     for name, spec in layout.parts.items():
         if spec.component is not None and spec.component not in components:

@@ -40,7 +40,7 @@ import numpy as np
 from ._chunker import settle
 from ._chunkfile import CODEC_RAW, HEADER_SIZE, checksum, chunk_id, decode_payload, header_at, parse_header, scope_key
 from ._config import env_int
-from ._db import Conn, Database, SnapRow
+from ._db import Conn, SnapRow
 from ._errors import (
     ConfigError,
     CorruptChunkError,
@@ -173,12 +173,12 @@ class RemoteTier:
     # -- publish -----------------------------------------------------------------------------
     def _local_chain(self, sid: int) -> list[tuple[SnapRow, list[tuple[Any, list[Any]]]]] | None:
         def run(c: Conn) -> list[tuple[SnapRow, list[tuple[Any, list[Any]]]]] | None:
-            snap = Database.snapshot(c, sid)
+            snap = c.snapshot(sid)
             if snap is None or snap.state != 1:
                 return None
             out = []
-            for link in Database.chain(c, sid):
-                parts = [(p, Database.part_chunks(c, link.id, p.name)) for p in Database.parts(c, link.id)]
+            for link in c.chain(sid):
+                parts = [(p, c.part_chunks(link.id, p.name)) for p in c.parts(link.id)]
                 out.append((link, parts))
             return out
 
@@ -419,7 +419,7 @@ class RemoteTier:
         keys = {ch.id: (scope_key(self._identity.key, hit.namespace, p.dtype, p.shape),
                         scope_key(self._identity.key, hit.namespace))
                 for mf in hit.chain for p in mf.parts for ch in p.chunks}
-        have = self._repo.db.read(lambda c: {cid for cid in needed if Database.chunk_exists(c, cid)})
+        have = self._repo.db.read(lambda c: {cid for cid in needed if c.chunk_exists(cid)})
         todo = [e for cid, e in needed.items() if cid not in have]
         # the files that did arrive before an error are orphans until a row references them: gc collects them
         results = list(self._pool.map(lambda e: self._fetch(hit.scope, keys[e.id], e), todo))
@@ -429,9 +429,9 @@ class RemoteTier:
         now = time.time()
         ns = hit.namespace
 
-        def txn(c: Conn) -> tuple[int, list[bytes]]:
+        def txn(c: Conn) -> int:
             for cid, e in needed.items():
-                if Database.chunk(c, cid) is not None:
+                if c.chunk(cid) is not None:
                     continue
                 try:
                     head, size = header_at(self._repo.blob_path(cid))
@@ -439,45 +439,45 @@ class RemoteTier:
                     raise _Retry() from None
                 if head.raw_len != e.raw_len or head.checksum != e.checksum:
                     raise _Retry()
-                Database.add_chunk(c, cid, e.raw_len, size, head.codec, e.checksum, used.get(cid, keys[cid][0]), now)
+                c.add_chunk(cid, e.raw_len, size, head.codec, e.checksum, used.get(cid, keys[cid][0]), now)
             iid = identity_id(c)
             parent_id: int | None = None
             depth = -1
             ids: list[int] = []
             for mf in hit.chain:
-                same = Database.same_content(c, iid, ns, mf.prefix_key, mf.content_key)
+                same = c.same_content(iid, ns, mf.prefix_key, mf.content_key)
                 if same is not None and same.parent_id == parent_id:
                     parent_id, depth = same.id, same.depth
                     ids.append(same.id)
-                    Database.touch(c, same.id, now, False)
+                    c.touch(same.id, now, False)
                     continue
                 depth += 1
-                sid = Database.insert_snapshot(
-                    c, identity_id=iid, namespace=ns, parent_id=parent_id, depth=depth, n_tokens=mf.n_tokens,
+                sid = c.insert_snapshot(
+                    identity_id=iid, namespace=ns, parent_id=parent_id, depth=depth, n_tokens=mf.n_tokens,
                     base_tokens=mf.base_tokens, token_width=mf.token_width, tokens=mf.tokens, anchor=mf.anchor,
                     prefix_key=mf.prefix_key, content_key=mf.content_key, session=None, state=1, owner=None,
                     now=now, logical_bytes=mf.logical_bytes)
                 if not mf.matchable:
-                    Database.set_unmatchable(c, sid)
+                    c.set_unmatchable(sid)
                 for p in mf.parts:
-                    Database.insert_part(c, sid, p.name, p.kind, p.dtype, p.shape, p.component, p.row_start,
-                                         p.row_end, p.nbytes, [ch.id for ch in p.chunks])
+                    c.insert_part(sid, p.name, p.kind, p.dtype, p.shape, p.component, p.row_start,
+                                  p.row_end, p.nbytes, [ch.id for ch in p.chunks])
                 parent_id = sid
                 ids.append(sid)
-            ok, freed, _ = evict_until(c, lambda fr: fits(c, fr), set(ids))
+            ok, _ = evict_until(c, lambda fr: fits(c, fr), set(ids))
             if not ok:
                 raise _NoRoom()
-            Database.add_counter(c, "remote_imports", 1)
-            return ids[-1], freed
+            c.add_counter("remote_imports", 1)
+            return ids[-1]
 
         try:
-            sid, freed = self._repo.db.write(txn)
+            # evicted leaves' chunk files go after the commit (Repo.write)
+            sid = self._repo.write(txn)
         except _NoRoom:
-            self._repo.unlink_unreferenced(created)
+            self._repo.sweep(created)
             raise SnapshotUnavailableError(
                 f"the shared tier's snapshot ({hit.chain[-1].n_tokens} tokens) does not fit the local budget "
                 "even after evicting unpinned leaves; nothing was written") from None
-        self._repo.unlink_unreferenced(freed)
         return sid
 
     def _fetch(self, scope: str, keys: tuple[bytes, bytes], e: ChunkEntry) -> tuple[bytes, bool, bytes]:

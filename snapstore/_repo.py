@@ -9,22 +9,24 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from ._chunkfile import is_hex_id
-from ._db import Conn, Database, MemDatabase, snapshot_catalog
-from ._errors import ConfigError, CorruptionError, StoreFormatError
+from ._db import Database, MemDatabase, Txn, snapshot_catalog
+from ._errors import ConfigError, CorruptionError, SnapstoreError, StoreFormatError
 from ._publish import ensure_dir, fsync_dir, io_error
 
 __all__ = ["Repo", "unlink_unreferenced"]
 
 DB_NAME = "snapstore.db"
 _HEX2 = [f"{i:02x}" for i in range(256)]
+T = TypeVar("T")
 
 
 class Repo:
-    """Paths and catalog of one store directory."""
+    """Paths and catalog of one store directory, and its write path (rows first, files after commit)."""
 
-    def __init__(self, root: str, *, readonly: bool = False, create: bool = True):
+    def __init__(self, root: str, *, readonly: bool = False, db: Database | None = None) -> None:
         if not isinstance(root, (str, os.PathLike)):
             raise ConfigError(f"store path must be a path, got {root!r}")
         self.root = os.path.abspath(os.fspath(root))
@@ -32,27 +34,72 @@ class Repo:
         self.tmp = os.path.join(self.root, "tmp")
         self.db_path = os.path.join(self.root, DB_NAME)
         self.readonly = readonly
+        self.db = db if db is not None else Database(self.db_path, readonly=readonly)
+
+    @classmethod
+    def open(cls, root: str, *, readonly: bool = False, create: bool = True) -> Repo:
+        """Open the store directory at ``root`` (creating its directories and catalog if ``create``)."""
+        repo = cls(root, readonly=readonly)
         if readonly or not create:
-            if not os.path.isfile(self.db_path):
-                raise StoreFormatError(f"{self.root} is not a snapstore store (no {DB_NAME})")
+            if not os.path.isfile(repo.db_path):
+                raise StoreFormatError(f"{repo.root} is not a snapstore store (no {DB_NAME})")
         else:
-            fresh = not os.path.exists(self.blobs)
+            repo._create_dirs()
+        repo.db.open()
+        return repo
+
+    def _create_dirs(self) -> None:
+        fresh = not os.path.exists(self.blobs)
+        try:
+            os.makedirs(os.path.dirname(self.root) or ".", mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise io_error(f"cannot create the store directory {self.root}", e) from None
+        ensure_dir(self.root)
+        ensure_dir(self.blobs)
+        ensure_dir(self.tmp)
+        if fresh or not os.path.isdir(os.path.join(self.blobs, "ff")):
+            for h in _HEX2:
+                ensure_dir(os.path.join(self.blobs, h))
             try:
-                os.makedirs(os.path.dirname(self.root) or ".", mode=0o700, exist_ok=True)
+                fsync_dir(self.blobs)
+                fsync_dir(self.root)
             except OSError as e:
-                raise io_error(f"cannot create the store directory {self.root}", e) from None
-            ensure_dir(self.root)
-            ensure_dir(self.blobs)
-            ensure_dir(self.tmp)
-            if fresh or not os.path.isdir(os.path.join(self.blobs, "ff")):
-                for h in _HEX2:
-                    ensure_dir(os.path.join(self.blobs, h))
-                try:
-                    fsync_dir(self.blobs)
-                    fsync_dir(self.root)
-                except OSError as e:
-                    raise io_error(f"cannot fsync {self.root}", e) from None
-        self.db = Database(self.db_path, readonly=readonly)
+                raise io_error(f"cannot fsync {self.root}", e) from None
+
+    def write(self, fn: Callable[[Txn], T], *, durable: bool = True, discard: Iterable[bytes] = (),
+              committed: Callable[[], None] | None = None, deferred: Callable[[], None] | None = None) -> T:
+        """Run ``fn`` in a write transaction, then unlink the chunk files it freed.
+
+        The one place chunk files leave the store: rows first, files after the commit. ``discard``:
+        chunk files this call published for the transaction, unlinked (when still unreferenced) if
+        it fails. ``committed`` runs right after the commit (a test hook). After the commit nothing
+        may fail the call: a file that cannot be unlinked now (the catalog locked too long, an I/O
+        error) stays as an orphan that gc removes later, and ``deferred`` is called.
+        """
+        try:
+            result, freed = self.db.write_collect(fn, durable=durable)
+        except BaseException:
+            try:
+                self.sweep(discard)  # the retry (or the caller) republishes what it needs: no orphans
+            except SnapstoreError:
+                pass  # left as orphans for gc; the transaction's own error is the one to report
+            raise
+        if committed is not None:
+            committed()
+        try:
+            self.sweep(freed)
+        except SnapstoreError:
+            if deferred is not None:
+                deferred()
+        return result
+
+    def sweep(self, ids: Iterable[bytes], batch: int = 1 << 30) -> int:
+        """Unlink chunk files whose rows are gone, ``batch`` per write transaction; returns bytes freed."""
+        todo = list(dict.fromkeys(ids))
+        done = 0
+        for i in range(0, len(todo), batch):
+            done += self.unlink_unreferenced(todo[i:i + batch])
+        return done
 
     def blob_path(self, cid: bytes) -> str:
         """blobs/<2 hex>/<64 hex>: built only from a 32-byte digest, through a real directory.
@@ -104,15 +151,13 @@ class SnapshotRepo(Repo):
     it had to create are removed again (:func:`release_wal`). Chunk files are read live.
     """
 
-    def __init__(self, root: str) -> None:  # no super().__init__(): it would open the catalog on disk
-        self.root = os.path.abspath(os.fspath(root))
-        self.blobs = os.path.join(self.root, "blobs")
-        self.tmp = os.path.join(self.root, "tmp")
-        self.db_path = os.path.join(self.root, DB_NAME)
-        self.readonly = True
-        if not os.path.isfile(self.db_path):
-            raise StoreFormatError(f"{self.root} is not a snapstore store (no {DB_NAME})")
-        self.db = MemDatabase(snapshot_catalog(self.db_path), self.db_path)
+    @classmethod
+    def open(cls, root: str, *, readonly: bool = True, create: bool = False) -> SnapshotRepo:
+        """Copy the catalog of the store at ``root`` into memory (never writing to the store)."""
+        path = os.path.join(os.path.abspath(os.fspath(root)), DB_NAME)
+        if not os.path.isfile(path):
+            raise StoreFormatError(f"{os.path.abspath(os.fspath(root))} is not a snapstore store (no {DB_NAME})")
+        return cls(root, readonly=True, db=MemDatabase(snapshot_catalog(path), path).open())
 
 
 def unlink_unreferenced(db: Database, blob_path: Callable[[bytes], str], ids: Iterable[bytes]) -> int:
@@ -122,10 +167,10 @@ def unlink_unreferenced(db: Database, blob_path: Callable[[bytes], str], ids: It
     if not todo:
         return 0
 
-    def run(c: Conn) -> int:
+    def run(t: Txn) -> int:
         freed = 0
         for cid in todo:
-            if Database.chunk(c, cid) is None:
+            if t.chunk(cid) is None:
                 try:
                     path = blob_path(cid)
                 except CorruptionError:

@@ -161,7 +161,7 @@ def quarantine(db: Database, blob_path: Callable[[bytes], str], damage: Damage) 
     def run(c: Conn) -> int:
         n = 0
         for cid, seen in dict(damage).items():
-            row = Database.chunk(c, cid)
+            row = c.chunk(cid)
             if row is None or row.quarantined is not None:
                 continue
             try:
@@ -173,7 +173,7 @@ def quarantine(db: Database, blob_path: Callable[[bytes], str], damage: Damage) 
                 continue
             if here is not None and here != seen:
                 continue  # missing then but present now, or another file now: republished meanwhile
-            n += Database.quarantine_chunk(c, cid, now)
+            n += c.quarantine_chunk(cid, now)
         return n
 
     return db.write(run)

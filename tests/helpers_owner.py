@@ -40,10 +40,10 @@ def compressible_state(n: int) -> dict[str, np.ndarray]:
 
 
 def resave(path: str, n: int, codec: str) -> None:
-    from snapstore._maintenance import gc
+    from snapstore._gc import gc
     from snapstore._repo import Repo
 
-    repo = Repo(path)
+    repo = Repo.open(path)
     try:
         gc(repo, max_entries=0, grace=3600)
     finally:
@@ -87,12 +87,12 @@ def gcloop(path: str, seconds: float, disk: int) -> None:
     import time
 
     from snapstore import SnapstoreError
-    from snapstore._maintenance import gc
+    from snapstore._gc import gc
     from snapstore._repo import Repo
 
     out: dict[str, object] = {"runs": 0, "dead_pending": 0, "removed": 0, "errors": []}
     errors: list[str] = []
-    repo = Repo(path)
+    repo = Repo.open(path)
     stop = time.monotonic() + seconds
     try:
         while time.monotonic() < stop:

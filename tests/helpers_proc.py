@@ -125,8 +125,7 @@ def check_restore(store: ss.Store, ref: Any, k: int, n: int) -> None:
 
 def snapshot_tokens(store: ss.Store, sid: int) -> np.ndarray:
     """Tokens of a snapshot (through the catalog; tests only)."""
-    from snapstore._db import Database
-    return store._repo.db.read(lambda c: store._tokens_of(c, Database.chain(c, sid)))
+    return store._repo.db.read(lambda c: store._tokens_of(c, c.chain(sid)))
 
 
 # -- fault injection ------------------------------------------------------------------------------
@@ -162,7 +161,7 @@ def install_crash_point(spec: str) -> None:
         setattr(os, name, wrap(getattr(os, name)))
     elif name == "txn":
         from snapstore._db import Database
-        orig_write = Database.write
+        orig_write = Database.write_collect
 
         def write(self: Any, fn: Any, **kw: Any) -> Any:
             def body(c: Any) -> Any:
@@ -174,10 +173,10 @@ def install_crash_point(spec: str) -> None:
                     _die()  # the transaction's statements ran, COMMIT did not
                 return r
             return orig_write(self, body, **kw)
-        Database.write = write  # type: ignore[method-assign]
+        Database.write_collect = write  # type: ignore[method-assign]
     elif name == "dbwrite":
         from snapstore._db import Database
-        Database.write = wrap(Database.write)  # type: ignore[method-assign]
+        Database.write_collect = wrap(Database.write_collect)  # type: ignore[method-assign]
     else:
         raise SystemExit(f"unknown crash point {spec}")
 

@@ -71,7 +71,7 @@ def test_identity_id_of_a_rolled_back_save_is_never_handed_to_another_identity(s
         a.save(toks(50), make_state(LAYOUT, 50), parent=rc.snapshot_id)
 
     # every identity has its own id: A's row (re-created for its save) committed on its own
-    ids = dict(c._repo.db.read(lambda conn: [(k, i) for i, k, *_ in _db.Database.identities(conn)]))
+    ids = dict(c._repo.db.read(lambda conn: [(k, i) for i, k, *_ in conn.identities()]))
     assert ids[ia.key] != ids[ic.key]
     for s in (a, b, c):
         s.close()
@@ -86,7 +86,7 @@ def test_a_snapshot_whose_identity_row_names_another_key_is_never_served(store_d
     st_ = make_state(LAYOUT, 30, seed=3)
     rc = c.save(toks(30), st_)
     c.close()
-    ida = a._repo.db.read(lambda conn: _db.Database.identity_id(conn, ia.key))
+    ida = a._repo.db.read(lambda conn: conn.identity_id(ia.key))
     # what a reused row id amounts to: C's snapshot row now carries A's identity id
     a._repo.db.write(lambda conn: conn.execute("UPDATE snapshots SET identity_id = ? WHERE id = ?",
                                                (ida, rc.snapshot_id)))

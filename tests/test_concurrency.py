@@ -36,7 +36,6 @@ import pytest
 
 import snapstore as ss
 from snapstore._chunkfile import CODEC_NAMES
-from snapstore._db import Database
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -155,7 +154,7 @@ def run_concurrency(path: str, seconds: float) -> dict[str, Any]:
         # writers of different codecs shared the store: every row describes the file at its address
         # (verify checks sizes and headers), and the stored-bytes counter equals the referenced files
         codecs: dict[int, int] = {}
-        for ch in st._repo.db.read(lambda c: list(Database.all_chunks(c))):
+        for ch in st._repo.db.read(lambda c: list(c.all_chunks())):
             codecs[ch.codec] = codecs.get(ch.codec, 0) + 1
         orphans = set(rep.orphan_files)
         on_disk = sum(os.stat(p).st_size for _, p in st._repo.blob_files() if p not in orphans)

@@ -29,8 +29,7 @@ import pytest
 
 import snapstore as ss
 from snapstore._chunkfile import HEADER_SIZE
-from snapstore._db import Database
-from snapstore._maintenance import verify as repo_verify
+from snapstore._verify import verify as repo_verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -101,12 +100,12 @@ def template(request: Any, tmp_path_factory: Any) -> tuple[str, str, dict[int, A
 def _uses(st: ss.Store, sid: int) -> set[bytes]:
     """Chunk ids a full restore of ``sid`` reads (leaf: every part; ancestors: row segments)."""
     def run(c: Any) -> set[bytes]:
-        chain = Database.chain(c, sid)
+        chain = c.chain(sid)
         out: set[bytes] = set()
         for link in chain:
-            for p in Database.parts(c, link.id):
+            for p in c.parts(link.id):
                 if link.id == sid or p.kind == 1:
-                    out.update(ch.id for ch in Database.part_chunks(c, link.id, p.name) if ch is not None)
+                    out.update(ch.id for ch in c.part_chunks(link.id, p.name) if ch is not None)
         return out
     return st._repo.db.read(run)
 
@@ -301,7 +300,7 @@ def _reset(tmpl: str, work: str, tmpl_files: set[str]) -> None:
 
 def ss_repo(path: str) -> Any:
     from snapstore._repo import Repo
-    return Repo(path)
+    return Repo.open(path)
 
 
 def test_reserved_header_bytes_damage_detected(template: Any, tmp_path: Any) -> None:

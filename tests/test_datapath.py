@@ -24,9 +24,8 @@ from conftest import IDENT, LAYOUT, make_state
 
 import snapstore as ss
 from snapstore import _chunker
-from snapstore._db import Database
-from snapstore._maintenance import verify as repo_verify
 from snapstore._repo import Repo
+from snapstore._verify import verify as repo_verify
 
 SMALL = dict(chunk_bytes=4096, staging_bytes=64 * 1024, budget=ss.Budget(reserve_bytes=0, ram_bytes=0),
              check_rows=True)
@@ -52,7 +51,7 @@ def restore_exact(store: ss.Store, ref: Any, state: dict[str, np.ndarray]) -> No
 
 def chunk_ids(store: ss.Store, sid: int) -> list[bytes]:
     def run(c: Any) -> list[bytes]:
-        return [ch.id for p in Database.parts(c, sid) for ch in Database.part_chunks(c, sid, p.name)
+        return [ch.id for p in c.parts(sid) for ch in c.part_chunks(sid, p.name)
                 if ch is not None]
     return store._repo.db.read(run)
 
@@ -141,7 +140,7 @@ def test_layout_differing_only_in_dtype_or_shape_never_dedups(store_dir: str, ch
         changed = "rec.state" if change.startswith("fixed") else "attn.kv"
         ids_b = {ch for ch in chunk_ids(b, rb.snapshot_id)}
         def part_ids(store: ss.Store, sid: int, name: str) -> set[bytes]:
-            return store._repo.db.read(lambda c: {ch.id for ch in Database.part_chunks(c, sid, name)
+            return store._repo.db.read(lambda c: {ch.id for ch in c.part_chunks(sid, name)
                                                   if ch is not None})
         assert part_ids(b, rb.snapshot_id, changed).isdisjoint(ids_a)  # no chunk dedup across layouts
         assert ids_b & ids_a  # the unchanged parts still deduplicate
@@ -172,7 +171,7 @@ def _check_clean(path: str, stores: list[ss.Store]) -> None:
         assert rep.ok, rep.problems
         assert not rep.orphan_files
         assert s.stats().stored_bytes == disk_bytes(s)
-    rep = repo_verify(Repo(path), deep=True, repair=True, grace=0.0)
+    rep = repo_verify(Repo.open(path), deep=True, repair=True, grace=0.0)
     assert rep.ok and not rep.removed_snapshots and not rep.removed_files, rep.problems
 
 
@@ -368,8 +367,8 @@ def test_retried_save_leaves_no_uncounted_orphans(store_dir: str, hook: Any, par
                 if parent == "explicit":
                     s.abandon(p)
                 else:
-                    freed = s._repo.db.write(lambda c: Database.delete_snapshot(c, p.snapshot_id))
-                    s._repo.unlink_unreferenced(freed)  # as an eviction by another process would
+                    # as an eviction by another process would: rows first, files after the commit
+                    s._repo.write(lambda t: t.delete_snapshot(p.snapshot_id))
 
         hook(vanish)
         if parent == "explicit":

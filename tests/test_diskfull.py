@@ -148,12 +148,11 @@ def test_eio_on_read(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def hp_chunks(st: ss.Store, sid: int) -> set[bytes]:
-    from snapstore._db import Database
 
     def run(c: Any) -> set[bytes]:
         out: set[bytes] = set()
-        for p in Database.parts(c, sid):
-            out.update(ch.id for ch in Database.part_chunks(c, sid, p.name) if ch is not None)
+        for p in c.parts(sid):
+            out.update(ch.id for ch in c.part_chunks(sid, p.name) if ch is not None)
         return out
     return st._repo.db.read(run)
 

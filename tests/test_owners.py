@@ -26,7 +26,7 @@ import apsw
 import pytest
 
 import snapstore as ss
-from snapstore._db import Database
+from snapstore._catalog import Txn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -150,7 +150,7 @@ def test_killed_owner_under_another_hostname_is_collected_at_once(tmp_path: Any,
         s.gc(grace=3600)
         names = os.listdir(os.path.join(path, OWNERS_DIR))
         assert names == [s._lease_owner.id + ".lock"]  # the dead owner's lock file is gone, ours stays
-        assert list(s._repo.db.read(Database.owners)) == [s._lease_owner.id]
+        assert list(s._repo.db.read(Txn.owners)) == [s._lease_owner.id]
 
 
 def test_owner_on_another_host_is_collected_after_its_lease(tmp_path: Any) -> None:
@@ -174,7 +174,7 @@ def test_owner_on_another_host_is_collected_after_its_lease(tmp_path: Any) -> No
         assert s.stats().pending == 0
         r = s.save(hp.conv_tokens(3)[:320], hp.expected_state(3, 320))
         assert r.snapshot_id is not None, r.skipped  # the new pod's saves fit again
-        assert list(s._repo.db.read(Database.owners)) == [s._lease_owner.id]
+        assert list(s._repo.db.read(Txn.owners)) == [s._lease_owner.id]
 
 
 def test_owner_on_another_host_that_renews_is_never_collected(tmp_path: Any) -> None:
@@ -201,7 +201,7 @@ def _make_legacy(s: ss.Store, k: int, token: str) -> int:
     r = s.save(hp.conv_tokens(k)[:64], hp.expected_state(k, 64), commit=False)
     assert r.snapshot_id is not None
     sid = r.snapshot_id
-    s._repo.db.write(lambda c: Database.set_state(c, sid, 0, token, time.time()))
+    s._repo.db.write(lambda c: c.set_state(sid, 0, token, time.time()))
     return sid
 
 
@@ -237,22 +237,22 @@ def test_owner_lock_file_row_and_token(store: ss.Store) -> None:
     assert os.listdir(d) == [own.id + ".lock"]
     assert os.stat(os.path.join(d, own.id + ".lock")).st_mode & 0o777 == 0o600
     r = store.save(list(range(50)), hp.make_state(hp.LAYOUT, 50, 1), commit=False)
-    row = store._repo.db.read(lambda c: Database.snapshot(c, r.snapshot_id))
+    row = store._repo.db.read(lambda c: c.snapshot(r.snapshot_id))
     assert row is not None and row.owner == OWNER_PREFIX + own.id
-    owners = store._repo.db.read(Database.owners)
+    owners = store._repo.db.read(Txn.owners)
     assert owners[own.id].pid == os.getpid() and owners[own.id].lease == store.pending_lease == 300.0
     path = store.path
     store.close()
     assert os.listdir(d) == []
     with hp.open_store(path) as s2:
-        assert list(s2._repo.db.read(Database.owners)) == [s2._lease_owner.id]
+        assert list(s2._repo.db.read(Txn.owners)) == [s2._lease_owner.id]
 
 
 def test_lease_is_renewed_in_the_background(store_dir: str) -> None:
     with hp.open_store(store_dir, pending_lease=0.5) as s:
-        first = s._repo.db.read(Database.owners)[s._lease_owner.id].renewed
+        first = s._repo.db.read(Txn.owners)[s._lease_owner.id].renewed
         time.sleep(0.6)
-        assert s._repo.db.read(Database.owners)[s._lease_owner.id].renewed > first + 0.2
+        assert s._repo.db.read(Txn.owners)[s._lease_owner.id].renewed > first + 0.2
 
 
 def test_pending_lease_configuration(store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -344,7 +344,7 @@ def test_lock_file_of_an_owner_on_another_kernel_goes_after_its_lease(tmp_path: 
         (lock,) = [n for n in os.listdir(d) if n != s._lease_owner.id + ".lock"]
         time.sleep(max(0.0, t_dead + 1.3 - time.time()))
         assert s.gc(grace=3600).dead_pending == [child.sid]
-        assert list(s._repo.db.read(Database.owners)) == [s._lease_owner.id]
+        assert list(s._repo.db.read(lambda c: c.owners())) == [s._lease_owner.id]
         assert lock in os.listdir(d)  # a minute has not passed since it was made
         then = time.time() - 120
         os.utime(os.path.join(d, lock), (then, then))  # as if a minute had passed
@@ -366,7 +366,7 @@ def test_fifo_in_owners_does_not_hang_gc(tmp_path: Any) -> None:
         sid = r.snapshot_id
     repo = Repo(path)  # made pending for that owner without any sweep (an old one would hang here)
     try:
-        repo.db.write(lambda c: Database.set_state(c, sid, 0, OWNER_PREFIX + fifo_id, time.time()))
+        repo.db.write(lambda c: c.set_state(sid, 0, OWNER_PREFIX + fifo_id, time.time()))
     finally:
         repo.close()
     fifo = os.path.join(path, OWNERS_DIR, fifo_id + ".lock")
@@ -418,7 +418,7 @@ def test_forked_child_closing_its_copy_leaves_the_parents_owner_alone(tmp_path: 
                 os._exit(code)
         assert _wait_child(pid) == 0
         assert os.path.exists(lock)
-        assert list(s._repo.db.read(Database.owners)) == [s._lease_owner.id]
+        assert list(s._repo.db.read(lambda c: c.owners())) == [s._lease_owner.id]
         after = s.save(hp.conv_tokens(3)[:64], hp.expected_state(3, 64), commit=False)
         assert _gc_cli(path)["dead_pending"] == []  # another process sweeps
         assert s.commit(before).snapshot_id == before.snapshot_id

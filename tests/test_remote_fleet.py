@@ -90,7 +90,7 @@ def test_concurrent_savers_add_no_second_copy(bucket: str, tmp_path: Path) -> No
     created = 0
     for i in range(2):
         st = snapstore.Store.open(tmp_path / f"n{i}", identity=identity(), layout=LAYOUT)
-        created += st._repo.db.read(lambda c: snapstore._db.Database.counters(c)).get("remote_chunks_put", 0)
+        created += st._repo.db.read(lambda c: c.counters()).get("remote_chunks_put", 0)
         st.close()
     assert created == len(chunks), (created, len(chunks))  # no chunk was written twice
     assert verify_remote(client, deep=True).ok
@@ -147,7 +147,7 @@ def test_corrupt_chunk_object_is_detected_never_served_and_counted(bucket: str, 
     assert b.match(tokens) is not None and type(b.match(tokens)).__name__ == "RemoteMatch"  # nothing imported
     b.close()
     b = snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT)
-    counters = b._repo.db.read(lambda c: snapstore._db.Database.counters(c))
+    counters = b._repo.db.read(lambda c: c.counters())
     assert counters.get("remote_corrupt_chunks") == 1
     b.close()
     rep = verify_remote(client, deep=True)
@@ -254,7 +254,7 @@ def test_unreachable_bucket_never_fails_the_local_tier(tmp_path: Path, monkeypat
         f = a.flush()
         assert f.failed == 1 and "nowhere" in f.errors[0]
         a.stats()  # persists the in-memory counters
-        counters = a._repo.db.read(lambda c: snapstore._db.Database.counters(c))
+        counters = a._repo.db.read(lambda c: c.counters())
         assert counters.get("remote_errors") == 1 and counters.get("remote_upload_errors") == 1
 
 
@@ -291,12 +291,12 @@ def test_gc_lease_and_fence_keep_chunks_a_live_upload_relies_on(bucket: str, tmp
     g = gc_remote(client, grace=0, lease_ttl=0)
     assert g.chunks_removed > 0
     d.flush()
-    counters = d._repo.db.read(lambda c: snapstore._db.Database.counters(c))
+    counters = d._repo.db.read(lambda c: c.counters())
     d.close()
     rep = verify_remote(client, deep=True)
     assert rep.ok, rep.damaged_manifests
     assert snapstore.Store.open(tmp_path / "d", identity=identity(), layout=LAYOUT)._repo.db.read(
-        lambda c: snapstore._db.Database.counters(c)).get("remote_fence_republished", 0) > 0 or counters
+        lambda c: c.counters()).get("remote_fence_republished", 0) > 0 or counters
 
 
 def test_gc_budget_evicts_least_recently_used_leaves(bucket: str, tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from snapstore._maintenance import verify
 from snapstore._repo import Repo
+from snapstore._verify import verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -65,7 +65,7 @@ def test_repair_keeps_a_chunk_evicted_and_saved_again_during_the_scan(tmp_path: 
         if not resaved:  # after the listing, before the first chunk file is checked
             resaved.append(_engine_resaves(path, "zstd"))
 
-    repo = Repo(path)
+    repo = Repo.open(path)
     try:
         rep = verify(repo, deep=deep, repair=repair, progress=progress)
     finally:
@@ -73,7 +73,7 @@ def test_repair_keeps_a_chunk_evicted_and_saved_again_during_the_scan(tmp_path: 
     assert resaved
     assert rep.removed_snapshots == [] and rep.damaged_snapshots == [] and rep.ok, rep.problems
     _restores_exactly(path, resaved[0])
-    repo = Repo(path)
+    repo = Repo.open(path)
     try:
         assert verify(repo, deep=True).ok
     finally:
@@ -97,7 +97,7 @@ def test_repair_keeps_a_snapshot_that_healed_damage_after_the_scan(tmp_path: Any
         if done == total and not resaved:  # every chunk checked, the damage found; repair not yet begun
             resaved.append(_engine_resaves(path, "raw"))
 
-    repo = Repo(path)
+    repo = Repo.open(path)
     try:
         rep = verify(repo, deep=True, repair=True, progress=progress)
     finally:
@@ -114,7 +114,7 @@ def test_repair_still_removes_damage_that_is_still_there(tmp_path: Any) -> None:
         _cid, victim = next(iter(s._repo.blob_files()))
     with open(victim, "r+b") as f:
         f.truncate(os.path.getsize(victim) - 1)
-    repo = Repo(path)
+    repo = Repo.open(path)
     try:
         rep = verify(repo, deep=False, repair=True)
         assert rep.repaired and rep.removed_snapshots == [sid] and len(rep.damaged_chunks) == 1

@@ -42,7 +42,7 @@ def test_no_unsafe_deserialization_in_package() -> None:
 
 
 def test_blob_path_only_from_validated_digests(tmp_path: Any) -> None:
-    repo = Repo(str(tmp_path / "s"))
+    repo = Repo.open(str(tmp_path / "s"))
     try:
         for bad in (b"", b"../../etc/passwd", b"\x00" * 31, b"\x00" * 33):
             with pytest.raises((ValueError, ss.SnapstoreError)):
@@ -102,7 +102,7 @@ def test_symlinked_chunk_file_is_not_followed(tmp_path: Any) -> None:
         # gc must never delete through the link, and never the outside file
         st.gc(grace=0)
         assert outside.exists()
-        from snapstore._maintenance import verify
+        from snapstore._verify import verify
         verify(st._repo, deep=True, repair=True)
         assert outside.exists()
     finally:

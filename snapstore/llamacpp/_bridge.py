@@ -53,16 +53,15 @@ class UpstreamError(SnapstoreError):
 
 def _identity_extra_of(root: str, sid: int) -> Identity:
     """The identity of snapshot ``sid`` (read-only look at the catalog; no other identity's data)."""
-    from .._db import Database
     from .._repo import SnapshotRepo
 
-    repo = SnapshotRepo(root)
+    repo = SnapshotRepo.open(root)
     try:
         def run(c: Any) -> Identity:
-            snap = Database.snapshot(c, sid)
+            snap = c.snapshot(sid)
             if snap is None:
                 raise NotFoundError(f"no snapshot {sid} in {root}")
-            for iid, _key, canonical, *_ in Database.identities(c):
+            for iid, _key, canonical, *_ in c.identities():
                 if iid == snap.identity_id:
                     return Identity.from_dict(json.loads(canonical))
             raise NotFoundError(f"snapshot {sid} has no identity row")

@@ -114,7 +114,8 @@ def _build(args: argparse.Namespace) -> str:
 
 def cmd_import_slot(args: argparse.Namespace, out: Any) -> int:
     """import-slot FILE --model MODEL: store a slot file; print the snapshot id."""
-    from .._cli import FORMAT, _emit_json
+    from .._cli import _emit_json
+    from .._inspect import FORMAT
     from ._bridge import SlotStore
 
     with open(args.file, "rb") as f:
@@ -142,7 +143,8 @@ def cmd_import_slot(args: argparse.Namespace, out: Any) -> int:
 
 def cmd_export_slot(args: argparse.Namespace, out: Any) -> int:
     """export-slot ID FILE: write the snapshot as a slot file."""
-    from .._cli import FORMAT, _emit_json
+    from .._cli import _emit_json
+    from .._inspect import FORMAT
     from ._bridge import export_snapshot
 
     data = export_snapshot(_root(args, create=False), args.id)

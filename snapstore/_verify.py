@@ -1,12 +1,7 @@
-"""verify and gc: prove a store is intact, and reclaim what nothing references.
+"""verify: prove a store is intact, and (``repair``) remove what is confirmed damaged.
 
-Both work on a :class:`Repo` (any identity) so the CLI and ``Store.verify``/``Store.gc`` share
-them. Removal of files always goes through the transaction-checked unlink of the Repo, and
-files younger than the grace period are never collected, so gc is safe beside running writers.
-
-A dry-run gc computes its plan on an in-memory copy of the catalog (SQLite's backup API over a
-read transaction) with the very same code the real run uses, so what it lists is what a real run
-would remove, and nothing in the store directory is written.
+Works on a :class:`Repo` (any identity) so the CLI and ``Store.verify`` share it. Removal of
+files goes through the repository's write path (rows first, files after commit).
 """
 
 from __future__ import annotations
@@ -15,27 +10,21 @@ import errno
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import blake3
 
+from ._catalog import Txn
 from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, decode_payload, parse_header, read_exact
-from ._config import Budget
 from ._config import pending_lease as resolve_lease
-from ._db import Conn, Database, catalog_copy, rolled_back
 from ._errors import CorruptionError
-from ._lifecycle import drop_leaf, drop_subtree, evict_until, over_budget
-from ._owner import Liveness, collect_dead, reap_lock_files
-from ._publish import TEMP_PREFIX
+from ._gc import Progress, collect_orphans, temp_files
+from ._lifecycle import drop_leaf
+from ._owner import Liveness
 from ._repo import Repo
 
-__all__ = ["GcReport", "VerifyReport", "gc", "verify"]
-
-Progress = Callable[[int, int], None]  # (bytes done, bytes total)
-_UNLINK_BATCH = 256  # chunk files unlinked per write transaction (keeps the lock short beside writers)
-
+__all__ = ["VerifyReport", "verify"]
 
 @dataclass
 class VerifyReport:
@@ -79,28 +68,6 @@ class VerifyReport:
         d["ok"] = self.ok
         return d
 
-
-@dataclass
-class GcReport:
-    """What gc removed (or, with dry_run, would remove)."""
-
-    dry_run: bool
-    removed_snapshots: list[int] = field(default_factory=list)
-    dead_pending: list[int] = field(default_factory=list)
-    expired: list[int] = field(default_factory=list)
-    stale: list[int] = field(default_factory=list)
-    evicted: list[int] = field(default_factory=list)
-    chunk_files: list[str] = field(default_factory=list)
-    orphan_files: list[str] = field(default_factory=list)
-    temp_files: list[str] = field(default_factory=list)
-    freed_chunks: int = 0
-    bytes_freed: int = 0
-    stored_bytes_before: int = 0
-    stored_bytes_after: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form."""
-        return asdict(self)
 
 
 # -- verify ----------------------------------------------------------------------------------
@@ -146,7 +113,7 @@ def _check_chunk(repo: Repo, cid: bytes, raw_len: int, stored_len: int, csum: by
     return None
 
 
-def _structure(c: Conn, report: VerifyReport) -> dict[int, list[str]]:
+def _structure(c: Txn, report: VerifyReport) -> dict[int, list[str]]:
     """Chains, segments and accounting; returns the snapshots damaged structurally, with reasons."""
     bad: dict[int, list[str]] = {}
 
@@ -154,9 +121,9 @@ def _structure(c: Conn, report: VerifyReport) -> dict[int, list[str]]:
         report.problems.append(f"snapshot {sid}: {why}")
         bad.setdefault(sid, []).append(why)
 
-    idents = {row[0] for row in Database.identities(c)}
-    snaps = {s.id: s for s in Database.snapshots(c)}
-    parts = {sid: {p.name: p for p in Database.parts(c, sid)} for sid in snaps}
+    idents = {row[0] for row in c.identities()}
+    snaps = {s.id: s for s in c.snapshots()}
+    parts = {sid: {p.name: p for p in c.parts(sid)} for sid in snaps}
     for s in snaps.values():
         if s.identity_id not in idents:
             flag(s.id, f"its identity {s.identity_id} is missing")
@@ -174,7 +141,7 @@ def _structure(c: Conn, report: VerifyReport) -> dict[int, list[str]]:
         if len(s.tokens) != s.token_width * (s.n_tokens - s.base_tokens):
             flag(s.id, "token blob has the wrong length")
         for name, part in parts[s.id].items():
-            chunks = Database.part_chunks(c, s.id, name)
+            chunks = c.part_chunks(s.id, name)
             if any(ch is None for ch in chunks):
                 flag(s.id, f"part {name!r} references a chunk row that is missing")
             elif sum(ch.raw_len for ch in chunks if ch is not None) != part.nbytes:
@@ -188,11 +155,11 @@ def _structure(c: Conn, report: VerifyReport) -> dict[int, list[str]]:
                     flag(s.id, f"part {name!r}: rows start at {part.row_start}, the chain ends at {start}")
                 if part.row_end < part.row_start:
                     flag(s.id, f"part {name!r}: rows end before they start")
-    for cid, refs, n in Database.refcount_mismatches(c):
+    for cid, refs, n in c.refcount_mismatches():
         report.problems.append(f"chunk {cid.hex()}: refcount {refs}, referenced {n} times")
-    stored = sum(ch.stored_len for ch in Database.all_chunks(c))
-    if stored != Database.stored_bytes(c):
-        report.problems.append(f"stored-bytes counter {Database.stored_bytes(c)} != {stored} in the catalog")
+    stored = sum(ch.stored_len for ch in c.all_chunks())
+    if stored != c.stored_bytes():
+        report.problems.append(f"stored-bytes counter {c.stored_bytes()} != {stored} in the catalog")
     return bad
 
 
@@ -211,13 +178,13 @@ def verify(repo: Repo, *, deep: bool = False, repair: bool = False, progress: Pr
     db = repo.db
     lease = resolve_lease(pending_lease)
 
-    def snapshot_state(c: Conn) -> tuple[list[str], list[str], dict[int, list[str]], list[Any], list[int]]:
-        errs = Database.integrity_check(c)
+    def snapshot_state(c: Txn) -> tuple[list[str], list[str], dict[int, list[str]], list[Any], list[int]]:
+        errs = c.integrity_check()
         fks = [f"foreign key: a {r[0]} row refers to a missing {r[2]} row"
-               for r in Database.foreign_key_check(c)]
+               for r in c.foreign_key_check()]
         bad = _structure(c, report) if not errs else {}
         dead = [s.id for s in Liveness(repo.root, c, lease).dead_pending(c)]
-        return errs, fks, bad, list(Database.all_chunks(c)), dead
+        return errs, fks, bad, list(c.all_chunks()), dead
 
     errs, fks, bad, chunks, dead_pending = db.read(snapshot_state)
     report.sqlite_errors = errs
@@ -245,36 +212,29 @@ def verify(repo: Repo, *, deep: bool = False, repair: bool = False, progress: Pr
     report.checked_bytes = done
     report.damaged_chunks = list(damaged)
 
-    def users(c: Conn) -> tuple[dict[int, list[str]], list[int]]:
+    def users(c: Txn) -> tuple[dict[int, list[str]], list[int]]:
         dmg = {sid: list(why) for sid, why in bad.items()}
         for cid, problem in damaged.items():
-            for sid in Database.chunk_users(c, cid):
+            for sid in c.chunk_users(cid):
                 dmg.setdefault(sid, []).append(f"chunk {cid.hex()}: {problem}")
         affected = set(dmg)
         for sid in dmg:
-            affected.update(Database.descendants(c, sid))
+            affected.update(c.descendants(sid))
         return dmg, sorted(affected)
 
     report.damage, report.affected_snapshots = db.read(users)
     report.damaged_snapshots = sorted(report.damage)
     known = {ch.id for ch in chunks}
     report.orphan_files = sorted(path for cid, path in repo.blob_files() if cid not in known)
-    report.temp_files = _temp_files(repo, time.time(), 0.0)
+    report.temp_files = temp_files(repo, time.time(), 0.0)
     if repair and not report.sqlite_errors:
         _repair(repo, report, bad, damaged, grace)
     return report
 
 
-def _path_or_id(repo: Repo, cid: bytes) -> str:
-    try:
-        return repo.blob_path(cid)
-    except CorruptionError:
-        return bytes(cid).hex()
-
-
 def _recheck(repo: Repo, cid: bytes, deep: bool, scratch: bytearray) -> str | None:
     """A suspect chunk checked again against its row as it is now (None: gone, or healthy now)."""
-    row = repo.db.read(lambda c: Database.chunk(c, cid))
+    row = repo.db.read(lambda c: c.chunk(cid))
     if row is None:
         return None
     return _check_chunk(repo, cid, row.raw_len, row.stored_len, row.checksum, row.scope, deep, scratch)
@@ -292,10 +252,10 @@ def _repair(repo: Repo, report: VerifyReport, bad: dict[int, list[str]], damaged
     """
     scratch = bytearray()
 
-    def fix(c: Conn) -> tuple[list[bytes], dict[bytes, str], dict[int, list[str]], list[int], list[int]]:
+    def fix(c: Txn) -> tuple[dict[bytes, str], dict[int, list[str]], list[int], list[int]]:
         confirmed: dict[bytes, str] = {}
         for cid in damaged:
-            row = Database.chunk(c, cid)
+            row = c.chunk(cid)
             if row is None:
                 continue  # dropped since the scan: no snapshot uses it any more
             again = _check_chunk(repo, cid, row.raw_len, row.stored_len, row.checksum, row.scope, report.deep,
@@ -305,39 +265,35 @@ def _repair(repo: Repo, report: VerifyReport, bad: dict[int, list[str]], damaged
         still_bad = _structure(c, VerifyReport(deep=report.deep)) if bad else {}
         dmg: dict[int, list[str]] = {sid: list(still_bad[sid]) for sid in bad if sid in still_bad}
         for cid, problem in confirmed.items():
-            for sid in Database.chunk_users(c, cid):
+            for sid in c.chunk_users(cid):
                 dmg.setdefault(sid, []).append(f"chunk {cid.hex()}: {problem}")
-        freed: list[bytes] = []
         # the descendants as they are now: a child saved since the scan is removed too
         doomed: set[int] = set(dmg)
         for sid in dmg:
-            doomed.update(Database.descendants(c, sid))
-        rows = [s for s in (Database.snapshot(c, sid) for sid in doomed) if s is not None]
+            doomed.update(c.descendants(sid))
+        rows = [s for s in (c.snapshot(sid) for sid in doomed) if s is not None]
         parents = {s.parent_id for s in rows if s.parent_id is not None} - doomed
         for s in sorted(rows, key=lambda s: (-s.depth, -s.id)):
-            freed += Database.delete_snapshot(c, s.id)
+            c.delete_snapshot(s.id)
         pruned: list[int] = []
         for pid in sorted(parents):
-            p = Database.snapshot(c, pid)
-            if p is not None and not p.matchable and p.state == 1 and not Database.has_children(c, pid):
-                f, gone = drop_leaf(c, pid)
-                freed += f
-                pruned += gone
-        for sid in Database.orphan_part_owners(c):  # parts whose snapshot row was deleted
-            freed += Database.delete_snapshot(c, sid)
-        for cid, _refs, n in Database.refcount_mismatches(c):
-            Database.set_refs(c, cid, n)
+            p = c.snapshot(pid)
+            if p is not None and not p.matchable and p.state == 1 and not c.has_children(pid):
+                own, links = drop_leaf(c, pid)
+                pruned += own + links
+        for sid in c.orphan_part_owners():  # parts whose snapshot row was deleted
+            c.delete_snapshot(sid)
+        for cid, _refs, n in c.refcount_mismatches():
+            c.set_refs(cid, n)
         # rows of damaged chunks, and chunks left unreferenced by the refcount fix
-        for ch in list(Database.all_chunks(c)):
+        for ch in list(c.all_chunks()):
             if ch.refs == 0:
-                Database.delete_chunk_row(c, ch.id)
-                freed.append(ch.id)
-        Database.set_counter(c, "stored_bytes", sum(ch.stored_len for ch in Database.all_chunks(c)))
-        return freed, confirmed, dmg, sorted(s.id for s in rows), sorted(pruned)
+                c.delete_chunk_row(ch.id)  # its file goes after the commit
+        c.set_counter("stored_bytes", sum(ch.stored_len for ch in c.all_chunks()))
+        return confirmed, dmg, sorted(s.id for s in rows), sorted(pruned)
 
-    freed, confirmed, dmg, removed, pruned = repo.db.write(fix)
-    _unlink_chunks(repo, freed)
-    _unlink_chunks(repo, confirmed)  # a damaged file whose row is gone: removed even if young
+    confirmed, dmg, removed, pruned = repo.write(fix)  # unlinks the files of the rows it removed
+    repo.sweep(confirmed)  # a damaged file whose row is gone: removed even if young
     # the report tells what was confirmed and removed, not what the unlocked scan suspected
     stale = {f"chunk {cid.hex()}: {why}" for cid, why in damaged.items()}
     stale |= {f"snapshot {sid}: {why}" for sid, whys in bad.items() for why in whys}
@@ -352,167 +308,5 @@ def _repair(repo: Repo, report: VerifyReport, bad: dict[int, list[str]], damaged
     report.removed_snapshots = removed
     report.pruned_snapshots = pruned
     report.repaired = not report.ok  # damage was confirmed and removed
-    orphans, temps, _ = _collect_orphans(repo, grace, dry_run=False)
+    orphans, temps, _ = collect_orphans(repo, grace, dry_run=False)
     report.removed_files = orphans + temps
-
-
-# -- files -----------------------------------------------------------------------------------
-def _temp_files(repo: Repo, now: float, grace: float) -> list[str]:
-    out = []
-    try:
-        with os.scandir(repo.tmp) as it:
-            for e in it:
-                if e.name.startswith(TEMP_PREFIX) and e.is_file(follow_symlinks=False):
-                    try:
-                        if now - e.stat(follow_symlinks=False).st_mtime >= grace:
-                            out.append(e.path)
-                    except FileNotFoundError:
-                        continue
-    except FileNotFoundError:
-        pass
-    return sorted(out)
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path, follow_symlinks=False).st_size
-    except OSError:
-        return 0
-
-
-def _unlink_chunks(repo: Repo, ids: Iterable[bytes], progress: Progress | None = None,
-                   done: int = 0, total: int = 0) -> int:
-    """Unlink chunk files whose rows are gone, a batch per write transaction; returns bytes freed."""
-    todo = list(dict.fromkeys(ids))
-    freed = 0
-    for i in range(0, len(todo), _UNLINK_BATCH):
-        batch = todo[i:i + _UNLINK_BATCH]
-        freed += repo.unlink_unreferenced(batch)
-        if progress is not None:
-            progress(min(total, done + freed), total)
-    return freed
-
-
-def _collect_orphans(repo: Repo, grace: float, dry_run: bool, progress: Progress | None = None
-                     ) -> tuple[list[str], list[str], int]:
-    """Chunk files no catalog row names and temp files, both older than ``grace``; removed unless dry_run."""
-    now = time.time()
-    known = set(repo.db.read(lambda c: [ch.id for ch in Database.all_chunks(c)]))
-    old: list[bytes] = []
-    paths: list[str] = []
-    nbytes = 0
-    for cid, path in repo.blob_files():
-        if cid in known:
-            continue
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if now - st.st_mtime >= grace:
-            old.append(cid)
-            paths.append(path)
-            nbytes += st.st_size
-    temps = _temp_files(repo, now, grace)
-    temp_bytes = sum(_size(t) for t in temps)
-    if dry_run:
-        return sorted(paths), temps, nbytes + temp_bytes
-    total = nbytes + temp_bytes
-    freed = _unlink_chunks(repo, old, progress, 0, total)
-    for t in temps:
-        try:
-            size = os.stat(t, follow_symlinks=False).st_size
-            os.unlink(t)
-            freed += size
-        except FileNotFoundError:
-            pass
-        if progress is not None:
-            progress(min(total, freed), total)
-    return sorted(paths), temps, freed
-
-
-# -- gc --------------------------------------------------------------------------------------
-def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_run: bool = False,
-       ttl: float | None = None, drop_identity: str | None = None, keep_identity: str | None = None,
-       disk_bytes: int | None = None, max_entries: int | None = None,
-       progress: Progress | None = None, pending_lease: float | None = None) -> GcReport:
-    """Remove dead pending captures, stale-identity and expired snapshots, over-budget leaves, then orphans.
-
-    The budget is ``budget`` (resolved: the library's view) or else ``disk_bytes``/``max_entries``
-    (None: no limit). Eviction pops least-recently-used committed leaves, as the library does.
-    ``dry_run`` plans on an in-memory copy of the catalog and writes nothing. Dead pending
-    captures are judged by the one liveness rule (:mod:`snapstore._owner`); ``pending_lease``
-    (default ``$SNAPSTORE_PENDING_LEASE_S``, else 300 s) applies to owners of the old token form.
-    """
-    report = GcReport(dry_run=dry_run)
-    lease = resolve_lease(pending_lease)
-    owners_left: list[str] = []
-    if budget is not None:
-        b = budget.resolved()
-        disk_bytes, max_entries = b.disk_bytes, b.max_entries
-        ttl = ttl if ttl is not None else b.ttl
-    now = time.time()
-
-    def txn(c: Conn) -> list[bytes]:
-        freed: list[bytes] = []
-        report.stored_bytes_before = Database.stored_bytes(c)
-
-        def drop(sid: int, bucket: list[int]) -> None:
-            nonlocal freed
-            if Database.snapshot(c, sid) is None:
-                return
-            f, gone = drop_subtree(c, sid)
-            freed += f
-            bucket.extend(gone)
-            report.removed_snapshots.extend(gone)
-
-        f, gone, _dead = collect_dead(c, repo.root, lease, Liveness(repo.root, c, lease, now))
-        freed += f
-        report.dead_pending.extend(gone)
-        report.removed_snapshots.extend(gone)
-        owners_left[:] = list(Database.owners(c))
-        for ident_id, key, *_ in Database.identities(c):
-            if (drop_identity is not None and key == drop_identity) or (
-                    keep_identity is not None and key != keep_identity):
-                for s in sorted(Database.snapshots(c, ident_id), key=lambda s: -s.depth):
-                    drop(s.id, report.stale)
-                Database.delete_identity(c, ident_id)
-        if ttl:
-            for s in Database.expired(c, now - ttl):
-                if Database.snapshot(c, s.id) is not None and not Database.has_children(c, s.id):
-                    drop(s.id, report.expired)
-        if disk_bytes is not None or max_entries is not None:
-            before = {s.id for s in Database.snapshots(c)}
-            _, f, _ = evict_until(c, lambda _: over_budget(c, disk_bytes, max_entries) is None, set())
-            freed += f
-            gone = sorted(before - {s.id for s in Database.snapshots(c)})
-            report.evicted.extend(gone)
-            report.removed_snapshots.extend(gone)
-        report.stored_bytes_after = Database.stored_bytes(c)
-        return list(dict.fromkeys(freed))
-
-    if dry_run:
-        mem = catalog_copy(repo.db.conn())
-        try:
-            freed = rolled_back(mem, txn)
-        finally:
-            mem.close()
-    else:
-        freed = repo.db.write(txn)
-    for bucket in (report.removed_snapshots, report.dead_pending, report.stale, report.expired, report.evicted):
-        bucket[:] = sorted(set(bucket))
-    report.freed_chunks = len(freed)
-    report.chunk_files = sorted(_path_or_id(repo, cid) for cid in freed)
-    chunk_bytes = sum(_size(p) for p in report.chunk_files)
-    if dry_run:
-        orphans, temps, orphan_bytes = _collect_orphans(repo, grace, True)
-        report.bytes_freed = chunk_bytes + orphan_bytes
-    else:
-        if progress is not None:
-            progress(0, chunk_bytes)
-        report.bytes_freed = _unlink_chunks(repo, freed, progress, 0, chunk_bytes)
-        orphans, temps, orphan_bytes = _collect_orphans(repo, grace, False, progress)
-        report.bytes_freed += orphan_bytes
-        # lock files of owners that are gone (a crash leaves them; only this kernel's are judged)
-        reap_lock_files(repo.root, None, registered=owners_left)
-    report.orphan_files, report.temp_files = orphans, temps
-    return report

@@ -1,0 +1,58 @@
+"""References the public API takes: snapshot ids (or results naming one), namespaces, exclusions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Union
+
+import numpy as np
+
+from ._errors import IdentityError, InvalidInputError
+from ._results import Match, SaveResult
+
+__all__ = ["MAX_ID", "SnapshotRef", "excluded", "namespace_key", "ref_namespace", "snapshot_id"]
+
+MAX_ID = 2**63 - 1  # SQLite's INTEGER range: no snapshot id lies beyond it
+
+# what names a snapshot in the API: its id, or the Match / SaveResult that reported it
+SnapshotRef = Union[int, np.integer[Any], Match, SaveResult]
+
+
+def snapshot_id(ref: Any) -> int:
+    """The snapshot id a reference names; InvalidInputError for anything else."""
+    sid = getattr(ref, "snapshot_id", ref)
+    if isinstance(sid, (int, np.integer)) and not isinstance(sid, bool):
+        if not 0 <= int(sid) <= MAX_ID:
+            raise InvalidInputError(f"snapshot id {int(sid)} is out of range: snapshot ids are integers in "
+                                    "[1, 2**63) as save() and match() report them")
+        return int(sid)
+    if isinstance(ref, SaveResult) and ref.skipped is not None:
+        raise InvalidInputError(f"that save was skipped ({ref.skipped}): no snapshot was stored, so there is nothing "
+                                "to commit, abandon or restore; skipped saves are counted in stats().skipped")
+    raise InvalidInputError(f"expected a snapshot id, Match or SaveResult, got {ref!r}")
+
+
+def namespace_key(namespace: str | None) -> str:
+    """The catalog's form of a namespace: "" for None, else the validated name."""
+    if namespace is None:
+        return ""
+    if not isinstance(namespace, str) or not namespace or len(namespace) > 256:
+        raise InvalidInputError(f"namespace must be None or a non-empty string (<= 256 chars), got {namespace!r}")
+    return namespace
+
+
+def ref_namespace(ref: Any, namespace: str | None) -> str:
+    """The namespace a snapshot reference speaks for: a Match/SaveResult's own, else the keyword."""
+    ns = getattr(ref, "namespace", None) if isinstance(ref, (Match, SaveResult)) else None
+    if namespace is not None and ns is not None and namespace != ns:
+        raise IdentityError(f"namespace {namespace!r} given for a result of namespace {ns!r}")
+    return namespace_key(namespace if namespace is not None else ns)
+
+
+def excluded(exclude: Iterable[SnapshotRef] | None) -> set[int]:
+    """The snapshot ids match() passes over; None (like an empty collection) excludes nothing."""
+    if exclude is None:
+        return set()
+    if isinstance(exclude, (str, bytes)) or not isinstance(exclude, Iterable):
+        raise InvalidInputError(f"exclude must be a collection of snapshot ids, got {exclude!r}")
+    return {snapshot_id(x) for x in exclude}
