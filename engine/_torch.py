@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from snapstore import (
+    DTYPE_NAMES,
     ConfigError,
     DestinationError,
     Fixed,
@@ -46,7 +47,6 @@ from snapstore import (
     SnapstoreError,
     SourceError,
 )
-from snapstore._layout import DTYPE_SIZES
 
 from ._device import CUDA
 
@@ -68,7 +68,7 @@ MIB = 1 << 20
 DEFAULT_STAGING_BYTES = 64 * MIB
 
 _BY_NAME: dict[str, torch.dtype] = {}
-for _name in DTYPE_SIZES:
+for _name in DTYPE_NAMES:
     _dt = getattr(torch, _name, None)
     if isinstance(_dt, torch.dtype):
         _BY_NAME[_name] = _dt

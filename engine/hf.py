@@ -49,6 +49,7 @@ from snapstore import (
     SaveResult,
     SnapshotUnavailableError,
     Store,
+    UnsupportedCacheError,
 )
 
 from ._adapter import TorchAdapter
@@ -84,7 +85,7 @@ def _cache_classes() -> dict[type, int]:
 def _kind(layer: Any, i: int) -> int:
     kind = _cache_classes().get(type(layer))
     if kind is None:
-        raise NotImplementedError(f"cache layer {i} is a {type(layer).__name__}; supported: DynamicLayer, "
+        raise UnsupportedCacheError(f"cache layer {i} is a {type(layer).__name__}; supported: DynamicLayer, "
                                   "DynamicSlidingWindowLayer, LinearAttention*Layer, DummyLayer")
     return kind
 
@@ -141,7 +142,7 @@ def snapshot(cache: Any) -> CacheSnapshot:
         meta[i, 0] = kind
         if _has_attention(kind):
             if getattr(layer, "record_past", False):
-                raise NotImplementedError(f"layer {i} records its past (speculative mode); snapshot after crop()")
+                raise UnsupportedCacheError(f"layer {i} records its past (speculative mode); snapshot after crop()")
             if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
                 raise LayoutError(f"layer {i} has no tokens yet; snapshot after at least one forward")
             k, v = layer.keys, layer.values
@@ -166,7 +167,7 @@ def snapshot(cache: Any) -> CacheSnapshot:
                 raise LayoutError(f"layer {i} has seen {layer_seq} tokens, an earlier layer {seq}")
         if _linear(kind):
             if layer.record_past:
-                raise NotImplementedError(f"layer {i} records its past (speculative mode); snapshot after crop()")
+                raise UnsupportedCacheError(f"layer {i} records its past (speculative mode); snapshot after crop()")
             flags = 0
             for j in range(layer.number_of_states):
                 if not layer.has_previous_state[j]:

@@ -26,10 +26,11 @@ from ._errors import (
     StateError,
     StoreFormatError,
     StoreIOError,
+    UnsupportedCacheError,
 )
 from ._gc import GcReport
 from ._identity import Identity
-from ._layout import Fixed, Layout, Rows
+from ._layout import DTYPE_NAMES, Fixed, Layout, Rows, dtype_size
 from ._meta import EngineMeta
 from ._paged import PagedRows
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
@@ -41,6 +42,7 @@ from ._verify import VerifyReport
 __version__ = "0.1.0"
 
 __all__ = [
+    "DTYPE_NAMES",
     "Budget",
     "ConfigError",
     "CorruptChunkError",
@@ -77,7 +79,9 @@ __all__ = [
     "Store",
     "StoreFormatError",
     "StoreIOError",
+    "UnsupportedCacheError",
     "Turn",
     "VerifyReport",
     "__version__",
+    "dtype_size",
 ]

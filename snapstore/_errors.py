@@ -7,19 +7,19 @@ also subclasses it so generic handlers keep working::
     ├── ConfigError(ValueError)            bad option, environment variable or path
     ├── InvalidInputError(ValueError)      bad tokens, parts, rows or arguments
     │   └── LayoutError                    part names, dtypes or shapes disagree with the layout
+    │       └── UnsupportedCacheError(NotImplementedError)  a runtime cache type no integration handles
     ├── IdentityError(ValueError)          a snapshot id or store of another identity/namespace
     ├── NotFoundError(KeyError)            no such snapshot (evicted, abandoned, never saved)
-    ├── StateError(RuntimeError)           commit/abandon of a save in the wrong state
+    ├── StateError(RuntimeError)           commit/abandon of a save in the wrong state; a closed store
     ├── StoreFormatError                   not a snapstore store, a newer format, an old SQLite
     ├── StoreIOError(OSError)              the file system failed (disk full, EIO, permissions)
     ├── CorruptionError                    stored bytes fail their checksum or do not parse
     ├── RemoteError(OSError)               the shared tier (object storage) failed or is misconfigured
-    ├── SourceError                        a save's source (an engine's device/reader) failed while
-    │                                      its state was read; nothing was saved
-    └── RestoreError                       a restore failed; ``.touched`` says if the
-        ├── DestinationError(LayoutError)  destination was written (then re-read the prompt)
-        ├── SnapshotUnavailableError
-        └── CorruptChunkError(CorruptionError)
+    ├── SourceError                        a save's source (device, reader) failed; nothing was saved
+    └── RestoreError                       a restore failed; .touched says if the destination was written
+        ├── DestinationError(LayoutError)  the destination does not fit the snapshot
+        ├── SnapshotUnavailableError       the snapshot or part of its chain is gone
+        └── CorruptChunkError(CorruptionError)  a chunk failed its checksum while streaming
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ __all__ = [
     "StateError",
     "StoreFormatError",
     "StoreIOError",
+    "UnsupportedCacheError",
 ]
 
 
@@ -58,6 +59,10 @@ class InvalidInputError(SnapstoreError, ValueError):
 
 class LayoutError(InvalidInputError):
     """Parts do not agree with the layout: unknown or missing names, dtype, shape or size."""
+
+
+class UnsupportedCacheError(LayoutError, NotImplementedError):
+    """A model runtime's cache (a transformers layer type, a speculative mode) no integration handles."""
 
 
 class IdentityError(SnapstoreError, ValueError):

@@ -10,7 +10,7 @@ from typing import Any
 from ._errors import LayoutError
 from ._identity import canonical_json
 
-__all__ = ["DTYPE_SIZES", "Fixed", "Layout", "PartSpec", "Rows", "dtype_size"]
+__all__ = ["DTYPE_NAMES", "DTYPE_SIZES", "Fixed", "Layout", "PartSpec", "Rows", "dtype_size"]
 
 # Element sizes by dtype name. Names follow numpy, plus the ML names torch and ml_dtypes use,
 # so the core can describe bf16/fp8 state without importing either.
@@ -20,6 +20,8 @@ DTYPE_SIZES: dict[str, int] = {
     "bfloat16": 2, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1,
     "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "complex64": 8, "complex128": 16,
 }
+#: every dtype name a layout may use (the torch adapter maps each to its torch dtype)
+DTYPE_NAMES: tuple[str, ...] = tuple(DTYPE_SIZES)
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:/[]")
 
 
