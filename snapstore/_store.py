@@ -776,12 +776,12 @@ class Store:
         dead_owners: list[str] = []
         owner, pool = self._lease_owner, self._pool
         assert owner is not None and pool is not None  # set by open(); a Store is only handed out open
-        if self._remote is not None:
-            try:
-                self._remote.close()  # finishes the queued uploads first
-            finally:
-                self._remote = None
         try:
+            if self._remote is not None:
+                try:
+                    self._remote.close()  # finishes the queued uploads first
+                finally:
+                    self._remote = None
             owner.stop()  # no renewal may re-register the row this transaction deletes
 
             def txn(t: Txn) -> None:
