@@ -40,6 +40,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from bench import blob_files, drop_cache, gbps  # noqa: E402  (the one copy of these helpers)
 
 MIB = 1 << 20
 ROW_SHAPE = (48, 2, 8, 128)  # layers x K/V x KV heads x head dim, bf16: 192 KiB per token
@@ -58,29 +61,6 @@ def no_cuda_reason() -> str | None:
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA device"
     return None
-
-
-def drop_cache(paths: list[str]) -> None:
-    """posix_fadvise(DONTNEED) on each file (clean pages leave the page cache)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def blob_files(store_dir: str) -> list[str]:
-    """Every chunk file of a store."""
-    out = []
-    for root, _, files in os.walk(os.path.join(store_dir, "blobs")):
-        out += [os.path.join(root, f) for f in files]
-    return out
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    """Throughput in GB/s (10^9 bytes)."""
-    return nbytes / seconds / 1e9
 
 
 def main() -> int:
