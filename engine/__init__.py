@@ -8,18 +8,10 @@ caches. See docs/engine.md. The core package never imports torch; this package d
 from __future__ import annotations
 
 from ._adapter import TorchAdapter, layout_of, part_sink, part_source
+from ._dtypes import canonical, dtype_name, fixed_spec, rows_spec, torch_dtype
 from ._paged import TorchPagedRows
-from ._torch import (
-    DEFAULT_STAGING_BYTES,
-    Staging,
-    TensorSink,
-    TensorSource,
-    canonical,
-    dtype_name,
-    fixed_spec,
-    rows_spec,
-    torch_dtype,
-)
+from ._staging import DEFAULT_STAGING_BYTES, Staging
+from ._tensor_io import TensorSink, TensorSource
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",

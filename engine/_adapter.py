@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Union
 
+import numpy as np
 import torch
 
 from snapstore import (
@@ -20,21 +21,20 @@ from snapstore import (
     Store,
 )
 
-from ._device import CUDA
-from ._torch import (
-    Staging,
-    TensorSink,
-    TensorSource,
-    canonical,
-    dtype_name,
-    fixed_spec,
-    flat_bytes,
-    refuse_lazy,
-    refuse_overlap,
-    rows_spec,
-)
+from ._copy import flat_bytes, refuse_lazy, refuse_overlap
+from ._device import CUDA, DeviceBackend, DeviceStream
+from ._dtypes import canonical, dtype_name, fixed_spec, rows_spec
+from ._staging import Staging
+from ._tensor_io import TensorSink, TensorSource
+from ._types import RowCounts, SnapshotRef, TensorDest, TensorPart, TokenIds
 
-__all__ = ["TorchAdapter", "layout_of", "part_sink", "part_source"]
+__all__ = ["CoreSink", "CoreSource", "TorchAdapter", "layout_of", "part_sink", "part_source"]
+
+CoreSource = Union[np.ndarray, TensorSource]
+"""What the core reads for a tensor: a zero-copy uint8 view, or a ``TensorSource``."""
+
+CoreSink = Union[np.ndarray, TensorSink]
+"""What the core writes into for a tensor: a zero-copy uint8 view, or a ``TensorSink``."""
 
 
 def layout_of(fixed: Mapping[str, torch.Tensor] | None = None,
@@ -75,13 +75,13 @@ def _check(name: str, t: torch.Tensor, spec: Fixed | Rows, token_dim: int | None
             raise err(f"part {name!r}: tensor holds {c.shape[0]} rows, {rows} are needed")
 
 
-def _is_device(t: torch.Tensor, staging: Staging | None, backend: Any) -> bool:
+def _is_device(t: torch.Tensor, staging: Staging | None, backend: DeviceBackend | None) -> bool:
     return bool((staging.backend if staging is not None else (backend or CUDA)).is_device(t))
 
 
 def part_source(t: torch.Tensor, token_dim: int | None = None, staging: Staging | None = None,
-                pad_rows: int | None = None, *, limit: int | None = None, stream: Any = None,
-                backend: Any = None) -> Any:
+                pad_rows: int | None = None, *, limit: int | None = None, stream: DeviceStream | None = None,
+                backend: DeviceBackend | None = None) -> CoreSource:
     """What the core should read for a tensor: a zero-copy numpy uint8 view when the tensor is on
     the CPU, canonical and contiguous; else a :class:`TensorSource` (strided / device copy).
     limit / stream / backend: see :class:`TensorSource`."""
@@ -94,7 +94,7 @@ def part_source(t: torch.Tensor, token_dim: int | None = None, staging: Staging 
 
 
 def part_sink(t: torch.Tensor, token_dim: int | None = None, staging: Staging | None = None, *,
-              stream: Any = None, backend: Any = None) -> Any:
+              stream: DeviceStream | None = None, backend: DeviceBackend | None = None) -> CoreSink:
     """What the core should write into for a destination tensor: a zero-copy numpy uint8 view
     when possible, else a :class:`TensorSink` (call ``finish()`` after the restore)."""
     refuse_lazy(t, DestinationError, "the destination tensor")
@@ -114,7 +114,7 @@ class TorchAdapter:
     """
 
     def __init__(self, store: Store, *, token_dims: Mapping[str, int] | None = None,
-                 staging: Staging | int | None = None, backend: Any = None):
+                 staging: Staging | int | None = None, backend: DeviceBackend | None = None):
         self.store = store
         self.layout = store.layout
         self.token_dims = dict(token_dims or {})
@@ -127,16 +127,17 @@ class TorchAdapter:
             return self.token_dims[name]
         return 0 if name in self.layout.rows else None
 
-    def sources(self, tensors: Mapping[str, Any], rows: Any = None, n_tokens: int | None = None,
+    def sources(self, tensors: Mapping[str, TensorPart], rows: RowCounts = None, n_tokens: int | None = None,
                 token_dims: Mapping[str, int] | None = None,
-                pad_rows: Mapping[str, int] | None = None, *, stream: Any = None) -> dict[str, Any]:
+                pad_rows: Mapping[str, int] | None = None, *,
+                stream: DeviceStream | None = None) -> dict[str, TensorPart | CoreSource]:
         """Check tensors against the layout and wrap each for the core (zero-copy where possible).
 
         Each device source is told how many bytes the save reads (rows x row bytes; a fixed part
         whole), so its prefetch never runs past them. stream: see :meth:`save`.
         """
         specs = self.layout.parts
-        out: dict[str, Any] = {}
+        out: dict[str, TensorPart | CoreSource] = {}
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor):
                 out[name] = t  # numpy / memoryview / PartReader: the core checks it
@@ -157,9 +158,9 @@ class TorchAdapter:
             out[name] = part_source(t, td, self.staging, pad_rows=pr, limit=limit, stream=stream)
         return out
 
-    def save(self, tokens: Any, tensors: Mapping[str, Any], rows: Any = None, *,
+    def save(self, tokens: TokenIds, tensors: Mapping[str, TensorPart], rows: RowCounts = None, *,
              token_dims: Mapping[str, int] | None = None, pad_rows: Mapping[str, int] | None = None,
-             stream: Any = None, **kwargs: Any) -> SaveResult:
+             stream: DeviceStream | None = None, **kwargs: Any) -> SaveResult:
         """``store.save`` for tensors: same arguments (session, parent, commit, namespace).
         For ``wait=False`` use :meth:`save_async`.
 
@@ -179,9 +180,9 @@ class TorchAdapter:
             self.staging.synchronize()  # also ends any prefetch: nothing carries over to the next save
             return res
 
-    def save_async(self, tokens: Any, tensors: Mapping[str, Any], rows: Any = None, *,
+    def save_async(self, tokens: TokenIds, tensors: Mapping[str, TensorPart], rows: RowCounts = None, *,
                    token_dims: Mapping[str, int] | None = None, pad_rows: Mapping[str, int] | None = None,
-                   stream: Any = None, **kwargs: Any) -> SaveHandle:
+                   stream: DeviceStream | None = None, **kwargs: Any) -> SaveHandle:
         """``store.save(..., wait=False)`` for tensors: returns a SaveHandle once every device tensor
         (and every fixed part) has been copied to host memory; the disk write happens after.
 
@@ -200,11 +201,11 @@ class TorchAdapter:
             self.staging.synchronize()  # the device->host copies are complete before the engine moves on
             return handle
 
-    def sinks(self, into: Mapping[str, Any], token_dims: Mapping[str, int] | None = None, *,
-              stream: Any = None) -> dict[str, Any]:
+    def sinks(self, into: Mapping[str, TensorDest], token_dims: Mapping[str, int] | None = None, *,
+              stream: DeviceStream | None = None) -> dict[str, TensorDest | CoreSink]:
         """Check destination tensors (dtype, canonical shape, no self-overlap) and wrap each for the core."""
         specs = self.layout.parts
-        out: dict[str, Any] = {}
+        out: dict[str, TensorDest | CoreSink] = {}
         for name, t in into.items():
             if not isinstance(t, torch.Tensor):
                 out[name] = t
@@ -217,8 +218,8 @@ class TorchAdapter:
             out[name] = part_sink(t, td, self.staging, stream=stream)
         return out
 
-    def restore(self, match: Any, into: Mapping[str, Any], components: Iterable[str] | None = None, *,
-                token_dims: Mapping[str, int] | None = None, stream: Any = None) -> RestoreResult:
+    def restore(self, match: SnapshotRef, into: Mapping[str, TensorDest], components: Iterable[str] | None = None, *,
+                token_dims: Mapping[str, int] | None = None, stream: DeviceStream | None = None) -> RestoreResult:
         """``store.restore`` into preallocated tensors (any device, any layout of the token axis).
 
         Destinations are checked before anything is written; on a RestoreError, ``.touched`` says
@@ -237,7 +238,7 @@ class TorchAdapter:
             self._finish(sinks)
             return res
 
-    def _finish(self, sinks: Mapping[str, Any]) -> None:
+    def _finish(self, sinks: Mapping[str, TensorDest | CoreSink]) -> None:
         for s in sinks.values():
             if isinstance(s, TensorSink):
                 s.finish()

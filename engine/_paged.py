@@ -3,7 +3,8 @@
 The torch twin of :class:`snapstore.PagedRows`. A restore's chunk goes to the pool's device in
 one copy and lands in the sequence's blocks with one ``index_put_`` (a scatter on the device); a
 save gathers the blocks with one indexing kernel and copies the result to the host range the
-store asked for. Rows cut by a chunk edge are patched through that row's own tensor (``_xfer``).
+store asked for. Rows cut by a chunk edge (:func:`snapstore.row_span`) are patched through that row's own tensor
+(``engine._copy.copy_range``).
 Every copy is a same-width integer view, so bf16 / fp8 move bit-exact.
 """
 
@@ -14,9 +15,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from snapstore import InvalidInputError
+from snapstore import InvalidInputError, RowSpan, row_span
 
-from ._torch import _bits, _host_u8, _sync_copy, _xfer, flat_bytes
+from ._copy import copy_range, flat_bytes, host_u8, same_width, sync_copy
 
 __all__ = ["TorchPagedRows"]
 
@@ -37,7 +38,7 @@ class TorchPagedRows:
         if len(axes) != 2 or any(not -nd <= int(a) < nd for a in axes) or int(axes[0]) % nd == int(axes[1]) % nd:
             raise InvalidInputError(f"axes {tuple(axes)!r} must be two different axes of a {nd}-dim pool")
         b_ax, t_ax = int(axes[0]) % nd, int(axes[1]) % nd
-        self._pool = _bits(pool.detach().movedim((b_ax, t_ax), (0, 1)))  # a view: writes land in the pool
+        self._pool = same_width(pool.detach().movedim((b_ax, t_ax), (0, 1)))  # a view: writes land in the pool
         self.device = pool.device
         table = torch.as_tensor(np.asarray(block_table) if not isinstance(block_table, torch.Tensor)
                                 else block_table)
@@ -65,49 +66,39 @@ class TorchPagedRows:
     def _row(self, r: int) -> torch.Tensor:
         return self._pool[int(self._table[r // self.block_size]), r % self.block_size]
 
-    def _span(self, offset: int, n: int) -> None:
+    def _span(self, offset: int, n: int) -> RowSpan:
+        """The head / whole rows / tail split of a byte range (InvalidInputError outside the table)."""
         if offset < 0 or offset + n > self.nbytes:
             raise InvalidInputError(f"bytes [{offset}, {offset + n}) are outside this block table's {self.nbytes}")
+        return row_span(offset, n, self.row_bytes)
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Gather the sequence's canonical bytes [offset, offset + len(out)) into ``out`` (PartReader)."""
-        self._span(offset, len(out))
-        host = _host_u8(out)
-        rb, end = self.row_bytes, offset + len(out)
-        r, pos = offset // rb, 0
-        if offset % rb:
-            take = min(rb - offset % rb, len(out))
-            _xfer(self._row(r), offset % rb, offset % rb + take, host[:take], False, _sync_copy)
-            pos, r = take, r + 1
-        r_end = end // rb
-        if r < r_end:
-            rows = self._pool[self._index(r, r_end)]  # one gather kernel, a fresh contiguous tensor
-            n = (r_end - r) * rb
-            host[pos:pos + n].copy_(flat_bytes(rows))
-            pos += n
-        if pos < len(out):
-            _xfer(self._row(r_end), 0, len(out) - pos, host[pos:], False, _sync_copy)
+        sp = self._span(offset, len(out))
+        host = host_u8(out)
+        if sp.head_len:
+            copy_range(self._row(sp.head_row), sp.head_start, sp.head_start + sp.head_len, host[:sp.head_len],
+                       False, sync_copy)
+        if sp.whole_rows:
+            rows = self._pool[self._index(sp.first, sp.stop)]  # one gather kernel, a fresh contiguous tensor
+            host[sp.head_len:sp.head_len + sp.whole_rows * self.row_bytes].copy_(flat_bytes(rows))
+        if sp.tail_len:
+            copy_range(self._row(sp.stop), 0, sp.tail_len, host[len(out) - sp.tail_len:], False, sync_copy)
 
     def write_from(self, offset: int, data: memoryview) -> None:
         """Scatter canonical bytes ``data`` into the sequence's blocks at byte ``offset`` (PartWriter)."""
-        self._span(offset, len(data))
-        src = _host_u8(data)
+        sp = self._span(offset, len(data))
+        src = host_u8(data)
         if self.device.type != "cpu":
             src = src.to(self.device)  # one host-to-device copy per chunk; blocking: data is only ours now
-        rb, end = self.row_bytes, offset + len(data)
-        r, pos = offset // rb, 0
-        if offset % rb:
-            take = min(rb - offset % rb, len(data))
-            _xfer(self._row(r), offset % rb, offset % rb + take, src[:take], True, _sync_copy)
-            pos, r = take, r + 1
-        r_end = end // rb
-        if r < r_end:
-            n = (r_end - r) * rb
-            seg = src[pos:pos + n]
+        if sp.head_len:
+            copy_range(self._row(sp.head_row), sp.head_start, sp.head_start + sp.head_len, src[:sp.head_len],
+                       True, sync_copy)
+        if sp.whole_rows:
+            seg = src[sp.head_len:sp.head_len + sp.whole_rows * self.row_bytes]
             if seg.storage_offset() % self._pool.element_size():
                 seg = seg.clone()  # a dtype view needs element alignment
-            vals = seg.view(self._pool.dtype).view(r_end - r, *self.row_shape)
-            self._pool.index_put_(self._index(r, r_end), vals)  # one scatter kernel
-            pos += n
-        if pos < len(data):
-            _xfer(self._row(r_end), 0, len(data) - pos, src[pos:], True, _sync_copy)
+            vals = seg.view(self._pool.dtype).view(sp.whole_rows, *self.row_shape)
+            self._pool.index_put_(self._index(sp.first, sp.stop), vals)  # one scatter kernel
+        if sp.tail_len:
+            copy_range(self._row(sp.stop), 0, sp.tail_len, src[len(data) - sp.tail_len:], True, sync_copy)

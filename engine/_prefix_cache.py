@@ -15,11 +15,9 @@ chunked prefill with the same chunks is. ``uncached_generate`` is that reference
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +27,7 @@ from snapstore import (
     Budget,
     ConfigError,
     InvalidInputError,
-    LayoutError,
+    Layout,
     Match,
     NotFoundError,
     RestoreError,
@@ -39,8 +37,24 @@ from snapstore import (
     StoreIOError,
 )
 
+from ._prefix_capture import Captures
+from ._prefix_generate import (
+    BatchNotSupportedError,
+    CachePrefix,
+    Generated,
+    PromptEnd,
+    check_call,
+    generate_rest,
+    positions,
+    prefill,
+)
+from ._types import TokenIds
+
 if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
+
     from ._adapter import TorchAdapter
+    from .hf import CacheSnapshot
 
 __all__ = ["BatchNotSupportedError", "PrefixCache", "PrefixCacheStats", "default_boundary"]
 
@@ -50,19 +64,6 @@ DEFAULT_BOUNDARY = 8192  # the boundary hybrid engines in the field snapshot at
 SEGMENT_BYTES = 2 << 30  # a default boundary segment holds at most this many bytes of rows
 MIN_BOUNDARY = 512
 RESUME = ("cut", "longest")
-# generate() arguments PrefixCache owns or cannot serve: the cache is ours, the batch is one sequence
-_REFUSED = {
-    "past_key_values": "PrefixCache builds and restores the cache itself",
-    "inputs_embeds": "PrefixCache keys snapshots by token ids; pass input_ids",
-    "assistant_model": "assisted generation rolls the cache back; use model.generate",
-    "prompt_lookup_num_tokens": "prompt-lookup decoding rolls the cache back; use model.generate",
-}
-
-
-class BatchNotSupportedError(InvalidInputError, NotImplementedError):
-    """PrefixCache serves one sequence per call (batch size 1, one beam, one return sequence)."""
-
-
 @dataclass(frozen=True)
 class PrefixCacheStats:
     """What a PrefixCache did since it was opened (per call, not per store lookup), plus the store's Stats."""
@@ -86,7 +87,7 @@ class PrefixCacheStats:
         return asdict(self)
 
 
-def default_boundary(layout: Any) -> int:
+def default_boundary(layout: Layout) -> int:
     """8192 tokens, halved (down to 512) while one boundary segment's rows would exceed 2 GiB.
 
     A boundary snapshot stores the segment's K/V rows plus the fixed state; bigger per-token
@@ -97,105 +98,6 @@ def default_boundary(layout: Any) -> int:
     while b > MIN_BOUNDARY and b * bpt > SEGMENT_BYTES:
         b //= 2
     return b
-
-
-def _positions(cache_prefix: Any) -> list[int]:
-    """cache_prefix as a list of positive ints (None, an int, or an iterable of ints)."""
-    if cache_prefix is None:
-        return []
-    vals = [cache_prefix] if _is_int(cache_prefix) else cache_prefix
-    if isinstance(vals, (str, bytes)) or not isinstance(vals, Iterable):
-        raise InvalidInputError(f"cache_prefix must be an int or a list of ints, got {cache_prefix!r}")
-    out = []
-    for v in vals:
-        if not _is_int(v) or operator.index(v) < 1:
-            raise InvalidInputError(f"cache_prefix positions must be ints >= 1, got {v!r}")
-        out.append(operator.index(v))
-    return out
-
-
-def _is_int(v: Any) -> bool:
-    """An integer (numpy and 0-d integer tensors too), not a bool."""
-    if isinstance(v, bool):
-        return False
-    try:
-        operator.index(v)
-    except TypeError:
-        return False
-    return True
-
-
-class _PromptEnd:
-    """A stopping criterion that never stops: its first call (the cache holds exactly the prompt) captures it."""
-
-    def __init__(self, capture: Any):
-        self.capture = capture
-        self.called = False
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        if not self.called:
-            self.called = True
-            self.capture()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-class _Captures:
-    """One call's pending captures, a chain saved on a worker thread while the model reads on.
-
-    A capture references the cache's K/V row tensors (transformers appends by concatenation, so
-    rows already there never change) and clones its fixed parts (linear-attention state is updated
-    in place by the next forward). At most one save is in flight: memory stays bounded by one
-    clone of the fixed parts, and each capture's parent is the one saved before it.
-    """
-
-    def __init__(self, pc: PrefixCache, parent: int | None, namespace: str | None):
-        self.pc, self.parent, self.namespace = pc, parent, namespace
-        self.results: list[SaveResult] = []
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def add(self, cache: Any, tokens: list[int], session: str | None) -> None:
-        """Capture the cache after ``tokens`` (a pending delta over the previous capture, or the restore)."""
-        from . import hf
-
-        self.wait()
-        snap = hf.snapshot(cache)
-        if snap.layout != self.pc.store.layout:
-            raise LayoutError("the cache's layout differs from the store's (batch size or model changed?)")
-        if snap.n_tokens != len(tokens):
-            raise LayoutError(f"the cache holds {snap.n_tokens} tokens, the capture names {len(tokens)}")
-        fixed = snap.layout.fixed
-        parts = {k: v.clone() if k in fixed and isinstance(v, torch.Tensor) else v for k, v in snap.parts.items()}
-        self._thread = threading.Thread(target=self._run, args=(list(tokens), parts, snap, session),
-                                        name="snapstore-prefix-capture", daemon=True)
-        self._thread.start()
-
-    def _run(self, tokens: list[int], parts: dict[str, Any], snap: Any, session: str | None) -> None:
-        try:
-            res = self.pc._save(tokens, parts, snap, self.parent, session, self.namespace)
-        except BaseException as e:  # handed to the caller's thread by wait()
-            self._error = e
-            return
-        if res is not None and res.ok:
-            self.results.append(res)
-            self.parent = res.snapshot_id
-            self.pc._add(captures=1)
-
-    def wait(self) -> None:
-        """Wait for the save in flight; re-raise its error here, in the caller's thread."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
-    def drain(self) -> None:
-        """Wait for the save in flight, dropping its error (the call is failing already)."""
-        try:
-            self.wait()
-        except BaseException as e:
-            log.warning("prefix cache: a capture failed while the call was failing: %s", e)
 
 
 class PrefixCache:
@@ -212,9 +114,9 @@ class PrefixCache:
     codec, staging_bytes, check_rows, staging, extra). One ``generate`` at a time per instance.
     """
 
-    def __init__(self, model: Any, path: str | os.PathLike[str] | None = None, *, boundary: int | None = None,
-                 budget: Budget | None = None, resume: str = "cut", pack: str | None = None,
-                 **store_options: Any):
+    def __init__(self, model: PreTrainedModel, path: str | os.PathLike[str] | None = None, *,
+                 boundary: int | None = None, budget: Budget | None = None, resume: str = "cut",
+                 pack: str | None = None, **store_options: Any):
         from . import hf
 
         if boundary is not None and (isinstance(boundary, bool) or not isinstance(boundary, int) or boundary < 0):
@@ -237,20 +139,20 @@ class PrefixCache:
         self._closed = False
 
     # -- the split ------------------------------------------------------------------------------
-    def split(self, n_tokens: int, cache_prefix: Any = None) -> list[int]:
+    def split(self, n_tokens: int, cache_prefix: CachePrefix = None) -> list[int]:
         """The cuts a ``generate`` of an ``n_tokens`` prompt reads at (sorted, each < n_tokens).
 
         Every multiple of ``boundary`` and every ``cache_prefix`` position below the prompt's end.
         The prompt is read in the pieces between cuts, the last piece by ``model.generate`` itself.
         """
-        cuts = {p for p in _positions(cache_prefix) if p < n_tokens}
+        cuts = {p for p in positions(cache_prefix) if p < n_tokens}
         if self.boundary:
             cuts.update(range(self.boundary, n_tokens, self.boundary))
         return sorted(cuts)
 
     # -- generate -------------------------------------------------------------------------------
-    def generate(self, input_ids: Any, *, cache_prefix: Any = None, session: str | None = None,
-                 namespace: str | None = None, **generate_kwargs: Any) -> Any:
+    def generate(self, input_ids: TokenIds, *, cache_prefix: CachePrefix = None, session: str | None = None,
+                 namespace: str | None = None, **generate_kwargs: Any) -> Generated:
         """``model.generate(input_ids, **generate_kwargs)`` through the prefix cache; returns what it returns.
 
         cache_prefix: a position (or list) to snapshot exactly at — the end of the system prompt or
@@ -276,15 +178,15 @@ class PrefixCache:
             cache = DynamicCache(config=self.model.config)
         self._add(calls=1, hits=int(start > 0), misses=int(start == 0), prompt_tokens=n, restored_tokens=start,
                   prefilled_tokens=n - start)
-        caps = _Captures(self, parent, namespace)
+        caps = Captures(self, parent, namespace)
 
         def prompt_end() -> None:
             if not prompt_stored and cache.get_seq_length() == n:
                 caps.add(cache, tokens, session)
 
         try:
-            self._prefill(ids, cache, start, cuts, lambda c: caps.add(cache, tokens[:c], None))
-            out = self._generate(ids, cache, generate_kwargs, _PromptEnd(prompt_end))
+            prefill(self.model, ids, cache, start, cuts, lambda c: caps.add(cache, tokens[:c], None))
+            out = generate_rest(self.model, ids, cache, generate_kwargs, PromptEnd(prompt_end))
             caps.wait()
         except BaseException:
             caps.drain()
@@ -293,7 +195,8 @@ class PrefixCache:
         self._commit(caps.results)
         return out
 
-    def uncached_generate(self, input_ids: Any, *, cache_prefix: Any = None, **generate_kwargs: Any) -> Any:
+    def uncached_generate(self, input_ids: TokenIds, *, cache_prefix: CachePrefix = None,
+                          **generate_kwargs: Any) -> Generated:
         """What ``generate`` returns, computed from token 0 without the store: the byte-identical reference.
 
         ``model.generate`` over a cache prefilled at the same cuts (``split``); with no cuts it is
@@ -303,39 +206,15 @@ class PrefixCache:
 
         ids = self._check(input_ids, generate_kwargs)
         cache = DynamicCache(config=self.model.config)
-        self._prefill(ids, cache, 0, self.split(ids.shape[1], cache_prefix), None)
-        return self._generate(ids, cache, generate_kwargs, None)
+        prefill(self.model, ids, cache, 0, self.split(ids.shape[1], cache_prefix), None)
+        return generate_rest(self.model, ids, cache, generate_kwargs, None)
 
     # -- steps ----------------------------------------------------------------------------------
-    def _check(self, input_ids: Any, kw: dict[str, Any]) -> torch.Tensor:
-        """input_ids as a (1, n) long tensor on the model's device; refuse what the cache cannot serve."""
+    def _check(self, input_ids: TokenIds, kw: dict[str, Any]) -> torch.Tensor:
+        """input_ids as a (1, n) long tensor on the model's device; refuse a closed cache and what it cannot serve."""
         if self._closed:
             raise StateError("this PrefixCache is closed")
-        ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(input_ids, dtype=torch.long)
-        if ids.dim() == 1:
-            ids = ids[None]
-        if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
-            raise InvalidInputError(f"input_ids must be (1, n) token ids, got shape {tuple(ids.shape)} {ids.dtype}")
-        if ids.shape[0] != 1:
-            raise BatchNotSupportedError(f"a batch of {ids.shape[0]} sequences: PrefixCache serves one sequence "
-                                         "per call; call generate once per prompt (batching is not done yet)")
-        if ids.shape[1] == 0:
-            raise InvalidInputError("input_ids is empty: generate needs at least one prompt token")
-        for key, why in _REFUSED.items():
-            if kw.get(key) is not None:
-                raise InvalidInputError(f"generate({key}=...) is not supported: {why}")
-        if kw.get("use_cache") is False:
-            raise InvalidInputError("generate(use_cache=False) reads no cache; call model.generate directly")
-        gc = kw.get("generation_config") or self.model.generation_config
-        for key in ("num_beams", "num_return_sequences"):
-            value = kw.get(key, getattr(gc, key, 1))
-            if value not in (None, 1):
-                raise BatchNotSupportedError(f"generate({key}={value}) expands the cache to a batch; PrefixCache "
-                                             "serves one sequence (batching is not done yet)")
-        mask = kw.get("attention_mask")
-        if mask is not None and (tuple(mask.shape) != tuple(ids.shape) or not bool(torch.all(mask == 1))):
-            raise InvalidInputError("attention_mask must be all ones for the one (unpadded) sequence")
-        return ids.to(device=self.device, dtype=torch.long)
+        return check_call(self.model, self.device, input_ids, kw)
 
     def _lookup(self, tokens: list[int], cuts: list[int], namespace: str | None) -> tuple[Match | None, bool]:
         """The snapshot to resume from (deepest at a cut, or the longest), and whether the whole prompt is stored."""
@@ -353,7 +232,7 @@ class PrefixCache:
             m = self.store.match(tokens[:below], namespace=namespace)
         return None, prompt_stored
 
-    def _restore(self, m: Match) -> tuple[Any, int, int | None]:
+    def _restore(self, m: Match) -> tuple[DynamicCache | None, int, int | None]:
         """Restore ``m`` into a fresh cache; on failure (damage, eviction race) read from token 0 instead."""
         from . import hf
 
@@ -369,46 +248,7 @@ class PrefixCache:
         self._add(restore_seconds=time.perf_counter() - t0)
         return cache, res.n_tokens, m.snapshot_id
 
-    def _prefill(self, ids: torch.Tensor, cache: Any, start: int, cuts: list[int], at_cut: Any) -> None:
-        """Read the prompt from ``start`` to its last cut, one piece per cut, calling ``at_cut`` at each.
-
-        Each piece is read by ``model.generate`` itself (one new token, discarded): the forward
-        gets exactly the inputs generate's own prefill gives the last piece (position ids, mask,
-        logits_to_keep, model-specific preparation), so a snapshot taken at the prompt's end and
-        one taken at a cut hold the same bytes a later call computes for that piece.
-        """
-        pos = start
-        for c in cuts:
-            if c <= pos:
-                continue
-            self.model.generate(ids[:, :c], attention_mask=torch.ones_like(ids[:, :c]), past_key_values=cache,
-                                generation_config=self._piece_config())
-            pos = c
-            if at_cut is not None:
-                at_cut(c)
-
-    def _piece_config(self) -> Any:
-        """A generation config for reading one piece: greedy, one new token, nothing returned but the ids."""
-        from transformers import GenerationConfig
-
-        gc = self.model.generation_config
-        pad = gc.pad_token_id if gc.pad_token_id is not None else gc.eos_token_id
-        if isinstance(pad, list):
-            pad = pad[0] if pad else None
-        return GenerationConfig(max_new_tokens=1, min_new_tokens=0, do_sample=False, num_beams=1,  # type: ignore[no-untyped-call]
-                                pad_token_id=0 if pad is None else pad, eos_token_id=None)
-
-    def _generate(self, ids: torch.Tensor, cache: Any, kw: dict[str, Any], hook: _PromptEnd | None) -> Any:
-        """``model.generate`` over the prefilled cache; it reads the last piece and decodes."""
-        from transformers import StoppingCriteriaList
-
-        kw = dict(kw)
-        kw["attention_mask"] = torch.ones_like(ids)  # one unpadded sequence: a pad id in the prompt is a token
-        if hook is not None:
-            kw["stopping_criteria"] = StoppingCriteriaList([hook, *(kw.get("stopping_criteria") or [])])
-        return self.model.generate(ids, past_key_values=cache, **kw)
-
-    def _save(self, tokens: list[int], parts: dict[str, Any], snap: Any, parent: int | None,
+    def _save(self, tokens: list[int], parts: dict[str, Any], snap: CacheSnapshot, parent: int | None,
               session: str | None, namespace: str | None) -> SaveResult | None:
         """One pending capture; a failing disk skips the capture (counted), it does not fail the call."""
         kw: dict[str, Any] = {"commit": False, "session": session, "namespace": namespace,

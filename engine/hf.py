@@ -26,13 +26,11 @@ fixed parts (recurrent state, conv state, windows, meta).
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import torch
@@ -40,10 +38,10 @@ import torch
 from snapstore import (
     DestinationError,
     Fixed,
-    Identity,
     IdentityError,
     Layout,
     LayoutError,
+    Match,
     RestoreResult,
     Rows,
     SaveResult,
@@ -53,10 +51,16 @@ from snapstore import (
 )
 
 from ._adapter import TorchAdapter
-from ._device import CUDA
-from ._torch import Staging, _bits, _sync_copy, _xfer, dtype_name, flat_bytes, shared_staging, torch_dtype
+from ._dtypes import dtype_name, torch_dtype
+from ._hf_identity import config_sha256, identity, weights_sha256
+from ._staging import Staging, shared_staging
+from ._types import TokenIds
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 __all__ = [
+    "CachePart",
     "CacheSnapshot",
     "config_sha256",
     "identity",
@@ -71,7 +75,9 @@ __all__ = [
 META = "hf.meta"
 KIND_DUMMY, KIND_FULL, KIND_SLIDING, KIND_LINEAR, KIND_LINEAR_FULL, KIND_LINEAR_SLIDING = range(6)
 _PART = re.compile(r"^layers\.(\d+)\.(keys|values|conv\d+|rec\d+)$")
-_KERNELS = ("fla", "mamba_ssm", "causal_conv1d")
+
+CachePart = Union[torch.Tensor, np.ndarray]
+"""One part of a cache snapshot: a live cache tensor, or the int64 ``hf.meta`` array."""
 
 
 def _cache_classes() -> dict[type, int]:
@@ -111,7 +117,7 @@ class CacheSnapshot:
     """
 
     layout: Layout
-    parts: dict[str, Any]
+    parts: dict[str, CachePart]
     n_tokens: int
     token_dims: dict[str, int] = field(default_factory=dict)
     pad_rows: dict[str, int] = field(default_factory=dict)
@@ -123,17 +129,17 @@ class CacheSnapshot:
         return CacheSnapshot(self.layout, parts, self.n_tokens, dict(self.token_dims), dict(self.pad_rows))
 
 
-def snapshot(cache: Any) -> CacheSnapshot:
+def snapshot(cache: DynamicCache) -> CacheSnapshot:
     """Describe a transformers ``DynamicCache`` as a layout and parts (no copy).
 
     The cache must have seen at least one token, have at least one attention layer (a transformers
     5.23 limitation), and not be in ``record_past`` (speculative rollback) mode.
     """
-    layers = list(cache.layers)
+    layers: list[Any] = list(cache.layers)  # the layer classes' own attributes differ (see _kind)
     meta = np.zeros((len(layers), 4), dtype=np.int64)
     fixed: dict[str, Fixed] = {}
     rows: dict[str, Rows] = {}
-    parts: dict[str, Any] = {META: meta}
+    parts: dict[str, CachePart] = {META: meta}
     token_dims: dict[str, int] = {}
     pad_rows: dict[str, int] = {}
     seq: int | None = None
@@ -188,7 +194,7 @@ def snapshot(cache: Any) -> CacheSnapshot:
 
 
 @torch.no_grad()
-def layout_for(model: Any, batch: int = 1) -> Layout:
+def layout_for(model: PreTrainedModel, batch: int = 1) -> Layout:
     """The layout of ``model``'s cache for ``batch`` sequences (one 1-token probe forward).
 
     Open the store with it before the first prefill, in every process that saves or restores.
@@ -199,7 +205,7 @@ def layout_for(model: Any, batch: int = 1) -> Layout:
     return snapshot(cache).layout
 
 
-def save(adapter: TorchAdapter | Store, cache: Any, tokens: Any, **kwargs: Any) -> SaveResult:
+def save(adapter: TorchAdapter | Store, cache: DynamicCache, tokens: TokenIds, **kwargs: Any) -> SaveResult:
     """Save the cache's state after ``tokens`` (``len(tokens)`` must equal the cache's length).
 
     kwargs go to ``Store.save`` (session, parent='auto', commit, namespace). Full-attention rows
@@ -251,9 +257,10 @@ def _parse(name: str) -> tuple[int, str] | None:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
-def restore(cache_or_config: Any, adapter: TorchAdapter | Store, match: Any, *,
+def restore(cache_or_config: DynamicCache | PretrainedConfig, adapter: TorchAdapter | Store,
+            match: Match | SaveResult, *,
             device: DeviceSpec | Mapping[int, DeviceSpec] | Sequence[DeviceSpec] | None = None,
-            components: Iterable[str] | None = None) -> tuple[Any, RestoreResult]:
+            components: Iterable[str] | None = None) -> tuple[DynamicCache, RestoreResult]:
     """Restore snapshot ``match`` into a fresh cache; returns ``(cache, RestoreResult)``.
 
     cache_or_config: an empty ``DynamicCache`` to fill, or the model config (a new
@@ -358,72 +365,8 @@ def _install(layers: list[Any], kinds: list[int], meta: np.ndarray, into: Mappin
                 layer.has_previous_state[j] = bool(flags >> j & 1)
 
 
-def config_sha256(config: Any) -> str:
-    """SHA-256 of the model config's canonical JSON (every field, sorted keys)."""
-    d = config.to_dict()
-    text = json.dumps(d, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-@torch.no_grad()
-def weights_sha256(model: Any, chunk: int = 64 << 20) -> str:
-    """SHA-256 over every parameter and buffer (name, dtype, shape, C-order bytes).
-
-    Contiguous CPU tensors are hashed in place; anything else (device, strided) is copied through
-    one reused host buffer of ``chunk`` bytes (page-locked for CUDA), so memory stays bounded.
-    """
-    h = hashlib.sha256()
-    buf: torch.Tensor | None = None
-    for name, t in sorted(model.state_dict().items()):
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        c = _bits(t.detach().resolve_conj().resolve_neg())
-        if c.device.type == "cpu" and (c.dim() == 0 or c.is_contiguous()):
-            h.update(flat_bytes(c).numpy().data)
-            continue
-        n = c.numel() * c.element_size()
-        if buf is None or (c.device.type == "cuda" and not buf.is_pinned()):
-            buf = torch.empty(chunk, dtype=torch.uint8, pin_memory=c.device.type == "cuda" and CUDA.available())
-        for a in range(0, n, chunk):
-            b = min(n, a + chunk)
-            _xfer(c, a, b, buf[:b - a], False, _sync_copy)
-            h.update(buf[:b - a].numpy().data)
-    return h.hexdigest()
-
-
-def identity(model: Any, *, build: str | None = None, pack: str | None = None, kv: str | None = None,
-             extra: Mapping[str, Any] | None = None) -> Identity:
-    """An Identity for a transformers model's cache state.
-
-    build: default ``transformers-<v>+torch-<v>``. pack: the checkpoint's hash (pass it; e.g.
-    ``"sha256:" + weights_sha256(model)``); default the config hash, which does NOT tell two
-    checkpoints of one architecture apart. extra always records transformers/torch versions, model
-    type, config hash, dtype, device type, attention implementation and which optional kernel
-    packages were importable (they change the numbers and the state dtypes).
-    """
-    import transformers
-
-    cfg = model.config
-    csha = config_sha256(cfg)
-    dt = dtype_name(model.dtype)
-    dev = next(model.parameters()).device.type
-    kernels = ",".join(k for k in _KERNELS if importlib.util.find_spec(k) is not None) or "none"
-    ex: dict[str, Any] = {
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "model_type": str(getattr(cfg, "model_type", "")),
-        "config_sha256": csha,
-        "dtype": dt,
-        "device": dev,
-        "attn_implementation": str(getattr(cfg, "_attn_implementation", None)),
-        "kernels": kernels,
-    }
-    ex.update(extra or {})
-    return Identity(build=build or f"transformers-{transformers.__version__}+torch-{torch.__version__}",
-                    pack=pack or f"config-sha256:{csha}", kv=kv or dt, mtp=False, extra=ex)
-
-
-def open_store(model: Any, path: Any = None, *, batch: int = 1, pack: str | None = None,
-               staging: Staging | int | None = None, extra: Mapping[str, Any] | None = None,
+def open_store(model: PreTrainedModel, path: str | os.PathLike[str] | None = None, *, batch: int = 1,
+               pack: str | None = None, staging: Staging | int | None = None, extra: Mapping[str, Any] | None = None,
                **kwargs: Any) -> TorchAdapter:
     """Open a Store for ``model`` (identity + probed layout) and wrap it in a TorchAdapter.
 

@@ -34,6 +34,7 @@ from ._layout import DTYPE_NAMES, Fixed, Layout, Rows, dtype_size
 from ._meta import EngineMeta
 from ._paged import PagedRows
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
+from ._rowspan import RowSpan, row_span
 from ._store import Store
 from ._turn import Turn
 from ._uploader import FlushResult
@@ -67,6 +68,7 @@ __all__ = [
     "PartWriter",
     "RestoreError",
     "RestoreResult",
+    "RowSpan",
     "Rows",
     "SaveHandle",
     "SaveResult",
@@ -84,4 +86,5 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "dtype_size",
+    "row_span",
 ]

@@ -7,8 +7,9 @@ each sequence a block table: token ``t`` lives in block ``block_table[t // block
 restore writes straight into another sequence's blocks — no contiguous copy of the sequence.
 
 It implements both protocols of :mod:`snapstore._buffers` (``read_into`` for save, ``write_from``
-for restore). Byte ranges may start and end inside a row (chunk edges): partial rows are patched
-through a one-row temporary, whole rows are moved block by block with slice copies.
+for restore). Byte ranges may start and end inside a row (chunk edges; the split is
+:func:`snapstore._rowspan.row_span`): partial rows are patched through a one-row temporary,
+whole rows are moved block by block with slice copies.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._errors import InvalidInputError
+from ._rowspan import RowSpan, row_span
 
 __all__ = ["PagedRows"]
 
@@ -89,11 +91,11 @@ class PagedRows:
         return (f"PagedRows(blocks={len(self._table)}, block_size={self.block_size}, row_shape={self.row_shape}, "
                 f"dtype={self.dtype.name})")
 
-    def _span(self, offset: int, n: int) -> tuple[int, int, int, int]:
-        """(first row, head bytes into it, first whole row after the head, end byte) of a byte range."""
+    def _span(self, offset: int, n: int) -> RowSpan:
+        """The head / whole rows / tail split of a byte range (InvalidInputError outside the table)."""
         if offset < 0 or offset + n > self.nbytes:
             raise InvalidInputError(f"bytes [{offset}, {offset + n}) are outside this block table's {self.nbytes}")
-        return offset // self.row_bytes, offset % self.row_bytes, -(-offset // self.row_bytes), offset + n
+        return row_span(offset, n, self.row_bytes)
 
     def _row_bytes_view(self, r: int) -> np.ndarray:
         """Row ``r`` as a contiguous byte copy (for patching a partial row)."""
@@ -105,42 +107,33 @@ class PagedRows:
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the sequence's canonical bytes from byte ``offset`` (PartReader)."""
-        rb = self.row_bytes
-        r_first, head, r_whole, end = self._span(offset, len(out))
-        pos = 0
-        if head:  # the range starts inside row r_first
-            take = min(rb - head, len(out))
-            out[:take] = self._row_bytes_view(r_first)[head:head + take].data
-            pos = take
-        r_end = end // rb
-        if r_whole < r_end:
-            dst = self._rows_of(out[pos:pos + (r_end - r_whole) * rb], r_end - r_whole)
-            for blk, s, k, r in block_runs(self._table, self.block_size, r_whole, r_end):
-                dst[r - r_whole:r - r_whole + k] = self._pool[blk, s:s + k]
-            pos += (r_end - r_whole) * rb
-        if pos < len(out):  # ends inside row r_end
-            tail = len(out) - pos
-            out[pos:] = self._row_bytes_view(r_end)[:tail].data
+        sp = self._span(offset, len(out))
+        if sp.head_len:  # the range starts inside row head_row
+            out[:sp.head_len] = self._row_bytes_view(sp.head_row)[sp.head_start:sp.head_start + sp.head_len].data
+        pos = sp.head_len
+        if sp.whole_rows:
+            n = sp.whole_rows * self.row_bytes
+            dst = self._rows_of(out[pos:pos + n], sp.whole_rows)
+            for blk, s, k, r in block_runs(self._table, self.block_size, sp.first, sp.stop):
+                dst[r - sp.first:r - sp.first + k] = self._pool[blk, s:s + k]
+        if sp.tail_len:  # ends inside row stop
+            out[len(out) - sp.tail_len:] = self._row_bytes_view(sp.stop)[:sp.tail_len].data
 
     def write_from(self, offset: int, data: memoryview) -> None:
         """Store ``data`` (canonical bytes) at byte ``offset`` of the sequence (PartWriter)."""
         if not self._writeable:
             raise InvalidInputError("the pool is read-only")
-        rb = self.row_bytes
-        r_first, head, r_whole, end = self._span(offset, len(data))
-        pos = 0
-        if head:
-            take = min(rb - head, len(data))
-            self._patch(r_first, head, data[:take])
-            pos = take
-        r_end = end // rb
-        if r_whole < r_end:
-            src = self._rows_of(data[pos:pos + (r_end - r_whole) * rb], r_end - r_whole)
-            for blk, s, k, r in block_runs(self._table, self.block_size, r_whole, r_end):
-                self._pool[blk, s:s + k] = src[r - r_whole:r - r_whole + k]
-            pos += (r_end - r_whole) * rb
-        if pos < len(data):
-            self._patch(r_end, 0, data[pos:])
+        sp = self._span(offset, len(data))
+        if sp.head_len:
+            self._patch(sp.head_row, sp.head_start, data[:sp.head_len])
+        pos = sp.head_len
+        if sp.whole_rows:
+            n = sp.whole_rows * self.row_bytes
+            src = self._rows_of(data[pos:pos + n], sp.whole_rows)
+            for blk, s, k, r in block_runs(self._table, self.block_size, sp.first, sp.stop):
+                self._pool[blk, s:s + k] = src[r - sp.first:r - sp.first + k]
+        if sp.tail_len:
+            self._patch(sp.stop, 0, data[len(data) - sp.tail_len:])
 
     def views(self, offset: int, n: int) -> list[memoryview] | None:
         """Writable byte views of [offset, offset + n) in order — one per block touched — when each

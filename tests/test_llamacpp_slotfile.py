@@ -18,6 +18,7 @@ pytest.importorskip("gguf")
 import helpers_llamacpp as h  # noqa: E402
 
 from snapstore.llamacpp import _slotfile as S  # noqa: E402
+from snapstore.llamacpp import _slotparts as P  # noqa: E402
 from snapstore.llamacpp._identity import model_info  # noqa: E402
 
 
@@ -65,7 +66,7 @@ def test_transposed_v_becomes_rows(files):
     j, c = 3, 5
     off = hdr + (j * sf.n_tokens + c) * ly.v_el
     assert bytes(rows[c, j]) == data[off:off + ly.v_el]
-    parts = S.to_parts(sf, shape)
+    parts = P.to_parts(sf, shape)
     assert parts["v.0"].shape == (sf.n_tokens, ly.v_row)
 
 
@@ -151,15 +152,15 @@ def test_parts_round_trip_and_cut(files):
         data, model = files[tag]
         shape = model_info(model).shape
         sf = S.decode(data, shape)
-        proto = S.SlotProto.of(sf, shape)
-        assert S.SlotProto.from_extra(proto.to_extra()) == proto
-        layout = S.layout_for(proto)
+        proto = P.SlotProto.of(sf, shape)
+        assert P.SlotProto.from_extra(proto.to_extra()) == proto
+        layout = P.layout_for(proto)
         for n in (sf.n_tokens, 17):
-            parts = S.to_parts(sf, shape, n)
-            dest = S.empty_parts(layout, n)
+            parts = P.to_parts(sf, shape, n)
+            dest = P.empty_parts(layout, n)
             for k, v in parts.items():
                 np.frombuffer(dest[k], np.uint8)[:] = np.frombuffer(np.ascontiguousarray(v), np.uint8)
-            back = S.from_parts(dest, n, proto)
+            back = P.from_parts(dest, n, proto)
             if n == sf.n_tokens:
                 assert S.encode(back) == data
             else:
@@ -171,7 +172,7 @@ def test_hybrid_state_cannot_be_cut(files):
     shape = model_info(model).shape
     sf = S.decode(data, shape)
     with pytest.raises(Exception, match="only valid at its last token"):
-        S.to_parts(sf, shape, sf.n_tokens - 1)
+        P.to_parts(sf, shape, sf.n_tokens - 1)
 
 
 def test_identity_module_never_imports_torch():

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import IDENT, LAYOUT, make_state
+from hypothesis import given
+from hypothesis import strategies as hst
 
 import snapstore as ss
 
@@ -82,6 +84,27 @@ def test_paged_rows_refuse_bad_tables() -> None:
         ss.PagedRows(pool, [0], (1, 1))
     with pytest.raises(ss.InvalidInputError, match="outside this block table"):
         ss.PagedRows(pool, [1]).write_from(0, memoryview(bytes(100)))
+
+
+# -- row_span: the one head / whole rows / tail split every row-structured reader and writer uses --
+@given(row_bytes=hst.integers(1, 64), offset=hst.integers(0, 700), n=hst.integers(0, 700))
+def test_row_span_tiles_the_range_exactly(row_bytes: int, offset: int, n: int) -> None:
+    """The head (inside one row, only when the range starts mid-row), the whole rows and the tail
+    (the start of one row, shorter than a row) are, in order, exactly the bytes of the range."""
+    sp = ss.row_span(offset, n, row_bytes)
+    covered = [sp.head_row * row_bytes + sp.head_start + i for i in range(sp.head_len)]
+    covered += range(sp.first * row_bytes, sp.stop * row_bytes)
+    covered += [sp.stop * row_bytes + i for i in range(sp.tail_len)]
+    assert covered == list(range(offset, offset + n))
+    assert sp.head_start + sp.head_len <= row_bytes and sp.tail_len < row_bytes and sp.first <= sp.stop
+    assert (sp.head_len > 0) == (offset % row_bytes != 0 and n > 0)
+    assert sp.whole_rows == sp.stop - sp.first
+
+
+def test_row_span_refuses_what_is_not_a_range() -> None:
+    for args in ((-1, 4, 8), (0, -1, 8), (0, 4, 0)):
+        with pytest.raises(ss.InvalidInputError):
+            ss.row_span(*args)
 
 
 # -- the paged engine: restore into another slot's scattered blocks after a restart --------------

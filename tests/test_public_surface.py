@@ -17,10 +17,10 @@ CORE = {
     "Budget", "ConfigError", "CorruptChunkError", "CorruptionError", "DTYPE_NAMES", "DeleteResult",
     "DestinationError", "EngineMeta", "Fixed", "FlushResult", "GcReport", "Identity", "IdentityError",
     "InvalidInputError", "Layout", "LayoutError", "Match", "MatchDetails", "NotFoundError", "PagedRows",
-    "PartReader", "PartWriter", "RemoteError", "RestoreError", "RestoreResult", "Rows", "SaveHandle",
+    "PartReader", "PartWriter", "RemoteError", "RestoreError", "RestoreResult", "RowSpan", "Rows", "SaveHandle",
     "SaveResult", "SnapshotInfo", "SnapshotUnavailableError", "SnapstoreError", "SourceError", "StateError",
     "Stats", "Store", "StoreFormatError", "StoreIOError", "Turn", "UnsupportedCacheError", "VerifyReport",
-    "__version__", "dtype_size",
+    "__version__", "dtype_size", "row_span",
 }
 ENGINE = {
     "DEFAULT_STAGING_BYTES", "Staging", "TensorSink", "TensorSource", "TorchAdapter", "TorchPagedRows",

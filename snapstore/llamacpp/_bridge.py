@@ -1,11 +1,10 @@
-"""The bridge between llama-server slots and a snapstore store, as library classes.
+"""``LlamaBridge``: prefix persistence for a running llama-server, decided per request.
 
-``SlotStore``: slot files of one model and build <-> snapshots (import: a delta over the deepest
-stored prefix; export: a file llama-server restores). ``LlamaBridge``: drives a running
-llama-server through its own HTTP API (``/tokenize``, ``/apply-template``, ``/completion``,
-``/slots``) so that a request first gets the longest stored prefix restored into its slot, and
-its boundaries — the end of the system prompt (shared by new chats) and the conversation's own
-prompt (under its session) — are saved. ``snapstore llama-proxy`` (``_proxy.py``) wraps it.
+It drives llama-server through its own HTTP API (``/tokenize``, ``/apply-template``,
+``/completion``, ``/slots``; ``_upstream``) so that a request first gets the longest stored prefix
+restored into its slot, and its boundaries — the end of the system prompt (shared by new chats)
+and the conversation's own prompt (under its session) — are saved through a ``SlotStore``
+(``_slotstore``). ``snapstore llama-proxy`` (``_proxy.py``) wraps it.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ import logging
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,159 +22,17 @@ from typing import Any
 import numpy as np
 
 from .._config import Budget
-from .._errors import IdentityError, InvalidInputError, NotFoundError, SnapstoreError, StoreIOError
-from .._identity import Identity
-from .._results import Match, SaveResult
-from .._store import Store
-from ._identity import ModelInfo, build_of_server, identity_for, model_info
-from ._slotfile import (
-    SlotFile,
-    SlotFormatError,
-    SlotProto,
-    decode,
-    empty_parts,
-    encode,
-    from_parts,
-    layout_for,
-    to_parts,
-)
+from .._errors import InvalidInputError, SnapstoreError
+from ._identity import build_of_server
+from ._slotfile import SlotFile, SlotFormatError
+from ._slotstore import SlotStore
+from ._upstream import JsonObject, LlamaServer, UpstreamError
 
-__all__ = ["BridgeEvents", "LlamaBridge", "Plan", "SlotStore", "UpstreamError", "export_snapshot"]
+__all__ = ["BridgeEvents", "LlamaBridge", "Plan", "SlotStore", "UpstreamError"]
 
 log = logging.getLogger("snapstore.llamacpp")
 
 
-class UpstreamError(SnapstoreError):
-    """llama-server refused or failed a control request (tokenize, slot save/restore, ...)."""
-
-
-def _identity_extra_of(root: str, sid: int) -> Identity:
-    """The identity of snapshot ``sid`` (read-only look at the catalog; no other identity's data)."""
-    from .._repo import SnapshotRepo
-
-    repo = SnapshotRepo.open(root)
-    try:
-        def run(c: Any) -> Identity:
-            snap = c.snapshot(sid)
-            if snap is None:
-                raise NotFoundError(f"no snapshot {sid} in {root}")
-            for iid, _key, canonical, *_ in c.identities():
-                if iid == snap.identity_id:
-                    return Identity.from_dict(json.loads(canonical))
-            raise NotFoundError(f"snapshot {sid} has no identity row")
-        return repo.db.read(run)
-    finally:
-        repo.close()
-
-
-def export_snapshot(root: str, sid: int) -> bytes:
-    """The slot file of snapshot ``sid`` (any llama.cpp identity in the store), verified on restore."""
-    ident = _identity_extra_of(root, sid)
-    if ident.extra.get("engine") != "llama.cpp":
-        raise IdentityError(f"snapshot {sid} is not a llama.cpp slot (identity {ident.key})")
-    proto = SlotProto.from_extra(ident.extra)
-    with Store.open(root, identity=ident, layout=layout_for(proto), drop_stale=False) as store:
-        return _export(store, sid, proto)
-
-
-def _export(store: Store, ref: Any, proto: SlotProto) -> bytes:
-    n = _n_tokens_of(store, ref)
-    dest = empty_parts(store.layout, n)
-    store.restore(ref, into=dest)
-    return encode(from_parts(dest, n, proto))
-
-
-def _n_tokens_of(store: Store, ref: Any) -> int:
-    if isinstance(ref, Match):
-        return ref.n_tokens
-    sid = ref.snapshot_id if isinstance(ref, SaveResult) else ref
-    if not isinstance(sid, int):
-        raise NotFoundError(f"not a snapshot: {ref!r}")
-    for info in store.snapshots():
-        if info.snapshot_id == sid:
-            return info.n_tokens
-    raise NotFoundError(f"no snapshot {sid} of this model and build")
-
-
-@dataclass
-class ImportResult:
-    """What an import stored: the SaveResult and the file's facts."""
-
-    save: SaveResult
-    n_tokens: int
-    file_bytes: int
-    checkpoints_dropped: int
-
-
-class SlotStore:
-    """Slot files of one model (GGUF) and llama.cpp build <-> snapshots in one store directory.
-
-    The store identity also pins the slot's constants (state version, types, streams, V layout),
-    so it is opened on the first file; ``drop_stale`` then drops every other identity (a proxy's
-    default at start), never on a plain import.
-    """
-
-    def __init__(self, path: str | None, model: str | ModelInfo, build: str, *, budget: Budget | None = None,
-                 drop_stale: bool = False, check_rows: bool | None = None) -> None:
-        self.path = path
-        self.model = model if isinstance(model, ModelInfo) else model_info(model)
-        self.build = build
-        self.budget = budget
-        self.drop_stale = drop_stale
-        self.check_rows = check_rows
-        self.store: Store | None = None
-        self.proto: SlotProto | None = None
-        self._lock = threading.Lock()
-
-    def decode(self, data: bytes, what: str = "slot file") -> SlotFile:
-        """Parse a slot file of this model (refuses any other layout)."""
-        return decode(data, self.model.shape, what=what)
-
-    def open_for(self, sf: SlotFile) -> Store:
-        """The store for ``sf``'s constants (opened once; a file with other constants is refused)."""
-        proto = SlotProto.of(sf, self.model.shape)
-        with self._lock:
-            if self.store is None:
-                ident = identity_for(self.model, self.build, proto)
-                self.store = Store.open(self.path, identity=ident, layout=layout_for(proto), budget=self.budget,
-                                        drop_stale=self.drop_stale, check_rows=self.check_rows)
-                self.proto = proto
-            elif proto != self.proto:
-                raise IdentityError("this slot file was written with other cache settings (types, streams, "
-                                    "flash attention or state version) than the store was opened for")
-            return self.store
-
-    def save(self, sf: SlotFile, n: int | None = None, *, session: str | None = None) -> SaveResult:
-        """Store the first ``n`` tokens of ``sf`` (all by default) as a delta over its deepest stored prefix."""
-        store = self.open_for(sf)
-        n = sf.n_tokens if n is None else n
-        parts = to_parts(sf, self.model.shape, n)
-        return store.save(sf.tokens[:n], parts, session=session, parent="auto")
-
-    def import_bytes(self, data: bytes, *, session: str | None = None, what: str = "slot file") -> ImportResult:
-        """Decode (every byte checked) and store a slot file; the store is untouched on any error."""
-        sf = self.decode(data, what)
-        res = self.save(sf, session=session)
-        return ImportResult(res, sf.n_tokens, len(data), sf.n_checkpoints)
-
-    def export_bytes(self, ref: Any) -> bytes:
-        """The slot file of a snapshot (a Match, SaveResult or id) of this store."""
-        if self.store is None or self.proto is None:
-            raise NotFoundError("nothing stored yet for this model and build")
-        return _export(self.store, ref, self.proto)
-
-    def match(self, tokens: Sequence[int]) -> Match | None:
-        """The longest stored prefix of ``tokens``, or None."""
-        return None if self.store is None else self.store.match(list(tokens))
-
-    def close(self) -> None:
-        """Close the store."""
-        if self.store is not None:
-            self.store.close()
-            self.store = None
-
-
-# -- the running-server bridge -----------------------------------------------------------------
 @dataclass
 class BridgeEvents:
     """Callbacks for metrics: each gets the decision's facts (all optional)."""
@@ -193,7 +48,7 @@ class Plan:
     """One request's slot, prompt tokens and boundaries, from ``LlamaBridge.before``."""
 
     slot: int
-    body: dict[str, Any]
+    body: JsonObject
     tokens: list[int] = field(default_factory=list)
     system_end: int = 0
     session: str | None = None
@@ -227,46 +82,24 @@ class LlamaBridge:
     def __init__(self, upstream: str, slot_save_path: str, model: str, *, store_dir: str | None = None,
                  build: str | None = None, budget: Budget | None = None, events: BridgeEvents | None = None,
                  timeout: float = 600.0) -> None:
-        self.upstream = upstream.rstrip("/")
+        self.server = LlamaServer(upstream, slot_save_path, timeout)
+        self.upstream = self.server.upstream
         self.slot_dir = slot_save_path
         self.timeout = timeout
         self.events = events or BridgeEvents()
         self.build = build or os.environ.get("SNAPSTORE_LLAMA_BUILD") or build_of_server(self.upstream)
         self.slots = SlotStore(store_dir, model, self.build, budget=budget, drop_stale=True)
         self.hybrid = self.slots.model.shape.hybrid
-        props = self._get("/props")
+        props = self.server.get("/props")
         self.n_slots = int(props.get("total_slots") or 1)
         self._known: list[list[int]] = [[] for _ in range(self.n_slots)]
         self._locks = [threading.Lock() for _ in range(self.n_slots)]
         self._pick = threading.Lock()
-        self._seq = 0
-
-    # -- HTTP to llama-server (control calls; the proxy streams the real requests itself) --
-    def _get(self, path: str) -> dict[str, Any]:
-        try:
-            with urllib.request.urlopen(self.upstream + path, timeout=self.timeout) as r:  # noqa: S310
-                out: dict[str, Any] = json.loads(r.read())
-                return out
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise UpstreamError(f"llama-server GET {path}: {e}") from None
-
-    def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(self.upstream + path, data=json.dumps(body).encode(),  # noqa: S310
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:  # noqa: S310
-                out: dict[str, Any] = json.loads(r.read())
-                return out
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:300].decode(errors="replace")
-            raise UpstreamError(f"llama-server POST {path}: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise UpstreamError(f"llama-server POST {path}: {e}") from None
 
     def start(self) -> None:
         """Open the store now (drops stale identities): a one-token capture in slot 0 tells the constants."""
         with self._locks[0]:
-            bos = self._post("/tokenize", {"content": "", "add_special": True}).get("tokens") or [1]
+            bos = self.server.post("/tokenize", {"content": "", "add_special": True}).get("tokens") or [1]
             sf = self._capture(0, [int(t) for t in bos[:1]])
             self.slots.open_for(sf)
 
@@ -275,14 +108,6 @@ class LlamaBridge:
         self.slots.close()
 
     # -- prompts -------------------------------------------------------------------------------
-    def _tokenize(self, text: str) -> list[int]:
-        out = self._post("/tokenize", {"content": text, "add_special": True, "parse_special": True})
-        return [int(t) for t in out.get("tokens", [])]
-
-    def _render(self, messages: list[Any], extra: Mapping[str, Any]) -> str:
-        body = {"messages": messages, **{k: extra[k] for k in ("tools", "chat_template_kwargs") if k in extra}}
-        return str(self._post("/apply-template", body)["prompt"])
-
     def prompt_of(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
                   ) -> tuple[list[int], int, str | None]:
         """Prompt tokens, the end of the system prompt / tool list (0: none), and the session key."""
@@ -291,11 +116,11 @@ class LlamaBridge:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 return [], 0, session
-            full = self._tokenize(self._render(msgs, body))
+            full = self.server.tokenize(self.server.render(msgs, body))
             head = [m for m in msgs if isinstance(m, dict) and m.get("role") in ("system", "developer")]
             k = len(head)
             if head and msgs[:k] == head or body.get("tools"):
-                sys_tokens = self._tokenize(self._render(msgs[:k], body))
+                sys_tokens = self.server.tokenize(self.server.render(msgs[:k], body))
                 system_end = _lcp(sys_tokens, full)
             else:
                 system_end = 0
@@ -308,7 +133,7 @@ class LlamaBridge:
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return [int(t) for t in prompt], 0, session
         if isinstance(prompt, str):
-            return self._tokenize(prompt), 0, session
+            return self.server.tokenize(prompt), 0, session
         return [], 0, session
 
     # -- slots ---------------------------------------------------------------------------------
@@ -324,50 +149,11 @@ class LlamaBridge:
                         return s
             time.sleep(0.005)
 
-    def _slot_file(self, slot: int) -> tuple[str, str]:
-        with self._pick:
-            self._seq += 1
-            name = f"snapstore-{os.getpid()}-{slot}-{self._seq}.bin"
-        return name, os.path.join(self.slot_dir, name)
-
-    def _save_slot(self, slot: int) -> bytes:
-        name, path = self._slot_file(slot)
-        try:
-            self._post(f"/slots/{slot}?action=save", {"filename": name})
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError as e:
-            raise StoreIOError(f"reading the slot file llama-server wrote at {path}: {e} (is --slot-save-path "
-                               "the directory llama-server was started with?)") from None
-        finally:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-
-    def _restore_slot(self, slot: int, data: bytes, n: int) -> None:
-        name, path = self._slot_file(slot)
-        tmp = path + ".tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-            out = self._post(f"/slots/{slot}?action=restore", {"filename": name})
-            if int(out.get("n_restored", -1)) != n:
-                raise UpstreamError(f"slot {slot} restored {out.get('n_restored')} tokens, expected {n}")
-        finally:
-            for p in (tmp, path):
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
-
     def _capture(self, slot: int, tokens: list[int]) -> SlotFile:
         """Evaluate exactly ``tokens`` into ``slot`` (no generation) and read the slot back."""
-        self._post("/completion", {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
+        self.server.post("/completion", {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
                                    "stream": False})
-        sf = self.slots.decode(self._save_slot(slot), what=f"slot {slot}")
+        sf = self.slots.decode(self.server.save_slot(slot), what=f"slot {slot}")
         self._known[slot] = sf.tokens.tolist()
         return sf
 
@@ -411,7 +197,7 @@ class LlamaBridge:
             return
         t0 = time.perf_counter()
         data = self.slots.export_bytes(m)
-        self._restore_slot(plan.slot, data, m.n_tokens)
+        self.server.restore_slot(plan.slot, data, m.n_tokens)
         self._known[plan.slot] = list(plan.tokens[: m.n_tokens])
         dt = time.perf_counter() - t0
         plan.restored = m.n_tokens
@@ -471,7 +257,7 @@ class LlamaBridge:
             if self.hybrid:
                 self._known[plan.slot] = []  # generation moved it on; what exactly, only the server knows
                 return
-            sf = self.slots.decode(self._save_slot(plan.slot), what=f"slot {plan.slot}")
+            sf = self.slots.decode(self.server.save_slot(plan.slot), what=f"slot {plan.slot}")
             self._known[plan.slot] = sf.tokens.tolist()
             upto = _lcp(sf.tokens.tolist(), plan.tokens)
             for n, session in self._boundaries(plan, upto):

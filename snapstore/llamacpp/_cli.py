@@ -116,7 +116,7 @@ def cmd_import_slot(args: argparse.Namespace, out: Any) -> int:
     """import-slot FILE --model MODEL: store a slot file; print the snapshot id."""
     from .._cli import _emit_json
     from .._inspect import FORMAT
-    from ._bridge import SlotStore
+    from ._slotstore import SlotStore
 
     with open(args.file, "rb") as f:
         data = f.read()
@@ -145,7 +145,7 @@ def cmd_export_slot(args: argparse.Namespace, out: Any) -> int:
     """export-slot ID FILE: write the snapshot as a slot file."""
     from .._cli import _emit_json
     from .._inspect import FORMAT
-    from ._bridge import export_snapshot
+    from ._slotstore import export_snapshot
 
     data = export_snapshot(_root(args, create=False), args.id)
     tmp = args.out + ".tmp"

@@ -17,7 +17,8 @@ from typing import Any
 
 from .._errors import ConfigError, InvalidInputError
 from .._identity import Identity
-from ._slotfile import GGML_TYPES, ModelShape, SlotProto
+from ._slotfile import GGML_TYPES, ModelShape
+from ._slotparts import SlotProto
 
 __all__ = ["BUILD_ENV", "ModelInfo", "build_of_server", "identity_for", "model_info"]
 

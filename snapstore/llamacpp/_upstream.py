@@ -1,0 +1,112 @@
+"""llama-server's control API as the bridge uses it: JSON calls, and slot files moved through its slot directory.
+
+``/slots/N?action=save|restore`` read and write files in the directory llama-server was started
+with (``--slot-save-path``); :class:`LlamaServer` names each file uniquely, hands the bytes over
+and removes the file afterwards, whatever happened. The proxy streams the real requests itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+from .._errors import SnapstoreError, StoreIOError
+
+__all__ = ["JsonObject", "LlamaServer", "UpstreamError"]
+
+JsonObject = dict[str, Any]
+"""A JSON object as llama-server sends and takes it (request bodies, responses)."""
+
+
+class UpstreamError(SnapstoreError):
+    """llama-server refused or failed a control request (tokenize, slot save/restore, ...)."""
+
+
+class LlamaServer:
+    """Control calls to one llama-server at ``upstream`` whose slot files live in ``slot_dir``."""
+
+    def __init__(self, upstream: str, slot_dir: str, timeout: float) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.slot_dir = slot_dir
+        self.timeout = timeout
+        self._seq_lock = threading.Lock()
+        self._seq = 0
+
+    def get(self, path: str) -> JsonObject:
+        """GET ``path``'s JSON; UpstreamError when the server cannot be reached or answers garbage."""
+        try:
+            with urllib.request.urlopen(self.upstream + path, timeout=self.timeout) as r:  # noqa: S310
+                out: JsonObject = json.loads(r.read())
+                return out
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise UpstreamError(f"llama-server GET {path}: {e}") from None
+
+    def post(self, path: str, body: Mapping[str, Any]) -> JsonObject:
+        """POST ``body`` as JSON to ``path``; UpstreamError (with the server's words) when it fails."""
+        req = urllib.request.Request(self.upstream + path, data=json.dumps(body).encode(),  # noqa: S310
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:  # noqa: S310
+                out: JsonObject = json.loads(r.read())
+                return out
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:300].decode(errors="replace")
+            raise UpstreamError(f"llama-server POST {path}: HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise UpstreamError(f"llama-server POST {path}: {e}") from None
+
+    def tokenize(self, text: str) -> list[int]:
+        """The server's tokens of ``text`` (special tokens added and parsed, as a prompt is)."""
+        out = self.post("/tokenize", {"content": text, "add_special": True, "parse_special": True})
+        return [int(t) for t in out.get("tokens", [])]
+
+    def render(self, messages: list[Any], extra: Mapping[str, Any]) -> str:
+        """The prompt text the server's chat template makes of ``messages`` (and tools, template kwargs)."""
+        body = {"messages": messages, **{k: extra[k] for k in ("tools", "chat_template_kwargs") if k in extra}}
+        return str(self.post("/apply-template", body)["prompt"])
+
+    def _slot_file(self, slot: int) -> tuple[str, str]:
+        with self._seq_lock:
+            self._seq += 1
+            name = f"snapstore-{os.getpid()}-{slot}-{self._seq}.bin"
+        return name, os.path.join(self.slot_dir, name)
+
+    def save_slot(self, slot: int) -> bytes:
+        """The bytes of ``slot``'s state, as the server's slot save writes them."""
+        name, path = self._slot_file(slot)
+        try:
+            self.post(f"/slots/{slot}?action=save", {"filename": name})
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise StoreIOError(f"reading the slot file llama-server wrote at {path}: {e} (is --slot-save-path "
+                               "the directory llama-server was started with?)") from None
+        finally:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def restore_slot(self, slot: int, data: bytes, n: int) -> None:
+        """Load slot file bytes ``data`` of ``n`` tokens into ``slot``; UpstreamError if it restored other than n."""
+        name, path = self._slot_file(slot)
+        tmp = path + ".tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            out = self.post(f"/slots/{slot}?action=restore", {"filename": name})
+            if int(out.get("n_restored", -1)) != n:
+                raise UpstreamError(f"slot {slot} restored {out.get('n_restored')} tokens, expected {n}")
+        finally:
+            for p in (tmp, path):
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
