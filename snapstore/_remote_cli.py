@@ -1,7 +1,7 @@
 """The CLI's ``--remote`` flags: verify/gc act on the shared tier; stats/inspect show both tiers.
 
-``_cli`` adds the flags with :func:`add_remote_flags` and hands a command that has ``--remote`` to
-:func:`run_remote`. The URL is the flag's value, else ``$SNAPSTORE_REMOTE``.
+``_cli_parser`` adds the flags with :func:`add_remote_flags`; ``_cli_commands.cmd_remote`` hands a
+command that has ``--remote`` to :func:`run_remote`. The URL is the flag's value, else ``$SNAPSTORE_REMOTE``.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._cli_context import EXIT_DAMAGE, EXIT_OK, FORMAT, CliContext
 from ._config import MIB, env_int
 from ._errors import ConfigError
 from ._s3client import S3Client
 
 __all__ = ["add_remote_flags", "run_remote"]
-
-EXIT_OK, EXIT_DAMAGE = 0, 1
 
 
 def add_remote_flags(p: argparse.ArgumentParser, command: str) -> None:
@@ -44,17 +43,20 @@ def _client(args: argparse.Namespace) -> S3Client:
     return S3Client(url)
 
 
-def run_remote(command: str, args: argparse.Namespace, line: Callable[[str], None],
-               emit_json: Callable[[dict[str, Any]], None], local: Callable[[], dict[str, Any] | None]) -> int:
+def run_remote(command: str, args: argparse.Namespace, ctx: CliContext,
+               local: Callable[[], dict[str, Any] | None]) -> int:
     """Run ``command`` with ``--remote``. ``local`` prints (text) or returns (JSON) the local part, if any."""
+    from ._cli_commands import verify_status
     from ._remote_maint import gc_remote, inspect_remote, stats_remote, verify_remote
+
+    line, emit_json = ctx.line, ctx.emit_json
 
     client = _client(args)
     if command == "verify":
         rep = verify_remote(client, deep=args.deep, repair=args.repair)
-        doc = {"format": 1, "command": "verify", "remote": rep.url,
-               "status": "clean" if rep.ok else ("repaired" if rep.repaired else "damaged"), **rep.to_dict()}
-        if args.json:
+        doc = {"format": FORMAT, "command": "verify", "remote": rep.url,
+               "status": verify_status(rep.ok, bool(rep.repaired)), **rep.to_dict()}
+        if ctx.json:
             emit_json(doc)
         else:
             line(f"verify --remote {rep.url}{' (deep)' if rep.deep else ''}: {doc['status']}")
@@ -74,8 +76,8 @@ def run_remote(command: str, args: argparse.Namespace, line: Callable[[str], Non
             kw["lease_ttl"] = args.lease_ttl
         g = gc_remote(client, grace=args.grace, budget_bytes=mib * MIB if mib is not None else None,
                       dry_run=args.dry_run, **kw)
-        if args.json:
-            emit_json({"format": 1, "command": "gc", "remote": g.url, **g.to_dict()})
+        if ctx.json:
+            emit_json({"format": FORMAT, "command": "gc", "remote": g.url, **g.to_dict()})
         else:
             verb = "would remove" if g.dry_run else "removed"
             line(f"gc --remote {g.url}" + (" (dry run: nothing was changed)" if g.dry_run else ""))
@@ -89,8 +91,8 @@ def run_remote(command: str, args: argparse.Namespace, line: Callable[[str], Non
                  + (f"; {g.kept_for_leases} kept for live uploads" if g.kept_for_leases else ""))
         return EXIT_OK
     remote = stats_remote(client) if command == "stats" else inspect_remote(client)
-    if args.json:
-        emit_json({"format": 1, "command": command, **(local() or {}), "remote": remote})
+    if ctx.json:
+        emit_json({"format": FORMAT, "command": command, **(local() or {}), "remote": remote})
         return EXIT_OK
     local()
     if command == "stats":
