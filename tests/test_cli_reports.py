@@ -1,5 +1,6 @@
 """The CLI prints the library's reports: ``inspect --json`` is the inspect report's ``to_dict()``, its
-snapshots are ``Store.snapshots()``'s infos, and every command writes only through its run's context."""
+snapshots are ``Store.snapshots()``'s infos, and every command writes only through its run's context.
+(``--remote``'s local part: tests/test_remote_fleet.py, beside the shared tier's server.)"""
 
 from __future__ import annotations
 
@@ -141,3 +142,4 @@ def test_resolve_identity_by_key_or_unique_prefix(store_dir: str) -> None:
             resolve("id-nope-nope")
     finally:
         repo.close()
+
