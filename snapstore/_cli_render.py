@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._cli_context import CliContext
+from ._config import MIB
 from ._progress import human_bytes
 
-__all__ = ["gc", "inspect_all", "inspect_one", "remote_counters", "stats", "verify"]
+__all__ = ["gc", "inspect_all", "inspect_one", "remote_counters", "remote_gc", "remote_inspect", "remote_stats",
+           "remote_verify", "stats", "verify"]
 
 
 def _ago(t: float, now: float) -> str:
@@ -246,3 +248,59 @@ def stats(root: str, d: dict[str, Any], out: CliContext) -> None:
 def remote_counters(counters: dict[str, int], out: CliContext) -> None:
     """``stats --remote``: this node's traffic with the shared tier, after the local stats."""
     out.line("  " + (", ".join(f"{k[7:]}={v}" for k, v in sorted(counters.items())) or "no shared-tier traffic yet"))
+
+
+# -- --remote: the shared tier ---------------------------------------------------------------
+def _mib(n: int) -> str:
+    return f"{n / MIB:.1f} MiB"
+
+
+def remote_verify(doc: dict[str, Any], out: CliContext) -> None:
+    """``verify --remote``: the verdict, the tier's counts, each damaged manifest or chunk, what was removed."""
+    out.line(f"verify --remote {doc['url']}{' (deep)' if doc['deep'] else ''}: {doc['status']}")
+    out.line(f"  {doc['manifests']} manifests, {doc['chunks']} chunk objects ({_mib(doc['chunk_bytes'])}), "
+             f"{doc['orphan_chunks']} unreferenced (gc --remote collects them), {doc['live_leases']} live uploads")
+    for d in doc["damaged_manifests"]:
+        out.line(f"  damaged manifest {d['manifest']}: {d['reason']}")
+    for c in doc["corrupt_chunks"]:
+        out.line(f"  corrupt chunk {c['chunk']}: {c['reason']}")
+    for r in doc["repaired"]:
+        out.line(f"  removed {r}")
+
+
+def remote_gc(doc: dict[str, Any], out: CliContext) -> None:
+    """``gc --remote``: manifests evicted or broken, then objects and bytes freed."""
+    dry = doc["dry_run"]
+    out.line(f"gc --remote {doc['url']}" + (" (dry run: nothing was changed)" if dry else ""))
+    if doc["evicted_manifests"]:
+        out.line(f"  evicted manifests (LRU leaves, to the budget): {len(doc['evicted_manifests'])}")
+    if doc["broken_manifests"]:
+        out.line(f"  manifests of broken chains: {len(doc['broken_manifests'])}")
+    out.line(f"{'would remove' if dry else 'removed'} {len(doc['evicted_manifests']) + len(doc['broken_manifests'])} "
+             f"manifests, {doc['chunks_removed']} chunk objects, {doc['leases_removed']} stale leases, "
+             f"{_mib(doc['bytes_freed'])}; {_mib(doc['bytes_before'])} -> {_mib(doc['bytes_after'])}"
+             + (f"; {doc['kept_for_leases']} kept for live uploads" if doc["kept_for_leases"] else ""))
+
+
+def remote_stats(remote: dict[str, Any], out: CliContext) -> None:
+    """``stats --remote``: the shared tier's totals (after the local store's stats)."""
+    out.line(f"shared tier {remote['url']}")
+    out.line(f"  {'manifests':<14} {remote['manifests']} in {remote['scopes']} scopes")
+    out.line(f"  {'chunks':<14} {remote['chunks']} objects, {_mib(remote['chunk_bytes'])}")
+    out.line(f"  {'uploads':<14} {remote['leases']} in flight (leases)")
+
+
+def remote_inspect(remote: dict[str, Any], out: CliContext) -> None:
+    """``inspect --remote``: per scope its manifests (tokens, bytes, last use, parent)."""
+    now = time.time()
+    out.line(f"shared tier {remote['url']}: {remote['chunks']} chunk objects, {_mib(remote['chunk_bytes'])}")
+    for sc in remote["scopes"]:
+        out.line(f"  scope {sc['scope'][:12]} identity {sc['identity']}"
+                 + (f" namespace {sc['namespace']!r}" if sc["namespace"] else ""))
+        for e in sc["manifests"]:
+            if "damaged" in e:
+                out.line(f"    {e['manifest']}  DAMAGED: {e['damaged']}")
+                continue
+            parent = f" <- {e['parent'].split('/')[1][:12]}" if e["parent"] else ""
+            out.line(f"    {e['n_tokens']:>8} tokens  {_mib(e['stored_bytes']):>10}  used {int(now - e['last_used'])}s "
+                     f"ago  {e['manifest'].split('/')[1][:12]}{parent}" + ("" if e["matchable"] else "  (chain link)"))
