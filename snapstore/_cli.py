@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctx.close_meters()
         ctx.error(command, str(e), EXIT_DAMAGE)
         return EXIT_DAMAGE
-    except (UsageError, SnapstoreError, OSError) as e:
+    except (SnapstoreError, OSError) as e:  # UsageError included (a ConfigError)
         ctx.close_meters()
         if isinstance(e, BrokenPipeError):
             ctx.silence_stdout()

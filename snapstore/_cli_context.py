@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from ._errors import ConfigError
 from ._inspect import FORMAT
 from ._progress import Meter
 
@@ -23,7 +24,7 @@ EXIT_OK, EXIT_DAMAGE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DELAY_ENV = "_SNAPSTORE_PROGRESS_DELAY"  # tests only: sleep per progress step (to interrupt mid-work)
 
 
-class UsageError(Exception):
+class UsageError(ConfigError):
     """A problem with the command line or the store path: exit 2."""
 
 

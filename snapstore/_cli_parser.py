@@ -10,11 +10,12 @@ import argparse
 from typing import NoReturn
 
 from ._cli_commands import cmd_gc, cmd_inspect, cmd_stats, cmd_verify
+from ._cli_context import UsageError
 
 __all__ = ["ArgumentsError", "build_parser"]
 
 
-class ArgumentsError(Exception):
+class ArgumentsError(UsageError):
     """The command line could not be parsed: ``prog: message``, with that parser's usage."""
 
     def __init__(self, prog: str, message: str, usage: str) -> None:

@@ -114,6 +114,7 @@ def test_commands_write_only_to_their_run_context(store_dir: str, capfd: pytest.
 def test_a_bad_command_line_is_an_error_value_not_an_exit(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ArgumentsError) as e:
         build_parser().parse_args(["gc", "--ttl", "soon"])
+    assert isinstance(e.value, ss.ConfigError)  # inside the SnapstoreError tree, like every error
     assert e.value.prog == "snapstore gc" and "--ttl" in e.value.message
     assert e.value.usage.startswith("usage: snapstore gc")
     assert capfd.readouterr() == ("", "")  # the parser printed nothing: main decides text or JSON
