@@ -1,5 +1,8 @@
 """What a store holds, described once: snapshot infos (``Store.snapshots()``), stats, and the reports
-``snapstore inspect`` renders (the CLI only parses and renders)."""
+``snapstore inspect`` renders (:mod:`snapstore._inspect_report`; the CLI only parses and renders).
+
+Every snapshot description, the library's and inspect's, is built by :func:`snapshot_info`.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +10,24 @@ import json
 import os
 from typing import Any
 
-from ._catalog import PartKind, PartRow, SnapRow, SnapState, Txn
+from ._catalog import ChunkRow, PartKind, PartRow, SnapRow, SnapState, Txn
 from ._chunkfile import CODEC_NAMES
-from ._errors import NotFoundError
+from ._errors import InvalidInputError, NotFoundError
+from ._inspect_report import (
+    ChainLink,
+    ChunkEntry,
+    IdentityEntry,
+    NamespaceEntry,
+    PartEntry,
+    SnapshotEntry,
+    SnapshotReport,
+    StoreReport,
+    Totals,
+)
 from ._results import SnapshotInfo, Stats
 
-__all__ = ["FORMAT", "inspect_all", "inspect_one", "snapshot_entry", "snapshot_info", "snapshot_infos", "stats_of"]
+__all__ = ["FORMAT", "inspect_snapshot", "inspect_store", "resolve_identity", "snapshot_entry", "snapshot_info",
+           "snapshot_infos", "stats_of"]
 
 FORMAT = 1  # the version of the JSON reports (docs/cli.md)
 
@@ -59,48 +74,34 @@ def snapshot_infos(t: Txn, identity_key: str) -> list[SnapshotInfo]:
 
 
 def snapshot_entry(c: Txn, s: SnapRow, keys: dict[int, str], kids: dict[int, list[int]],
-                   with_chunks: bool = False) -> dict[str, Any]:
+                   with_chunks: bool = False) -> SnapshotEntry:
     """inspect's entry for one snapshot: its :func:`snapshot_info` plus parts, chunks and bytes."""
     parts = c.parts(s.id)
     counts: dict[bytes, int] = {}
-    rows_by_chunk: dict[bytes, Any] = {}
-    part_list: list[dict[str, Any]] = []
+    rows_by_chunk: dict[bytes, ChunkRow] = {}
+    referenced = 0
+    part_list: list[PartEntry] = []
     for p in parts:
         chunks = c.part_chunks(s.id, p.name)
-        entry: dict[str, Any] = {
-            "name": p.name, "kind": "rows" if p.kind == PartKind.ROWS else "fixed", "dtype": p.dtype,
-            "shape": list(p.shape),
-            "component": p.component, "row_start": p.row_start, "row_end": p.row_end, "nbytes": p.nbytes,
-            "chunk_count": len(chunks)}
-        listed: list[dict[str, Any] | None] = []
         for ch in chunks:
-            if ch is None:
-                listed.append(None)
-                continue
-            counts[ch.id] = counts.get(ch.id, 0) + 1
-            rows_by_chunk[ch.id] = ch
-            listed.append({"id": ch.id.hex(), "raw_len": ch.raw_len, "stored_len": ch.stored_len,
-                           "codec": CODEC_NAMES.get(ch.codec, str(ch.codec)), "refs": ch.refs})
-        if with_chunks:
-            entry["chunks"] = listed
-            entry["missing_chunk_rows"] = sum(1 for x in listed if x is None)
-        part_list.append(entry)
-    stored = sum(ch.stored_len for ch in rows_by_chunk.values())
-    exclusive = sum(ch.stored_len for cid, ch in rows_by_chunk.items() if ch.refs <= counts[cid])
-    info = snapshot_info(c, s, keys.get(s.identity_id) or "", bool(kids.get(s.id)), parts)
-    d: dict[str, Any] = {
-        "id": s.id, "identity": keys.get(s.identity_id), "namespace": info.namespace,
-        "parent_id": s.parent_id, "children": sorted(kids.get(s.id, [])), "depth": s.depth,
-        "n_tokens": s.n_tokens, "base_tokens": s.base_tokens, "rows": info.rows, "components": info.components,
-        "parts": [p.name for p in parts],
-        "logical_bytes": s.logical_bytes, "segment_bytes": info.segment_bytes,
-        "stored_bytes": stored, "exclusive_bytes": exclusive,
-        "pinned": info.pinned, "pending": info.pending, "matchable": info.matchable,
-        "session": s.session, "created": s.created, "last_used": s.last_used, "hits": s.hits,
-    }
-    if with_chunks:
-        d["part_details"] = part_list
-    return d
+            if ch is not None:
+                counts[ch.id] = counts.get(ch.id, 0) + 1
+                rows_by_chunk[ch.id] = ch
+                referenced += ch.raw_len
+        listed = [None if ch is None else ChunkEntry(
+            id=ch.id.hex(), raw_len=ch.raw_len, stored_len=ch.stored_len,
+            codec=CODEC_NAMES.get(ch.codec, str(ch.codec)), refs=ch.refs) for ch in chunks] if with_chunks else None
+        part_list.append(PartEntry(
+            name=p.name, kind="rows" if p.kind == PartKind.ROWS else "fixed", dtype=p.dtype, shape=list(p.shape),
+            component=p.component, row_start=p.row_start, row_end=p.row_end, nbytes=p.nbytes,
+            chunk_count=len(chunks), chunks=listed))
+    # exclusive: every reference to the chunk is this snapshot's own (dropping it frees the chunk)
+    return SnapshotEntry(
+        info=snapshot_info(c, s, keys.get(s.identity_id) or "", bool(kids.get(s.id)), parts),
+        children=sorted(kids.get(s.id, [])), base_tokens=s.base_tokens, parts=part_list,
+        stored_bytes=sum(ch.stored_len for ch in rows_by_chunk.values()),
+        exclusive_bytes=sum(ch.stored_len for cid, ch in rows_by_chunk.items() if ch.refs <= counts[cid]),
+        referenced_bytes=referenced)
 
 
 def _identity_fields(canonical: str) -> dict[str, Any]:
@@ -111,7 +112,7 @@ def _identity_fields(canonical: str) -> dict[str, Any]:
     return fields if isinstance(fields, dict) else {"value": fields}
 
 
-def inspect_all(c: Txn, root: str) -> dict[str, Any]:
+def inspect_store(c: Txn, root: str) -> StoreReport:
     """``snapstore inspect``'s report of the whole store: identities, snapshots, totals."""
     idents = c.identities()
     keys = {i: key for i, key, *_ in idents}
@@ -125,39 +126,44 @@ def inspect_all(c: Txn, root: str) -> dict[str, Any]:
     identities = []
     for ident_id, key, canonical, created, last_open in idents:
         mine = [s for s in snaps if s.identity_id == ident_id]
-        namespaces: dict[str, list[int]] = {}
+        roots: dict[str, list[int]] = {}  # per namespace: snapshots whose parent is not in the store
         for s in mine:
-            bucket = namespaces.setdefault(s.namespace, [])
+            bucket = roots.setdefault(s.namespace, [])
             if s.parent_id is None or s.parent_id not in ids:
                 bucket.append(s.id)
-        identities.append({
-            "key": key, "fields": _identity_fields(canonical), "created": created, "last_open": last_open,
-            "snapshots": len(mine),
-            "namespaces": [{"namespace": ns or None, "snapshots": sum(1 for s in mine if s.namespace == ns),
-                            "roots": sorted(r)} for ns, r in sorted(namespaces.items())]})
+        identities.append(IdentityEntry(
+            key=key, fields=_identity_fields(canonical), created=created, last_open=last_open, snapshots=len(mine),
+            namespaces=[NamespaceEntry(namespace=ns or None, snapshots=sum(1 for s in mine if s.namespace == ns),
+                                       roots=sorted(r)) for ns, r in sorted(roots.items())]))
     st = stats_of(c, 0, 0)
-    referenced = sum(ch.raw_len for s in snaps for p in c.parts(s.id)
-                     for ch in c.part_chunks(s.id, p.name) if ch is not None)
-    totals = {
-        "identities": len(idents), "snapshots": st.snapshots, "entries": st.entries, "pending": st.pending,
-        "chunks": st.chunks, "logical_bytes": st.logical_bytes, "referenced_bytes": referenced,
-        "stored_bytes": st.stored_bytes, "dedup_ratio": round(st.dedup_ratio, 4),
-        "logical_ratio": round(st.logical_bytes / st.stored_bytes, 4) if st.stored_bytes else 1.0,
-    }
-    return {"format": FORMAT, "command": "inspect", "dir": os.path.abspath(root), "identities": identities,
-            "snapshots": entries, "totals": totals}
+    totals = Totals(
+        identities=len(idents), snapshots=st.snapshots, entries=st.entries, pending=st.pending, chunks=st.chunks,
+        logical_bytes=st.logical_bytes, referenced_bytes=sum(e.referenced_bytes for e in entries),
+        stored_bytes=st.stored_bytes, dedup_ratio=round(st.dedup_ratio, 4),
+        logical_ratio=round(st.logical_bytes / st.stored_bytes, 4) if st.stored_bytes else 1.0)
+    return StoreReport(dir=os.path.abspath(root), identities=identities, snapshots=entries, totals=totals)
 
 
-def inspect_one(c: Txn, root: str, sid: int) -> dict[str, Any]:
+def inspect_snapshot(c: Txn, root: str, sid: int) -> SnapshotReport:
     """``snapstore inspect ID``'s report: one snapshot with its parts, chunks and chain."""
     s = c.snapshot(sid)
     if s is None:
         raise NotFoundError(f"no snapshot {sid} in {root} (evicted, superseded, abandoned or never saved)")
     keys = {i: key for i, key, *_ in c.identities()}
-    kids = {sid: c.children(sid)}
-    entry = snapshot_entry(c, s, keys, kids, with_chunks=True)
-    entry["parts"] = entry.pop("part_details")
-    entry["chain"] = [{"id": x.id, "n_tokens": x.n_tokens, "base_tokens": x.base_tokens,
-                       "pending": x.state == SnapState.PENDING,
-                       "matchable": bool(x.matchable)} for x in c.chain(sid)]
-    return {"format": FORMAT, "command": "inspect", "dir": os.path.abspath(root), "snapshot": entry}
+    entry = snapshot_entry(c, s, keys, {sid: c.children(sid)}, with_chunks=True)
+    chain = [ChainLink(id=x.id, n_tokens=x.n_tokens, base_tokens=x.base_tokens, pending=x.state == SnapState.PENDING,
+                       matchable=bool(x.matchable)) for x in c.chain(sid)]
+    return SnapshotReport(dir=os.path.abspath(root), snapshot=entry, chain=chain)
+
+
+def resolve_identity(c: Txn, key: str) -> str:
+    """The identity key *key* names: itself, or the one key it is a prefix of (at least 6 characters)."""
+    keys = [k for _i, k, *_ in c.identities()]
+    if key in keys:
+        return key
+    hits = [k for k in keys if k.startswith(key)] if len(key) >= 6 else []
+    if len(hits) == 1:
+        return hits[0]
+    known = ", ".join(keys) or "none"
+    raise InvalidInputError(f"no identity {key!r} in the store (known: {known})" if not hits else
+                            f"identity prefix {key!r} is ambiguous: {', '.join(hits)}")

@@ -391,3 +391,33 @@ def test_cli_remote_flags(bucket: str, tmp_path: Path) -> None:
     p = cli("verify", "--remote", "--json")
     assert p.returncode == 1 and json.loads(p.stdout)["status"] == "damaged"
     assert main(["verify", "--remote", "s3://Bad_Bucket/x"]) == 2  # a usage error, not a traceback
+
+
+def test_cli_remote_local_part_is_the_local_report(bucket: str, tmp_path: Path) -> None:
+    """inspect --remote --json carries the local store's inspect report; stats --remote adds this node's counters."""
+    from snapstore._cli_commands import inspect_doc
+    from snapstore._inspect import inspect_store
+    from snapstore._repo import SnapshotRepo
+    d = str(tmp_path / "a")
+    s = _save_chain(bucket, tmp_path / "a", 15)
+    assert s.flush().uploaded == 3
+    s.close()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "snapstore", "--dir", d, *args, "--remote", bucket],
+                              capture_output=True, text=True, env=dict(os.environ), timeout=120)
+
+    p = cli("inspect", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    repo = SnapshotRepo.open(d)
+    try:
+        report = repo.db.read(lambda c: inspect_store(c, d))
+    finally:
+        repo.close()
+    assert doc["local"] == inspect_doc(report) and doc["dir"] == os.path.abspath(d)
+    p = cli("stats")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == f"stats {os.path.abspath(d)}"
+    assert "uploads=3" in lines[lines.index(f"shared tier {bucket}") - 1]  # the local counters, then the tier

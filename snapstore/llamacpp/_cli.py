@@ -1,4 +1,7 @@
-"""The ``import-slot``, ``export-slot`` and ``llama-proxy`` commands (registered by snapstore._cli)."""
+"""The ``import-slot``, ``export-slot`` and ``llama-proxy`` commands (registered by snapstore._cli_parser).
+
+Each command takes the parsed arguments and the run's ``CliContext`` (its output) and returns the exit code.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,10 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .._cli_context import CliContext
 
 __all__ = ["add_commands"]
 
@@ -49,8 +55,8 @@ examples:
 """
 
 
-def add_commands(sub: Any, common: argparse.ArgumentParser, commands: dict[str, Any]) -> None:
-    """Add the llama.cpp subcommands to the snapstore parser and their handlers to ``commands``."""
+def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the llama.cpp subcommands to the snapstore parser, each with its handler as ``run``."""
     fmt = argparse.RawDescriptionHelpFormatter
     pi = sub.add_parser("import-slot", parents=[common], formatter_class=fmt, description=_IMPORT_HELP,
                         help="store a llama-server slot file as a snapshot (prints its id)")
@@ -71,9 +77,9 @@ def add_commands(sub: Any, common: argparse.ArgumentParser, commands: dict[str, 
     pp.add_argument("--build", metavar="B", help="llama.cpp build (default: $SNAPSTORE_LLAMA_BUILD, else /props)")
     pp.add_argument("--disk-mib", type=int, metavar="N", help="disk budget (default $SNAPSTORE_DISK_MIB)")
     pp.add_argument("--ram-mib", type=int, metavar="N", help="RAM tier budget (default $SNAPSTORE_RAM_MIB)")
-    commands["import-slot"] = cmd_import_slot
-    commands["export-slot"] = cmd_export_slot
-    commands["llama-proxy"] = cmd_llama_proxy
+    pi.set_defaults(run=cmd_import_slot)
+    pe.set_defaults(run=cmd_export_slot)
+    pp.set_defaults(run=cmd_llama_proxy)
 
 
 def _build_args(p: argparse.ArgumentParser) -> None:
@@ -83,7 +89,7 @@ def _build_args(p: argparse.ArgumentParser) -> None:
 
 
 def _root(args: argparse.Namespace, create: bool) -> str:
-    from .._cli import UsageError
+    from .._cli_context import UsageError
     from .._config import default_dir
 
     root = str(getattr(args, "dir", None) or default_dir())
@@ -95,7 +101,7 @@ def _root(args: argparse.Namespace, create: bool) -> str:
 UNSPECIFIED_BUILD = "unspecified"  # the build of an import that named none
 
 
-def _build(args: argparse.Namespace) -> str:
+def _build(args: argparse.Namespace, ctx: CliContext) -> str:
     from ._identity import BUILD_ENV, build_of_server
 
     if getattr(args, "build", None):
@@ -107,20 +113,19 @@ def _build(args: argparse.Namespace) -> str:
         return env
     # no build named: stored under a build no real server reports, so no build ever restores it by
     # match (export-slot by id still works); the operator is told how to make it matchable
-    print(f"snapstore: no llama.cpp build given; stored under build {UNSPECIFIED_BUILD!r}, which llama-proxy "
-          f"never matches — pass --build B, --upstream URL or set ${BUILD_ENV} so it can", file=sys.stderr)
+    ctx.note(f"snapstore: no llama.cpp build given; stored under build {UNSPECIFIED_BUILD!r}, which llama-proxy "
+             f"never matches — pass --build B, --upstream URL or set ${BUILD_ENV} so it can")
     return UNSPECIFIED_BUILD
 
 
-def cmd_import_slot(args: argparse.Namespace, out: Any) -> int:
+def cmd_import_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     """import-slot FILE --model MODEL: store a slot file; print the snapshot id."""
-    from .._cli import _emit_json
     from .._inspect import FORMAT
     from ._slotstore import SlotStore
 
     with open(args.file, "rb") as f:
         data = f.read()
-    ss = SlotStore(_root(args, create=True), args.model, _build(args))
+    ss = SlotStore(_root(args, create=True), args.model, _build(args, ctx))
     try:
         res = ss.import_bytes(data, session=args.session, what=args.file)
     finally:
@@ -130,20 +135,19 @@ def cmd_import_slot(args: argparse.Namespace, out: Any) -> int:
            "parent_id": sv.parent_id, "n_tokens": res.n_tokens, "file_bytes": res.file_bytes,
            "stored_bytes": sv.stored_bytes, "logical_bytes": sv.logical_bytes,
            "checkpoints_dropped": res.checkpoints_dropped}
-    if args.json:
-        _emit_json(doc)
+    if ctx.json:
+        ctx.emit_json(doc)
     elif sv.snapshot_id is None:
-        out.line(f"skipped: {sv.skipped}")
+        ctx.line(f"skipped: {sv.skipped}")
     else:
-        out.line(str(sv.snapshot_id))
-        print(f"snapshot {sv.snapshot_id}: {res.n_tokens} tokens, {sv.stored_bytes} new bytes stored "
-              f"(file {res.file_bytes} bytes), parent {sv.parent_id}", file=sys.stderr)
+        ctx.line(str(sv.snapshot_id))
+        ctx.note(f"snapshot {sv.snapshot_id}: {res.n_tokens} tokens, {sv.stored_bytes} new bytes stored "
+                 f"(file {res.file_bytes} bytes), parent {sv.parent_id}")
     return 0 if sv.snapshot_id is not None else 1
 
 
-def cmd_export_slot(args: argparse.Namespace, out: Any) -> int:
+def cmd_export_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     """export-slot ID FILE: write the snapshot as a slot file."""
-    from .._cli import _emit_json
     from .._inspect import FORMAT
     from ._slotstore import export_snapshot
 
@@ -155,17 +159,17 @@ def cmd_export_slot(args: argparse.Namespace, out: Any) -> int:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, args.out)
-    if args.json:
-        _emit_json({"format": FORMAT, "command": "export-slot", "snapshot_id": args.id, "file": args.out,
-                    "bytes": len(data)})
+    if ctx.json:
+        ctx.emit_json({"format": FORMAT, "command": "export-slot", "snapshot_id": args.id, "file": args.out,
+                       "bytes": len(data)})
     else:
-        out.line(f"wrote {args.out} ({len(data)} bytes)")
+        ctx.line(f"wrote {args.out} ({len(data)} bytes)")
     return 0
 
 
-def cmd_llama_proxy(args: argparse.Namespace, out: Any) -> int:
+def cmd_llama_proxy(args: argparse.Namespace, ctx: CliContext) -> int:
     """llama-proxy: serve until interrupted."""
-    from .._cli import UsageError
+    from .._cli_context import UsageError
     from .._config import MIB, Budget
     from ._bridge import LlamaBridge
     from ._proxy import run_proxy
