@@ -13,19 +13,12 @@ from typing import Any
 import apsw
 import numpy as np
 import pytest
-from conftest import IDENT, LAYOUT, empty_like_state, make_state, part_hashes
+from support import IDENT, LAYOUT, empty_like_state, make_state, open_store, part_hashes
 
 import snapstore as ss
 from snapstore import _db, _store
 
-SMALL = dict(chunk_bytes=4096, staging_bytes=64 * 1024, budget=ss.Budget(reserve_bytes=0), check_rows=True)
 FIXED_ONLY = ss.Layout(fixed={"state": ss.Fixed("float32", (4, 4))})
-
-
-def open_store(path: str, identity: ss.Identity = IDENT, layout: ss.Layout = LAYOUT, **kw: Any) -> ss.Store:
-    opts = dict(SMALL)
-    opts.update(kw)
-    return ss.Store.open(path, identity=identity, layout=layout, **opts)
 
 
 def toks(n: int, base: int = 1000) -> list[int]:

@@ -13,21 +13,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import IDENT, LAYOUT, empty_like_state, make_state, part_hashes, sha
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import layouts
+from support import IDENT, LAYOUT, empty_like_state, make_state, open_store, part_hashes, sha
 
 import snapstore as ss
-
-SMALL = dict(chunk_bytes=4096, staging_bytes=64 * 1024, budget=ss.Budget(reserve_bytes=0), check_rows=True)
-
-
-def open_store(path: str, identity: ss.Identity = IDENT, layout: ss.Layout = LAYOUT, **kw: Any) -> ss.Store:
-    opts = dict(SMALL)
-    opts.update(kw)
-    return ss.Store.open(path, identity=identity, layout=layout, **opts)
-
 
 # -- exactness -------------------------------------------------------------------------------
 
@@ -158,7 +149,7 @@ _SAVER = textwrap.dedent("""
     import sys, json
     sys.path.insert(0, sys.argv[2])
     import snapstore as ss
-    from conftest import IDENT, LAYOUT, make_state
+    from support import IDENT, LAYOUT, make_state
     s = ss.Store.open(sys.argv[1], identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0),
                       chunk_bytes=4096, staging_bytes=65536)
     r = s.save(list(range(400)), make_state(LAYOUT, 400, 11))
@@ -331,7 +322,7 @@ _RESTORER = textwrap.dedent("""
     import sys, json
     sys.path.insert(0, sys.argv[2])
     import numpy as np, snapstore as ss
-    from conftest import IDENT, LAYOUT, make_state, part_hashes, empty_like_state
+    from support import IDENT, LAYOUT, make_state, part_hashes, empty_like_state
     s = ss.Store.open(sys.argv[1], identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0))
     toks = list(range(int(sys.argv[3]))) + [99999] * 5
     m = s.match(toks)
@@ -357,7 +348,7 @@ _WORKER = textwrap.dedent("""
     import sys, json, time
     sys.path.insert(0, sys.argv[2])
     import numpy as np, snapstore as ss
-    from conftest import IDENT, LAYOUT, make_state, part_hashes, empty_like_state
+    from support import IDENT, LAYOUT, make_state, part_hashes, empty_like_state
     s = ss.Store.open(sys.argv[1], identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0),
                       chunk_bytes=4096, staging_bytes=65536)
     wid, end = int(sys.argv[3]), time.time() + float(sys.argv[4])
@@ -539,7 +530,7 @@ _PENDING = textwrap.dedent("""
     import sys, os
     sys.path.insert(0, sys.argv[2])
     import snapstore as ss
-    from conftest import IDENT, LAYOUT, make_state
+    from support import IDENT, LAYOUT, make_state
     s = ss.Store.open(sys.argv[1], identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0))
     r = s.save(list(range(100)), make_state(LAYOUT, 100, 0), commit=False)
     print(r.snapshot_id, flush=True)
