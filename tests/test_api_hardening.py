@@ -141,6 +141,7 @@ def test_snapshot_ids_beyond_int64_are_snapstore_errors(store: ss.Store) -> None
     assert store.match([1, 2, 3]).snapshot_id == r.snapshot_id  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # 8.4M tokens hashed and matched
 def test_prompts_beyond_sqlites_variable_limit_match_and_pick_a_parent(store_dir: str) -> None:
     """8.4M tokens = more than 32766 block anchors: once `too many SQL variables`."""
     n = 8_400_000

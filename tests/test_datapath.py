@@ -208,6 +208,7 @@ def test_mixed_codec_writers_never_replace_a_committed_file(store_dir: str, hook
         _check_clean(store_dir, [a, b])
 
 
+@pytest.mark.slow  # two writer processes
 def test_mixed_codec_writers_in_two_processes(store_dir: str) -> None:
     """Two processes of different codecs save the same states at once, many times."""
     import subprocess

@@ -218,6 +218,7 @@ PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a child process moves 132 MiB
 def test_peak_memory_bounded_by_staging(tmp_path: Any) -> None:
     """132 MiB through the strided path with 8 MiB of staging: peak RSS grows by staging + a constant."""
     out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path / "s")], capture_output=True, text=True,

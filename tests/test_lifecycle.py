@@ -317,6 +317,7 @@ s.close()
 """
 
 
+@pytest.mark.slow  # an evicting child process for seconds
 def test_restore_beside_concurrent_eviction_is_exact_or_a_clean_miss(store_dir: str) -> None:
     import subprocess
     import sys

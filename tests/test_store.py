@@ -22,7 +22,8 @@ import snapstore as ss
 
 # -- exactness -------------------------------------------------------------------------------
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=settings.default.max_examples * 4 // 3,  # the profile sizes it: dev 13, ci 40
+          deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layout=layouts(), n1=st.integers(1, 600), extra=st.integers(0, 600), seed=st.integers(0, 2**32 - 1),
        codec=st.sampled_from(["raw", "zstd", "zstd-shuffle2"]))
 def test_round_trip_exact_through_a_chain(tmp_path_factory: Any, layout: ss.Layout, n1: int, extra: int,
@@ -372,6 +373,7 @@ _WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two processes
 def test_two_processes_save_match_restore_concurrently(store_dir: str) -> None:
     here = os.path.dirname(__file__)
     open_store(store_dir).close()
