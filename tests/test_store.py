@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import layouts
-from support import IDENT, LAYOUT, empty_like_state, make_state, open_store, part_hashes, sha
+from support import IDENT, LAYOUT, empty_like_state, layouts, make_state, open_store, part_hashes, sha
 
 import snapstore as ss
 
