@@ -3,14 +3,18 @@
 PY         := .venv/bin/python
 BENCH_ARGS ?=
 
-.PHONY: setup test test-all test-long lint ci demo bench bench-quick
+.PHONY: setup test test-slow test-all test-long lint ci demo bench bench-quick
 
 setup:
 	./scripts/bootstrap.sh
 
-# fast tier (no reliability campaigns, short Hypothesis runs): about a minute on 2 cores
+# fast tier (no servers, model runtimes, many processes or campaigns; short Hypothesis runs): about a minute on 2 cores
 test:
 	HYPOTHESIS_PROFILE=dev ./test.sh -m "not slow"
+
+# the slow tier alone: servers, model runtimes, many processes, reliability campaigns
+test-slow:
+	./test.sh -m slow
 
 # everything CI runs: every tier, the ci Hypothesis profile
 test-all:

@@ -13,9 +13,20 @@ settings.register_profile("ci", max_examples=30, stateful_step_count=30, **_COMM
 settings.register_profile("long", max_examples=1000, stateful_step_count=50, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# The slow tier: the reliability campaigns (crash kills, power-loss replay, corruption trials,
-# multi-process concurrency). `make test` deselects it; `./test.sh` and CI run everything.
-SLOW_MODULES = frozenset({"test_crash.py", "test_power_loss.py", "test_concurrency.py", "test_corruption.py"})
+# The slow tier (tests/README.md): the reliability campaigns, and the integration modules that
+# start servers, model runtimes or many processes. `make test` deselects it; `./test.sh` and CI
+# run everything. Single expensive tests elsewhere carry `@pytest.mark.slow` themselves.
+SLOW_MODULES = frozenset({
+    # reliability campaigns: crash kills, power-loss replay, corruption trials, multi-process concurrency
+    "test_crash.py", "test_power_loss.py", "test_concurrency.py", "test_corruption.py",
+    # servers: SeaweedFS (s3_fixtures.py), a real llama-server (xllamacpp)
+    "test_remote_fleet.py", "test_llamacpp_bridge.py", "test_llamacpp_slotfile.py",
+    # model runtimes: transformers models built at test time
+    "test_engine_hf.py", "test_engine_hf_device.py", "test_prefix_cache.py",
+    # many processes: the CLI as a subprocess per command, owners in other PID/UTS namespaces,
+    # repair beside a resaving process, the GPU benchmark's child
+    "test_cli.py", "test_owners.py", "test_repair.py", "test_bench_gpu.py",
+})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -5,7 +5,7 @@ permuted, sliced with steps, one-element odd-stride views), on the CPU or on the
 stream model (tests/stream_model.py: every queued copy runs only when forced), saves a root and a
 delta over it with odd chunk and staging sizes, and restores into destinations of another layout.
 Every restored byte must equal the source and the model must have seen no host/device race.
-``SNAPSTORE_FUZZ_EXAMPLES`` / ``SNAPSTORE_LONG`` scale the run.
+The Hypothesis profile sizes the run (tests/README.md): 4/3 of its examples (ci: 40).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from snapstore.engine import Staging, TorchAdapter, canonical, layout_of  # noqa
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from stream_model import LateCuda  # noqa: E402
 
-EXAMPLES = int(os.environ.get("SNAPSTORE_FUZZ_EXAMPLES") or (1000 if os.environ.get("SNAPSTORE_LONG") else 40))
+EXAMPLES = settings.default.max_examples * 4 // 3  # dev 13, ci 40 (as before profiles), long 1333
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 IDENT = ss.Identity(build="engine-fuzz", pack="sha256:00")
 

@@ -2,11 +2,11 @@
 
 Run as a script: ``python tests/helpers_proc.py MODE STORE_DIR SEED [...]``.
 
-The workload is a handful of *conversations*: conversation ``k`` has a fixed token sequence whose
-first token is ``k``, and a snapshot after ``n`` of its tokens has deterministic contents
-(:func:`expected_state`), so the parent can check any snapshot it finds in a store from its tokens
-alone, without trusting anything the child said. Row-stream rows depend only on (k, row), so a
-delta over any prefix is a valid delta.
+The workload is support.Workload's (:data:`WORKLOAD`): conversation ``k`` has a fixed token
+sequence whose first token is ``k``, and a snapshot after ``n`` of its tokens has deterministic
+contents (:func:`expected_state`), so the parent can check any snapshot it finds in a store from its
+tokens alone, without trusting anything the child said. Row-stream rows depend only on (k, row), so
+a delta over any prefix is a valid delta.
 
 Modes:
 
@@ -39,77 +39,35 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+from support import IDENT, LAYOUT, Workload, make_state, small_budget, store_factory  # noqa: E402
+
 import snapstore as ss  # noqa: E402
 
-
-def _tests_conftest() -> Any:
-    """tests/conftest.py by path (``import conftest`` is ambiguous when pytest also collects fuzz/)."""
-    import importlib.util
-    name = "_snapstore_tests_conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, "conftest.py"))
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-IDENT, LAYOUT, make_state = _tests_conftest().IDENT, _tests_conftest().LAYOUT, _tests_conftest().make_state
-
+# The campaigns' workload: six conversations of up to 320 tokens, 16 values a byte (compressible).
 N_CONV = 6
 STEP = 16
 MAX_N = 320
 CHUNK = 4096
 STAGING = 65536
 DISK = 256 * 1024
+WORKLOAD = Workload(LAYOUT, conversations=N_CONV, max_tokens=MAX_N, levels=16)
+conv_tokens = WORKLOAD.tokens
+identify = WORKLOAD.identify
+_open = store_factory(chunk_bytes=CHUNK, staging_bytes=STAGING, check_rows=True)
+__all__ = ["IDENT", "LAYOUT", "make_state"]  # re-exported for the tests that import them from here
 
 
 def budget(disk: int = DISK) -> ss.Budget:
-    return ss.Budget(disk_bytes=disk, reserve_bytes=0, ram_bytes=0)
+    return small_budget(disk)
 
 
 def open_store(path: str, disk: int = DISK, **kw: Any) -> ss.Store:
-    return ss.Store.open(path, identity=IDENT, layout=LAYOUT, budget=budget(disk), chunk_bytes=CHUNK,
-                         staging_bytes=STAGING, check_rows=True, **kw)
-
-
-_TOK: dict[int, np.ndarray] = {}
-_ROWS: dict[int, dict[str, np.ndarray]] = {}
-
-
-def conv_tokens(k: int) -> np.ndarray:
-    if k not in _TOK:
-        rng = np.random.default_rng(7000 + k)
-        t = rng.integers(0, 50_000, MAX_N, dtype=np.int64)
-        t[0] = k
-        _TOK[k] = t
-    return _TOK[k]
+    return _open(path, disk=disk, **kw)
 
 
 def expected_state(k: int, n: int) -> dict[str, np.ndarray]:
     """The parts of conversation k after n tokens (row streams hold exactly n rows)."""
-    if k not in _ROWS:
-        rng = np.random.default_rng(9000 + k)
-        # 16 values per byte: zstd compresses it (~0.6), so writers of different codecs really differ
-        _ROWS[k] = {name: rng.integers(0, 16, MAX_N * spec.row_bytes, dtype=np.uint8).view(spec.dtype).reshape(
-            (MAX_N, *spec.row_shape)) for name, spec in LAYOUT.rows.items()}
-    out = {name: arr[:n].copy() for name, arr in _ROWS[k].items()}
-    rng = np.random.default_rng(100_000 * (k + 1) + n)
-    for name, spec in LAYOUT.fixed.items():
-        out[name] = rng.integers(0, 16, spec.nbytes, dtype=np.uint8).view(spec.dtype).reshape(spec.shape)
-    return out
-
-
-def identify(tokens: np.ndarray) -> tuple[int, int] | None:
-    """(k, n) of a token sequence of the model, or None if it is none of them."""
-    n = len(tokens)
-    if n == 0 or n > MAX_N:
-        return None
-    k = int(tokens[0])
-    if k >= N_CONV or not np.array_equal(np.asarray(tokens, dtype=np.int64), conv_tokens(k)[:n]):
-        return None
-    return k, n
+    return WORKLOAD.state(k, n)
 
 
 def check_restore(store: ss.Store, ref: Any, k: int, n: int) -> None:

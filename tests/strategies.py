@@ -1,9 +1,7 @@
-"""Shared Hypothesis strategies: the public ``snapstore.testing`` ones, re-exported for the tests."""
+"""Shared Hypothesis strategies (kept for existing imports): see support/strategies.py."""
 
 from __future__ import annotations
 
-from snapstore.testing import DTYPES, layouts, states, token_sequences
-
-tokens = token_sequences()
+from support.strategies import DTYPES, layouts, states, token_sequences, tokens
 
 __all__ = ["DTYPES", "layouts", "states", "token_sequences", "tokens"]

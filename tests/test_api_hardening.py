@@ -13,19 +13,12 @@ from typing import Any
 import apsw
 import numpy as np
 import pytest
-from conftest import IDENT, LAYOUT, empty_like_state, make_state, part_hashes
+from support import IDENT, LAYOUT, empty_like_state, make_state, open_store, part_hashes
 
 import snapstore as ss
 from snapstore import _db, _store
 
-SMALL = dict(chunk_bytes=4096, staging_bytes=64 * 1024, budget=ss.Budget(reserve_bytes=0), check_rows=True)
 FIXED_ONLY = ss.Layout(fixed={"state": ss.Fixed("float32", (4, 4))})
-
-
-def open_store(path: str, identity: ss.Identity = IDENT, layout: ss.Layout = LAYOUT, **kw: Any) -> ss.Store:
-    opts = dict(SMALL)
-    opts.update(kw)
-    return ss.Store.open(path, identity=identity, layout=layout, **opts)
 
 
 def toks(n: int, base: int = 1000) -> list[int]:
@@ -148,6 +141,7 @@ def test_snapshot_ids_beyond_int64_are_snapstore_errors(store: ss.Store) -> None
     assert store.match([1, 2, 3]).snapshot_id == r.snapshot_id  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # 8.4M tokens hashed and matched
 def test_prompts_beyond_sqlites_variable_limit_match_and_pick_a_parent(store_dir: str) -> None:
     """8.4M tokens = more than 32766 block anchors: once `too many SQL variables`."""
     n = 8_400_000

@@ -17,7 +17,7 @@ from typing import Any
 import apsw
 import numpy as np
 import pytest
-from conftest import IDENT, LAYOUT, empty_like_state, part_hashes
+from support import IDENT, LAYOUT, empty_like_state, part_hashes, store_factory
 
 import snapstore as ss
 
@@ -83,10 +83,7 @@ def cli_json(*args: str, code: int = 0, env: dict[str, str] | None = None) -> di
     return doc
 
 
-def open_store(d: str, **kw: Any) -> ss.Store:
-    kw.setdefault("budget", ss.Budget(reserve_bytes=0))
-    return ss.Store.open(d, identity=kw.pop("identity", IDENT), layout=LAYOUT, chunk_bytes=4096,
-                         staging_bytes=65536, **kw)
+open_store = store_factory(check_rows=None)
 
 
 def rows_of(n: int) -> dict[str, int]:
@@ -431,7 +428,7 @@ WRITER = GEN_SRC + '''
 import json, sys, time
 sys.path.insert(0, TESTS)
 import snapstore as ss
-from conftest import IDENT, LAYOUT
+from support import IDENT, LAYOUT
 d, count = sys.argv[1], int(sys.argv[2])
 s = ss.Store.open(d, identity=IDENT, layout=LAYOUT, chunk_bytes=4096, staging_bytes=65536,
                   budget=ss.Budget(reserve_bytes=0))

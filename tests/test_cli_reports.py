@@ -15,7 +15,7 @@ from typing import Any
 import apsw
 import numpy as np
 import pytest
-from conftest import IDENT, LAYOUT
+from support import IDENT, LAYOUT
 
 import snapstore as ss
 from snapstore._cli_commands import inspect_doc

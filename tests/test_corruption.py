@@ -33,7 +33,7 @@ from snapstore._verify import verify as repo_verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from helpers_proc import IDENT, LAYOUT  # noqa: E402
+from support import LAYOUT, Workload, store_factory  # noqa: E402
 
 LONG = bool(os.environ.get("SNAPSTORE_LONG"))
 CHUNK_TRIALS = 3000 if LONG else 100
@@ -41,49 +41,43 @@ PAGE_TRIALS = 600 if LONG else 40
 FIGURES: dict[str, Any] = {}
 
 
-def _open(path: str, codec: str = "raw") -> ss.Store:
-    return ss.Store.open(path, identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0, ram_bytes=0),
-                         chunk_bytes=4096, staging_bytes=65536, check_rows=True, codec=codec)
+_open = store_factory(budget=ss.Budget(reserve_bytes=0, ram_bytes=0))
 
 
-def _state(rows_all: dict[str, np.ndarray], n: int, seed: int, low_entropy: bool) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    out = {name: a[:n].copy() for name, a in rows_all.items()}
-    for name, spec in LAYOUT.fixed.items():
-        hi = 4 if low_entropy else 256
-        out[name] = rng.integers(0, hi, spec.nbytes, dtype=np.uint8).view(spec.dtype).reshape(spec.shape)
+def _workload(low_entropy: bool) -> Workload:
+    """Four conversations of 400 tokens; 4 values a byte when a codec should compress them."""
+    return Workload(LAYOUT, conversations=4, max_tokens=400, levels=4 if low_entropy else 256)
+
+
+def _state(w: Workload, conv: int, n: int, turn: int) -> dict[str, np.ndarray]:
+    """Conversation ``conv``'s parts after ``n`` tokens at ``turn``; conversation 3 shares its first
+    128 rows (and tokens) with conversation 2, so the store holds shared chunks."""
+    out = w.state(conv, n, turn)
+    if conv == 3:
+        for name, rows in w.rows(2).items():
+            out[name][:min(n, 128)] = rows[:min(n, 128)]
     return out
 
 
 def build_template(path: str, codec: str) -> dict[int, tuple[np.ndarray, dict[str, np.ndarray]]]:
     """A store with chains, branches and shared chunks. Returns sid -> (tokens, state)."""
-    low = codec != "raw"
+    w = _workload(codec != "raw")
     saved: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
-    st = _open(path, codec)
-    saved_tokens_rows: tuple[np.ndarray, dict[str, np.ndarray]] = (np.zeros(0), {})
+    st = _open(path, codec=codec)
     try:
         for conv in range(4):
-            rng = np.random.default_rng(conv)
-            hi = 4 if low else 256
-            toks = rng.integers(0, 30_000, 400)
-            toks[0] = conv
-            rows_all = {name: rng.integers(0, hi, 400 * spec.row_bytes, dtype=np.uint8).view(spec.dtype).reshape(
-                (400, *spec.row_shape)) for name, spec in LAYOUT.rows.items()}
-            if conv == 3:  # shares its first 128 rows (and tokens) with conversation 2: shared chunks
-                prev_t, prev_rows = saved_tokens_rows
-                toks[:128] = prev_t[:128]
-                for name in rows_all:
-                    rows_all[name][:128] = prev_rows[name][:128]
-            saved_tokens_rows = (toks, rows_all)
+            toks = w.tokens(conv).copy()
+            if conv == 3:
+                toks[:128] = w.tokens(2)[:128]
             for j, n in enumerate((64, 192, 400)):
-                state = _state(rows_all, n, 1000 * conv + n, low)
+                state = _state(w, conv, n, turn=0)
                 r = st.save(toks[:n], state, parent="auto" if j else None)
                 assert r.snapshot_id is not None
                 saved[r.snapshot_id] = (toks[:n].copy(), state)
             n = 250  # a branch off the 192 boundary
             btoks = toks.copy()
             btoks[200:] += 1
-            state = _state(rows_all, n, 7 + conv, low)
+            state = _state(w, conv, n, turn=1)
             r = st.save(btoks[:n], state)
             saved[r.snapshot_id] = (btoks[:n].copy(), state)
     finally:
@@ -177,7 +171,7 @@ def test_chunk_corruption_campaign(template: Any, tmp_path: Any) -> None:
     tmpl_files = {os.path.relpath(os.path.join(d, f), tmpl) for d, _, fs in os.walk(tmpl) for f in fs}
     for _t in range(CHUNK_TRIALS):
         _reset(tmpl, work, tmpl_files)
-        st = _open(work, codec)
+        st = _open(work, codec=codec)
         try:
             files = sorted(p for _, p in st._repo.blob_files())
             victim = files[int(rng.integers(len(files)))]
@@ -199,7 +193,7 @@ def test_chunk_corruption_campaign(template: Any, tmp_path: Any) -> None:
         rep = repo_verify(ss_repo(work), deep=True, repair=True)
         assert rep.repaired
         assert set(rep.removed_snapshots) <= set(rep.affected_snapshots)
-        st = _open(work, codec)
+        st = _open(work, codec=codec)
         try:
             after = st.verify(deep=True)
             assert after.ok and not after.orphan_files, after.problems
@@ -234,7 +228,7 @@ def test_quarantine_and_heal_campaign(template: Any, tmp_path: Any) -> None:
     order = sorted(saved.items(), key=lambda kv: (len(kv[1][0]), kv[0]))  # prefixes first, as turns go
     for _t in range(HEAL_TRIALS):
         _reset(tmpl, work, tmpl_files)
-        st = _open(work, codec)
+        st = _open(work, codec=codec)
         try:
             files = sorted(p for _, p in st._repo.blob_files())
             victim = files[int(rng.integers(len(files)))]
@@ -308,7 +302,7 @@ def test_reserved_header_bytes_damage_detected(template: Any, tmp_path: Any) -> 
     tmpl, codec, _ = template
     work = str(tmp_path / "w")
     shutil.copytree(tmpl, work)
-    st = _open(work, codec)
+    st = _open(work, codec=codec)
     try:
         victim = sorted(p for _, p in st._repo.blob_files())[0]
         data = bytearray(open(victim, "rb").read())
@@ -340,7 +334,7 @@ def test_sqlite_page_damage(template: Any, tmp_path: Any) -> None:
             f.write(bytes(4096) if rng.random() < 0.3 else bytes(rng.integers(0, 256, 4096, dtype=np.uint8)))
         fig["tried"] += 1
         try:
-            st = _open(work, codec)
+            st = _open(work, codec=codec)
         except ss.SnapstoreError:
             fig["open_refused"] += 1
             continue

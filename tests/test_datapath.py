@@ -20,21 +20,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import IDENT, LAYOUT, make_state
+from support import LAYOUT, make_state, store_factory
 
 import snapstore as ss
 from snapstore import _chunker
 from snapstore._repo import Repo
 from snapstore._verify import verify as repo_verify
 
-SMALL = dict(chunk_bytes=4096, staging_bytes=64 * 1024, budget=ss.Budget(reserve_bytes=0, ram_bytes=0),
-             check_rows=True)
-
-
-def open_store(path: str, layout: ss.Layout = LAYOUT, **kw: Any) -> ss.Store:
-    opts: dict[str, Any] = dict(SMALL)
-    opts.update(kw)
-    return ss.Store.open(path, identity=IDENT, layout=layout, **opts)
+open_store = store_factory(budget=ss.Budget(reserve_bytes=0, ram_bytes=0))  # no RAM tier: every read hits disk
 
 
 def disk_bytes(store: ss.Store) -> int:
@@ -215,6 +208,7 @@ def test_mixed_codec_writers_never_replace_a_committed_file(store_dir: str, hook
         _check_clean(store_dir, [a, b])
 
 
+@pytest.mark.slow  # two writer processes
 def test_mixed_codec_writers_in_two_processes(store_dir: str) -> None:
     """Two processes of different codecs save the same states at once, many times."""
     import subprocess

@@ -14,6 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from support import store_factory  # noqa: E402
+
 import snapstore as ss  # noqa: E402
 from snapstore.engine import (  # noqa: E402
     Staging,
@@ -52,10 +54,7 @@ def _sha(t: Any, token_dim: int | None = None, rows: int | None = None) -> str:
     return hashlib.sha256(c.cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _open(path: str, layout: ss.Layout, **kw: Any) -> ss.Store:
-    return ss.Store.open(path, identity=IDENT, layout=layout, budget=ss.Budget(reserve_bytes=0),
-                         chunk_bytes=kw.pop("chunk_bytes", 4096), staging_bytes=kw.pop("staging_bytes", 4 * 4096),
-                         check_rows=True, **kw)
+_open = store_factory(identity=IDENT, staging_bytes=4 * 4096)
 
 
 def test_dtype_names_roundtrip() -> None:
@@ -100,7 +99,7 @@ def test_any_layout_and_dtype_roundtrip_with_delta(tmp_path: Any, device: str) -
              "scalar": _rand((), torch.int64, 42, dev),
              "convT": _rand((6, 3, 4), torch.float16, 43, dev).transpose(0, 1)}
     layout = layout_of(fixed, rows, token_dims=td)
-    store = _open(str(tmp_path / "s"), layout)
+    store = _open(str(tmp_path / "s"), layout=layout)
     ad = TorchAdapter(store, token_dims=td, staging=Staging(64 * 1024))
     toks = list(range(100, 100 + T))
     r1 = ad.save(toks[:20], {**fixed, **rows})
@@ -126,7 +125,7 @@ def test_any_layout_and_dtype_roundtrip_with_delta(tmp_path: Any, device: str) -
 def test_validation_before_writing(tmp_path: Any) -> None:
     kv = _rand((2, 4, 10, 8), torch.bfloat16, 1)
     layout = layout_of(rows={"kv": kv}, token_dims={"kv": 2})
-    store = _open(str(tmp_path / "s"), layout)
+    store = _open(str(tmp_path / "s"), layout=layout)
     ad = TorchAdapter(store, token_dims={"kv": 2})
     with pytest.raises(ss.LayoutError):
         ad.save(list(range(10)), {"kv": kv.float()})  # wrong dtype
@@ -169,7 +168,7 @@ def test_draft_component_four_directions(tmp_path: Any, saved_with_draft: bool, 
     layout = layout_of(fixed={"rec": target["rec"], "mtp.state": draft["mtp.state"]},
                        rows={"kv": target["kv"], "mtp.kv": draft["mtp.kv"]}, token_dims=td,
                        components={"mtp.kv": "draft", "mtp.state": "draft"})
-    store = _open(str(tmp_path / "s"), layout)
+    store = _open(str(tmp_path / "s"), layout=layout)
     ad = TorchAdapter(store, token_dims=td)
     toks = list(range(12))
     parts = {**target, **draft} if saved_with_draft else dict(target)
@@ -219,6 +218,7 @@ PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a child process moves 132 MiB
 def test_peak_memory_bounded_by_staging(tmp_path: Any) -> None:
     """132 MiB through the strided path with 8 MiB of staging: peak RSS grows by staging + a constant."""
     out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path / "s")], capture_output=True, text=True,
@@ -234,7 +234,7 @@ def test_uint8_parts_roundtrip(tmp_path: Any) -> None:
     fixed = {"q.state": _rand((4, 16), torch.uint8, 1)}
     rows = {"q.kv": _rand((50, 8), torch.uint8, 2)}
     layout = layout_of(fixed=fixed, rows=rows)
-    with _open(str(tmp_path / "s"), layout) as store:
+    with _open(str(tmp_path / "s"), layout=layout) as store:
         ad = TorchAdapter(store)
         r = ad.save(list(range(50)), {**fixed, **rows})
         assert r.ok

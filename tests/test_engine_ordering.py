@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from stream_model import CudaHarness, LateCuda  # noqa: E402
+from support import store_factory  # noqa: E402
 
 import snapstore as ss  # noqa: E402
 from snapstore.engine import Staging, TensorSink, TensorSource, TorchAdapter, canonical, layout_of  # noqa: E402
@@ -68,12 +69,10 @@ def _flat(t: Any, td: int | None) -> Any:
     return canonical(t, td).contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _open(path: Any, layout: ss.Layout, chunk: int = 4096, staging: int = 4 * 4096,
-          direct_io: bool = False) -> ss.Store:
-    """A store whose raw chunks are written buffered by default: the chunker then hashes and writes
-    straight from the staging half a device source lends (with O_DIRECT it copies into its slot)."""
-    return ss.Store.open(str(path), identity=IDENT, layout=layout, budget=ss.Budget(reserve_bytes=0, ram_bytes=0),
-                         chunk_bytes=chunk, staging_bytes=staging, check_rows=False, direct_io=direct_io)
+# Raw chunks written buffered by default: the chunker then hashes and writes straight from the
+# staging half a device source lends (with O_DIRECT it copies into its slot).
+_open = store_factory(identity=IDENT, budget=ss.Budget(reserve_bytes=0, ram_bytes=0), staging_bytes=4 * 4096,
+                      check_rows=False, direct_io=False)
 
 
 def _adapter(store: ss.Store, h: Any, td: dict[str, int], nbytes: int = 2 * 4096) -> TorchAdapter:
@@ -85,7 +84,7 @@ def _kv_setup(h: Any, tmp_path: Any, T: int = 96, chunk: int = 4096, stage: int 
     kv_cpu = _rand((2, 3, T, 10), torch.bfloat16, 1)
     rec_cpu = _rand((5, 7, 9), torch.float32, 2)
     layout = layout_of({"rec": rec_cpu}, {"kv": kv_cpu}, token_dims={"kv": 2})
-    store = _open(tmp_path / "s", layout, chunk, stage)
+    store = _open(tmp_path / "s", layout=layout, chunk_bytes=chunk, staging_bytes=stage)
     return kv_cpu, rec_cpu, layout, store
 
 
@@ -135,7 +134,7 @@ def test_prefetch_capped_at_saved_rows(late: LateCuda, tmp_path: Any) -> None:
     parts_cpu = {f"kv{i}": _rand((2, 96, 10), torch.bfloat16, 10 + i) for i in range(4)}
     td = {n: 1 for n in parts_cpu}
     layout = layout_of(rows=parts_cpu, token_dims=td)
-    store = _open(tmp_path / "s", layout)
+    store = _open(tmp_path / "s", layout=layout)
     ad = _adapter(store, late, td)
     parts = {n: late.to_device(t) for n, t in parts_cpu.items()}
     res = ad.save(list(range(50)), parts, rows=50)
@@ -345,7 +344,7 @@ def test_one_element_view_with_an_odd_last_stride(where: str, tmp_path: Any) -> 
     x = base.t()[3:4, 1:2]
     assert x.stride()[-1] != 1 and x.numel() == 1
     layout = layout_of({"one": x})
-    store = _open(tmp_path / "s", layout)
+    store = _open(tmp_path / "s", layout=layout)
     ad = TorchAdapter(store, staging=Staging(2 * 4096, backend=h))
     res = ad.save([1], {"one": x})
     dst_base = torch.zeros(4, 5)
@@ -366,7 +365,7 @@ def test_conjugate_views_refused_clearly(where: str, tmp_path: Any) -> None:
     if h is not None:
         z = h.to_device(z)
     layout = layout_of({"z": z})
-    store = _open(tmp_path / "s", layout)
+    store = _open(tmp_path / "s", layout=layout)
     ad = TorchAdapter(store, staging=Staging(2 * 4096, backend=h))
     with pytest.raises(ss.LayoutError, match="resolve_conj"):
         ad.save([1], {"z": z.conj()})
@@ -384,7 +383,7 @@ def test_staging_none_shares_one_pinned_buffer(late: LateCuda, tmp_path: Any) ->
     from snapstore.engine._torch import shared_staging
     parts_cpu = {f"kv{i}": _rand((24, 3, 10), torch.bfloat16, 30 + i) for i in range(8)}
     layout = layout_of(rows=parts_cpu)
-    store = _open(tmp_path / "s", layout)
+    store = _open(tmp_path / "s", layout=layout)
     srcs = {n: TensorSource(late.to_device(t), 0, backend=late) for n, t in parts_cpu.items()}
     assert len({id(s.staging) for s in srcs.values()}) == 1 and srcs["kv0"].staging is shared_staging(late)
     res = store.save(list(range(24)), srcs)
@@ -437,7 +436,7 @@ def test_direct_io_saves_still_copy_into_the_aligned_slot(late: LateCuda, tmp_pa
     """With O_DIRECT a raw chunk is DMAed from the core's aligned slot: the one host memcpy is
     pinned half -> slot (a buffered write from the half would cost the same memcpy), bytes exact."""
     kv_cpu, rec_cpu, layout, _ = _kv_setup(None, tmp_path / "unused", T=96)
-    store = _open(tmp_path / "s", layout, direct_io=True)
+    store = _open(tmp_path / "s", layout=layout, direct_io=True)
     ad = _adapter(store, late, {"kv": 2})
     res = ad.save(list(range(96)), {"kv": late.to_device(kv_cpu), "rec": late.to_device(rec_cpu)})
     assert res.ok and late.lent_reads == 0 and late.host_copies == len(list(store._repo.blob_files()))
@@ -455,7 +454,7 @@ def test_device_error_on_save_is_a_source_error(late: LateCuda, tmp_path: Any, v
     """An injected OOM on a device->host copy mid-save: SourceError (a SnapstoreError) saying nothing
     was saved; no snapshot, no orphan file, stored bytes = bytes on disk; the next save works."""
     kv_a, rec_cpu, layout, _ = _kv_setup(None, tmp_path / "unused", T=96)
-    store = _open(tmp_path / "s", layout, direct_io=direct_io)
+    store = _open(tmp_path / "s", layout=layout, direct_io=direct_io)
     staging = Staging(2 * 4096, backend=late)
     ad = TorchAdapter(store, token_dims={"kv": 2}, staging=staging)
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import numpy as np
 import pytest
-from conftest import IDENT, sha
+from support import Conversation, Workload, sha, store_factory
 
 import snapstore as ss
 
@@ -18,29 +17,20 @@ LAY = ss.Layout(fixed={"rec": ss.Fixed("float32", (64,))}, rows={"kv": ROW})  # 
 CB = 4096
 
 
-def open_store(path: str, **kw: Any) -> ss.Store:
-    kw.setdefault("budget", ss.Budget(reserve_bytes=0))
-    return ss.Store.open(path, identity=kw.pop("identity", IDENT), layout=kw.pop("layout", LAY),
-                         chunk_bytes=CB, staging_bytes=16 * CB, **kw)
+open_store = store_factory(layout=LAY, staging_bytes=16 * CB, check_rows=None)
+# Conversations of up to 2000 tokens, incompressible rows; Conv(k).state() is the next turn's state.
+WORKLOAD = Workload(LAY, conversations=1100, max_tokens=2000, levels=256)
 
 
-class Conv:
-    """One conversation: tokens and K/V rows that only grow; fixed state changes every turn."""
-
-    def __init__(self, seed: int, max_tokens: int = 2000):
-        rng = np.random.default_rng(seed)
-        self.tokens = rng.integers(0, 50_000, max_tokens) + seed * 100_000
-        self.kv = rng.integers(0, 256, (max_tokens, 128), dtype=np.uint8)
-        self.rng = rng
-
-    def state(self) -> dict[str, np.ndarray]:
-        return {"rec": self.rng.standard_normal(64).astype(np.float32), "kv": self.kv}
+def Conv(k: int) -> Conversation:  # noqa: N802 (the name the tests have always used)
+    """Conversation ``k`` of :data:`WORKLOAD`: tokens and K/V rows only grow; fixed state changes every turn."""
+    return WORKLOAD.conversation(k)
 
 
-def restore_ok(s: ss.Store, sid: int, conv: Conv, fixed: np.ndarray | None = None) -> ss.RestoreResult:
-    dest = {"rec": np.zeros(64, np.float32), "kv": np.zeros_like(conv.kv)}
+def restore_ok(s: ss.Store, sid: int, conv: Conversation, fixed: np.ndarray | None = None) -> ss.RestoreResult:
+    dest = {"rec": np.zeros(64, np.float32), "kv": np.zeros_like(conv.rows["kv"])}
     r = s.restore(sid, dest)
-    assert sha(dest["kv"][: r.n_tokens]) == sha(conv.kv[: r.n_tokens])
+    assert sha(dest["kv"][: r.n_tokens]) == sha(conv.rows["kv"][: r.n_tokens])
     if fixed is not None:
         assert sha(dest["rec"]) == sha(fixed)
     return r
@@ -312,7 +302,8 @@ _EVICTOR = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
 import numpy as np, snapstore as ss
-from test_lifecycle import LAY, IDENT, Conv
+from support import IDENT
+from test_lifecycle import LAY, Conv
 s = ss.Store.open(sys.argv[1], identity=IDENT, layout=LAY, chunk_bytes=4096, staging_bytes=65536,
                   budget=ss.Budget(disk_bytes=int(sys.argv[3]), reserve_bytes=0), drop_stale=False)
 end = time.time() + float(sys.argv[4])
@@ -326,6 +317,7 @@ s.close()
 """
 
 
+@pytest.mark.slow  # an evicting child process for seconds
 def test_restore_beside_concurrent_eviction_is_exact_or_a_clean_miss(store_dir: str) -> None:
     import subprocess
     import sys
@@ -350,7 +342,7 @@ def test_restore_beside_concurrent_eviction_is_exact_or_a_clean_miss(store_dir: 
                 assert e.touched is False and (dest["kv"] == 7).all()
                 misses += 1
                 continue
-            assert sha(dest["kv"][:600]) == sha(conv.kv[:600])
+            assert sha(dest["kv"][:600]) == sha(conv.rows["kv"][:600])
             exact += 1
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import IDENT, LAYOUT, make_state
 from hypothesis import given
 from hypothesis import strategies as hst
+from support import IDENT, LAYOUT, make_state, store_factory
 
 import snapstore as ss
 
@@ -25,10 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _open(path: str, **kw: Any) -> ss.Store:
-    kw.setdefault("chunk_bytes", 4096)
-    kw.setdefault("staging_bytes", 16384)
-    return ss.Store.open(path, identity=pe.IDENT, layout=pe.LAYOUT, **kw)
+_open = store_factory(identity=pe.IDENT, layout=pe.LAYOUT, staging_bytes=16384, budget=None, check_rows=None)
 
 
 # -- PagedRows: byte ranges over scattered blocks ------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import IDENT
+from support import IDENT, store_factory
 
 import snapstore as ss
 from snapstore import _ramtier
@@ -25,9 +25,8 @@ def _big_state(n: int, seed: int = 0) -> dict[str, np.ndarray]:
             "kv": rng.integers(0, 256, (n, 64 * 1024), dtype=np.uint8)}
 
 
-def _open_big(path: str, **kw: Any) -> ss.Store:
-    kw.setdefault("budget", ss.Budget(reserve_bytes=0, ram_bytes=256 * MIB))
-    return ss.Store.open(path, identity=IDENT, layout=BIG, chunk_bytes=4 * MIB, staging_bytes=16 * MIB, **kw)
+_open_big = store_factory(layout=BIG, chunk_bytes=4 * MIB, staging_bytes=16 * MIB,
+                          budget=ss.Budget(reserve_bytes=0, ram_bytes=256 * MIB), check_rows=None)
 
 
 def _thread_faults() -> int:

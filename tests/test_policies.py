@@ -9,7 +9,8 @@ import threading
 import time
 
 import numpy as np
-from test_lifecycle import IDENT, Conv, open_store
+from support import IDENT
+from test_lifecycle import Conv, open_store
 
 import snapstore as ss
 from snapstore._gc import gc
@@ -101,7 +102,7 @@ def test_hits_are_exact_with_restores_and_saves_running_together(store_dir: str)
         n = 150
 
         def restorer() -> None:
-            out = {"rec": np.zeros(64, np.float32), "kv": np.zeros_like(conv.kv)}
+            out = {"rec": np.zeros(64, np.float32), "kv": np.zeros_like(conv.rows["kv"])}
             for _ in range(n):
                 s.restore(m, out)
 

@@ -16,16 +16,14 @@ import snapstore as ss
 from snapstore._repo import Repo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers_proc import IDENT, LAYOUT, make_state  # noqa: E402
+from support import LAYOUT, make_state, store_factory  # noqa: E402
 
 PKG = os.path.dirname(os.path.abspath(ss.__file__))
 FORBIDDEN = [r"\bimport pickle\b", r"\bpickle\.", r"\bmarshal\b", r"(?<![\w.])eval\(", r"(?<![\w.])exec\(",
              r"shell\s*=\s*True", r"\bos\.system\(", r"\byaml\.load\(", r"\bshelve\b"]
 
 
-def _open(path: str, **kw: Any) -> ss.Store:
-    return ss.Store.open(path, identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0),
-                         chunk_bytes=4096, staging_bytes=65536, **kw)
+_open = store_factory(check_rows=None)
 
 
 def test_no_unsafe_deserialization_in_package() -> None:

@@ -13,25 +13,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import IDENT, LAYOUT, empty_like_state, make_state, part_hashes, sha
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import layouts
+from support import IDENT, LAYOUT, empty_like_state, layouts, make_state, open_store, part_hashes, sha
 
 import snapstore as ss
 
-SMALL = dict(chunk_bytes=4096, staging_bytes=64 * 1024, budget=ss.Budget(reserve_bytes=0), check_rows=True)
-
-
-def open_store(path: str, identity: ss.Identity = IDENT, layout: ss.Layout = LAYOUT, **kw: Any) -> ss.Store:
-    opts = dict(SMALL)
-    opts.update(kw)
-    return ss.Store.open(path, identity=identity, layout=layout, **opts)
-
-
 # -- exactness -------------------------------------------------------------------------------
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=settings.default.max_examples * 4 // 3,  # the profile sizes it: dev 13, ci 40
+          deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layout=layouts(), n1=st.integers(1, 600), extra=st.integers(0, 600), seed=st.integers(0, 2**32 - 1),
        codec=st.sampled_from(["raw", "zstd", "zstd-shuffle2"]))
 def test_round_trip_exact_through_a_chain(tmp_path_factory: Any, layout: ss.Layout, n1: int, extra: int,
@@ -158,7 +149,7 @@ _SAVER = textwrap.dedent("""
     import sys, json
     sys.path.insert(0, sys.argv[2])
     import snapstore as ss
-    from conftest import IDENT, LAYOUT, make_state
+    from support import IDENT, LAYOUT, make_state
     s = ss.Store.open(sys.argv[1], identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0),
                       chunk_bytes=4096, staging_bytes=65536)
     r = s.save(list(range(400)), make_state(LAYOUT, 400, 11))
@@ -331,7 +322,7 @@ _RESTORER = textwrap.dedent("""
     import sys, json
     sys.path.insert(0, sys.argv[2])
     import numpy as np, snapstore as ss
-    from conftest import IDENT, LAYOUT, make_state, part_hashes, empty_like_state
+    from support import IDENT, LAYOUT, make_state, part_hashes, empty_like_state
     s = ss.Store.open(sys.argv[1], identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0))
     toks = list(range(int(sys.argv[3]))) + [99999] * 5
     m = s.match(toks)
@@ -357,7 +348,7 @@ _WORKER = textwrap.dedent("""
     import sys, json, time
     sys.path.insert(0, sys.argv[2])
     import numpy as np, snapstore as ss
-    from conftest import IDENT, LAYOUT, make_state, part_hashes, empty_like_state
+    from support import IDENT, LAYOUT, make_state, part_hashes, empty_like_state
     s = ss.Store.open(sys.argv[1], identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0),
                       chunk_bytes=4096, staging_bytes=65536)
     wid, end = int(sys.argv[3]), time.time() + float(sys.argv[4])
@@ -381,6 +372,7 @@ _WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two processes
 def test_two_processes_save_match_restore_concurrently(store_dir: str) -> None:
     here = os.path.dirname(__file__)
     open_store(store_dir).close()
@@ -539,7 +531,7 @@ _PENDING = textwrap.dedent("""
     import sys, os
     sys.path.insert(0, sys.argv[2])
     import snapstore as ss
-    from conftest import IDENT, LAYOUT, make_state
+    from support import IDENT, LAYOUT, make_state
     s = ss.Store.open(sys.argv[1], identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0))
     r = s.save(list(range(100)), make_state(LAYOUT, 100, 0), commit=False)
     print(r.snapshot_id, flush=True)
