@@ -21,7 +21,7 @@ from ._config import pending_lease as resolve_lease
 from ._errors import CorruptionError
 from ._gc import Progress, collect_orphans, temp_files
 from ._lifecycle import drop_leaf
-from ._owner import Liveness
+from ._liveness import Liveness
 from ._repo import Repo
 
 __all__ = ["VerifyReport", "verify"]
