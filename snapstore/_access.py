@@ -8,10 +8,13 @@ a snapshot goes through :meth:`Access.own` or :meth:`Access.readable`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from ._catalog import SnapRow, SnapState, Txn
+from ._db import Database
 from ._errors import IdentityError, InvalidInputError, NotFoundError, SnapshotUnavailableError
+from ._identity import Identity
 from ._save import Retry
 
 __all__ = ["Access"]
@@ -24,10 +27,20 @@ _GONE_DEFAULT = ("evicted for the budget, superseded within its session, deleted
 class Access:
     """One store's identity (by key) and owner token, and the checks made against them."""
 
-    def __init__(self, identity_key: str) -> None:
-        self.identity_key = identity_key
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+        self.identity_key = identity.key
         self.owner = ""  # the owner token, set once the store's owner exists (Store._start)
         self._gone: dict[int, str] = {}  # ids this store dropped on purpose -> why
+
+    def ensure_identity(self, db: Database) -> int:
+        """Create (or refresh) this identity's row in a transaction of its own; its row id.
+
+        Never inside a larger transaction: a row created there and rolled back (a skipped save)
+        would hand its id to the next identity that opens, while this store relied on it.
+        """
+        now = time.time()
+        return db.write(lambda t: t.ensure_identity(self.identity_key, self.identity.canonical, now))
 
     def iid(self, t: Txn) -> int:
         """This identity's row id as of this transaction; Retry(identity_gone) when another process

@@ -5,22 +5,23 @@ capacity pre-check, publish (:mod:`._chunker`), commit — redone when it loses 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from ._access import Access
 from ._buffers import Source
 from ._capacity import Capacity
 from ._catalog import SnapRow, Txn
 from ._chunker import Chunker
 from ._db import Database
 from ._errors import InvalidInputError, NotFoundError, StateError
-from ._refs import snapshot_id
+from ._refs import namespace_key, snapshot_id
 from ._results import SaveResult
-from ._save import MAX_ATTEMPTS, WHOLE_AFTER, Retry, Saver, Skip
-from ._tokens import TokenIndex
+from ._save import MAX_ATTEMPTS, WHOLE_AFTER, Retry, Saver, Skip, validate_parts
+from ._tokens import TokenIndex, as_token_array
 
 __all__ = ["HOOKS", "SaveRun", "skipped"]
 
@@ -62,14 +63,21 @@ class SaveRun:
     capacity: Capacity
     db: Database
     write: Write
-    iid: Callable[[Txn], int]  # this identity's row id in a transaction, Retry(identity_gone) if gone
-    ensure_identity: Callable[[], int]  # re-create the identity row in a transaction of its own
+    access: Access  # this identity's row id in a transaction, and its re-creation when dropped
     count: Callable[[str], None]  # bump one in-memory counter
     check_rows: bool
 
-    def run(self, arr: np.ndarray, sources: dict[str, Source], row_counts: dict[str, int],
-            session: str | None, parent: Any, commit: bool, ns: str) -> SaveResult:
-        """Save ``arr``'s state, retrying lost races up to MAX_ATTEMPTS times."""
+    def run(self, tokens: Any, parts: Mapping[str, Any], rows: Any, session: str | None, parent: Any,
+            commit: bool, namespace: str | None) -> SaveResult:
+        """Check the inputs (stage 1), then save, retrying lost races up to MAX_ATTEMPTS times."""
+        arr = as_token_array(tokens)
+        n = len(arr)
+        if n == 0:
+            raise InvalidInputError("save() needs at least one token")
+        if session is not None and (not isinstance(session, str) or not session):
+            raise InvalidInputError(f"session must be None or a non-empty string, got {session!r}")
+        ns = namespace_key(namespace)
+        sources, row_counts = validate_parts(self.stages.layout, parts, rows, n)
         index = TokenIndex(arr)
         for attempt in range(MAX_ATTEMPTS):
             # "auto" whose parent keeps being evicted under it: after WHOLE_AFTER tries store it whole
@@ -78,7 +86,7 @@ class SaveRun:
                 return self.once(arr, index, sources, row_counts, session, use, commit, ns)
             except Retry as r:
                 if r.identity_gone:
-                    self.ensure_identity()  # committed on its own before the save is redone
+                    self.access.ensure_identity(self.db)  # committed on its own before the save is redone
                 if r.parent_gone and use not in ("auto", None):
                     raise NotFoundError(f"parent {snapshot_id(use)} was removed (evicted, superseded or "
                                         "abandoned) during the save; save again with parent='auto'") from None
@@ -106,7 +114,7 @@ class SaveRun:
         refs = self.chunker.store(plan.pieces)
         created = [r.id for rs in refs for r in rs if r.created]
         try:
-            done = self.write(lambda t: saver.commit(t, iid=self.iid(t), plan=plan, refs=refs, arr=arr,
+            done = self.write(lambda t: saver.commit(t, iid=self.access.iid(t), plan=plan, refs=refs, arr=arr,
                                                      index=index, session=session, commit=commit, ns=ns),
                               discard=created, committed=lambda: _hook("save_committed"))
         except Skip as s:

@@ -16,7 +16,6 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
 import numpy as np
@@ -51,7 +50,7 @@ from ._save import Retry, Saver, Skip, count_of, validate_parts
 from ._save_run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
 from ._save_run import SaveRun, skipped
 from ._snapshot_ops import abandon_capture, commit_capture, delete_subtree, drop_capture, housekeep, retire
-from ._tokens import as_token_array
+from ._tokens import TokensLike, as_token_array
 from ._turn import Turn
 from ._uploader import FlushResult
 from ._verify import VerifyReport
@@ -66,7 +65,7 @@ def _operation(fn: Callable[Concatenate[Store, P], T]) -> Callable[Concatenate[S
     """A public Store call: refused with StateError once close() began; close() waits for it."""
 
     def call(self: Store, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        with self._in_operation():
+        with self._gate.call():
             return fn(self, *args, **kwargs)
 
     functools.update_wrapper(call, fn)  # name, docstring and signature for help() and the docs
@@ -99,8 +98,7 @@ class Store:
         self._saver = AsyncSaver(async_copy_bytes)  # issue 12: save(wait=False); no thread until a save queues
         self._remote: Any = None  # the shared tier (snapstore._remote_tier.RemoteTier) when remote= is set
         self._gate = CallGate()  # public calls in flight versus close()
-        self._access = Access(identity.key)  # the ownership checks; its owner token is set by _start
-        self._identity_id = 0
+        self._access = Access(identity)  # the ownership checks; its owner token is set by _start
         self._lease_owner: Owner | None = None
         self._owner = ""
         self._chunker: Chunker | None = None
@@ -151,7 +149,7 @@ class Store:
         """The I/O of opening: the identity row, the owner (lock file, lease thread), housekeeping,
         then the shared tier (``remote``)."""
         repo = self._repo
-        self._ensure_identity()
+        self._access.ensure_identity(repo.db)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapstore")
         self._chunker = Chunker(repo.blob_path, repo.tmp, self.chunk_bytes, self.codec, self._staging, self._pool,
                                 repo.db, direct=self.direct_io)
@@ -161,9 +159,13 @@ class Store:
                        chunk_bytes=self.chunk_bytes, chunker=self._chunker, capacity=self._capacity,
                        blob_path=repo.blob_path, renew=self._lease_owner.renew, own=self._access.own)
         self._run = SaveRun(stages=stages, chunker=self._chunker, capacity=self._capacity, db=repo.db,
-                            write=self._write, iid=self._access.iid, ensure_identity=self._ensure_identity,
-                            count=self._ledger.count, check_rows=self.check_rows)
-        self._housekeeping(drop_stale=drop_stale)
+                            write=self._write, access=self._access, count=self._ledger.count,
+                            check_rows=self.check_rows)
+        now = time.time()  # housekeeping: dead owners' captures, stale identities, expired snapshots
+        dead = self._write(lambda t: housekeep(t, root=repo.root, lease=self.pending_lease, now=now,
+                                               identity_key=self.identity.key, drop_stale=drop_stale,
+                                               ttl=self.budget.ttl))
+        reap_lock_files(repo.root, dead)
         from ._remote_tier import open_remote  # imported on demand: obstore only where remote= is used
         self._remote = open_remote(remote, repo, self.identity, self._owner, self._ledger.count, remote_wait)
 
@@ -186,34 +188,10 @@ class Store:
         """The store directory."""
         return self._repo.root
 
-    def _housekeeping(self, *, drop_stale: bool) -> None:
-        """At open: drop pending captures of dead owners, stale identities, expired snapshots."""
-        now = time.time()
-        dead = self._write(lambda t: housekeep(t, root=self._repo.root, lease=self.pending_lease, now=now,
-                                               identity_key=self.identity.key, drop_stale=drop_stale,
-                                               ttl=self.budget.ttl))
-        reap_lock_files(self._repo.root, dead)
-
     # -- helpers -----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._gate.closed:
             raise StateError("the store is closed; open it again with Store.open()")
-
-    def _in_operation(self) -> AbstractContextManager[None]:
-        """Count a public call in flight; StateError once close() has begun."""
-        return self._gate.call()
-
-    def _ensure_identity(self) -> int:
-        """Create (or refresh) this identity's row in a transaction of its own, and cache the id
-        only once that transaction has committed.
-
-        Never inside a larger transaction: a row created there and rolled back (a skipped save)
-        would hand its id to the next identity that opens, while this store kept it cached.
-        """
-        now = time.time()
-        iid = self._repo.db.write(lambda t: t.ensure_identity(self.identity.key, self.identity.canonical, now))
-        self._identity_id = iid
-        return iid
 
     def _iid(self, t: Txn) -> int:
         return self._access.iid(t)
@@ -233,21 +211,21 @@ class Store:
     # -- save --------------------------------------------------------------------------------
     # issue 12: save(wait=False) -> SaveHandle (snapstore/_async_save.py)
     @overload
-    def save(self, tokens: Any, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
+    def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
              session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
              namespace: str | None = None, wait: Literal[True] = True) -> SaveResult: ...
 
     @overload
-    def save(self, tokens: Any, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
+    def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
              session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
              namespace: str | None = None, wait: Literal[False]) -> SaveHandle: ...
 
     @overload
-    def save(self, tokens: Any, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
+    def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
              session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
              namespace: str | None = None, wait: bool) -> SaveResult | SaveHandle: ...
 
-    def save(self, tokens: Any, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
+    def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
              session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
              namespace: str | None = None, wait: bool = True) -> SaveResult | SaveHandle:
         """Save the state after ``tokens``; a delta over ``parent`` ("auto", None or an id).
@@ -257,7 +235,7 @@ class Store:
         """
         if not wait:
             kw = {"session": session, "parent": parent, "commit": commit, "namespace": namespace}
-            with self._in_operation():
+            with self._gate.call():
                 return self._saver.submit(self, tokens, parts, rows, kw)
         return self._save(tokens, parts, rows, session=session, parent=parent, commit=commit, namespace=namespace)
 
@@ -267,20 +245,12 @@ class Store:
         return validate_parts(self.layout, parts, rows, n)
 
     @_operation
-    def _save(self, tokens: Any, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
+    def _save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
               session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
               namespace: str | None = None) -> SaveResult:
         """The synchronous save (``save(wait=True)``)."""
-        arr = as_token_array(tokens)
-        n = len(arr)
-        if n == 0:
-            raise InvalidInputError("save() needs at least one token")
-        if session is not None and (not isinstance(session, str) or not session):
-            raise InvalidInputError(f"session must be None or a non-empty string, got {session!r}")
-        ns = namespace_key(namespace)
-        sources, row_counts = self._validate_parts(parts, rows, n)
         assert self._run is not None  # set by open(); a Store is only handed out open
-        res = self._run.run(arr, sources, row_counts, session, parent, commit, ns)
+        res = self._run.run(tokens, parts, rows, session, parent, commit, namespace)
         self._remote_saved(res)
         return res
 
@@ -333,7 +303,7 @@ class Store:
 
     # -- match -------------------------------------------------------------------------------
     @_operation
-    def match(self, tokens: Any, *, namespace: str | None = None,
+    def match(self, tokens: TokensLike, *, namespace: str | None = None,
               exclude: Iterable[SnapshotRef] | None = ()) -> Match | None:
         """The longest committed snapshot whose tokens are a prefix of ``tokens``, or None.
 
@@ -359,16 +329,14 @@ class Store:
         return Match(hit.id, hit.n_tokens, namespace)
 
     # -- restore -----------------------------------------------------------------------------
-    def _wanted(self, components: Iterable[str] | None) -> set[str]:
-        return wanted_components(self.layout, components)
-
     def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
               wanted: set[str], rows_from: int = 0) -> tuple[SnapRow, RestorePlan]:
         """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
         return plan_of(c, self._access, self.layout, sid, ns, into, wanted, rows_from)
 
     @_operation
-    def restore(self, m: SnapshotRef, into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Any]],
+    def restore(self, m: SnapshotRef,
+                into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Destination]],
                 components: Iterable[str] | None = None, *, namespace: str | None = None,
                 rows_from: int = 0) -> RestoreResult:
         """Write the snapshot's state into ``into`` (name → writable buffer), exactly, or raise.
@@ -389,7 +357,7 @@ class Store:
         sid = snapshot_id(m)
         ns = ref_namespace(m, namespace)
         k = count_of(rows_from, "rows_from")
-        wanted = self._wanted(components)
+        wanted = wanted_components(self.layout, components)
         t0 = time.perf_counter()
         if callable(into) and not isinstance(into, Mapping):  # plan, then write: see _batch.py
             into = planned_destination(self.describe(sid, components, namespace=ns or None, rows_from=k), into)
@@ -413,7 +381,7 @@ class Store:
         restore's plan but without destinations, so an engine can size its buffers first."""
         sid = snapshot_id(m)
         ns = ref_namespace(m, namespace)
-        wanted = self._wanted(components)
+        wanted = wanted_components(self.layout, components)
         k = count_of(rows_from, "rows_from")
 
         def run(c: Txn) -> MatchDetails:
@@ -423,18 +391,20 @@ class Store:
         return self._repo.db.read(run)
 
     # -- batches and turns (logic in _batch.py and _turn.py) ---------------------------------
-    def match_many(self, token_lists: Iterable[Any], *, namespace: str | None = None) -> list[Match | None]:
+    def match_many(self, token_lists: Iterable[TokensLike], *, namespace: str | None = None) -> list[Match | None]:
         """``match()`` for each of many prompts (a scheduler admitting a batch), in order."""
         return [self.match(t, namespace=namespace) for t in token_lists]
 
     @_operation
-    def restore_many(self, requests: Iterable[tuple[Any, Mapping[str, Any]]], components: Iterable[str] | None = None,
-                     *, namespace: str | None = None, rows_from: int = 0) -> list[RestoreResult]:
+    def restore_many(self, requests: Iterable[tuple[SnapshotRef, Mapping[str, Destination]]],
+                     components: Iterable[str] | None = None, *, namespace: str | None = None,
+                     rows_from: int = 0) -> list[RestoreResult]:
         """Restore many (match, into) pairs at once; a chunk their chains share is read once."""
-        return restore_batch(self, list(requests), self._wanted(components), namespace,
+        return restore_batch(self, list(requests), wanted_components(self.layout, components), namespace,
                              count_of(rows_from, "rows_from"))
 
-    def turn(self, *, session: str | None = None, namespace: str | None = None, parent: Any = "auto") -> Turn:
+    def turn(self, *, session: str | None = None, namespace: str | None = None,
+             parent: SnapshotRef | str | None = "auto") -> Turn:
         """A capture chain for one turn: ``with store.turn(session=...) as t: t.capture(tokens, parts)``."""
         self._check_open()
         return Turn(self, session=session, namespace=namespace, parent=parent)
