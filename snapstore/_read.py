@@ -52,15 +52,16 @@ def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int
         chain=list(plan.chain), pending=snap.state == SnapState.PENDING, rows_from=rows_from)
 
 
-def stream_checked(plan: RestorePlan, sid: int, repo: Repo, staging: StagingBuffer, ram: RamTier | None,
+def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: StagingBuffer, ram: RamTier | None,
                    count: Callable[[str], None]) -> None:
-    """Stream ``plan``; on a RestoreError count it, name the snapshot, and quarantine the chunks found
-    damaged in the same call (snapshots using them stop matching until a save heals them)."""
+    """Stream ``plan``; on a RestoreError count it, name snapshot ``sid`` (None: a batch), and
+    quarantine the chunks found damaged in the same call (snapshots using them stop matching until
+    a save heals them). The one copy of this policy: restore() and restore_many() both use it."""
     damage: Damage = []
     try:
         stream_plan(plan, repo.blob_path, staging, ram, damage)
     except RestoreError as e:
-        if e.snapshot_id is None:
+        if e.snapshot_id is None and sid is not None:
             e.snapshot_id = sid
         count("restore_errors")
         if damage:

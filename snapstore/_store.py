@@ -31,7 +31,7 @@ from ._chunker import Chunker, StagingBuffer
 from ._chunkfile import CODECS
 from ._config import Budget, StoreOptions, store_options
 from ._direct_io import direct_default
-from ._errors import ConfigError, InvalidInputError, RemoteError, SnapshotUnavailableError, StateError
+from ._errors import ConfigError, RemoteError, SnapshotUnavailableError, StateError
 from ._gate import CallGate
 from ._gc import GcReport
 from ._identity import Identity
@@ -100,7 +100,6 @@ class Store:
         self._gate = CallGate()  # public calls in flight versus close()
         self._access = Access(identity)  # the ownership checks; its owner token is set by _start
         self._lease_owner: Owner | None = None
-        self._owner = ""
         self._chunker: Chunker | None = None
         self._run: SaveRun | None = None  # the save stages, once the owner exists
 
@@ -154,8 +153,8 @@ class Store:
         self._chunker = Chunker(repo.blob_path, repo.tmp, self.chunk_bytes, self.codec, self._staging, self._pool,
                                 repo.db, direct=self.direct_io)
         self._lease_owner = Owner(repo.db, repo.root, self.pending_lease)
-        self._owner = self._access.owner = self._lease_owner.token
-        stages = Saver(layout=self.layout, identity_key=self.identity.key, owner=self._owner,
+        owner = self._access.owner = self._lease_owner.token
+        stages = Saver(layout=self.layout, identity_key=self.identity.key, owner=owner,
                        chunk_bytes=self.chunk_bytes, chunker=self._chunker, capacity=self._capacity,
                        blob_path=repo.blob_path, renew=self._lease_owner.renew, own=self._access.own)
         self._run = SaveRun(stages=stages, chunker=self._chunker, capacity=self._capacity, db=repo.db,
@@ -167,7 +166,7 @@ class Store:
                                                ttl=self.budget.ttl))
         reap_lock_files(repo.root, dead)
         from ._remote_tier import open_remote  # imported on demand: obstore only where remote= is used
-        self._remote = open_remote(remote, repo, self.identity, self._owner, self._ledger.count, remote_wait)
+        self._remote = open_remote(remote, repo, self.identity, owner, self._ledger.count, remote_wait)
 
     def _teardown(self, dead_owners: Iterable[str] = ()) -> None:
         """Release what :meth:`_start` acquired (a failed open, or close() after its transaction):
@@ -192,9 +191,6 @@ class Store:
     def _check_open(self) -> None:
         if self._gate.closed:
             raise StateError("the store is closed; open it again with Store.open()")
-
-    def _iid(self, t: Txn) -> int:
-        return self._access.iid(t)
 
     def _write(self, fn: Callable[[Txn], T], *, durable: bool = True, discard: Iterable[bytes] = (),
                committed: Callable[[], None] | None = None) -> T:
@@ -268,7 +264,7 @@ class Store:
         try:
             snap = self._write(lambda t: commit_capture(t, self._access, sid, ns, self._capacity, now))
         except Skip as s:
-            self._write(lambda t: drop_capture(t, self._owner, sid))
+            self._write(lambda t: drop_capture(t, self._access.owner, sid))
             return skipped(self._repo.db, s.reason, None, 0, 0, ns)
         result = SaveResult(snapshot_id=sid, skipped=None, parent_id=snap.parent_id, stored_bytes=0,
                             logical_bytes=snap.logical_bytes, n_tokens=snap.n_tokens, namespace=ns or None)
@@ -350,7 +346,8 @@ class Store:
         if self._remote is not None and getattr(m, "remote", None) is not None:
             # a shared-tier match: fetch its missing chunks (verified) into the local tier first
             try:
-                m = self._remote.materialize(m, lambda t, _freed: self._capacity.excess(t) is None, self._iid)
+                m = self._remote.materialize(m, lambda t, _freed: self._capacity.excess(t) is None,
+                                              self._access.iid)
             except Retry:
                 raise SnapshotUnavailableError("this store's identity was dropped as stale by another store "
                                                "during the fetch; match again", snapshot_id=None) from None
@@ -359,12 +356,7 @@ class Store:
         k = count_of(rows_from, "rows_from")
         wanted = wanted_components(self.layout, components)
         t0 = time.perf_counter()
-        if callable(into) and not isinstance(into, Mapping):  # plan, then write: see _batch.py
-            into = planned_destination(self.describe(sid, components, namespace=ns or None, rows_from=k), into)
-        if not isinstance(into, Mapping):
-            raise InvalidInputError("into must be a mapping of part name to writable buffer, or a callable "
-                                    "that takes the plan (MatchDetails) and returns one")
-        dest = into
+        dest = planned_destination(into, lambda: self.describe(sid, components, namespace=ns or None, rows_from=k))
         _, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k))
         stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count)
         # last use and the hit are bookkeeping: recorded in memory and written now only if the
@@ -391,6 +383,7 @@ class Store:
         return self._repo.db.read(run)
 
     # -- batches and turns (logic in _batch.py and _turn.py) ---------------------------------
+    @_operation
     def match_many(self, token_lists: Iterable[TokensLike], *, namespace: str | None = None) -> list[Match | None]:
         """``match()`` for each of many prompts (a scheduler admitting a batch), in order."""
         return [self.match(t, namespace=namespace) for t in token_lists]
