@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ._bookkeeping import flush_if_free
 from ._buffers import Destination, Sink
 from ._errors import InvalidInputError, RestoreError
 from ._plan import PlanItem, RestorePlan
@@ -97,6 +98,6 @@ def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str
     now, dt = time.time(), time.perf_counter() - t0
     for plan in plans:
         store._ledger.record_use(plan.snapshot_id, now)
-    store._try_flush()
+    flush_if_free(store._repo, store._ledger)
     return [RestoreResult(p.n_tokens, p.rows, frozenset(p.missing_components), p.chain, p.nbytes, dt)
             for p in plans]

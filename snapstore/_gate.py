@@ -7,13 +7,18 @@ describe()): only the outermost counts, so a call never waits for itself.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from ._errors import StateError
 
-__all__ = ["CallGate"]
+__all__ = ["CallGate", "Gated", "operation"]
+
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class CallGate:
@@ -69,3 +74,23 @@ class CallGate:
         with self._cond:
             self._shut = True
             self._cond.notify_all()
+
+
+class Gated(Protocol):
+    """An object whose public calls pass a :class:`CallGate` (the Store)."""
+
+    _gate: CallGate
+
+
+G = TypeVar("G", bound=Gated)
+
+
+def operation(fn: Callable[Concatenate[G, P], T]) -> Callable[Concatenate[G, P], T]:
+    """A public call: refused with StateError once close() began; close() waits for it."""
+
+    def call(self: G, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        with self._gate.call():
+            return fn(self, *args, **kwargs)
+
+    functools.update_wrapper(call, fn)  # name, docstring and signature for help() and the docs
+    return call

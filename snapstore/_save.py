@@ -21,7 +21,7 @@ from ._buffers import Source, as_source
 from ._capacity import Capacity
 from ._catalog import PartKind, SnapRow, SnapState, Txn
 from ._chunker import Chunker, ChunkRef, Piece
-from ._chunkfile import HEADER_SIZE, checksum, header_at, scope_key
+from ._chunkfile import HEADER_SIZE, checksum, header_at, header_matches, scope_key
 from ._errors import CorruptionError, InvalidInputError, LayoutError
 from ._layout import Fixed, Layout, Rows
 from ._lifecycle import evict_until, supersede
@@ -326,7 +326,7 @@ class Saver:
                 except (OSError, CorruptionError):
                     missing.add(r.id)
                     continue
-                if head.raw_len != r.raw_len or head.checksum != r.checksum:
+                if not header_matches(head, r.raw_len, r.checksum):
                     missing.add(r.id)  # a damaged file sits at the address: republish it
                     continue
                 if t.add_chunk(r.id, r.raw_len, size, head.codec, r.checksum, keys[r.id], now):

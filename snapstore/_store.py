@@ -11,12 +11,11 @@ unlinked after it commits) with the bookkeeping of :mod:`._bookkeeping`.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 
@@ -24,7 +23,7 @@ from ._access import Access
 from ._async_save import AsyncSaver, SaveHandle, copy_budget
 from ._batch import planned_destination, restore_batch
 from ._bookkeeping import Ledger, flush_if_free, write_with
-from ._buffers import Destination, PartSource, Source
+from ._buffers import Destination, PartSource
 from ._capacity import Capacity
 from ._catalog import SnapRow, Txn
 from ._chunker import Chunker, StagingBuffer
@@ -32,7 +31,7 @@ from ._chunkfile import CODECS
 from ._config import Budget, StoreOptions, store_options
 from ._direct_io import direct_default
 from ._errors import ConfigError, RemoteError, SnapshotUnavailableError, StateError
-from ._gate import CallGate
+from ._gate import CallGate, operation
 from ._gc import GcReport
 from ._identity import Identity
 from ._inspect import snapshot_infos, stats_of
@@ -46,7 +45,7 @@ from ._read import details_of, plan_of, stream_checked, wanted_components
 from ._refs import SnapshotRef, excluded, namespace_key, ref_namespace, snapshot_id
 from ._repo import Repo
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
-from ._save import Retry, Saver, Skip, count_of, validate_parts
+from ._save import Retry, Saver, Skip, count_of
 from ._save_run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
 from ._save_run import SaveRun, skipped
 from ._snapshot_ops import abandon_capture, commit_capture, delete_subtree, drop_capture, housekeep, retire
@@ -58,18 +57,6 @@ from ._verify import VerifyReport
 __all__ = ["Store"]
 
 T = TypeVar("T")
-P = ParamSpec("P")
-
-
-def _operation(fn: Callable[Concatenate[Store, P], T]) -> Callable[Concatenate[Store, P], T]:
-    """A public Store call: refused with StateError once close() began; close() waits for it."""
-
-    def call(self: Store, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        with self._gate.call():
-            return fn(self, *args, **kwargs)
-
-    functools.update_wrapper(call, fn)  # name, docstring and signature for help() and the docs
-    return call
 
 
 class Store:
@@ -197,10 +184,6 @@ class Store:
         """A write transaction that also persists this store's bookkeeping (see :func:`write_with`)."""
         return write_with(self._repo, self._ledger, fn, durable=durable, discard=discard, committed=committed)
 
-    def _try_flush(self) -> None:
-        """Persist the bookkeeping now if the write lock is free; otherwise leave it for later."""
-        flush_if_free(self._repo, self._ledger)
-
     def _tokens_of(self, t: Txn, chain: list[SnapRow]) -> np.ndarray:
         return tokens_of(chain)
 
@@ -235,12 +218,7 @@ class Store:
                 return self._saver.submit(self, tokens, parts, rows, kw)
         return self._save(tokens, parts, rows, session=session, parent=parent, commit=commit, namespace=namespace)
 
-    def _validate_parts(self, parts: Mapping[str, Any], rows: Any, n: int
-                        ) -> tuple[dict[str, Source], dict[str, int]]:
-        """Stage 1 of a save for this store's layout (also run by ``save(wait=False)`` before it queues)."""
-        return validate_parts(self.layout, parts, rows, n)
-
-    @_operation
+    @operation
     def _save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
               session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
               namespace: str | None = None) -> SaveResult:
@@ -251,7 +229,7 @@ class Store:
         return res
 
     # -- pending captures --------------------------------------------------------------------
-    @_operation
+    @operation
     def commit(self, res: SnapshotRef, *, namespace: str | None = None) -> SaveResult:
         """Make a pending capture (and its pending ancestors, root first) visible to match().
 
@@ -276,14 +254,14 @@ class Store:
         if self._remote is not None and res.snapshot_id is not None and not res.pending:
             self._remote.saved(res.snapshot_id)
 
-    @_operation
+    @operation
     def abandon(self, res: SnapshotRef, *, namespace: str | None = None) -> None:
         """Drop a pending capture and its pending descendants; their pins and bytes are released."""
         sid = snapshot_id(res)
         ns = ref_namespace(res, namespace)
         self._write(lambda t: abandon_capture(t, self._access, sid, ns))
 
-    @_operation
+    @operation
     def delete(self, ref: SnapshotRef, *, namespace: str | None = None) -> DeleteResult:
         """Drop a snapshot of this identity and every descendant; returns what went.
 
@@ -298,7 +276,7 @@ class Store:
                                                     lease=self.pending_lease))
 
     # -- match -------------------------------------------------------------------------------
-    @_operation
+    @operation
     def match(self, tokens: TokensLike, *, namespace: str | None = None,
               exclude: Iterable[SnapshotRef] | None = ()) -> Match | None:
         """The longest committed snapshot whose tokens are a prefix of ``tokens``, or None.
@@ -330,7 +308,7 @@ class Store:
         """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
         return plan_of(c, self._access, self.layout, sid, ns, into, wanted, rows_from)
 
-    @_operation
+    @operation
     def restore(self, m: SnapshotRef,
                 into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Destination]],
                 components: Iterable[str] | None = None, *, namespace: str | None = None,
@@ -362,11 +340,11 @@ class Store:
         # last use and the hit are bookkeeping: recorded in memory and written now only if the
         # write lock is free; a restore never queues behind a long writer for them
         self._ledger.record_use(sid, time.time())
-        self._try_flush()
+        flush_if_free(self._repo, self._ledger)
         return RestoreResult(plan.n_tokens, plan.rows, frozenset(plan.missing_components), plan.chain,
                              plan.nbytes, time.perf_counter() - t0)
 
-    @_operation
+    @operation
     def describe(self, m: SnapshotRef, components: Iterable[str] | None = None, *,
                  namespace: str | None = None, rows_from: int = 0) -> MatchDetails:
         """What restoring ``m`` would write — rows per stream, components, bytes — checked like a
@@ -383,12 +361,12 @@ class Store:
         return self._repo.db.read(run)
 
     # -- batches and turns (logic in _batch.py and _turn.py) ---------------------------------
-    @_operation
+    @operation
     def match_many(self, token_lists: Iterable[TokensLike], *, namespace: str | None = None) -> list[Match | None]:
         """``match()`` for each of many prompts (a scheduler admitting a batch), in order."""
         return [self.match(t, namespace=namespace) for t in token_lists]
 
-    @_operation
+    @operation
     def restore_many(self, requests: Iterable[tuple[SnapshotRef, Mapping[str, Destination]]],
                      components: Iterable[str] | None = None, *, namespace: str | None = None,
                      rows_from: int = 0) -> list[RestoreResult]:
@@ -403,19 +381,19 @@ class Store:
         return Turn(self, session=session, namespace=namespace, parent=parent)
 
     # -- inspection --------------------------------------------------------------------------
-    @_operation
+    @operation
     def snapshots(self) -> list[SnapshotInfo]:
         """Every snapshot of this store's identity (all namespaces), oldest first."""
         return self._repo.db.read(lambda t: snapshot_infos(t, self.identity.key))
 
-    @_operation
+    @operation
     def stats(self) -> Stats:
         """Counters and totals (see docs/api.md)."""
         self._write(lambda t: None, durable=False)
         return self._repo.db.read(lambda t: stats_of(t, self.budget.disk_bytes or 0,
                                                      self._ram.used if self._ram else 0))
 
-    @_operation
+    @operation
     def verify(self, deep: bool = True) -> VerifyReport:
         """Check the store (see snapstore verify); returns a VerifyReport."""
         from ._verify import verify
@@ -425,7 +403,7 @@ class Store:
                 self._ram.discard(cid)
         return report
 
-    @_operation
+    @operation
     def gc(self, *, grace: float = 3600.0, dry_run: bool = False) -> GcReport:
         """Collect orphan and temp files, dead pending captures, expired snapshots, over-budget leaves."""
         from ._gc import gc
