@@ -36,6 +36,11 @@ class CallGate:
         """How many public calls of this store the current thread is inside."""
         return int(getattr(self._inside, "depth", 0))
 
+    def check(self) -> None:
+        """StateError once close() has begun (for calls close() need not wait for)."""
+        if self.closed:
+            raise StateError("the store is closed; open it again with Store.open()")
+
     @contextmanager
     def call(self) -> Iterator[None]:
         """Count a public call in flight; StateError once close() has begun."""

@@ -175,10 +175,6 @@ class Store:
         return self._repo.root
 
     # -- helpers -----------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._gate.closed:
-            raise StateError("the store is closed; open it again with Store.open()")
-
     def _write(self, fn: Callable[[Txn], T], *, durable: bool = True, discard: Iterable[bytes] = (),
                committed: Callable[[], None] | None = None) -> T:
         """A write transaction that also persists this store's bookkeeping (see :func:`write_with`)."""
@@ -188,7 +184,6 @@ class Store:
         return tokens_of(chain)
 
     # -- save --------------------------------------------------------------------------------
-    # issue 12: save(wait=False) -> SaveHandle (snapstore/_async_save.py)
     @overload
     def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
              session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
@@ -377,7 +372,7 @@ class Store:
     def turn(self, *, session: str | None = None, namespace: str | None = None,
              parent: SnapshotRef | str | None = "auto") -> Turn:
         """A capture chain for one turn: ``with store.turn(session=...) as t: t.capture(tokens, parts)``."""
-        self._check_open()
+        self._gate.check()
         return Turn(self, session=session, namespace=namespace, parent=parent)
 
     # -- inspection --------------------------------------------------------------------------
@@ -412,7 +407,7 @@ class Store:
     def flush(self, timeout: float | None = None) -> FlushResult:
         """Wait for every save made with ``wait=False`` so far, then (with a shared tier) for their
         uploads. A FlushResult (uploads published/failed/dropped); false when ``timeout`` ran out."""
-        self._check_open()
+        self._gate.check()
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._saver.flush(timeout):
             return FlushResult(timed_out=True)
