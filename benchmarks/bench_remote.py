@@ -114,7 +114,7 @@ def main() -> None:
             m = B.match(tokens)
             assert m is not None and m.n_tokens == n
             t1 = time.perf_counter()
-            local = B._remote.materialize(m, lambda c, fr: B._capacity.excess(c) is None, B._iid)  # noqa: SLF001
+            local = B._remote.materialize(m, lambda c, fr: B._capacity.excess(c) is None, B._access.iid)  # noqa: SLF001
             t2 = time.perf_counter()
             B.restore(local, {"st": dest_st, "kv": dest_kv})
             t3 = time.perf_counter()

@@ -7,7 +7,7 @@ request, process or restart that starts with the same tokens. See docs/api.md.
 from __future__ import annotations
 
 from ._async_save import SaveHandle
-from ._buffers import PartReader, PartWriter
+from ._buffers import Destination, PartReader, PartSource, PartWriter
 from ._config import Budget
 from ._errors import (
     ConfigError,
@@ -33,9 +33,11 @@ from ._identity import Identity
 from ._layout import DTYPE_NAMES, Fixed, Layout, Rows, dtype_size
 from ._meta import EngineMeta
 from ._paged import PagedRows
+from ._refs import SnapshotRef
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._rowspan import RowSpan, row_span
 from ._store import Store
+from ._tokens import TokensLike
 from ._turn import Turn
 from ._uploader import FlushResult
 from ._verify import VerifyReport
@@ -49,6 +51,7 @@ __all__ = [
     "CorruptChunkError",
     "CorruptionError",
     "DeleteResult",
+    "Destination",
     "DestinationError",
     "EngineMeta",
     "Fixed",
@@ -65,6 +68,7 @@ __all__ = [
     "RemoteError",
     "PagedRows",
     "PartReader",
+    "PartSource",
     "PartWriter",
     "RestoreError",
     "RestoreResult",
@@ -73,6 +77,7 @@ __all__ = [
     "SaveHandle",
     "SaveResult",
     "SnapshotInfo",
+    "SnapshotRef",
     "SnapshotUnavailableError",
     "SnapstoreError",
     "SourceError",
@@ -81,6 +86,7 @@ __all__ = [
     "Store",
     "StoreFormatError",
     "StoreIOError",
+    "TokensLike",
     "UnsupportedCacheError",
     "Turn",
     "VerifyReport",

@@ -32,6 +32,7 @@ from ._config import MIB, env_int
 from ._errors import ConfigError, StateError
 from ._layout import Fixed
 from ._results import SaveResult
+from ._save import validate_parts
 from ._tokens import as_token_array
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ class AsyncSaver:
         arr = as_token_array(tokens)
         if len(arr) == 0:
             store._save(arr, parts, rows, **kwargs)  # raises the same InvalidInputError a sync save does
-        sources, row_counts = store._validate_parts(parts, rows, len(arr))
+        sources, row_counts = validate_parts(store.layout, parts, rows, len(arr))
         need = sum(src.nbytes for name, src in sources.items()
                    if isinstance(store.layout.parts[name], Fixed) or not src.zero_copy)
         if need > self.budget:

@@ -13,11 +13,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._buffers import Sink
-from ._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
+from ._bookkeeping import flush_if_free
+from ._buffers import Destination, Sink
+from ._errors import InvalidInputError, RestoreError
 from ._plan import PlanItem, RestorePlan
+from ._read import stream_checked
 from ._refs import ref_namespace, snapshot_id
-from ._restore import Damage, quarantine, stream_plan
 from ._results import MatchDetails, RestoreResult
 
 if TYPE_CHECKING:
@@ -27,10 +28,16 @@ if TYPE_CHECKING:
 __all__ = ["planned_destination", "restore_batch"]
 
 
-def planned_destination(details: MatchDetails, make: Callable[[MatchDetails], Any]) -> Mapping[str, Any]:
-    """The engine's destinations for a checked plan; what ``make`` raises reaches the caller as is
-    (nothing has been written yet)."""
-    into = make(details)
+def planned_destination(into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Destination]],
+                        plan: Callable[[], MatchDetails]) -> Mapping[str, Destination]:
+    """restore()'s ``into``: a mapping as it is, or a callable's destinations for the checked plan
+    (``plan()``); what the callable raises reaches the caller as is (nothing has been written yet)."""
+    if not callable(into) or isinstance(into, Mapping):
+        if not isinstance(into, Mapping):
+            raise InvalidInputError("into must be a mapping of part name to writable buffer, or a callable "
+                                    "that takes the plan (MatchDetails) and returns one")
+        return into
+    into = into(plan())
     if not isinstance(into, Mapping):
         raise InvalidInputError(f"the destination callable must return a mapping of part name to buffer, "
                                 f"got {type(into).__name__}; nothing was written")
@@ -82,22 +89,15 @@ def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str
         return [store._plan(c, sid, ns, into, wanted, rows_from)[1] for sid, ns, into in refs]
 
     plans = store._repo.db.read(build)
-    damage: Damage = []
     try:
-        stream_plan(_merged(plans), store._repo.blob_path, store._staging, store._ram, damage)
+        stream_checked(_merged(plans), None, store._repo, store._staging, store._ram, store._ledger.count)
     except RestoreError as e:
-        store._ledger.count("restore_errors")
-        if damage:
-            try:
-                quarantine(store._repo.db, store._repo.blob_path, damage)
-            except (StoreIOError, CorruptionError):
-                pass  # a later restore finds (and quarantines) it again
         e.args = (f"restore_many ({len(plans)} requests, failed as one; every destination counts as "
                   f"touched={e.touched}): {e}",)
         raise
     now, dt = time.time(), time.perf_counter() - t0
     for plan in plans:
         store._ledger.record_use(plan.snapshot_id, now)
-    store._try_flush()
+    flush_if_free(store._repo, store._ledger)
     return [RestoreResult(p.n_tokens, p.rows, frozenset(p.missing_components), p.chain, p.nbytes, dt)
             for p in plans]

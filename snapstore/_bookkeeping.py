@@ -9,11 +9,18 @@ transactions never both write the same hits) and gives it back if it does not co
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, TypeVar
 
 from ._catalog import Txn
+from ._errors import SnapstoreError
 
-__all__ = ["Batch", "Ledger"]
+if TYPE_CHECKING:
+    from ._repo import Repo
+
+__all__ = ["Batch", "Ledger", "flush_if_free", "write_with"]
+
+T = TypeVar("T")
 
 
 class Batch:
@@ -72,3 +79,35 @@ class Ledger:
             for sid, (when, n) in batch.touches.items():
                 last, hits = self._touches.get(sid, (0.0, 0))
                 self._touches[sid] = (max(last, when), hits + n)
+
+
+def write_with(repo: Repo, ledger: Ledger, fn: Callable[[Txn], T], *, durable: bool = True,
+               discard: Iterable[bytes] = (), committed: Callable[[], None] | None = None) -> T:
+    """A write transaction through :meth:`Repo.write` (freed files unlinked after the commit) that
+    also persists what ``ledger`` recorded — before ``fn``, so eviction in ``fn`` sees recent use.
+    The bookkeeping is taken out of the ledger and given back if the transaction fails, so a
+    retried or rolled-back transaction neither loses nor doubles it.
+    """
+    batch = ledger.take()
+
+    def run(t: Txn) -> T:
+        batch.apply(t)
+        return fn(t)
+
+    try:
+        return repo.write(run, durable=durable, discard=discard, committed=committed,
+                          deferred=lambda: ledger.count("unlink_deferred"))
+    except BaseException:
+        ledger.give_back(batch)
+        raise
+
+
+def flush_if_free(repo: Repo, ledger: Ledger) -> None:
+    """Persist the bookkeeping now if the write lock is free; otherwise leave it for later."""
+    batch = ledger.take()
+    try:
+        ran, _ = repo.db.try_write(batch.apply)
+    except SnapstoreError:
+        ran = False  # bookkeeping only: a full disk must not fail a restore that worked
+    if not ran:
+        ledger.give_back(batch)

@@ -43,6 +43,7 @@ from ._chunkfile import (
     chunk_id,
     compress_stream,
     header_at,
+    header_matches,
 )
 from ._db import ChunkRow, Conn, Database
 from ._direct_io import ALIGN, align_up, write_direct
@@ -152,8 +153,7 @@ def _vouched(path: str, row: ChunkRow) -> bool:
         head, size = header_at(path)
     except (OSError, CorruptionError):
         return False
-    return (head.raw_len == row.raw_len and head.checksum == row.checksum and head.codec == row.codec
-            and size == row.stored_len)
+    return header_matches(head, row.raw_len, row.checksum) and head.codec == row.codec and size == row.stored_len
 
 
 def settle(db: Database, cid: bytes, tmp: str, path: str, stored_len: int, codec: int) -> int | None:

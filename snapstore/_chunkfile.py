@@ -35,6 +35,8 @@ __all__ = [
     "decode_fd",
     "decode_payload",
     "encode_payload",
+    "header_at",
+    "header_matches",
     "is_hex_id",
     "parse_header",
 ]
@@ -166,6 +168,13 @@ def decode_payload(header: ChunkHeader, payload: bytes | memoryview, out: memory
         _unshuffle2(data, out)
     else:
         out[:] = data
+
+
+def header_matches(head: ChunkHeader, raw_len: int, csum: bytes, file_size: int | None = None) -> bool:
+    """The one header check: does ``head`` describe the chunk a catalog row (or a save's ref) names —
+    its raw length and checksum and, given the file's size, a payload that fills the file exactly?"""
+    return (head.raw_len == raw_len and head.checksum == csum
+            and (file_size is None or file_size == HEADER_SIZE + head.payload_len))
 
 
 def header_at(path: str) -> tuple[ChunkHeader, int]:

@@ -22,7 +22,7 @@ from ._config import pending_lease as resolve_lease
 from ._db import catalog_copy, rolled_back
 from ._errors import CorruptionError
 from ._lifecycle import drop_dead_pending, drop_identities, evict_until, expire, over_budget
-from ._owner import Liveness, reap_lock_files
+from ._liveness import Liveness, reap_lock_files
 from ._publish import TEMP_PREFIX
 from ._repo import Repo
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from ._catalog import SnapRow, SnapState, Txn
-from ._owner import Liveness
+from ._liveness import Liveness
 from ._tokens import TokenIndex
 
 __all__ = ["drop_dead_pending", "drop_identities", "drop_leaf", "drop_subtree", "evict_until", "expire",

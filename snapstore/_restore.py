@@ -32,6 +32,7 @@ from ._chunkfile import (
     checksum,
     checksum_stream,
     decode_fd,
+    header_matches,
     parse_header,
     read_exact,
 )
@@ -124,8 +125,7 @@ def _check_header(plan: RestorePlan, item: PlanItem, fd: int, touched: bool, dam
             damage.append((cid, (st.st_dev, st.st_ino)))
         raise CorruptChunkError(f"snapshot {sid}: chunk {cid.hex()} is damaged ({e}); {_outcome(touched)}",
                                 touched=touched, snapshot_id=sid) from None
-    if (head.raw_len != item.chunk.raw_len or head.checksum != item.chunk.checksum
-            or st.st_size != HEADER_SIZE + head.payload_len):
+    if not header_matches(head, item.chunk.raw_len, item.chunk.checksum, st.st_size):
         damage.append((cid, (st.st_dev, st.st_ino)))
         raise CorruptChunkError(
             f"snapshot {sid}: chunk {cid.hex()} does not match the catalog "

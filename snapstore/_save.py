@@ -21,8 +21,8 @@ from ._buffers import Source, as_source
 from ._capacity import Capacity
 from ._catalog import PartKind, SnapRow, SnapState, Txn
 from ._chunker import Chunker, ChunkRef, Piece
-from ._chunkfile import HEADER_SIZE, checksum, header_at, scope_key
-from ._errors import CorruptionError, IdentityError, InvalidInputError, LayoutError, NotFoundError
+from ._chunkfile import HEADER_SIZE, checksum, header_at, header_matches, scope_key
+from ._errors import CorruptionError, InvalidInputError, LayoutError
 from ._layout import Fixed, Layout, Rows
 from ._lifecycle import evict_until, supersede
 from ._refs import snapshot_id
@@ -138,7 +138,7 @@ class Saver:
 
     def __init__(self, *, layout: Layout, identity_key: str, owner: str, chunk_bytes: int, chunker: Chunker,
                  capacity: Capacity, blob_path: Callable[[bytes], str], renew: Callable[[Txn], None],
-                 mine: Callable[[Txn, SnapRow], bool]) -> None:
+                 own: Callable[[Txn, SnapRow | None, str | None], SnapRow]) -> None:
         self.layout = layout
         self.identity_key = identity_key
         self.owner = owner
@@ -147,7 +147,7 @@ class Saver:
         self.capacity = capacity
         self._blob_path = blob_path
         self._renew = renew
-        self._mine = mine
+        self._own = own  # the store's one ownership check (snapstore._access.Access.own)
 
     # -- stage 2: the parent -------------------------------------------------------------------
     def resolve_parent(self, t: Txn, parent: Any, index: TokenIndex, ns: str, row_counts: dict[str, int],
@@ -183,11 +183,7 @@ class Saver:
                     return cand, pr
             return None, {}
         sid = snapshot_id(parent)
-        snap = t.snapshot(sid)
-        if snap is None:
-            raise NotFoundError("no such snapshot (evicted, superseded, abandoned or never saved)")
-        if not self._mine(t, snap) or snap.namespace != ns:
-            raise IdentityError(f"snapshot {snap.id} belongs to another identity or namespace than this save")
+        snap = self._own(t, t.snapshot(sid), ns)
         if snap.state == SnapState.PENDING and snap.owner != self.owner:
             raise InvalidInputError(f"parent {sid} is a pending capture of another process")
         if snap.state == SnapState.PENDING and commit:
@@ -330,7 +326,7 @@ class Saver:
                 except (OSError, CorruptionError):
                     missing.add(r.id)
                     continue
-                if head.raw_len != r.raw_len or head.checksum != r.checksum:
+                if not header_matches(head, r.raw_len, r.checksum):
                     missing.add(r.id)  # a damaged file sits at the address: republish it
                     continue
                 if t.add_chunk(r.id, r.raw_len, size, head.codec, r.checksum, keys[r.id], now):

@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, TypeAlias
 
 import blake3
 import numpy as np
+import numpy.typing as npt
 
 from ._errors import CorruptionError, InvalidInputError
 
-__all__ = ["BLOCK", "TokenIndex", "decode_tokens", "encode_tokens", "as_token_array"]
+__all__ = ["BLOCK", "TokenIndex", "TokensLike", "decode_tokens", "encode_tokens", "as_token_array"]
+
+# What the public API takes as tokens: a one-dimensional sequence of non-negative ints below 2**63
+# (a list, a tuple, a numpy integer array, or an object numpy.asarray makes one of, such as a CPU
+# torch tensor). The shape, dtype and range are checked at run time (as_token_array).
+TokensLike: TypeAlias = npt.ArrayLike
 
 BLOCK = 256
 _SEED = blake3.blake3(b"snapstore tokens v1").digest(16)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ._buffers import PartSource
 from ._errors import StateError
+from ._refs import SnapshotRef
 from ._results import SaveResult
+from ._tokens import TokensLike
 
 if TYPE_CHECKING:
     from ._store import Store
@@ -25,7 +28,8 @@ __all__ = ["Turn"]
 class Turn:
     """One turn's capture chain (``Store.turn``); a context manager: commit on exit, abandon on error."""
 
-    def __init__(self, store: Store, *, session: str | None, namespace: str | None, parent: Any):
+    def __init__(self, store: Store, *, session: str | None, namespace: str | None,
+                 parent: SnapshotRef | str | None):
         self._store = store
         self.session = session
         self.namespace = namespace
@@ -34,7 +38,8 @@ class Turn:
         self.result: SaveResult | None = None  # what commit() returned
         self._done = False
 
-    def capture(self, tokens: Any, parts: Mapping[str, Any], rows: Any = None) -> SaveResult:
+    def capture(self, tokens: TokensLike, parts: Mapping[str, PartSource],
+                rows: int | Mapping[str, int] | None = None) -> SaveResult:
         """Save a pending boundary snapshot, a delta over the previous capture of this turn."""
         if self._done:
             raise StateError("this turn is already committed or abandoned; start another with store.turn()")

@@ -16,12 +16,12 @@ from typing import Any
 import blake3
 
 from ._catalog import Txn
-from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, decode_payload, parse_header, read_exact
+from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, decode_payload, header_matches, parse_header, read_exact
 from ._config import pending_lease as resolve_lease
 from ._errors import CorruptionError
 from ._gc import Progress, collect_orphans, temp_files
 from ._lifecycle import drop_leaf
-from ._owner import Liveness
+from ._liveness import Liveness
 from ._repo import Repo
 
 __all__ = ["VerifyReport", "verify"]
@@ -90,7 +90,7 @@ def _check_chunk(repo: Repo, cid: bytes, raw_len: int, stored_len: int, csum: by
         if st.st_size != stored_len:
             return f"size {st.st_size}, catalog says {stored_len}"
         head: ChunkHeader = parse_header(os.pread(fd, HEADER_SIZE, 0))
-        if head.raw_len != raw_len or head.checksum != csum or HEADER_SIZE + head.payload_len != stored_len:
+        if not header_matches(head, raw_len, csum, stored_len):
             return "header disagrees with the catalog"
         if not deep:
             return None

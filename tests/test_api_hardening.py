@@ -492,3 +492,62 @@ def test_match_exclude_falls_back_to_the_next_longest_prefix(store: ss.Store) ->
         store.match(t, exclude=5)  # type: ignore[arg-type]
     with pytest.raises(ss.InvalidInputError):
         store.match(t, exclude=["x"])
+
+
+# -- issue 10: construction without side effects; a closed store refuses every call ---------------
+
+def test_construction_only_assigns_and_open_does_the_io(tmp_path: Any) -> None:
+    """Database, Repo and Store constructors create no file, directory, thread or connection;
+    Store.open() does all of it (design: construction without side effects)."""
+    from snapstore._chunkfile import CODECS
+    from snapstore._config import store_options
+    from snapstore._repo import Repo
+
+    root = str(tmp_path / "s")
+    threads = {t.ident for t in threading.enumerate()}
+    _db.Database(os.path.join(root, "snapstore.db"))
+    repo = Repo(root)
+    options = store_options(root, chunk_bytes=None, codec=None, staging_bytes=None, check_rows=None,
+                            pending_lease=None, codecs=CODECS)
+    ss.Store(repo, IDENT, LAYOUT, ss.Budget(reserve_bytes=0).resolved(), options)
+    assert not os.path.exists(root)
+    assert {t.ident for t in threading.enumerate()} == threads
+    opened = ss.Store.open(root, identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0))
+    try:
+        assert os.path.isfile(os.path.join(root, "snapstore.db"))
+        assert {t.ident for t in threading.enumerate()} - threads  # the lease thread
+    finally:
+        opened.close()
+
+
+def test_every_public_call_on_a_closed_store_raises_state_error(store_dir: str) -> None:
+    s = open_store(store_dir)
+    st_ = make_state(LAYOUT, 20, 3)
+    saved = s.save(toks(20), st_)
+    pending = s.save(toks(24), make_state(LAYOUT, 24, 4), commit=False)
+    dest = empty_like_state(st_)
+    s.close()
+    calls: dict[str, Any] = {
+        "save": lambda: s.save(toks(20), st_),
+        "save(wait=False)": lambda: s.save(toks(20), st_, wait=False),
+        "match": lambda: s.match(toks(20)),
+        "match_many([])": lambda: s.match_many([]),
+        "match_many": lambda: s.match_many([toks(20)]),
+        "restore": lambda: s.restore(saved, dest),
+        "restore_many([])": lambda: s.restore_many([]),
+        "describe": lambda: s.describe(saved),
+        "commit": lambda: s.commit(pending),
+        "abandon": lambda: s.abandon(pending),
+        "delete": lambda: s.delete(saved),
+        "snapshots": lambda: s.snapshots(),
+        "stats": lambda: s.stats(),
+        "verify": lambda: s.verify(),
+        "gc": lambda: s.gc(dry_run=True),
+        "turn": lambda: s.turn(session="x"),
+        "flush": lambda: s.flush(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ss.StateError):
+            call()
+            pytest.fail(f"{name} on a closed store did not raise")
+    s.close()  # still idempotent

@@ -21,6 +21,8 @@ CORE = {
     "SaveResult", "SnapshotInfo", "SnapshotUnavailableError", "SnapstoreError", "SourceError", "StateError",
     "Stats", "Store", "StoreFormatError", "StoreIOError", "Turn", "UnsupportedCacheError", "VerifyReport",
     "__version__", "dtype_size", "row_span",
+    # type aliases for annotating calls (docs/api.md "Type aliases")
+    "Destination", "PartSource", "SnapshotRef", "TokensLike",
 }
 ENGINE = {
     "DEFAULT_STAGING_BYTES", "Staging", "TensorSink", "TensorSource", "TorchAdapter", "TorchPagedRows",

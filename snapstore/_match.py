@@ -1,0 +1,42 @@
+"""Match: the longest committed snapshot of one identity whose tokens are a prefix of a prompt.
+
+The token index narrows the candidates to the block anchors of the prompt (one indexed statement,
+deepest first); each candidate's prefix key, then its exact tokens through its chain, decide. A
+snapshot that would read a quarantined chunk is passed over, so the next-longest prefix serves
+until a save heals the chunk.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._catalog import SnapRow, Txn
+from ._save import needs_quarantined
+from ._tokens import TokenIndex, decode_tokens
+
+__all__ = ["longest_prefix", "tokens_of"]
+
+
+def tokens_of(chain: list[SnapRow]) -> np.ndarray:
+    """The tokens of a chain's leaf, from the token segments its links (root first) store."""
+    segs = [decode_tokens(s.tokens, s.token_width, s.n_tokens - s.base_tokens) for s in chain]
+    return np.concatenate(segs) if segs else np.zeros(0, dtype="<u8")
+
+
+def longest_prefix(c: Txn, identity_key: str, ns: str, arr: np.ndarray, skip: set[int],
+                   not_before: float) -> SnapRow | None:
+    """The longest restorable committed snapshot whose tokens are ``arr[:n]``, or None.
+
+    ``skip``: ids passed over; ``not_before``: snapshots last used earlier have expired (TTL).
+    """
+    index = TokenIndex(arr)
+    broken = c.quarantined_users()
+    for sid, cn, key in c.match_candidates(identity_key, ns, index.chain, len(arr), not_before):
+        if key != index.prefix_key(cn) or sid in skip:
+            continue
+        chain = c.chain(sid)
+        if needs_quarantined(chain, broken, leaf=True):
+            continue  # it cannot restore until a save heals its chunk: the next-longest serves
+        if np.array_equal(tokens_of(chain), arr[:cn]):
+            return chain[-1]
+    return None

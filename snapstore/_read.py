@@ -1,0 +1,72 @@
+"""The restore side of a store, between its checks and its stream: which components are wanted, the
+validated plan of a snapshot the store may read, what describe() reports of it, and the stream
+that quarantines the chunks it found damaged (:mod:`._plan` validates, :mod:`._restore` streams).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from ._access import Access
+from ._buffers import Destination
+from ._catalog import SnapRow, SnapState, Txn
+from ._chunker import StagingBuffer
+from ._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
+from ._layout import Layout
+from ._plan import RestorePlan, build_plan
+from ._ramtier import RamTier
+from ._repo import Repo
+from ._restore import Damage, quarantine, stream_plan
+from ._results import MatchDetails
+
+__all__ = ["details_of", "plan_of", "stream_checked", "wanted_components"]
+
+
+def wanted_components(layout: Layout, components: Iterable[str] | None) -> set[str]:
+    """The components to restore: all of the layout's (None) or the named ones, each known."""
+    if isinstance(components, str):
+        raise InvalidInputError(f"components must be a collection of names, e.g. [{components!r}]")
+    wanted = set(layout.components) if components is None else set(components)
+    unknown = wanted - set(layout.components)
+    if unknown:
+        raise InvalidInputError(f"unknown components {sorted(unknown)}; the layout has "
+                                f"{sorted(layout.components)}")
+    return wanted
+
+
+def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Mapping[str, Destination] | None,
+            wanted: set[str], rows_from: int = 0) -> tuple[SnapRow, RestorePlan]:
+    """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
+    snap = access.readable(c, sid, ns, rows_from)
+    return snap, build_plan(c, sid, access.chain(c, snap), layout, into, wanted, rows_from)
+
+
+def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int) -> MatchDetails:
+    """What restoring ``snap`` by ``plan`` writes, as describe() returns it."""
+    sid = snap.id
+    held = {p.component for p in c.parts(sid) if p.component is not None}
+    return MatchDetails(
+        snapshot_id=sid, n_tokens=plan.n_tokens, namespace=ns or None, rows=dict(plan.rows),
+        components=frozenset(held), missing_components=frozenset(plan.missing_components),
+        part_bytes=dict(plan.part_bytes), nbytes=sum(plan.part_bytes.values()),
+        chain=list(plan.chain), pending=snap.state == SnapState.PENDING, rows_from=rows_from)
+
+
+def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: StagingBuffer, ram: RamTier | None,
+                   count: Callable[[str], None]) -> None:
+    """Stream ``plan``; on a RestoreError count it, name snapshot ``sid`` (None: a batch), and
+    quarantine the chunks found damaged in the same call (snapshots using them stop matching until
+    a save heals them). The one copy of this policy: restore() and restore_many() both use it."""
+    damage: Damage = []
+    try:
+        stream_plan(plan, repo.blob_path, staging, ram, damage)
+    except RestoreError as e:
+        if e.snapshot_id is None and sid is not None:
+            e.snapshot_id = sid
+        count("restore_errors")
+        if damage:
+            try:
+                quarantine(repo.db, repo.blob_path, damage)
+            except (StoreIOError, CorruptionError):
+                pass  # a later restore finds (and quarantines) it again
+        raise
