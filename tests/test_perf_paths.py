@@ -5,6 +5,7 @@ these tests check the behaviour that makes it possible, on real files and thread
 from __future__ import annotations
 
 import resource
+import sys
 import threading
 from typing import Any
 
@@ -82,6 +83,37 @@ def test_restore_does_not_wait_for_admission_and_admits_from_the_file(store_dir:
         s.restore(r, out)
         assert all(np.array_equal(out[k], state[k]) for k in state)
         assert s.stats().ram_hits > 0
+
+
+def test_admission_waits_until_the_restore_that_triggered_it_returns(store_dir: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """No admission work runs while a restore is in flight (it competed with that restore for the
+    CPU and the GIL): the admission thread starts on a chunk only once restore() has returned."""
+    main = threading.main_thread().ident
+    assert main is not None
+    overlapped: list[bool] = []
+
+    def hook(cid: bytes) -> None:  # on the admission thread: is the main thread inside a restore?
+        frame = sys._current_frames().get(main)
+        names = set()
+        while frame is not None:
+            names.add(frame.f_code.co_name)
+            frame = frame.f_back
+        overlapped.append("stream_plan" in names)
+
+    monkeypatch.setattr(_ramtier, "_TEST_HOOK", hook)
+    state = _big_state(1024, 5)  # 64 MiB of rows + 4 MiB fixed: 17 chunks, each offered on its 2nd restore
+    with _open_big(store_dir) as s:
+        r = s.save(list(range(1024)), state)
+        dest = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, dest)
+        s.restore(r, dest)
+        assert s._ram is not None and s._ram.drain(30)
+        assert len(overlapped) == 17 and not any(overlapped), overlapped
+        assert s._ram.used == 68 * MIB
+        out = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
 
 
 # -- direct I/O ----------------------------------------------------------------------------------
