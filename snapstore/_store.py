@@ -56,7 +56,7 @@ from ._repo import Repo
 from ._restore import Damage, quarantine, stream_plan
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._save import MAX_ATTEMPTS, WHOLE_AFTER, Retry, Saver, Skip, count_of, needs_quarantined, validate_parts
-from ._tokens import TokenIndex, as_token_array, decode_tokens
+from ._tokens import TokenIndex, as_token_array, decode_tokens, spells_prefix
 from ._turn import Turn
 from ._uploader import FlushResult
 from ._verify import VerifyReport
@@ -554,16 +554,16 @@ class Store:
         not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
 
         def find(c: Txn) -> SnapRow | None:
-            broken = c.quarantined_users()
+            broken: dict[int, bool] | None = None  # read once a candidate passes the key check
             for sid, cn, key in c.match_candidates(self.identity.key, ns, index.chain, len(arr),
                                                           not_before):
                 if key != index.prefix_key(cn) or sid in skip:
                     continue
-                chain = c.chain(sid)
-                if needs_quarantined(chain, broken, leaf=True):
+                broken = c.quarantined_users() if broken is None else broken
+                if broken and needs_quarantined(c.chain(sid), broken, leaf=True):
                     continue  # it cannot restore until a save heals its chunk: the next-longest serves
-                if np.array_equal(self._tokens_of(c, chain), arr[:cn]):
-                    return chain[-1]
+                if spells_prefix(c.chain_tokens(sid), arr):  # issue 12: no whole rows, no decodes
+                    return c.snapshot(sid)
             return None
 
         hit = self._repo.db.read(find)

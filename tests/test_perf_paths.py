@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import IDENT
+from conftest import IDENT, make_state
 
 import snapstore as ss
 from snapstore import _ramtier
@@ -362,3 +362,52 @@ def test_cached_chains_equal_a_fresh_hash_whatever_the_caller_does_with_its_buff
     ix = _tokens.TokenIndex(buf)
     ix.chain.append(b"x" * 16)  # a caller's list is its own: the cache is not changed through it
     assert _tokens.TokenIndex(buf).chain == fresh(buf)
+
+
+def test_stored_segments_spell_the_prefix_exactly_as_decoding_them_does() -> None:
+    """match()'s token check compares the stored blobs with the query encoded once, instead of
+    decoding every delta; it must agree with decode + concatenate + compare on every case,
+    including a query token >= 2**31 whose low 32 bits equal an int32 stored token."""
+    from snapstore import _tokens
+
+    def reference(segs: list[tuple[bytes, int, int, int]], arr: np.ndarray) -> bool:
+        got = np.concatenate([_tokens.decode_tokens(b, w, n - base) for b, w, base, n in segs])
+        return len(got) <= len(arr) and bool(np.array_equal(got, arr[:len(got)]))
+
+    rng = np.random.default_rng(3)
+    for case in range(300):
+        n = int(rng.integers(1, 3000))
+        toks = rng.integers(0, 2**40 if case % 3 == 0 else 150_000, n).astype("<u8")
+        cuts = sorted({0, n, *rng.integers(0, n, int(rng.integers(0, 6))).tolist()})
+        segs = []
+        for a, b in zip(cuts, cuts[1:]):
+            blob, width = _tokens.encode_tokens(toks[a:b])
+            segs.append((blob, width, a, b))
+        query = np.concatenate([toks, rng.integers(0, 1000, int(rng.integers(0, 50))).astype("<u8")])
+        variants = [query, query[:n - 1]]
+        bad = query.copy()
+        bad[int(rng.integers(0, n))] += 1
+        variants.append(bad)
+        wrap = query.copy()  # same low 32 bits, another token: no int32 blob holds it
+        k = int(rng.integers(0, n))
+        wrap[k] += 2**32
+        variants.append(wrap)
+        for q in variants:
+            assert _tokens.spells_prefix(segs, q) == reference(segs, q), (case, len(q))
+    blob, width = _tokens.encode_tokens(np.arange(10, dtype="<u8"))
+    with pytest.raises(ss.CorruptionError):
+        _tokens.spells_prefix([(blob[:-1], width, 0, 10)], np.arange(10, dtype="<u8"))
+
+
+def test_match_probes_quarantined_chunks_from_their_partial_index_not_by_scanning(store: ss.Store) -> None:
+    """match() asks which snapshots use a quarantined chunk for every candidate it finds; that
+    probe starts from the partial index of quarantined chunks (usually empty) and never scans
+    every part_chunks row (4 ms at 1,000 snapshots, growing with the store)."""
+    from snapstore import _catalog
+
+    for n in range(1, 40):
+        store.save(list(range(n * 3)), make_state(store.layout, n * 3, seed=n), parent=None)
+    conn = store._repo.db.conn()
+    plan = [str(r[-1]) for r in conn.execute("EXPLAIN QUERY PLAN " + _catalog.QUARANTINED_USERS_SQL)]
+    scans = [p for p in plan if p.startswith("SCAN")]
+    assert scans == ["SCAN q USING INDEX chunks_quarantined"], plan
