@@ -91,7 +91,9 @@ def spells_prefix(segments: Sequence[tuple[bytes, int, int, int]], arr: np.ndarr
     (a 128K-token chain of 100 deltas: one encode, not 100 decodes and a concatenation). A blob
     that cannot hold its tokens raises CorruptionError, as decoding it would.
     """
-    end = segments[-1][3] if segments else 0
+    if not segments:
+        return False
+    end = segments[-1][3]
     if end > len(arr):
         return False
     query = arr[:end]
