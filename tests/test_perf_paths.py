@@ -411,3 +411,20 @@ def test_match_probes_quarantined_chunks_from_their_partial_index_not_by_scannin
     plan = [str(r[-1]) for r in conn.execute("EXPLAIN QUERY PLAN " + _catalog.QUARANTINED_USERS_SQL)]
     scans = [p for p in plan if p.startswith("SCAN")]
     assert scans == ["SCAN q USING INDEX chunks_quarantined"], plan
+
+
+def test_match_finds_a_prefix_beyond_the_first_statements_anchors(store: ss.Store) -> None:
+    """The first match statement binds only the deepest anchors; a saved prefix far shorter than
+    the query (its anchor in a later batch) is still found, and a deeper one still wins."""
+    from snapstore import _catalog
+
+    query = list(range(1000, 1000 + 256 * (_catalog._FIRST_BATCH + 8)))
+    short = store.save(query[:300], make_state(store.layout, 300, seed=1), parent=None)
+    m = store.match(query)
+    assert m is not None and m.snapshot_id == short.snapshot_id and m.n_tokens == 300
+    deep = store.save(query[:len(query) - 100], make_state(store.layout, len(query) - 100, seed=2), parent=None)
+    m = store.match(query)
+    assert m is not None and m.snapshot_id == deep.snapshot_id
+    m = store.match(query, exclude=[deep])
+    assert m is not None and m.snapshot_id == short.snapshot_id
+    assert store.match([7] + query) is None
