@@ -18,13 +18,18 @@ from typing import Any
 
 import apsw
 
-from ._catalog_chunks import ChunkQueries
+from ._catalog_chunks import QUARANTINED_USERS_SQL, ChunkQueries
 from ._catalog_rows import SNAP_COLS, ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, snap_row
 from ._tokens import BLOCK
 
-__all__ = ["ChunkRow", "OwnerRow", "PartKind", "PartRow", "SnapRow", "SnapState", "Txn"]
+__all__ = ["QUARANTINED_USERS_SQL", "ChunkRow", "OwnerRow", "PartKind", "PartRow", "SnapRow", "SnapState", "Txn"]
 
 _ANCHOR_BATCH = 2048  # anchors bound per match statement: far below SQLite's 32766-variable limit
+# The first match statement binds only the deepest anchors: a hit is usually a prompt that extends
+# a saved one by a turn, so it ends within these, and one index probe per 256-token block of a
+# 128K prompt (515) cost more than the rest of a hit (docs/benchmarks.md). A miss pays one more
+# statement for the remaining anchors.
+_FIRST_BATCH = 32
 
 
 class Txn(ChunkQueries):
@@ -92,16 +97,19 @@ class Txn(ChunkQueries):
         The identity is resolved by key inside the statement, so a row id that has come to name
         another identity can never select its snapshots. ``anchors[i]`` anchors the prefixes of
         ``BLOCK i … BLOCK (i + 1) - 1`` tokens, so batches taken from the end are in n_tokens order too:
-        one indexed statement per ``_ANCHOR_BATCH`` anchors (one for prompts below 512K tokens),
-        and a prompt of any length stays under SQLite's bound-variable limit.
+        one indexed statement for the last ``_FIRST_BATCH`` anchors, then one per ``_ANCHOR_BATCH``
+        of the rest (two for prompts below 512K tokens), so a prompt of any length stays under
+        SQLite's bound-variable limit.
         """
         sql = ("SELECT id, n_tokens, prefix_key FROM snapshots WHERE identity_id = "
                "(SELECT id FROM identities WHERE key = ?) AND namespace = ? AND anchor IN ({marks}) "
                "AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1 "
                "ORDER BY n_tokens DESC, id DESC")
         hi = min(len(anchors), max_tokens // BLOCK + 1) if max_tokens >= 0 else 0
+        batch_size = _FIRST_BATCH
         while hi > 0:
-            lo = max(0, hi - _ANCHOR_BATCH)
+            lo = max(0, hi - batch_size)
+            batch_size = _ANCHOR_BATCH
             batch = anchors[lo:hi]
             for sid, n, key in self._c.execute(sql.format(marks=",".join("?" * len(batch))),
                                          (identity_key, namespace, *batch, max_tokens, not_before)):
@@ -125,6 +133,17 @@ class Txn(ChunkQueries):
             f"SELECT {SNAP_COLS} FROM snapshots JOIN ch ON snapshots.id = ch.x ORDER BY ch.lvl DESC",
             (sid, sid)).fetchall()
         return [snap_row(r[:20]) for r in rows]
+
+    def chain_tokens(self, sid: int) -> list[tuple[bytes, int, int, int]]:
+        """The stored token segments ``(blob, width, base_tokens, n_tokens)`` of the snapshot's
+        chain, root first: what match() compares, without reading whole rows (``chain``)."""
+        rows: list[Any] = self._c.execute(
+            "WITH RECURSIVE ch(x, lvl) AS (SELECT ?, 0 UNION ALL "
+            "SELECT s.parent_id, ch.lvl + 1 FROM snapshots s JOIN ch ON s.id = ch.x "
+            "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?), 100000)) "
+            "SELECT tokens, token_width, base_tokens, n_tokens FROM snapshots JOIN ch ON snapshots.id = ch.x "
+            "ORDER BY ch.lvl DESC", (sid, sid)).fetchall()
+        return [(bytes(b), int(w), int(base), int(n)) for b, w, base, n in rows]
 
     def insert_snapshot(self, **v: Any) -> int:
         self._c.execute(

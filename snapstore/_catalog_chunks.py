@@ -16,7 +16,14 @@ import apsw
 
 from ._catalog_rows import CHUNK_COLS, ChunkRow, PartKind, PartRow, part_row, scalar
 
-__all__ = ["ChunkQueries"]
+__all__ = ["QUARANTINED_USERS_SQL", "ChunkQueries"]
+
+# Snapshots using a quarantined chunk. CROSS JOIN fixes the join order: from the partial index of
+# quarantined chunks (usually empty) to their users. Left to itself the planner scanned every
+# part_chunks row (4 ms at 1,000 snapshots, on every match that found a candidate).
+QUARANTINED_USERS_SQL = (
+    "SELECT DISTINCT pc.snapshot_id, p.kind FROM chunks q CROSS JOIN part_chunks pc ON pc.chunk_id = q.id "
+    "JOIN parts p ON p.snapshot_id = pc.snapshot_id AND p.name = pc.name WHERE q.quarantined IS NOT NULL")
 
 
 class ChunkQueries:
@@ -134,10 +141,7 @@ class ChunkQueries:
         descendant is hit too), False when only fixed parts do (only the snapshot itself). One probe
         of the partial index when nothing is quarantined."""
         out: dict[int, bool] = {}
-        for sid, kind in self._c.execute(
-                "SELECT DISTINCT pc.snapshot_id, p.kind FROM chunks q JOIN part_chunks pc ON pc.chunk_id = q.id "
-                "JOIN parts p ON p.snapshot_id = pc.snapshot_id AND p.name = pc.name "
-                "WHERE q.quarantined IS NOT NULL"):
+        for sid, kind in self._c.execute(QUARANTINED_USERS_SQL):
             out[int(sid)] = out.get(int(sid), False) or int(kind) == 1
         return out
 

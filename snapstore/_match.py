@@ -1,7 +1,8 @@
 """Match: the longest committed snapshot of one identity whose tokens are a prefix of a prompt.
 
-The token index narrows the candidates to the block anchors of the prompt (one indexed statement,
-deepest first); each candidate's prefix key, then its exact tokens through its chain, decide. A
+The token index narrows the candidates to the block anchors of the prompt (the deepest 32 first,
+the rest only on no hit); each candidate's prefix key, then its chain's stored token blobs compared
+with the prompt encoded once, decide. A
 snapshot that would read a quarantined chunk is passed over, so the next-longest prefix serves
 until a save heals the chunk.
 """
@@ -12,7 +13,7 @@ import numpy as np
 
 from ._catalog import SnapRow, Txn
 from ._save import needs_quarantined
-from ._tokens import TokenIndex, decode_tokens
+from ._tokens import TokenIndex, decode_tokens, spells_prefix
 
 __all__ = ["longest_prefix", "tokens_of"]
 
@@ -30,13 +31,13 @@ def longest_prefix(c: Txn, identity_key: str, ns: str, arr: np.ndarray, skip: se
     ``skip``: ids passed over; ``not_before``: snapshots last used earlier have expired (TTL).
     """
     index = TokenIndex(arr)
-    broken = c.quarantined_users()
+    broken: dict[int, bool] | None = None  # read once a candidate passes the key check
     for sid, cn, key in c.match_candidates(identity_key, ns, index.chain, len(arr), not_before):
         if key != index.prefix_key(cn) or sid in skip:
             continue
-        chain = c.chain(sid)
-        if needs_quarantined(chain, broken, leaf=True):
+        broken = c.quarantined_users() if broken is None else broken
+        if broken and needs_quarantined(c.chain(sid), broken, leaf=True):
             continue  # it cannot restore until a save heals its chunk: the next-longest serves
-        if np.array_equal(tokens_of(chain), arr[:cn]):
-            return chain[-1]
+        if spells_prefix(c.chain_tokens(sid), arr):  # the stored blobs against the prompt: no decodes
+            return c.snapshot(sid)
     return None

@@ -19,6 +19,7 @@ both cold and later warm reads slower than plain readahead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -275,6 +276,13 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
     Chunks found damaged or missing are added to ``damage`` (for :func:`quarantine`).
     """
     found: Damage = damage if damage is not None else []
+    with ram.restoring() if ram is not None else contextlib.nullcontext():  # admission waits meanwhile
+        _stream_windows(plan, blob_path, staging, ram, found)
+
+
+def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
+                    ram: RamTier | None, found: Damage) -> None:
+    """stream_plan's body: the plan in windows of at most _MAX_OPEN open chunk files."""
     windows = _windows(plan.items)
     if len(windows) > 1:  # check every header before a byte is written, holding few files at once
         for items in windows:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import blake3
@@ -26,7 +27,8 @@ import numpy.typing as npt
 
 from ._errors import CorruptionError, InvalidInputError
 
-__all__ = ["BLOCK", "TokenIndex", "TokensLike", "decode_tokens", "encode_tokens", "as_token_array"]
+__all__ = ["BLOCK", "TokenIndex", "TokensLike", "as_token_array", "decode_tokens", "encode_tokens",
+           "spells_prefix"]
 
 # What the public API takes as tokens: a one-dimensional sequence of non-negative ints below 2**63
 # (a list, a tuple, a numpy integer array, or an object numpy.asarray makes one of, such as a CPU
@@ -85,6 +87,43 @@ def decode_tokens(blob: bytes, width: int, count: int) -> np.ndarray:
     if arr.size and int(arr.min()) < 0:
         raise CorruptionError("stored token blob holds negative tokens; run `snapstore verify`")
     return arr.astype("<u8")
+
+
+def spells_prefix(segments: Sequence[tuple[bytes, int, int, int]], arr: np.ndarray) -> bool:
+    """Do stored token segments ``(blob, width, base_tokens, n_tokens)``, root first, spell exactly
+    ``arr[:n]`` (``n`` the last segment's end)? match()'s final check of a candidate, token by token.
+
+    The comparison of decoding every segment and comparing the concatenation, without the decodes:
+    the query prefix is encoded once in the stored width and each blob compared with its slice
+    (a 128K-token chain of 100 deltas: one encode, not 100 decodes and a concatenation). A blob
+    that cannot hold its tokens raises CorruptionError, as decoding it would.
+    """
+    if not segments:
+        return False
+    end = segments[-1][3]
+    if end > len(arr):
+        return False
+    query = arr[:end]
+    enc: dict[int, bytes] = {}  # the query prefix in each stored width, encoded once
+    wraps = False  # a query token >= 2**31, which no int32 blob holds (astype would wrap it)
+    pos = 0
+    for blob, width, base, n in segments:
+        if width not in (4, 8) or not isinstance(blob, (bytes, memoryview)) or len(blob) != width * (n - base):
+            raise CorruptionError(f"stored token blob of {len(blob)} bytes does not hold {n - base} tokens of "
+                                  f"width {width}; run `snapstore verify`")
+        if base != pos or n < pos:
+            return False
+        mine = enc.get(width)
+        if mine is None:  # valid tokens are < 2**63: as int64 they are the same numbers
+            mine = enc[width] = query.astype("<i4" if width == 4 else "<i8").tobytes()
+            if width == 4:
+                wraps = bool(end) and int(query.max()) >= 2**31
+        if width == 4 and wraps and n > pos and int(query[pos:n].max()) >= 2**31:
+            return False
+        if mine[pos * width:n * width] != blob:  # bytes compare: one memcmp
+            return False
+        pos = n
+    return True
 
 
 _CACHE_ENTRIES = 8  # sequences whose chains are kept (a 128K-token one: 1 MiB of tokens + 8 KiB)

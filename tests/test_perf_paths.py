@@ -5,12 +5,13 @@ these tests check the behaviour that makes it possible, on real files and thread
 from __future__ import annotations
 
 import resource
+import sys
 import threading
 from typing import Any
 
 import numpy as np
 import pytest
-from support import IDENT, store_factory
+from support import IDENT, make_state, store_factory
 
 import snapstore as ss
 from snapstore import _ramtier
@@ -81,6 +82,37 @@ def test_restore_does_not_wait_for_admission_and_admits_from_the_file(store_dir:
         s.restore(r, out)
         assert all(np.array_equal(out[k], state[k]) for k in state)
         assert s.stats().ram_hits > 0
+
+
+def test_admission_waits_until_the_restore_that_triggered_it_returns(store_dir: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """No admission work runs while a restore is in flight (it competed with that restore for the
+    CPU and the GIL): the admission thread starts on a chunk only once restore() has returned."""
+    main = threading.main_thread().ident
+    assert main is not None
+    overlapped: list[bool] = []
+
+    def hook(cid: bytes) -> None:  # on the admission thread: is the main thread inside a restore?
+        frame = sys._current_frames().get(main)
+        names = set()
+        while frame is not None:
+            names.add(frame.f_code.co_name)
+            frame = frame.f_back
+        overlapped.append("stream_plan" in names)
+
+    monkeypatch.setattr(_ramtier, "_TEST_HOOK", hook)
+    state = _big_state(1024, 5)  # 64 MiB of rows + 4 MiB fixed: 17 chunks, each offered on its 2nd restore
+    with _open_big(store_dir) as s:
+        r = s.save(list(range(1024)), state)
+        dest = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, dest)
+        s.restore(r, dest)
+        assert s._ram is not None and s._ram.drain(30)
+        assert len(overlapped) == 17 and not any(overlapped), overlapped
+        assert s._ram.used == 68 * MIB
+        out = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
 
 
 # -- direct I/O ----------------------------------------------------------------------------------
@@ -329,3 +361,69 @@ def test_cached_chains_equal_a_fresh_hash_whatever_the_caller_does_with_its_buff
     ix = _tokens.TokenIndex(buf)
     ix.chain.append(b"x" * 16)  # a caller's list is its own: the cache is not changed through it
     assert _tokens.TokenIndex(buf).chain == fresh(buf)
+
+
+def test_stored_segments_spell_the_prefix_exactly_as_decoding_them_does() -> None:
+    """match()'s token check compares the stored blobs with the query encoded once, instead of
+    decoding every delta; it must agree with decode + concatenate + compare on every case,
+    including a query token >= 2**31 whose low 32 bits equal an int32 stored token."""
+    from snapstore import _tokens
+
+    def reference(segs: list[tuple[bytes, int, int, int]], arr: np.ndarray) -> bool:
+        got = np.concatenate([_tokens.decode_tokens(b, w, n - base) for b, w, base, n in segs])
+        return len(got) <= len(arr) and bool(np.array_equal(got, arr[:len(got)]))
+
+    rng = np.random.default_rng(3)
+    for case in range(300):
+        n = int(rng.integers(1, 3000))
+        toks = rng.integers(0, 2**40 if case % 3 == 0 else 150_000, n).astype("<u8")
+        cuts = sorted({0, n, *rng.integers(0, n, int(rng.integers(0, 6))).tolist()})
+        segs = []
+        for a, b in zip(cuts, cuts[1:]):
+            blob, width = _tokens.encode_tokens(toks[a:b])
+            segs.append((blob, width, a, b))
+        query = np.concatenate([toks, rng.integers(0, 1000, int(rng.integers(0, 50))).astype("<u8")])
+        variants = [query, query[:n - 1]]
+        bad = query.copy()
+        bad[int(rng.integers(0, n))] += 1
+        variants.append(bad)
+        wrap = query.copy()  # same low 32 bits, another token: no int32 blob holds it
+        k = int(rng.integers(0, n))
+        wrap[k] += 2**32
+        variants.append(wrap)
+        for q in variants:
+            assert _tokens.spells_prefix(segs, q) == reference(segs, q), (case, len(q))
+    blob, width = _tokens.encode_tokens(np.arange(10, dtype="<u8"))
+    with pytest.raises(ss.CorruptionError):
+        _tokens.spells_prefix([(blob[:-1], width, 0, 10)], np.arange(10, dtype="<u8"))
+
+
+def test_match_probes_quarantined_chunks_from_their_partial_index_not_by_scanning(store: ss.Store) -> None:
+    """match() asks which snapshots use a quarantined chunk for every candidate it finds; that
+    probe starts from the partial index of quarantined chunks (usually empty) and never scans
+    every part_chunks row (4 ms at 1,000 snapshots, growing with the store)."""
+    from snapstore import _catalog
+
+    for n in range(1, 40):
+        store.save(list(range(n * 3)), make_state(store.layout, n * 3, seed=n), parent=None)
+    conn = store._repo.db.conn()
+    plan = [str(r[-1]) for r in conn.execute("EXPLAIN QUERY PLAN " + _catalog.QUARANTINED_USERS_SQL)]
+    scans = [p for p in plan if p.startswith("SCAN")]
+    assert scans == ["SCAN q USING INDEX chunks_quarantined"], plan
+
+
+def test_match_finds_a_prefix_beyond_the_first_statements_anchors(store: ss.Store) -> None:
+    """The first match statement binds only the deepest anchors; a saved prefix far shorter than
+    the query (its anchor in a later batch) is still found, and a deeper one still wins."""
+    from snapstore import _catalog
+
+    query = list(range(1000, 1000 + 256 * (_catalog._FIRST_BATCH + 8)))
+    short = store.save(query[:300], make_state(store.layout, 300, seed=1), parent=None)
+    m = store.match(query)
+    assert m is not None and m.snapshot_id == short.snapshot_id and m.n_tokens == 300
+    deep = store.save(query[:len(query) - 100], make_state(store.layout, len(query) - 100, seed=2), parent=None)
+    m = store.match(query)
+    assert m is not None and m.snapshot_id == deep.snapshot_id
+    m = store.match(query, exclude=[deep])
+    assert m is not None and m.snapshot_id == short.snapshot_id
+    assert store.match([7] + query) is None
