@@ -665,22 +665,20 @@ def _remote(command: str, args: argparse.Namespace) -> int:
         root = getattr(args, "dir", None) or default_dir()
         if not os.path.isfile(os.path.join(root, DB_NAME)):
             return None  # no local store here: the shared tier alone
+        with _open(root, readonly=True, snapshot=True) as repo:  # this node's traffic with the shared tier
+            mine = repo.db.read(lambda c: {k: v for k, v in sorted(c.counters().items()) if k.startswith("remote_")})
         if not args.json:
             _COMMANDS[command](args, out)
-            if command == "stats":  # this node's traffic with the shared tier
-                with _open(root, readonly=True, snapshot=True) as repo:
-                    mine = repo.db.read(lambda c: sorted((k, v) for k, v in c.counters().items()
-                                                         if k.startswith("remote_")))
-                out.line("  " + (", ".join(f"{k[7:]}={v}" for k, v in mine) or "no shared-tier traffic yet"))
+            out.line("  shared tier, this node: " + (", ".join(f"{k[7:]}={v}" for k, v in mine.items())
+                                                     or "no traffic yet"))
             return None
         with _open(root, readonly=True, snapshot=True) as repo:
             if command == "stats":
                 from ._inspect import stats_of
                 st = repo.db.read(lambda c: stats_of(c, Budget().resolved().disk_bytes or 0, 0))
-                return {"dir": os.path.abspath(root), "stats": st.to_dict(),
-                        "counters": repo.db.read(lambda c: {k: v for k, v in c.counters().items()
-                                                            if k.startswith("remote_")})}
-            return {"dir": os.path.abspath(root), "local": repo.db.read(lambda c: inspect_all(c, root))}
+                return {"dir": os.path.abspath(root), "stats": st.to_dict(), "counters": mine}
+            return {"dir": os.path.abspath(root), "local": repo.db.read(lambda c: inspect_all(c, root)),
+                    "counters": mine}
 
     return run_remote(command, args, out.line, _emit_json, local)
 

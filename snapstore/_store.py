@@ -9,6 +9,7 @@ freed by a transaction are unlinked after it commits) with the bookkeeping of :m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -631,17 +632,20 @@ class Store:
         already holds, not written. Raises a RestoreError whose ``touched`` says whether ``into``
         was modified.
         """
+        k = count_of(rows_from, "rows_from")
+        wanted = self._wanted(components)
         if self._remote is not None and getattr(m, "remote", None) is not None:
-            # a shared-tier match: fetch its missing chunks (verified) into the local tier first
+            # a shared-tier match: fetched into the local tier (then restored below), or streamed (_remote_tier)
             try:
-                m = self._remote.materialize(m, lambda t, _freed: self._capacity.excess(t) is None, self._iid)
+                m = self._remote.restore(m, into, self.layout, wanted, k, lambda t, _freed: self._capacity.excess(t)
+                                         is None, lambda n: self._capacity.precheck(n, 0) is None, self._iid)
             except Retry:
                 raise SnapshotUnavailableError("this store's identity was dropped as stale by another store "
                                                "during the fetch; match again", snapshot_id=None) from None
+            if isinstance(m, RestoreResult):
+                return m
         sid = snapshot_id(m)
         ns = ref_namespace(m, namespace)
-        k = count_of(rows_from, "rows_from")
-        wanted = self._wanted(components)
         t0 = time.perf_counter()
         if callable(into) and not isinstance(into, Mapping):  # plan, then write: see _batch.py
             into = planned_destination(self.describe(sid, components, namespace=ns or None, rows_from=k), into)
@@ -718,8 +722,10 @@ class Store:
     def stats(self) -> Stats:
         """Counters and totals (see docs/api.md)."""
         self._write(lambda t: None, durable=False)
-        return self._repo.db.read(lambda t: stats_of(t, self.budget.disk_bytes or 0,
-                                                     self._ram.used if self._ram else 0))
+        st = self._repo.db.read(lambda t: stats_of(t, self.budget.disk_bytes or 0, self._ram.used if self._ram else 0))
+        if self._remote is not None:  # the shared tier's live upload queue, next to its counters
+            st = dataclasses.replace(st, remote={**st.remote, **self._remote.uploads()})
+        return st
 
     @_operation
     def verify(self, deep: bool = True) -> VerifyReport:

@@ -8,6 +8,7 @@ free loopback port, every directory a temp one; :meth:`SeaweedCluster.stop` ends
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -201,3 +202,21 @@ def seaweed() -> Iterator[SeaweedCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+_BUCKETS: dict[int, str] = {}
+
+
+@pytest.fixture
+def bucket(seaweed: SeaweedCluster, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh prefix of the cluster's one bucket for one test (SeaweedFS gives every bucket its own
+    volumes: few buckets, many prefixes); the cluster's AWS environment, short timeouts and gc window."""
+    for k, v in seaweed.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("SNAPSTORE_REMOTE_GC_WINDOW_S", "0.2")
+    monkeypatch.setenv("SNAPSTORE_REMOTE_TIMEOUT_S", "5")
+    monkeypatch.delenv("SNAPSTORE_REMOTE", raising=False)
+    monkeypatch.delenv("SNAPSTORE_REMOTE_RESTORE", raising=False)
+    if id(seaweed) not in _BUCKETS:
+        _BUCKETS[id(seaweed)] = seaweed.create_bucket("fleet")
+    return f"s3://{_BUCKETS[id(seaweed)]}/t-{secrets.token_hex(6)}"
