@@ -48,17 +48,16 @@ def fetch_failed(e: ChunkEntry, err: object, touched: bool = False) -> SnapshotU
                                     touched=touched)
 
 
-def open_object(client: S3Client, scope: str, e: ChunkEntry, touched: bool = False) -> tuple[int, Iterator[memoryview]]:
+def open_object(client: S3Client, scope: str, e: ChunkEntry) -> tuple[int, Iterator[memoryview]]:
     """(size, piece iterator) of a chunk object; SnapshotUnavailableError when it fails or is missing."""
     pause_point("fetch")
     try:
         got = client.stream(chunk_key(scope, e.id))
     except RemoteError as err:
-        raise fetch_failed(e, err, touched) from None
+        raise fetch_failed(e, err) from None
     if got is None:
         raise SnapshotUnavailableError(f"chunk {e.id.hex()} is missing from the shared tier (removed by gc or "
-                                       "lost); " + ("the destination was partly written: re-read the prompt"
-                                                    if touched else "nothing was written"), touched=touched)
+                                       "lost); nothing was written")
     return got
 
 
