@@ -78,6 +78,9 @@ class ChunkCheck:
                 self.fail(str(err))
             if self.head.raw_len != self.e.raw_len or self.head.checksum != self.e.checksum:
                 self.fail("header does not match the manifest")
+            if self.e.stored_len != HEADER_SIZE + self.head.payload_len or (
+                    self.head.codec == CODEC_RAW and self.head.payload_len != self.head.raw_len):
+                self.fail("its size does not match its header")  # so no piece can overrun its place
             if self.head.codec != CODEC_RAW:
                 self._payload = bytearray()
         if self._payload is not None:
