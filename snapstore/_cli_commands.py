@@ -197,15 +197,15 @@ def cmd_remote(command: str, args: argparse.Namespace, ctx: CliContext) -> int:
         root = getattr(args, "dir", None) or default_dir()
         if not os.path.isfile(os.path.join(root, DB_NAME)):
             return None  # no local store here: the shared tier alone
+        with _open(root, readonly=True, snapshot=True) as repo:  # this node's traffic with the shared tier
+            mine = _remote_counters(repo)
         if not ctx.json:
             (cmd_stats if command == "stats" else cmd_inspect)(args, ctx)
-            if command == "stats":
-                with _open(root, readonly=True, snapshot=True) as repo:
-                    render.remote_counters(_remote_counters(repo), ctx)
+            render.remote_counters(mine, ctx)
             return None
         if command == "stats":
             with _open(root, readonly=True, snapshot=True) as repo:
-                return {"dir": os.path.abspath(root), "stats": _stats(repo), "counters": _remote_counters(repo)}
-        return {"dir": os.path.abspath(root), "local": inspect_doc(_inspect_report(root, None))}
+                return {"dir": os.path.abspath(root), "stats": _stats(repo), "counters": mine}
+        return {"dir": os.path.abspath(root), "local": inspect_doc(_inspect_report(root, None)), "counters": mine}
 
     return run_remote(command, args, ctx, local)

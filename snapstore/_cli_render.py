@@ -246,8 +246,9 @@ def stats(root: str, d: dict[str, Any], out: CliContext) -> None:
 
 
 def remote_counters(counters: dict[str, int], out: CliContext) -> None:
-    """``stats --remote``: this node's traffic with the shared tier, after the local stats."""
-    out.line("  " + (", ".join(f"{k[7:]}={v}" for k, v in sorted(counters.items())) or "no shared-tier traffic yet"))
+    """``stats``/``inspect --remote``: this node's traffic with the shared tier, after the local report."""
+    out.line("  shared tier, this node: " + (", ".join(f"{k[7:]}={v}" for k, v in sorted(counters.items()))
+                                             or "no traffic yet"))
 
 
 # -- --remote: the shared tier ---------------------------------------------------------------

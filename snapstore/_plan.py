@@ -9,14 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ._buffers import Sink, as_sink
-from ._db import ChunkRow, Conn, PartRow, SnapRow
+from ._db import ChunkRow, PartRow, SnapRow
 from ._errors import CorruptChunkError, DestinationError, SnapshotUnavailableError
 from ._layout import Fixed, Layout, PartSpec, Rows
 
-__all__ = ["PlanItem", "RestorePlan", "build_plan"]
+__all__ = ["PlanItem", "PlanSource", "RestorePlan", "build_plan"]
+
+
+class PlanSource(Protocol):
+    """What a plan reads: the local catalog (a Conn), or a shared-tier chain's manifests (_remote_stream)."""
+
+    def parts(self, sid: int) -> list[PartRow]: ...
+
+    def part_chunks(self, sid: int, name: str) -> list[ChunkRow | None]: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ def _spec_matches(p: PartRow, spec: PartSpec) -> bool:
     return p.kind == 1 and p.dtype == spec.dtype and tuple(p.shape) == spec.row_shape
 
 
-def _chunks(c: Conn, sid: int, part: PartRow) -> list[ChunkRow]:
+def _chunks(c: PlanSource, sid: int, part: PartRow) -> list[ChunkRow]:
     chunks = c.part_chunks(sid, part.name)
     if any(ch is None for ch in chunks):
         raise SnapshotUnavailableError(
@@ -72,7 +80,7 @@ def _chunks(c: Conn, sid: int, part: PartRow) -> list[ChunkRow]:
     return out
 
 
-def build_plan(c: Conn, sid: int, chain: list[SnapRow], layout: Layout, into: Mapping[str, Any] | None,
+def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, into: Mapping[str, Any] | None,
                components: set[str], rows_from: int = 0) -> RestorePlan:
     """Validate the chain and the destinations and list every chunk to write, in order.
 

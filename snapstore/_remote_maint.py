@@ -28,7 +28,7 @@ import blake3
 from ._chunkfile import CODEC_RAW, HEADER_SIZE, checksum_stream, decode_payload, parse_header, scope_key
 from ._errors import CorruptionError, RemoteError
 from ._manifest import Manifest, decode, parse_name
-from ._remote_tier import LAYOUT, LEASE_TTL, chunk_key, gc_window, manifest_key, use_key
+from ._remote_keys import LAYOUT, LEASE_TTL, chunk_key, gc_window, manifest_key, use_key
 from ._s3client import ObjectInfo, S3Client
 
 __all__ = ["RemoteGcReport", "RemoteVerifyReport", "gc_remote", "inspect_remote", "stats_remote", "verify_remote"]

@@ -11,6 +11,7 @@ unlinked after it commits) with the bookkeeping of :mod:`._bookkeeping`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -316,18 +317,21 @@ class Store:
         already holds, not written. Raises a RestoreError whose ``touched`` says whether ``into``
         was modified.
         """
+        k = count_of(rows_from, "rows_from")
+        wanted = wanted_components(self.layout, components)
         if self._remote is not None and getattr(m, "remote", None) is not None:
-            # a shared-tier match: fetch its missing chunks (verified) into the local tier first
+            # a shared-tier match: fetched into the local tier (then restored below), or streamed (_remote_tier)
             try:
-                m = self._remote.materialize(m, lambda t, _freed: self._capacity.excess(t) is None,
-                                              self._access.iid)
+                m = self._remote.restore(m, into, self.layout, wanted, k, lambda t, _freed: self._capacity.excess(t)
+                                         is None, lambda n: self._capacity.precheck(n, 0) is None,
+                                         self._access.iid)
             except Retry:
                 raise SnapshotUnavailableError("this store's identity was dropped as stale by another store "
                                                "during the fetch; match again", snapshot_id=None) from None
+            if isinstance(m, RestoreResult):
+                return m
         sid = snapshot_id(m)
         ns = ref_namespace(m, namespace)
-        k = count_of(rows_from, "rows_from")
-        wanted = wanted_components(self.layout, components)
         t0 = time.perf_counter()
         dest = planned_destination(into, lambda: self.describe(sid, components, namespace=ns or None, rows_from=k))
         _, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k))
@@ -385,8 +389,10 @@ class Store:
     def stats(self) -> Stats:
         """Counters and totals (see docs/api.md)."""
         self._write(lambda t: None, durable=False)
-        return self._repo.db.read(lambda t: stats_of(t, self.budget.disk_bytes or 0,
-                                                     self._ram.used if self._ram else 0))
+        st = self._repo.db.read(lambda t: stats_of(t, self.budget.disk_bytes or 0, self._ram.used if self._ram else 0))
+        if self._remote is not None:  # the shared tier's live upload queue, next to its counters
+            st = dataclasses.replace(st, remote={**st.remote, **self._remote.uploads()})
+        return st
 
     @operation
     def verify(self, deep: bool = True) -> VerifyReport:

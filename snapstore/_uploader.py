@@ -68,6 +68,11 @@ class Uploader:
             self._cv.notify_all()
             return True
 
+    def pending(self) -> tuple[int, int]:
+        """(snapshots queued, uploads in flight) right now."""
+        with self._cv:
+            return len(self._q), int(self._busy)
+
     def _run(self) -> None:
         while True:
             with self._cv:

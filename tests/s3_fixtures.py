@@ -8,6 +8,7 @@ free loopback port, every directory a temp one; :meth:`SeaweedCluster.stop` ends
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -17,7 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,12 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _wait_http(url: str, deadline: float, ok: tuple[int, ...] = (200,)) -> None:
+def _wait_http(url: str, deadline: float, ok: tuple[int, ...] = (200,),
+               dead: Callable[[], str | None] = lambda: None) -> None:
     while True:
+        gone = dead()
+        if gone is not None:  # e.g. a port another process took meanwhile: go again on fresh ports
+            raise TimeoutError(f"{url}: the {gone} process exited before it came up")
         try:
             with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310 - loopback only
                 if r.status in ok:
@@ -94,18 +99,25 @@ class SeaweedCluster:
             "-master.volumeSizeLimitMB=256", "-master.defaultReplication=000",
             f"-filer.port={self.f_port}", f"-filer.port.grpc={self.f_grpc}",
             "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={self.s3_grpc}",
+            # the Iceberg and Lance listeners have fixed default ports (8181, 9101): a second cluster
+            # on the machine (another test run) would die on them; the tests use neither
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
         ])
         for i in range(len(self.volume_ports)):
             self.start_volume(i)
         deadline = time.monotonic() + timeout
         try:
-            _wait_http(f"http://127.0.0.1:{self.m_port}/cluster/status", deadline)
-            _wait_http(self.endpoint + "/", deadline, ok=(200, 403, 404))
+            _wait_http(f"http://127.0.0.1:{self.m_port}/cluster/status", deadline, dead=self._exited)
+            _wait_http(self.endpoint + "/", deadline, ok=(200, 403, 404), dead=self._exited)
             self.wait_volumes(deadline)
         except BaseException:
             self.stop()  # nothing left running when it does not come up
             raise
         return self
+
+    def _exited(self) -> str | None:
+        """The name of a process that has exited, if any."""
+        return next((name for name, p in self.procs.items() if p.poll() is not None), None)
 
     def wait_volumes(self, deadline: float | None = None) -> None:
         """Wait until every running volume server is registered with the master."""
@@ -118,6 +130,9 @@ class SeaweedCluster:
                     break
             except OSError:
                 pass
+            gone = self._exited()
+            if gone is not None:
+                raise TimeoutError(f"the {gone} process exited before the volume servers registered")
             if time.monotonic() > deadline:
                 raise TimeoutError("volume servers did not register with the master")
             time.sleep(0.2)
@@ -183,14 +198,15 @@ def _kill(p: subprocess.Popen[bytes]) -> None:
 def seaweed() -> Iterator[SeaweedCluster]:
     """A SeaweedFS cluster for the whole session; skipped only if the weed binary cannot run."""
     cluster: SeaweedCluster | None = None
-    for attempt in range(2):
+    for attempt in range(3):
         try:
-            cluster = SeaweedCluster().start()
+            cluster = SeaweedCluster().start(timeout=90.0)
             break
         except TimeoutError:
-            # slow to come up (a loaded machine, a port taken meanwhile): once more on fresh ports,
-            # then fail — a server that does not start is a failure, never a silent skip
-            if attempt == 1:
+            # slow to come up (a loaded machine) or a process died (a port another test run took
+            # between our probe and its bind): again on fresh ports, then fail — a server that does
+            # not start is a failure, never a silent skip
+            if attempt == 2:
                 raise
         except FileNotFoundError as e:
             pytest.skip(f"SeaweedFS not available: {e}")
@@ -201,3 +217,21 @@ def seaweed() -> Iterator[SeaweedCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+_BUCKETS: dict[int, str] = {}
+
+
+@pytest.fixture
+def bucket(seaweed: SeaweedCluster, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh prefix of the cluster's one bucket for one test (SeaweedFS gives every bucket its own
+    volumes: few buckets, many prefixes); the cluster's AWS environment, short timeouts and gc window."""
+    for k, v in seaweed.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("SNAPSTORE_REMOTE_GC_WINDOW_S", "0.2")
+    monkeypatch.setenv("SNAPSTORE_REMOTE_TIMEOUT_S", "5")
+    monkeypatch.delenv("SNAPSTORE_REMOTE", raising=False)
+    monkeypatch.delenv("SNAPSTORE_REMOTE_RESTORE", raising=False)
+    if id(seaweed) not in _BUCKETS:
+        _BUCKETS[id(seaweed)] = seaweed.create_bucket("fleet")
+    return f"s3://{_BUCKETS[id(seaweed)]}/t-{secrets.token_hex(6)}"

@@ -1,10 +1,10 @@
 """The shared tier against a real SeaweedFS on loopback: nodes in separate processes share one bucket."""
+# ruff: noqa: F811 - the fixtures `bucket` and `seaweed` come from s3_fixtures by import
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
 import threading
@@ -14,36 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from remote_helpers import LAYOUT, expected, identity, state
-from s3_fixtures import SeaweedCluster, seaweed  # noqa: F401 - the session fixture
+from s3_fixtures import SeaweedCluster, bucket, seaweed  # noqa: F401 - the fixtures
 
 import snapstore
+from snapstore._remote_keys import LAYOUT as KEYS
 from snapstore._remote_maint import gc_remote, verify_remote
-from snapstore._remote_tier import LAYOUT as KEYS
 from snapstore._s3client import S3Client
 
 NODE = str(Path(__file__).resolve().parent / "remote_node.py")
 LENGTHS = [600, 1300, 2100]  # a chain of three links (anchors in blocks 2, 5 and 8)
-
-
-@pytest.fixture
-def bucket(seaweed: SeaweedCluster, monkeypatch: pytest.MonkeyPatch) -> str:  # noqa: F811
-    """A fresh bucket for one test; the AWS environment of the cluster; short timeouts and gc window."""
-    for k, v in seaweed.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("SNAPSTORE_REMOTE_GC_WINDOW_S", "0.2")
-    monkeypatch.setenv("SNAPSTORE_REMOTE_TIMEOUT_S", "5")
-    monkeypatch.delenv("SNAPSTORE_REMOTE", raising=False)
-    return f"s3://{_bucket(seaweed)}/t-{secrets.token_hex(6)}"  # one bucket, a prefix per test
-
-
-_BUCKETS: dict[int, str] = {}
-
-
-def _bucket(cluster: SeaweedCluster) -> str:
-    """One bucket per cluster (SeaweedFS gives every bucket its own volumes: few buckets, many prefixes)."""
-    if id(cluster) not in _BUCKETS:
-        _BUCKETS[id(cluster)] = cluster.create_bucket("fleet")
-    return _BUCKETS[id(cluster)]
 
 
 def node(op: dict[str, object], timeout: float = 120) -> dict[str, object]:
