@@ -3,7 +3,8 @@
 A restore never queues behind a writer for its bookkeeping: it is recorded here and written by
 the next write transaction of the store (or by a restore that finds the write lock free). A
 transaction *takes* everything recorded so far (swapped out under the lock, so two concurrent
-transactions never both write the same hits) and gives it back if it does not commit.
+transactions never both write the same hits) and gives it back if it does not commit. A restore
+from outside a snapshot's session is recorded here too (the session rule of :mod:`._lifecycle`).
 """
 
 from __future__ import annotations
@@ -19,16 +20,19 @@ __all__ = ["Batch", "Ledger"]
 class Batch:
     """Bookkeeping taken by one transaction: written inside it by :meth:`apply`."""
 
-    __slots__ = ("counts", "touches")
+    __slots__ = ("counts", "shared", "touches")
 
-    def __init__(self, counts: dict[str, int], touches: dict[int, tuple[float, int]]) -> None:
+    def __init__(self, counts: dict[str, int], touches: dict[int, tuple[float, int]], shared: set[int]) -> None:
         self.counts = counts
         self.touches = touches
+        self.shared = shared
 
     def apply(self, t: Txn) -> None:
-        """Write the counters and the restores' last use and hits in transaction ``t``."""
+        """Write the counters, the restores' last use and hits, and outside uses in transaction ``t``."""
         for sid, (when, n) in self.touches.items():
             t.touch(sid, when, n)
+        for sid in self.shared:
+            t.mark_shared(sid)
         for k, v in self.counts.items():
             t.add_counter(k, v)
 
@@ -40,6 +44,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._touches: dict[int, tuple[float, int]] = {}  # sid -> (latest use, hits)
+        self._shared: set[int] = set()  # restored from outside their session
         self._ram_hits = ram_hits
 
     def count(self, name: str, delta: int = 1) -> None:
@@ -47,9 +52,12 @@ class Ledger:
         with self._lock:
             self._counts[name] = self._counts.get(name, 0) + delta
 
-    def record_use(self, sid: int, now: float) -> None:
-        """Remember a successful restore (last use, one hit) for the next write to persist."""
+    def record_use(self, sid: int, now: float, *, outside: bool = False) -> None:
+        """Remember a successful restore (last use, one hit; ``outside``: by a caller outside the
+        snapshot's session) for the next write to persist."""
         with self._lock:
+            if outside:
+                self._shared.add(sid)
             last, hits = self._touches.get(sid, (0.0, 0))
             self._touches[sid] = (max(last, now), hits + 1)
             self._counts["restores"] = self._counts.get("restores", 0) + 1
@@ -60,13 +68,14 @@ class Ledger:
         with self._lock:
             if hits:
                 self._counts["ram_hits"] = self._counts.get("ram_hits", 0) + hits
-            batch = Batch(self._counts, self._touches)
-            self._counts, self._touches = {}, {}
+            batch = Batch(self._counts, self._touches, self._shared)
+            self._counts, self._touches, self._shared = {}, {}, set()
         return batch
 
     def give_back(self, batch: Batch) -> None:
         """Return a batch whose transaction did not commit, merged with what was recorded since."""
         with self._lock:
+            self._shared |= batch.shared
             for k, v in batch.counts.items():
                 self._counts[k] = self._counts.get(k, 0) + v
             for sid, (when, n) in batch.touches.items():

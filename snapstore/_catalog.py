@@ -42,7 +42,8 @@ class PartKind(enum.IntEnum):
 _CHUNK_COLS = "id, raw_len, stored_len, codec, checksum, refs, created, scope, quarantined"
 _SNAP_COLS = ("id, identity_id, namespace, parent_id, depth, n_tokens, base_tokens, token_width, tokens, "
               "anchor, prefix_key, content_key, session, state, owner, matchable, created, last_used, "
-              "hits, logical_bytes")
+              "hits, logical_bytes, shared")
+_N_SNAP = len(_SNAP_COLS.split(","))
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class SnapRow:
     last_used: float
     hits: int
     logical_bytes: int
+    shared: int = 0  # used outside its session (schema v4): supersede detaches it instead (_lifecycle)
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,7 @@ class Txn:
             f"WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?), 100000)) "
             f"SELECT {_SNAP_COLS} FROM snapshots JOIN ch ON snapshots.id = ch.x ORDER BY ch.lvl DESC",
             (sid, sid)).fetchall()
-        return [_snap(r[:20]) for r in rows]
+        return [_snap(r[:_N_SNAP]) for r in rows]
 
     def insert_snapshot(self, **v: Any) -> int:
         self._c.execute(
@@ -276,6 +278,19 @@ class Txn:
 
     def set_unmatchable(self, sid: int) -> None:
         self._c.execute("UPDATE snapshots SET matchable = 0 WHERE id = ?", (sid,))
+
+    def mark_shared(self, sid: int) -> None:
+        """Record that ``sid`` was used outside its own session (a snapshot gone meanwhile: no-op)."""
+        self._c.execute("UPDATE snapshots SET shared = 1 WHERE id = ? AND session IS NOT NULL", (sid,))
+
+    def detach_from_session(self, sid: int) -> None:
+        """Take ``sid`` out of its session: an ordinary snapshot from now on, never superseded."""
+        self._c.execute("UPDATE snapshots SET session = NULL WHERE id = ?", (sid,))
+
+    def children_outside(self, sid: int, session: str | None) -> list[int]:
+        """The children of ``sid`` whose session is not ``session`` (NULL counts as another one)."""
+        return [int(r[0]) for r in self._c.execute(
+            "SELECT id FROM snapshots WHERE parent_id = ? AND session IS NOT ?", (sid, session))]
 
     def session_prefixes(self, identity_id: int, namespace: str, session: str,
                          below_tokens: int, exclude: int) -> list[SnapRow]:

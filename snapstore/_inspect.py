@@ -34,7 +34,7 @@ def stats_of(c: Txn, disk_budget: int, ram_used: int) -> Stats:
         stored_bytes=stored, logical_bytes=logical,
         dedup_ratio=(raw / stored) if stored else 1.0,
         ram_hits=counters.get("ram_hits", 0), ram_bytes=ram_used, disk_budget=disk_budget, chunks=nchunks,
-        quarantined=quarantined, healed=counters.get("healed", 0))
+        quarantined=quarantined, healed=counters.get("healed", 0), detached=counters.get("detached", 0))
 
 
 def snapshot_info(t: Txn, s: SnapRow, identity: str, pinned: bool, parts: list[PartRow] | None = None

@@ -138,6 +138,7 @@ class Stats:
     chunks: int
     quarantined: int = 0  # chunks a restore found damaged, not yet healed by a save (or repaired)
     healed: int = 0  # quarantined (or mismatched) chunks a later save republished
+    detached: int = 0  # snapshots another session used, taken out of their session instead of superseded
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""

@@ -47,11 +47,19 @@ from ._gc import GcReport
 from ._identity import Identity
 from ._inspect import snapshot_infos, stats_of
 from ._layout import Layout
-from ._lifecycle import drop_dead_pending, drop_identities, drop_subtree, evict_until, expire, supersede
+from ._lifecycle import (
+    drop_dead_pending,
+    drop_identities,
+    drop_subtree,
+    evict_until,
+    expire,
+    new_outside_use,
+    supersede,
+)
 from ._owner import Liveness, Owner, reap_lock_files
 from ._plan import RestorePlan, build_plan
 from ._ramtier import RamTier
-from ._refs import SnapshotRef, excluded, namespace_key, ref_namespace, snapshot_id
+from ._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
 from ._repo import Repo
 from ._restore import Damage, quarantine, stream_plan
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
@@ -296,6 +304,22 @@ class Store:
         if not ran:
             self._ledger.give_back(batch)
 
+    def _record_use(self, uses: Iterable[tuple[int, bool]]) -> None:
+        """Restores' bookkeeping: (snapshot id, first use outside its session) each. An outside use is
+        written now (the one wait a restore may make, once per snapshot), so a supersede in any
+        process sees it; the rest only if the write lock is free."""
+        now, outside = time.time(), False
+        for sid, out in uses:
+            self._ledger.record_use(sid, now, outside=out)
+            outside |= out
+        if not outside:
+            self._try_flush()
+            return
+        try:
+            self._write(lambda t: None, durable=False)
+        except SnapstoreError:
+            pass  # kept in the ledger (given back): the store's next write records it
+
     def _tokens_of(self, t: Txn, chain: list[SnapRow]) -> np.ndarray:
         segs = [decode_tokens(s.tokens, s.token_width, s.n_tokens - s.base_tokens) for s in chain]
         return np.concatenate(segs) if segs else np.zeros(0, dtype="<u8")
@@ -355,8 +379,7 @@ class Store:
         n = len(arr)
         if n == 0:
             raise InvalidInputError("save() needs at least one token")
-        if session is not None and (not isinstance(session, str) or not session):
-            raise InvalidInputError(f"session must be None or a non-empty string, got {session!r}")
+        session = session_key(session)
         ns = namespace_key(namespace)
         sources, row_counts = self._validate_parts(parts, rows, n)
         index = TokenIndex(arr)
@@ -622,14 +645,15 @@ class Store:
     @_operation
     def restore(self, m: SnapshotRef, into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Any]],
                 components: Iterable[str] | None = None, *, namespace: str | None = None,
-                rows_from: int = 0) -> RestoreResult:
+                rows_from: int = 0, session: str | None = None) -> RestoreResult:
         """Write the snapshot's state into ``into`` (name → writable buffer), exactly, or raise.
 
         ``m`` is a Match (its namespace applies), a SaveResult or a snapshot id (then ``namespace``
         must name the snapshot's namespace). ``into`` may be a callable: it gets the checked plan
         (``describe``) and returns the mapping (plan, then write). ``rows_from``: rows the engine
-        already holds, not written. Raises a RestoreError whose ``touched`` says whether ``into``
-        was modified.
+        already holds, not written. ``session``: the caller's session key; a restore by another
+        session or without one keeps the snapshot from being superseded away (docs/api.md). Raises
+        a RestoreError whose ``touched`` says whether ``into`` was modified.
         """
         if self._remote is not None and getattr(m, "remote", None) is not None:
             # a shared-tier match: fetch its missing chunks (verified) into the local tier first
@@ -641,6 +665,7 @@ class Store:
         sid = snapshot_id(m)
         ns = ref_namespace(m, namespace)
         k = count_of(rows_from, "rows_from")
+        sess = session_key(session)
         wanted = self._wanted(components)
         t0 = time.perf_counter()
         if callable(into) and not isinstance(into, Mapping):  # plan, then write: see _batch.py
@@ -649,7 +674,7 @@ class Store:
             raise InvalidInputError("into must be a mapping of part name to writable buffer, or a callable "
                                     "that takes the plan (MatchDetails) and returns one")
         dest = into
-        _, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k))
+        snap, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k))
         damage: Damage = []
         try:
             stream_plan(plan, self._repo.blob_path, self._staging, self._ram, damage)
@@ -664,9 +689,8 @@ class Store:
                     pass  # a later restore finds (and quarantines) it again
             raise
         # last use and the hit are bookkeeping: recorded in memory and written now only if the
-        # write lock is free; a restore never queues behind a long writer for them
-        self._ledger.record_use(sid, time.time())
-        self._try_flush()
+        # write lock is free; a restore queues behind a writer only for a first outside use
+        self._record_use([(sid, new_outside_use(snap, sess))])
         return RestoreResult(plan.n_tokens, plan.rows, frozenset(plan.missing_components), plan.chain,
                              plan.nbytes, time.perf_counter() - t0)
 
@@ -698,10 +722,11 @@ class Store:
 
     @_operation
     def restore_many(self, requests: Iterable[tuple[Any, Mapping[str, Any]]], components: Iterable[str] | None = None,
-                     *, namespace: str | None = None, rows_from: int = 0) -> list[RestoreResult]:
+                     *, namespace: str | None = None, rows_from: int = 0,
+                     session: str | None = None) -> list[RestoreResult]:
         """Restore many (match, into) pairs at once; a chunk their chains share is read once."""
         return restore_batch(self, list(requests), self._wanted(components), namespace,
-                             count_of(rows_from, "rows_from"))
+                             count_of(rows_from, "rows_from"), session_key(session))
 
     def turn(self, *, session: str | None = None, namespace: str | None = None, parent: Any = "auto") -> Turn:
         """A capture chain for one turn: ``with store.turn(session=...) as t: t.capture(tokens, parts)``."""
