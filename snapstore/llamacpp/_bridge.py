@@ -80,10 +80,10 @@ def export_snapshot(root: str, sid: int) -> bytes:
         return _export(store, sid, proto)
 
 
-def _export(store: Store, ref: Any, proto: SlotProto) -> bytes:
+def _export(store: Store, ref: Any, proto: SlotProto, session: str | None = None) -> bytes:
     n = _n_tokens_of(store, ref)
     dest = empty_parts(store.layout, n)
-    store.restore(ref, into=dest)
+    store.restore(ref, into=dest, session=session)
     return encode(from_parts(dest, n, proto))
 
 
@@ -160,11 +160,12 @@ class SlotStore:
         res = self.save(sf, session=session)
         return ImportResult(res, sf.n_tokens, len(data), sf.n_checkpoints)
 
-    def export_bytes(self, ref: Any) -> bytes:
-        """The slot file of a snapshot (a Match, SaveResult or id) of this store."""
+    def export_bytes(self, ref: Any, *, session: str | None = None) -> bytes:
+        """The slot file of a snapshot (a Match, SaveResult or id) of this store; ``session``: the
+        conversation restoring it (its own snapshots stay supersedable, Store.restore)."""
         if self.store is None or self.proto is None:
             raise NotFoundError("nothing stored yet for this model and build")
-        return _export(self.store, ref, self.proto)
+        return _export(self.store, ref, self.proto, session)
 
     def match(self, tokens: Sequence[int]) -> Match | None:
         """The longest stored prefix of ``tokens``, or None."""
@@ -410,7 +411,7 @@ class LlamaBridge:
                      "miss" if m is None else f"has {m.n_tokens}", have, len(plan.tokens))
             return
         t0 = time.perf_counter()
-        data = self.slots.export_bytes(m)
+        data = self.slots.export_bytes(m, session=plan.session)
         self._restore_slot(plan.slot, data, m.n_tokens)
         self._known[plan.slot] = list(plan.tokens[: m.n_tokens])
         dt = time.perf_counter() - t0
