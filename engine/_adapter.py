@@ -219,18 +219,20 @@ class TorchAdapter:
         return out
 
     def restore(self, match: SnapshotRef, into: Mapping[str, TensorDest], components: Iterable[str] | None = None, *,
-                token_dims: Mapping[str, int] | None = None, stream: DeviceStream | None = None) -> RestoreResult:
+                token_dims: Mapping[str, int] | None = None, stream: DeviceStream | None = None,
+                session: str | None = None) -> RestoreResult:
         """``store.restore`` into preallocated tensors (any device, any layout of the token axis).
 
         Destinations are checked before anything is written; on a RestoreError, ``.touched`` says
         whether any tensor was modified (re-read the prompt if so); a device error while streaming
         is one too. stream: the engine's stream, when it is not the current one: the copies wait for
         the work queued on it (e.g. a ``zero_()``), and its later work is ordered after them.
+        session: the caller's session key, as for ``Store.restore``.
         """
         sinks = self.sinks(into, token_dims, stream=stream)
         with self.staging.lock:
             try:
-                res = self.store.restore(match, into=sinks, components=components)
+                res = self.store.restore(match, into=sinks, components=components, session=session)
             except BaseException:
                 with contextlib.suppress(Exception):  # the error being raised is the one that matters
                     self._finish(sinks)

@@ -171,7 +171,7 @@ class PrefixCache:
         m, prompt_stored = self._lookup(tokens, cuts, namespace)
         cache, start, parent = None, 0, None
         if m is not None:
-            cache, start, parent = self._restore(m)
+            cache, start, parent = self._restore(m, session)
             if self.resume == "longest" and start and start not in cuts:
                 cuts = sorted({*cuts, start})
         if cache is None:
@@ -232,13 +232,14 @@ class PrefixCache:
             m = self.store.match(tokens[:below], namespace=namespace)
         return None, prompt_stored
 
-    def _restore(self, m: Match) -> tuple[DynamicCache | None, int, int | None]:
-        """Restore ``m`` into a fresh cache; on failure (damage, eviction race) read from token 0 instead."""
+    def _restore(self, m: Match, session: str | None) -> tuple[DynamicCache | None, int, int | None]:
+        """Restore ``m`` into a fresh cache (as ``session``: the conversation's own snapshots stay
+        supersedable); on failure (damage, eviction race) read from token 0 instead."""
         from . import hf
 
         t0 = time.perf_counter()
         try:
-            cache, res = hf.restore(self.model.config, self.adapter, m, device=self.device)
+            cache, res = hf.restore(self.model.config, self.adapter, m, device=self.device, session=session)
         except (RestoreError, NotFoundError) as e:
             # the split does not depend on the store, so re-reading from 0 yields the same bytes
             log.warning("prefix cache: restoring snapshot %s failed (%s); reading the prompt from token 0",

@@ -260,7 +260,7 @@ def _parse(name: str) -> tuple[int, str] | None:
 def restore(cache_or_config: DynamicCache | PretrainedConfig, adapter: TorchAdapter | Store,
             match: Match | SaveResult, *,
             device: DeviceSpec | Mapping[int, DeviceSpec] | Sequence[DeviceSpec] | None = None,
-            components: Iterable[str] | None = None) -> tuple[DynamicCache, RestoreResult]:
+            components: Iterable[str] | None = None, session: str | None = None) -> tuple[DynamicCache, RestoreResult]:
     """Restore snapshot ``match`` into a fresh cache; returns ``(cache, RestoreResult)``.
 
     cache_or_config: an empty ``DynamicCache`` to fill, or the model config (a new
@@ -270,6 +270,7 @@ def restore(cache_or_config: DynamicCache | PretrainedConfig, adapter: TorchAdap
     at their final size, and the chunks stream into them through the staging buffer; the cache
     then adopts them. The cache is not
     modified unless the whole restore succeeded. Continue with ``model(rest, past_key_values=cache)``.
+    session: the caller's session key, as for ``Store.restore``.
     """
     from transformers import DynamicCache
 
@@ -325,7 +326,7 @@ def restore(cache_or_config: DynamicCache | PretrainedConfig, adapter: TorchAdap
                 raise LayoutError(f"part {name!r} does not fit cache layer {i} ({type(layers[i]).__name__})")
             assert isinstance(spec, Fixed)
             into[name] = torch.empty(spec.shape, dtype=dt, device=dev)
-    res = ad.restore(match, into, components, token_dims=token_dims)
+    res = ad.restore(match, into, components, token_dims=token_dims, session=session)
     meta = into[META]
     _check_meta(meta, kinds, res.n_tokens, res)
     _install(layers, kinds, meta, into)

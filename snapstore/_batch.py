@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._bookkeeping import flush_if_free
+from ._bookkeeping import record_use
 from ._buffers import Destination, Sink
 from ._errors import InvalidInputError, RestoreError
+from ._lifecycle import new_outside_use
 from ._plan import PlanItem, RestorePlan
 from ._read import stream_checked
 from ._refs import ref_namespace, snapshot_id
@@ -71,8 +72,10 @@ def _merged(plans: list[RestorePlan]) -> RestorePlan:
 
 
 def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str], namespace: str | None,
-                  rows_from: int) -> list[RestoreResult]:
-    """Validate every request's plan, then stream them together; one error fails the batch."""
+                  rows_from: int, session: str | None = None) -> list[RestoreResult]:
+    """Validate every request's plan, then stream them together; one error fails the batch.
+
+    ``session``: the caller's, for the session rule (as ``Store.restore``)."""
     refs = []
     for k, pair in enumerate(requests):
         if not isinstance(pair, tuple) or len(pair) != 2:
@@ -85,19 +88,22 @@ def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str
         return []
     t0 = time.perf_counter()
 
-    def build(c: Conn) -> list[RestorePlan]:
-        return [store._plan(c, sid, ns, into, wanted, rows_from)[1] for sid, ns, into in refs]
+    def build(c: Conn) -> list[tuple[bool, RestorePlan]]:
+        out = []
+        for sid, ns, into in refs:
+            snap, plan = store._plan(c, sid, ns, into, wanted, rows_from)
+            out.append((new_outside_use(snap, session), plan))  # the session rule's signal (_lifecycle)
+        return out
 
-    plans = store._repo.db.read(build)
+    built = store._repo.db.read(build)
+    plans = [p for _, p in built]
     try:
         stream_checked(_merged(plans), None, store._repo, store._staging, store._ram, store._ledger.count)
     except RestoreError as e:
         e.args = (f"restore_many ({len(plans)} requests, failed as one; every destination counts as "
                   f"touched={e.touched}): {e}",)
         raise
-    now, dt = time.time(), time.perf_counter() - t0
-    for plan in plans:
-        store._ledger.record_use(plan.snapshot_id, now)
-    flush_if_free(store._repo, store._ledger)
+    dt = time.perf_counter() - t0
+    record_use(store._repo, store._ledger, [(p.snapshot_id, outside) for outside, p in built])
     return [RestoreResult(p.n_tokens, p.rows, frozenset(p.missing_components), p.chain, p.nbytes, dt)
             for p in plans]

@@ -3,12 +3,14 @@
 A restore never queues behind a writer for its bookkeeping: it is recorded here and written by
 the next write transaction of the store (or by a restore that finds the write lock free). A
 transaction *takes* everything recorded so far (swapped out under the lock, so two concurrent
-transactions never both write the same hits) and gives it back if it does not commit.
+transactions never both write the same hits) and gives it back if it does not commit. A restore
+from outside a snapshot's session is recorded here too (the session rule of :mod:`._lifecycle`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -18,7 +20,7 @@ from ._errors import SnapstoreError
 if TYPE_CHECKING:
     from ._repo import Repo
 
-__all__ = ["Batch", "Ledger", "flush_if_free", "write_with"]
+__all__ = ["Batch", "Ledger", "flush_if_free", "record_use", "write_with"]
 
 T = TypeVar("T")
 
@@ -26,16 +28,19 @@ T = TypeVar("T")
 class Batch:
     """Bookkeeping taken by one transaction: written inside it by :meth:`apply`."""
 
-    __slots__ = ("counts", "touches")
+    __slots__ = ("counts", "shared", "touches")
 
-    def __init__(self, counts: dict[str, int], touches: dict[int, tuple[float, int]]) -> None:
+    def __init__(self, counts: dict[str, int], touches: dict[int, tuple[float, int]], shared: set[int]) -> None:
         self.counts = counts
         self.touches = touches
+        self.shared = shared
 
     def apply(self, t: Txn) -> None:
-        """Write the counters and the restores' last use and hits in transaction ``t``."""
+        """Write the counters, the restores' last use and hits, and outside uses in transaction ``t``."""
         for sid, (when, n) in self.touches.items():
             t.touch(sid, when, n)
+        for sid in self.shared:
+            t.mark_shared(sid)
         for k, v in self.counts.items():
             t.add_counter(k, v)
 
@@ -47,6 +52,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._touches: dict[int, tuple[float, int]] = {}  # sid -> (latest use, hits)
+        self._shared: set[int] = set()  # restored from outside their session
         self._ram_hits = ram_hits
 
     def count(self, name: str, delta: int = 1) -> None:
@@ -54,9 +60,12 @@ class Ledger:
         with self._lock:
             self._counts[name] = self._counts.get(name, 0) + delta
 
-    def record_use(self, sid: int, now: float) -> None:
-        """Remember a successful restore (last use, one hit) for the next write to persist."""
+    def record_use(self, sid: int, now: float, *, outside: bool = False) -> None:
+        """Remember a successful restore (last use, one hit; ``outside``: by a caller outside the
+        snapshot's session) for the next write to persist."""
         with self._lock:
+            if outside:
+                self._shared.add(sid)
             last, hits = self._touches.get(sid, (0.0, 0))
             self._touches[sid] = (max(last, now), hits + 1)
             self._counts["restores"] = self._counts.get("restores", 0) + 1
@@ -67,13 +76,14 @@ class Ledger:
         with self._lock:
             if hits:
                 self._counts["ram_hits"] = self._counts.get("ram_hits", 0) + hits
-            batch = Batch(self._counts, self._touches)
-            self._counts, self._touches = {}, {}
+            batch = Batch(self._counts, self._touches, self._shared)
+            self._counts, self._touches, self._shared = {}, {}, set()
         return batch
 
     def give_back(self, batch: Batch) -> None:
         """Return a batch whose transaction did not commit, merged with what was recorded since."""
         with self._lock:
+            self._shared |= batch.shared
             for k, v in batch.counts.items():
                 self._counts[k] = self._counts.get(k, 0) + v
             for sid, (when, n) in batch.touches.items():
@@ -111,3 +121,20 @@ def flush_if_free(repo: Repo, ledger: Ledger) -> None:
         ran = False  # bookkeeping only: a full disk must not fail a restore that worked
     if not ran:
         ledger.give_back(batch)
+
+
+def record_use(repo: Repo, ledger: Ledger, uses: Iterable[tuple[int, bool]]) -> None:
+    """Restores' bookkeeping: (snapshot id, first use outside its session) each. An outside use is
+    written now (the one wait a restore may make, once per snapshot), so a supersede in any
+    process sees it; the rest only if the write lock is free."""
+    now, outside = time.time(), False
+    for sid, out in uses:
+        ledger.record_use(sid, now, outside=out)
+        outside |= out
+    if not outside:
+        flush_if_free(repo, ledger)
+        return
+    try:
+        write_with(repo, ledger, lambda t: None, durable=False)
+    except SnapstoreError:
+        pass  # kept in the ledger (given back): the store's next write records it

@@ -19,7 +19,7 @@ from typing import Any
 import apsw
 
 from ._catalog_chunks import QUARANTINED_USERS_SQL, ChunkQueries
-from ._catalog_rows import SNAP_COLS, ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, snap_row
+from ._catalog_rows import N_SNAP, SNAP_COLS, ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, snap_row
 from ._tokens import BLOCK
 
 __all__ = ["QUARANTINED_USERS_SQL", "ChunkRow", "OwnerRow", "PartKind", "PartRow", "SnapRow", "SnapState", "Txn"]
@@ -132,7 +132,7 @@ class Txn(ChunkQueries):
             f"WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?), 100000)) "
             f"SELECT {SNAP_COLS} FROM snapshots JOIN ch ON snapshots.id = ch.x ORDER BY ch.lvl DESC",
             (sid, sid)).fetchall()
-        return [snap_row(r[:20]) for r in rows]
+        return [snap_row(r[:N_SNAP]) for r in rows]
 
     def chain_tokens(self, sid: int) -> list[tuple[bytes, int, int, int]]:
         """The stored token segments ``(blob, width, base_tokens, n_tokens)`` of the snapshot's
@@ -171,6 +171,19 @@ class Txn(ChunkQueries):
 
     def set_unmatchable(self, sid: int) -> None:
         self._c.execute("UPDATE snapshots SET matchable = 0 WHERE id = ?", (sid,))
+
+    def mark_shared(self, sid: int) -> None:
+        """Record that ``sid`` was used outside its own session (a snapshot gone meanwhile: no-op)."""
+        self._c.execute("UPDATE snapshots SET shared = 1 WHERE id = ? AND session IS NOT NULL", (sid,))
+
+    def detach_from_session(self, sid: int) -> None:
+        """Take ``sid`` out of its session: an ordinary snapshot from now on, never superseded."""
+        self._c.execute("UPDATE snapshots SET session = NULL WHERE id = ?", (sid,))
+
+    def children_outside(self, sid: int, session: str | None) -> list[int]:
+        """The children of ``sid`` whose session is not ``session`` (NULL counts as another one)."""
+        return [int(r[0]) for r in self._c.execute(
+            "SELECT id FROM snapshots WHERE parent_id = ? AND session IS NOT ?", (sid, session))]
 
     def session_prefixes(self, identity_id: int, namespace: str, session: str,
                          below_tokens: int, exclude: int) -> list[SnapRow]:

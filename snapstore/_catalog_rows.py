@@ -13,7 +13,7 @@ import apsw
 
 from ._errors import CorruptionError
 
-__all__ = ["CHUNK_COLS", "SNAP_COLS", "ChunkRow", "OwnerRow", "PartKind", "PartRow", "SnapRow", "SnapState",
+__all__ = ["CHUNK_COLS", "N_SNAP", "SNAP_COLS", "ChunkRow", "OwnerRow", "PartKind", "PartRow", "SnapRow", "SnapState",
            "part_row", "scalar", "snap_row"]
 
 
@@ -34,7 +34,8 @@ class PartKind(enum.IntEnum):
 CHUNK_COLS = "id, raw_len, stored_len, codec, checksum, refs, created, scope, quarantined"
 SNAP_COLS = ("id, identity_id, namespace, parent_id, depth, n_tokens, base_tokens, token_width, tokens, "
               "anchor, prefix_key, content_key, session, state, owner, matchable, created, last_used, "
-              "hits, logical_bytes")
+              "hits, logical_bytes, shared")
+N_SNAP = len(SNAP_COLS.split(","))  # columns of a snapshot row (a query may select more after them)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class SnapRow:
     last_used: float
     hits: int
     logical_bytes: int
+    shared: int = 0  # used outside its session (schema v4): supersede detaches it instead (_lifecycle)
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,7 @@ _COMPAT_VIEWS: dict[int, list[str]] = {
     2: ["CREATE TEMP TABLE owners(id TEXT PRIMARY KEY, kernel TEXT NOT NULL, host TEXT NOT NULL, "
         "pid INTEGER NOT NULL, lease REAL NOT NULL, renewed REAL NOT NULL, created REAL NOT NULL)"],
     3: ["CREATE TEMP VIEW chunks AS SELECT *, NULL AS quarantined FROM main.chunks"],
+    4: ["CREATE TEMP VIEW snapshots AS SELECT *, 0 AS shared FROM main.snapshots"],
 }
 
 

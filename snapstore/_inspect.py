@@ -49,7 +49,7 @@ def stats_of(c: Txn, disk_budget: int, ram_used: int) -> Stats:
         stored_bytes=stored, logical_bytes=logical,
         dedup_ratio=(raw / stored) if stored else 1.0,
         ram_hits=counters.get("ram_hits", 0), ram_bytes=ram_used, disk_budget=disk_budget, chunks=nchunks,
-        quarantined=quarantined, healed=counters.get("healed", 0),
+        quarantined=quarantined, healed=counters.get("healed", 0), detached=counters.get("detached", 0),
         remote={k[7:]: v for k, v in sorted(counters.items()) if k.startswith("remote_")})
 
 

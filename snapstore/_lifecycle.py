@@ -2,7 +2,8 @@
 
 Open-time housekeeping, :meth:`Store.close` and ``gc`` call the same functions, with their
 differences as arguments: drop dead pending captures, drop other identities, expire, evict;
-plus delete, supersede and the pruning of chain links. Each bumps its own counter. Chunk rows
+plus delete, supersede (with the session rule: what another session uses is detached, not
+dropped) and the pruning of chain links. Each bumps its own counter. Chunk rows
 they remove are recorded on the transaction (:attr:`Txn.freed`); the repository's write path
 unlinks the files after the commit (:meth:`snapstore._repo.Repo.write`).
 """
@@ -16,7 +17,7 @@ from ._liveness import Liveness
 from ._tokens import TokenIndex
 
 __all__ = ["drop_dead_pending", "drop_identities", "drop_leaf", "drop_subtree", "evict_until", "expire",
-           "over_budget", "supersede"]
+           "new_outside_use", "over_budget", "supersede", "used_elsewhere"]
 
 
 def over_budget(t: Txn, disk_bytes: int | None, max_entries: int | None) -> str | None:
@@ -62,18 +63,42 @@ def drop_leaf(t: Txn, sid: int) -> tuple[list[int], list[int]]:
     return [sid], pruned
 
 
+def new_outside_use(snap: SnapRow, session: str | None) -> bool:
+    """Is a use of ``snap`` by ``session`` (None: a caller without one) a use outside its own
+    session — one that :func:`supersede` must not take away? Not yet recorded, only."""
+    return snap.session is not None and snap.session != session and not snap.shared
+
+
+def used_elsewhere(t: Txn, old: SnapRow, path: set[int]) -> bool:
+    """Does anyone besides ``old``'s own session use it: a restore or a deduplicated save from
+    outside it (``shared``), or a child of another session (or none) that is not on the way to
+    the superseding snapshot (``path``: its chain)? A child on that path is this conversation's
+    own line (a per-turn key of the same chat), which the new snapshot covers."""
+    return bool(old.shared) or any(c not in path for c in t.children_outside(old.id, old.session))
+
+
 def supersede(t: Txn, new: SnapRow, index: TokenIndex) -> int:
     """In the new snapshot's session, retire older committed snapshots it strictly extends.
 
     A retired snapshot stops being matched and loses its fixed parts; if it still carries a
-    chain (it is the new one's ancestor, or another branch's), its row segments stay.
+    chain (it is the new one's ancestor, or another branch's), its row segments stay. One that
+    another session uses (:func:`used_elsewhere`) is detached from the session instead: it stays
+    matchable, whole, and evictable like any snapshot without a session ("detached" counter).
+    Returns how many were retired.
     """
     if new.session is None:
         return 0
-    count = 0
+    count = detached = 0
+    path: set[int] | None = None
     for old in t.session_prefixes(new.identity_id, new.namespace, new.session, new.n_tokens, new.id):
         if old.prefix_key != index.prefix_key(old.n_tokens):
             continue  # same session, not a prefix: untouched
+        if path is None:
+            path = {s.id for s in t.chain(new.id)}
+        if used_elsewhere(t, old, path):
+            t.detach_from_session(old.id)
+            detached += 1
+            continue
         t.drop_fixed_parts(old.id)
         t.set_unmatchable(old.id)
         if not t.has_children(old.id):
@@ -81,6 +106,8 @@ def supersede(t: Txn, new: SnapRow, index: TokenIndex) -> int:
         count += 1
     if count:
         t.add_counter("supersedes", count)
+    if detached:
+        t.add_counter("detached", detached)
     return count
 
 

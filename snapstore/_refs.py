@@ -10,7 +10,7 @@ import numpy as np
 from ._errors import IdentityError, InvalidInputError
 from ._results import Match, SaveResult
 
-__all__ = ["MAX_ID", "SnapshotRef", "excluded", "namespace_key", "ref_namespace", "snapshot_id"]
+__all__ = ["MAX_ID", "SnapshotRef", "excluded", "namespace_key", "ref_namespace", "session_key", "snapshot_id"]
 
 MAX_ID = 2**63 - 1  # SQLite's INTEGER range: no snapshot id lies beyond it
 
@@ -39,6 +39,13 @@ def namespace_key(namespace: str | None) -> str:
     if not isinstance(namespace, str) or not namespace or len(namespace) > 256:
         raise InvalidInputError(f"namespace must be None or a non-empty string (<= 256 chars), got {namespace!r}")
     return namespace
+
+
+def session_key(session: str | None) -> str | None:
+    """A validated session key (None: no session)."""
+    if session is not None and (not isinstance(session, str) or not session):
+        raise InvalidInputError(f"session must be None or a non-empty string, got {session!r}")
+    return session
 
 
 def ref_namespace(ref: Any, namespace: str | None) -> str:

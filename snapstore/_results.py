@@ -138,6 +138,7 @@ class Stats:
     chunks: int
     quarantined: int = 0  # chunks a restore found damaged, not yet healed by a save (or repaired)
     healed: int = 0  # quarantined (or mismatched) chunks a later save republished
+    detached: int = 0  # snapshots another session used, taken out of their session instead of superseded
     # the shared tier's counters without their "remote_" prefix (hits, fetched_bytes, corrupt_chunks, ...)
     # and, from an open Store with remote=, its upload queue now (upload_queue, uploading); docs/api.md
     remote: dict[str, int] = field(default_factory=dict)

@@ -24,7 +24,7 @@ from ._chunker import Chunker, ChunkRef, Piece
 from ._chunkfile import HEADER_SIZE, checksum, header_at, header_matches, scope_key
 from ._errors import CorruptionError, InvalidInputError, LayoutError
 from ._layout import Fixed, Layout, Rows
-from ._lifecycle import evict_until, supersede
+from ._lifecycle import evict_until, new_outside_use, supersede
 from ._refs import snapshot_id
 from ._tokens import TokenIndex, encode_tokens
 
@@ -275,6 +275,8 @@ class Saver:
             same = t.same_content(iid, ns, index.prefix_key(n), content_key)
             if same is not None:
                 t.touch(same.id, now, False)
+                if new_outside_use(same, session):
+                    t.mark_shared(same.id)  # another session now holds it as its own: not superseded away
                 if session is not None and same.session == session:
                     supersede(t, same, index)
                 return Committed(same.id, same.parent_id, 0, True)

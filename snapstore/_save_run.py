@@ -18,7 +18,7 @@ from ._catalog import SnapRow, Txn
 from ._chunker import Chunker
 from ._db import Database
 from ._errors import InvalidInputError, NotFoundError, StateError
-from ._refs import namespace_key, snapshot_id
+from ._refs import namespace_key, session_key, snapshot_id
 from ._results import SaveResult
 from ._save import MAX_ATTEMPTS, WHOLE_AFTER, Retry, Saver, Skip, validate_parts
 from ._tokens import TokenIndex, as_token_array
@@ -74,8 +74,7 @@ class SaveRun:
         n = len(arr)
         if n == 0:
             raise InvalidInputError("save() needs at least one token")
-        if session is not None and (not isinstance(session, str) or not session):
-            raise InvalidInputError(f"session must be None or a non-empty string, got {session!r}")
+        session = session_key(session)
         ns = namespace_key(namespace)
         sources, row_counts = validate_parts(self.stages.layout, parts, rows, n)
         index = TokenIndex(arr)

@@ -23,7 +23,7 @@ import numpy as np
 from ._access import Access
 from ._async_save import AsyncSaver, SaveHandle, copy_budget
 from ._batch import planned_destination, restore_batch
-from ._bookkeeping import Ledger, flush_if_free, write_with
+from ._bookkeeping import Ledger, record_use, write_with
 from ._buffers import Destination, PartSource
 from ._capacity import Capacity
 from ._catalog import SnapRow, Txn
@@ -37,13 +37,14 @@ from ._gc import GcReport
 from ._identity import Identity
 from ._inspect import snapshot_infos, stats_of
 from ._layout import Layout
+from ._lifecycle import new_outside_use
 from ._liveness import reap_lock_files
 from ._match import longest_prefix, tokens_of
 from ._owner import Owner
 from ._plan import RestorePlan
 from ._ramtier import RamTier
 from ._read import details_of, plan_of, stream_checked, wanted_components
-from ._refs import SnapshotRef, excluded, namespace_key, ref_namespace, snapshot_id
+from ._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
 from ._repo import Repo
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
 from ._save import Retry, Saver, Skip, count_of
@@ -308,14 +309,15 @@ class Store:
     def restore(self, m: SnapshotRef,
                 into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Destination]],
                 components: Iterable[str] | None = None, *, namespace: str | None = None,
-                rows_from: int = 0) -> RestoreResult:
+                rows_from: int = 0, session: str | None = None) -> RestoreResult:
         """Write the snapshot's state into ``into`` (name → writable buffer), exactly, or raise.
 
         ``m`` is a Match (its namespace applies), a SaveResult or a snapshot id (then ``namespace``
         must name the snapshot's namespace). ``into`` may be a callable: it gets the checked plan
         (``describe``) and returns the mapping (plan, then write). ``rows_from``: rows the engine
-        already holds, not written. Raises a RestoreError whose ``touched`` says whether ``into``
-        was modified.
+        already holds, not written. ``session``: the caller's session key; a restore by another
+        session or without one keeps the snapshot from being superseded away (docs/api.md). Raises
+        a RestoreError whose ``touched`` says whether ``into`` was modified.
         """
         k = count_of(rows_from, "rows_from")
         wanted = wanted_components(self.layout, components)
@@ -333,13 +335,13 @@ class Store:
         sid = snapshot_id(m)
         ns = ref_namespace(m, namespace)
         t0 = time.perf_counter()
+        sess = session_key(session)
         dest = planned_destination(into, lambda: self.describe(sid, components, namespace=ns or None, rows_from=k))
-        _, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k))
+        snap, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k))
         stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count)
         # last use and the hit are bookkeeping: recorded in memory and written now only if the
-        # write lock is free; a restore never queues behind a long writer for them
-        self._ledger.record_use(sid, time.time())
-        flush_if_free(self._repo, self._ledger)
+        # write lock is free; a restore queues behind a writer only for a first outside use
+        record_use(self._repo, self._ledger, [(sid, new_outside_use(snap, sess))])
         return RestoreResult(plan.n_tokens, plan.rows, frozenset(plan.missing_components), plan.chain,
                              plan.nbytes, time.perf_counter() - t0)
 
@@ -368,10 +370,10 @@ class Store:
     @operation
     def restore_many(self, requests: Iterable[tuple[SnapshotRef, Mapping[str, Destination]]],
                      components: Iterable[str] | None = None, *, namespace: str | None = None,
-                     rows_from: int = 0) -> list[RestoreResult]:
+                     rows_from: int = 0, session: str | None = None) -> list[RestoreResult]:
         """Restore many (match, into) pairs at once; a chunk their chains share is read once."""
         return restore_batch(self, list(requests), wanted_components(self.layout, components), namespace,
-                             count_of(rows_from, "rows_from"))
+                             count_of(rows_from, "rows_from"), session_key(session))
 
     def turn(self, *, session: str | None = None, namespace: str | None = None,
              parent: SnapshotRef | str | None = "auto") -> Turn:

@@ -8,15 +8,16 @@ branches, pending captures, restarts, gc and evictions, and checks after every s
 - every matchable snapshot restores byte-exact (fixed parts whole, the valid rows of every stream),
 - ``match()`` returns the longest committed, matchable prefix the model knows of,
 - a snapshot with a live child never disappears (pins), budgets are never exceeded,
-- supersede leaves no matchable strict prefix in a session, ``verify()`` finds no damage.
+- supersede leaves no matchable strict prefix in a session, and never takes away a snapshot
+  restored from outside its session (it is detached instead), ``verify()`` finds no damage.
 
 Wire an engine in a few lines (docs/engine.md)::
 
     class MyEngine(snapstore.testing.NumpyEngine):
         def save(self, store, tokens, state, **kw):      # state: part name -> raw bytes (np.uint8)
             load_into_my_engine(state); return my_integration.save(store, tokens, **kw)
-        def restore(self, store, ref):                    # -> (RestoreResult, part name -> bytes)
-            res = my_integration.restore(store, ref); return res, read_back_from_my_engine()
+        def restore(self, store, ref, session=None):      # -> (RestoreResult, part name -> bytes)
+            res = my_integration.restore(store, ref, session=session); return res, read_back_from_my_engine()
 
     TestMyEngine = snapstore.testing.StoreStateMachine.for_engine(MyEngine(layout)).TestCase
 """
@@ -24,6 +25,7 @@ Wire an engine in a few lines (docs/engine.md)::
 from __future__ import annotations
 
 import hashlib
+import inspect
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -137,11 +139,11 @@ class NumpyEngine:
         res: SaveResult = store.save(tokens, dict(state), **kw)
         return res
 
-    def restore(self, store: Store, ref: Any) -> tuple[RestoreResult, dict[str, bytes]]:
-        """Restore ``ref``; return the result and each restored part's valid bytes."""
+    def restore(self, store: Store, ref: Any, session: str | None = None) -> tuple[RestoreResult, dict[str, bytes]]:
+        """Restore ``ref`` as ``session``; return the result and each restored part's valid bytes."""
         dest = {name: np.zeros(spec.nbytes if isinstance(spec, Fixed) else spec.row_bytes * self.max_rows, np.uint8)
                 for name, spec in self.layout.parts.items()}
-        res = store.restore(ref, dest)
+        res = store.restore(ref, dest, session=session)
         out: dict[str, bytes] = {}
         for name, spec in self.layout.parts.items():
             if spec.component in res.missing_components:
@@ -160,6 +162,7 @@ class _Saved:
     pending: bool
     components: frozenset[str | None]
     order: int = 0  # when it was committed: supersede looks at what was committed before
+    shared: bool = False  # restored from outside its session: supersede must never take it away
 
 
 def _digest(parts: Mapping[str, bytes]) -> dict[str, str]:
@@ -175,6 +178,9 @@ class StoreStateMachine(RuleBasedStateMachine):
     engine: NumpyEngine
     workload: Workload
     codecs: tuple[str, ...] = ("raw", "zstd")
+    # the engine's restore takes session=: the invariants' restores speak as the snapshot's own
+    # session, so checking a snapshot is no outside use (an engine without it: every check is one)
+    observe_as_session: bool = False
 
     @classmethod
     def for_engine(cls, engine: NumpyEngine, *, workload: Workload | None = None,
@@ -183,7 +189,10 @@ class StoreStateMachine(RuleBasedStateMachine):
         work = workload or Workload(engine.layout)
         if work.max_tokens > engine.max_rows:
             raise ValueError(f"the workload needs {work.max_tokens} rows, the engine restores {engine.max_rows}")
-        attrs: dict[str, Any] = {"engine": engine, "workload": work, "codecs": codecs or cls.codecs}
+        params = inspect.signature(engine.restore).parameters
+        observe = "session" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+        attrs: dict[str, Any] = {"engine": engine, "workload": work, "codecs": codecs or cls.codecs,
+                                 "observe_as_session": observe}
         return type(f"{cls.__name__}For{type(engine).__name__}", (cls,), attrs)
 
     def __init__(self) -> None:
@@ -195,6 +204,8 @@ class StoreStateMachine(RuleBasedStateMachine):
         self.budget = Budget(reserve_bytes=0)
         self.codec = "raw"
         self.draft = {n for n, s in self.engine.layout.parts.items() if s.component is not None}
+        self._shared_live: set[int] = set()  # restored from outside their session, live at the last check
+        self._evictions = 0
 
     @initialize(disk=st.integers(30_000, 200_000), entries=st.none() | st.integers(2, 8), data=st.data())
     def start(self, disk: int, entries: int | None, data: st.DataObject) -> None:
@@ -233,6 +244,10 @@ class StoreStateMachine(RuleBasedStateMachine):
         except LayoutError:
             assert parent == "explicit", "only an explicit parent with other components may be refused"
             return
+        self._record(r, conv, n, seed, session, commit, state)
+
+    def _record(self, r: SaveResult, conv: int, n: int, seed: int, session: str | None, commit: bool,
+                state: Mapping[str, Any]) -> None:
         if r.snapshot_id is None:
             assert r.skipped, "a save with no id must say why it was skipped"
             return
@@ -241,6 +256,24 @@ class StoreStateMachine(RuleBasedStateMachine):
         self.clock += 1
         comps = frozenset({s.component for k, s in self.engine.layout.parts.items() if k in state})
         self.model[r.snapshot_id] = _Saved(conv, n, seed, session, not commit, comps, self.clock)
+
+    @rule(data=st.data(), seed=st.integers(0, 2**16))
+    def next_turn(self, data: st.DataObject, seed: int) -> None:
+        """A session's conversation goes on: a longer prefix of it, committed in the same session
+        (so supersede runs, often over a snapshot ``restore_elsewhere`` used from outside)."""
+        assert self.store is not None
+        w = self.workload
+        going = sorted(i for i, x in self._live().items() if x.matchable and not x.pending
+                       and x.session is not None and self.model[i].n < w.max_tokens)
+        if not going:
+            return
+        sid = data.draw(st.sampled_from(going), label="turn of")
+        saved, session = self.model[sid], self._live()[sid].session
+        n = data.draw(st.integers(saved.n + 1, w.max_tokens), label="n")
+        state = w.state(saved.conv, seed)
+        r = self.engine.save(self.store, w.tokens[saved.conv][:n], state, session=session, commit=True,
+                             parent="auto")
+        self._record(r, saved.conv, n, seed, session, True, state)
 
     @precondition(lambda self: any(s.pending for s in self.model.values()))
     @rule(data=st.data(), commit=st.booleans())
@@ -260,6 +293,24 @@ class StoreStateMachine(RuleBasedStateMachine):
                 saved = self.model.get(x.snapshot_id)
                 if saved is not None and saved.pending and not x.pending:
                     saved.pending, saved.order = False, self.clock
+
+    @rule(data=st.data(), session=st.sampled_from([None, "s0", "s1"]))
+    def restore_elsewhere(self, data: st.DataObject, session: str | None) -> None:
+        """Another conversation (or a caller without a session) restores a session's snapshot."""
+        assert self.store is not None
+        outside = sorted(i for i, x in self._live().items()
+                         if x.matchable and not x.pending and x.session is not None and x.session != session)
+        if not outside:
+            return
+        sid = data.draw(st.sampled_from(outside), label="snapshot")
+        self._restore(sid, session)
+        self.model[sid].shared = True
+
+    def _restore(self, sid: int, session: str | None) -> tuple[RestoreResult, dict[str, bytes]]:
+        assert self.store is not None
+        if self.observe_as_session:
+            return self.engine.restore(self.store, sid, session=session)
+        return self.engine.restore(self.store, sid)
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:
@@ -314,6 +365,16 @@ class StoreStateMachine(RuleBasedStateMachine):
                 if a.session is not None and a.session == b.session and ma.n < mb.n and ma.order < mb.order:
                     assert not np.array_equal(w.tokens[ma.conv][:ma.n], w.tokens[mb.conv][:ma.n]), \
                         "a superseded prefix is still matchable in its session"
+        live_now = self._live()
+        evictions = self.store.stats().evictions
+        for sid, x in live_now.items():
+            if self.model[sid].shared:
+                assert x.matchable, f"snapshot {sid} was restored from outside its session, then superseded away"
+        gone = {i for i in self._shared_live if i not in live_now}
+        assert not gone or evictions > self._evictions, \
+            f"snapshots {sorted(gone)} were restored from outside their session, then dropped (not evicted)"
+        self._shared_live = {i for i in live_now if self.model[i].shared}
+        self._evictions = evictions
 
     @invariant()
     def restores_are_exact(self) -> None:
@@ -323,7 +384,7 @@ class StoreStateMachine(RuleBasedStateMachine):
             if not x.matchable or x.pending:
                 continue
             saved = self.model[sid]
-            res, got = self.engine.restore(self.store, sid)
+            res, got = self._restore(sid, x.session)
             assert res.n_tokens == saved.n
             want = self.workload.expected(saved.conv, saved.n, saved.fixed_seed, set(saved.components))
             assert _digest(got) == _digest(want), f"snapshot {sid} did not restore byte-exact"

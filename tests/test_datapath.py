@@ -450,7 +450,7 @@ def test_catalog_of_an_older_version_reads_read_only_and_migrates_on_open(store_
     db = os.path.join(store_dir, "snapstore.db")
     c = apsw.Connection(db)
     c.execute("DROP INDEX chunks_quarantined; ALTER TABLE chunks DROP COLUMN quarantined; DROP TABLE owners; "
-              "PRAGMA user_version = 1")
+              "ALTER TABLE snapshots DROP COLUMN shared; PRAGMA user_version = 1")
     c.close()
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for cmd in (["verify", "--deep", "--json"], ["stats", "--json"], ["inspect", "--json"]):
@@ -467,5 +467,5 @@ def test_catalog_of_an_older_version_reads_read_only_and_migrates_on_open(store_
             s.restore(r, {k: np.zeros_like(v) for k, v in state.items()})
         assert s.stats().quarantined == 1
     c = apsw.Connection(db)
-    assert c.pragma("user_version") == 3
+    assert c.pragma("user_version") == 4
     c.close()

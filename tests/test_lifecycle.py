@@ -27,9 +27,10 @@ def Conv(k: int) -> Conversation:  # noqa: N802 (the name the tests have always 
     return WORKLOAD.conversation(k)
 
 
-def restore_ok(s: ss.Store, sid: int, conv: Conversation, fixed: np.ndarray | None = None) -> ss.RestoreResult:
+def restore_ok(s: ss.Store, sid: int, conv: Conversation, fixed: np.ndarray | None = None,
+               session: str | None = None) -> ss.RestoreResult:
     dest = {"rec": np.zeros(64, np.float32), "kv": np.zeros_like(conv.rows["kv"])}
-    r = s.restore(sid, dest)
+    r = s.restore(sid, dest, session=session)
     assert sha(dest["kv"][: r.n_tokens]) == sha(conv.rows["kv"][: r.n_tokens])
     if fixed is not None:
         assert sha(dest["rec"]) == sha(fixed)
@@ -50,7 +51,7 @@ def test_repeated_turns_keep_one_matchable_snapshot(store_dir: str) -> None:
             live = matchable(s)
             assert [x.snapshot_id for x in live] == [r.snapshot_id]  # the superseded one is gone now
             assert s.stats().supersedes == turn
-            restore_ok(s, r.snapshot_id, conv, st_["rec"])
+            restore_ok(s, r.snapshot_id, conv, st_["rec"], session="conv-17")  # its own session's use
         # the chain links kept only their rows: no fixed parts stored for non-matchable links
         links = [x for x in s.snapshots() if not x.matchable]
         assert len(links) == 3 and all(x.pinned for x in links)

@@ -39,10 +39,11 @@ class TorchEngine(NumpyEngine):
         parts = {k: _engine_tensor(k, v) for k, v in state.items()}
         return TorchAdapter(store, token_dims=TOKEN_DIMS).save(tokens, parts, **kw)
 
-    def restore(self, store: ss.Store, ref: Any) -> tuple[ss.RestoreResult, dict[str, bytes]]:
+    def restore(self, store: ss.Store, ref: Any,
+                session: str | None = None) -> tuple[ss.RestoreResult, dict[str, bytes]]:
         into = {k: _engine_tensor(k, np.zeros(s.nbytes if isinstance(s, ss.Fixed) else s.row_bytes * self.max_rows,
                                               np.uint8)) for k, s in LAYOUT.parts.items()}
-        res = TorchAdapter(store, token_dims=TOKEN_DIMS).restore(ref, into)
+        res = TorchAdapter(store, token_dims=TOKEN_DIMS).restore(ref, into, session=session)
         out = {}
         for k, s in LAYOUT.parts.items():
             if s.component in res.missing_components:

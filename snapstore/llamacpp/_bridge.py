@@ -196,7 +196,7 @@ class LlamaBridge:
                      "miss" if m is None else f"has {m.n_tokens}", have, len(plan.tokens))
             return
         t0 = time.perf_counter()
-        data = self.slots.export_bytes(m)
+        data = self.slots.export_bytes(m, session=plan.session)
         self.server.restore_slot(plan.slot, data, m.n_tokens)
         self._known[plan.slot] = list(plan.tokens[: m.n_tokens])
         dt = time.perf_counter() - t0

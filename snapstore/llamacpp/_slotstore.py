@@ -56,10 +56,10 @@ def export_snapshot(root: str, sid: int) -> bytes:
         return _export(store, sid, proto)
 
 
-def _export(store: Store, ref: SnapshotRef, proto: SlotProto) -> bytes:
+def _export(store: Store, ref: SnapshotRef, proto: SlotProto, session: str | None = None) -> bytes:
     n = _n_tokens_of(store, ref)
     dest = empty_parts(store.layout, n)
-    store.restore(ref, into=dest)
+    store.restore(ref, into=dest, session=session)
     return encode(from_parts(dest, n, proto))
 
 
@@ -136,11 +136,12 @@ class SlotStore:
         res = self.save(sf, session=session)
         return ImportResult(res, sf.n_tokens, len(data), sf.n_checkpoints)
 
-    def export_bytes(self, ref: SnapshotRef) -> bytes:
-        """The slot file of a snapshot (a Match, SaveResult or id) of this store."""
+    def export_bytes(self, ref: SnapshotRef, *, session: str | None = None) -> bytes:
+        """The slot file of a snapshot (a Match, SaveResult or id) of this store; ``session``: the
+        conversation restoring it (its own snapshots stay supersedable, Store.restore)."""
         if self.store is None or self.proto is None:
             raise NotFoundError("nothing stored yet for this model and build")
-        return _export(self.store, ref, self.proto)
+        return _export(self.store, ref, self.proto, session)
 
     def match(self, tokens: Sequence[int]) -> Match | None:
         """The longest stored prefix of ``tokens``, or None."""
