@@ -9,8 +9,8 @@ private names (``_xfer``, ``_bits``, ``_host_u8``, ``_sync_copy``) are aliases o
 
 from __future__ import annotations
 
+from ._copy import Copy, flat_bytes, overlaps_itself, refuse_lazy, refuse_overlap
 from ._copy import copy_range as _xfer
-from ._copy import flat_bytes, overlaps_itself, refuse_lazy, refuse_overlap
 from ._copy import host_u8 as _host_u8
 from ._copy import same_width as _bits
 from ._copy import sync_copy as _sync_copy
@@ -20,6 +20,7 @@ from ._tensor_io import TensorSink, TensorSource
 
 __all__ = [
     "ALIGN",
+    "Copy",
     "DEFAULT_STAGING_BYTES",
     "MIB",
     "Staging",

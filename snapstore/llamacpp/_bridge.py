@@ -25,10 +25,11 @@ from .._config import Budget
 from .._errors import InvalidInputError, SnapstoreError
 from ._identity import build_of_server
 from ._slotfile import SlotFile, SlotFormatError
-from ._slotstore import SlotStore
+from ._slotstore import ImportResult, SlotStore, export_snapshot
 from ._upstream import JsonObject, LlamaServer, UpstreamError
 
-__all__ = ["BridgeEvents", "LlamaBridge", "Plan", "SlotStore", "UpstreamError"]
+# ImportResult and export_snapshot lived here before the split: kept importable from here
+__all__ = ["BridgeEvents", "ImportResult", "LlamaBridge", "Plan", "SlotStore", "UpstreamError", "export_snapshot"]
 
 log = logging.getLogger("snapstore.llamacpp")
 

@@ -385,3 +385,16 @@ def encode(sf: SlotFile) -> bytes:
             p(rl.s)
     p(sf.checkpoints)
     return bytes(out)
+
+
+# Names that lived here before slot files <-> parts moved to ``_slotparts`` (which imports this
+# module, so they are looked up on first use rather than imported at the top).
+_MOVED_TO_SLOTPARTS = frozenset({"SlotProto", "empty_parts", "from_parts", "layout_for", "to_parts"})
+
+
+def __getattr__(name: str) -> object:
+    """``_slotfile.SlotProto`` and the other moved names keep working for code that imported them from here."""
+    if name in _MOVED_TO_SLOTPARTS:
+        from . import _slotparts
+        return getattr(_slotparts, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
