@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ._buffers import Sink
 from ._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
 from ._plan import PlanItem, RestorePlan
+from ._prefix_match import match_tokens
 from ._refs import ref_namespace, snapshot_id
 from ._restore import Damage, quarantine, stream_plan
 from ._results import MatchDetails, RestoreResult
@@ -73,13 +74,13 @@ def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str
         m, into = pair
         if not isinstance(into, Mapping):
             raise InvalidInputError(f"restore_many: request {k}: into must be a mapping of part name to buffer")
-        refs.append((snapshot_id(m), ref_namespace(m, namespace), into))
+        refs.append((snapshot_id(m), ref_namespace(m, namespace), into, match_tokens(m)))
     if not refs:
         return []
     t0 = time.perf_counter()
 
     def build(c: Conn) -> list[RestorePlan]:
-        return [store._plan(c, sid, ns, into, wanted, rows_from)[1] for sid, ns, into in refs]
+        return [store._plan(c, sid, ns, into, wanted, rows_from, upto)[1] for sid, ns, into, upto in refs]
 
     plans = store._repo.db.read(build)
     damage: Damage = []

@@ -85,6 +85,8 @@ _COMPAT_VIEWS: dict[int, list[str]] = {
     2: ["CREATE TEMP TABLE owners(id TEXT PRIMARY KEY, kernel TEXT NOT NULL, host TEXT NOT NULL, "
         "pid INTEGER NOT NULL, lease REAL NOT NULL, renewed REAL NOT NULL, created REAL NOT NULL)"],
     3: ["CREATE TEMP VIEW chunks AS SELECT *, NULL AS quarantined FROM main.chunks"],
+    4: ["CREATE TEMP TABLE row_prefixes(snapshot_id INTEGER NOT NULL, n_tokens INTEGER NOT NULL, "
+        "key BLOB NOT NULL, PRIMARY KEY (snapshot_id, n_tokens))"],
 }
 
 

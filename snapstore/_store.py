@@ -50,6 +50,7 @@ from ._layout import Layout
 from ._lifecycle import drop_dead_pending, drop_identities, drop_subtree, evict_until, expire, supersede
 from ._owner import Liveness, Owner, reap_lock_files
 from ._plan import RestorePlan, build_plan
+from ._prefix_match import find_prefix, match_tokens, rows_limit
 from ._ramtier import RamTier
 from ._refs import SnapshotRef, excluded, namespace_key, ref_namespace, snapshot_id
 from ._repo import Repo
@@ -553,8 +554,9 @@ class Store:
         index = TokenIndex(arr)
         not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
 
-        def find(c: Txn) -> SnapRow | None:
+        def find(c: Txn) -> tuple[SnapRow, int] | None:
             broken = c.quarantined_users()
+            exact: tuple[SnapRow, int] | None = None
             for sid, cn, key in c.match_candidates(self.identity.key, ns, index.chain, len(arr),
                                                           not_before):
                 if key != index.prefix_key(cn) or sid in skip:
@@ -563,20 +565,28 @@ class Store:
                 if needs_quarantined(chain, broken, leaf=True):
                     continue  # it cannot restore until a save heals its chunk: the next-longest serves
                 if np.array_equal(self._tokens_of(c, chain), arr[:cn]):
-                    return chain[-1]
-            return None
+                    exact = (chain[-1], cn)
+                    break
+            # -- block-granular prefixes (_prefix_match.py): rows [0, k) of any longer snapshot --
+            def usable(snap: SnapRow, k: int) -> bool:
+                chain = c.chain(snap.id)
+                return snap.id not in skip and snap.last_used >= not_before and not needs_quarantined(
+                    chain, broken, leaf=True) and np.array_equal(self._tokens_of(c, chain)[:k], arr[:k])
+            more = find_prefix(c, self.layout, self.identity.key, ns, arr, exact[1] if exact else 0, usable)
+            return (more.snap, more.n_tokens) if more is not None else exact
 
-        hit = self._repo.db.read(find)
+        found = self._repo.db.read(find)
         if self._remote is not None:  # the shared tier, when it may hold something longer
-            far = self._remote.lookup(arr, ns, hit.n_tokens if hit is not None else 0)
+            far = self._remote.lookup(arr, ns, found[1] if found is not None else 0)
             if far is not None:
                 return far  # type: ignore[no-any-return]
-        if hit is None:
+        if found is None:
             self._ledger.count("misses")
             return None
+        hit, n_hit = found
         self._ledger.count("hits")
-        self._ledger.count("hit_tokens", hit.n_tokens)
-        return Match(hit.id, hit.n_tokens, namespace)
+        self._ledger.count("hit_tokens", n_hit)
+        return Match(hit.id, n_hit, namespace)
 
     # -- restore -----------------------------------------------------------------------------
     def _chain(self, c: Txn, snap: SnapRow) -> list[SnapRow]:
@@ -602,7 +612,7 @@ class Store:
         return wanted
 
     def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
-              wanted: set[str], rows_from: int = 0) -> tuple[SnapRow, RestorePlan]:
+              wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
         """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
         snap = c.snapshot(sid)
         if snap is None:
@@ -617,7 +627,8 @@ class Store:
                                            snapshot_id=sid)
         if rows_from < 0 or rows_from > snap.n_tokens:
             raise InvalidInputError(f"rows_from={rows_from} is outside snapshot {sid}'s [0, {snap.n_tokens}] tokens")
-        return snap, build_plan(c, sid, self._chain(c, snap), self.layout, into, wanted, rows_from)
+        rows_to = rows_limit(self.layout, snap, upto)  # a block-granular prefix match: rows [0, rows_to)
+        return snap, build_plan(c, sid, self._chain(c, snap), self.layout, into, wanted, rows_from, rows_to)
 
     @_operation
     def restore(self, m: SnapshotRef, into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Any]],
@@ -644,12 +655,13 @@ class Store:
         wanted = self._wanted(components)
         t0 = time.perf_counter()
         if callable(into) and not isinstance(into, Mapping):  # plan, then write: see _batch.py
-            into = planned_destination(self.describe(sid, components, namespace=ns or None, rows_from=k), into)
+            into = planned_destination(self.describe(m, components, namespace=ns or None, rows_from=k), into)
         if not isinstance(into, Mapping):
             raise InvalidInputError("into must be a mapping of part name to writable buffer, or a callable "
                                     "that takes the plan (MatchDetails) and returns one")
         dest = into
-        _, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k))
+        upto = match_tokens(m)  # a block-granular prefix match restores rows [0, upto // g) only
+        _, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k, upto))
         damage: Damage = []
         try:
             stream_plan(plan, self._repo.blob_path, self._staging, self._ram, damage)
@@ -681,7 +693,7 @@ class Store:
         k = count_of(rows_from, "rows_from")
 
         def run(c: Txn) -> MatchDetails:
-            snap, plan = self._plan(c, sid, ns, None, wanted, k)
+            snap, plan = self._plan(c, sid, ns, None, wanted, k, match_tokens(m))
             held = {p.component for p in c.parts(sid) if p.component is not None}
             return MatchDetails(
                 snapshot_id=sid, n_tokens=plan.n_tokens, namespace=ns or None, rows=dict(plan.rows),
