@@ -14,8 +14,10 @@ settings.register_profile("long", max_examples=1000, stateful_step_count=50, **_
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The slow tier: the reliability campaigns (crash kills, power-loss replay, corruption trials,
-# multi-process concurrency). `make test` deselects it; `./test.sh` and CI run everything.
-SLOW_MODULES = frozenset({"test_crash.py", "test_power_loss.py", "test_concurrency.py", "test_corruption.py"})
+# multi-process concurrency) and the real vLLM connector tests (own venv, ~90 s per vLLM process).
+# `make test` deselects it; `./test.sh` and CI run everything.
+SLOW_MODULES = frozenset({"test_crash.py", "test_power_loss.py", "test_concurrency.py", "test_corruption.py",
+                          "test_vllm_connector.py"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
