@@ -123,6 +123,10 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             cfg.kv_load_failure_policy = "recompute"  # a failed load recomputes its blocks: never junk
         try:
             mc, pc = vllm_config.model_config, vllm_config.parallel_config
+            groups = getattr(kv_cache_config, "kv_cache_groups", None)
+            if getattr(mc, "use_mla", False) or (groups is not None and len(groups) != 1):
+                raise ss.LayoutError("only models with one full-attention KV cache group (no MLA, no hybrid "
+                                     "layers) are supported")
             self._geo = BlockGeometry(layers=int(mc.get_num_layers(pc)), kv_heads=int(mc.get_num_kv_heads(pc)),
                                       block_size=self._bs, entry=2 * int(mc.get_head_size()),
                                       dtype=_kv_dtype(vllm_config))

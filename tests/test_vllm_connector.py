@@ -55,7 +55,7 @@ def serve(model: str, tmp: Path, name: str, prompts: list[list[int]], **spec: An
     out = tmp / f"{name}.json"
     spec_path = tmp / f"{name}.spec.json"
     spec_path.write_text(json.dumps({"model": model, "prompts": prompts, "out": str(out), **spec}))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CACHE_ROOT=str(tmp / "vllm-cache"))
     proc = subprocess.run([str(VPY), str(DRIVER), "serve", str(spec_path)], capture_output=True, text=True,
                           timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
