@@ -79,6 +79,7 @@ def main() -> None:
         fig["ttft_s"] = {"prefill": statistics.median(_ttfts(base)),
                          "snapstore_restored": statistics.median(_ttfts(snap2)),
                          "example_restored": statistics.median(_ttfts(ex2))}
+        fig["snapstore_connector"] = snap2["stats"]
         fig["cached_tokens"] = {"snapstore": [r["num_cached_tokens"] for r in snap2["results"][1:]],
                                 "example": [r["num_cached_tokens"] for r in ex2["results"][1:]]}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,7 +111,8 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._bs = int(vllm_config.cache_config.block_size)
         self._every = max(self._bs, -(-int(extra.get("save_every", _SAVE_EVERY)) // self._bs) * self._bs)
         self.stats: dict[str, int] = {"lookups": 0, "hit_tokens": 0, "loads": 0, "loaded_blocks": 0,
-                                      "load_errors": 0, "failed_blocks": 0, "saves": 0, "save_errors": 0}
+                                      "load_errors": 0, "failed_blocks": 0, "saves": 0, "save_errors": 0,
+                                      "lookup_us": 0, "load_us": 0, "save_copy_us": 0}
         self._side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self._store: ss.Store | None = None
         self._pools: list[Any] = []
@@ -118,7 +120,7 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._handles: list[Any] = []
         self._reqs: dict[str, _Track] = {}
         self._matched: dict[str, tuple[int, int]] = {}  # req -> (snapshot id, tokens) of its last lookup
-        self._to_load: dict[str, tuple[int, int, int]] = {}  # req -> (snapshot id, tokens, local tokens)
+        self._to_load: dict[str, LoadOp] = {}  # req -> its planned load (built in update_state_after_alloc)
         if role == KVConnectorRole.SCHEDULER and extra.get("on_load_error", "recompute") == "recompute":
             cfg.kv_load_failure_policy = "recompute"  # a failed load recomputes its blocks: never junk
         try:
@@ -161,6 +163,7 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if limit <= num_computed_tokens:
             return 0, False
         self.stats["lookups"] += 1
+        t0 = time.perf_counter()
         try:
             m = self._store.match(prompt[:limit])
             if m is None:
@@ -172,6 +175,8 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except ss.SnapstoreError as e:
             log.warning("snapstore: lookup for request %s failed (%s); computing it", request.request_id, e)
             return 0, False
+        finally:
+            self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
         self._matched[request.request_id] = (m.snapshot_id, hit)
         self.stats["hit_tokens"] += hit - num_computed_tokens
         LAST_STATS[self._side] = dict(self.stats)
@@ -181,7 +186,9 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Plan the load of the matched blocks once vLLM allocated them."""
         if num_external_tokens > 0 and request.request_id in self._matched:
             sid, hit = self._matched[request.request_id]
-            self._to_load[request.request_id] = (sid, hit, hit - num_external_tokens)
+            ids = list(blocks.get_block_ids()[0])  # every block of the request, resumed ones too
+            self._to_load[request.request_id] = LoadOp(request.request_id, sid, hit,
+                                                       (hit - num_external_tokens) // self._bs, ids[:hit // self._bs])
 
     def build_connector_meta(self, scheduler_output: Any) -> SnapstoreConnectorMetadata:
         """This step's loads (newly scheduled requests with a match) and saves (requests whose
@@ -205,10 +212,7 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             elif ids is not None:
                 tr.blocks.extend(ids[0])
             computed[rid] = int(cached.num_computed_tokens[i])
-        for rid, (sid, hit, local) in self._to_load.items():
-            tr = self._reqs.get(rid)
-            if tr is not None:
-                meta.loads.append(LoadOp(rid, sid, hit, local // self._bs, tr.blocks[:hit // self._bs]))
+        meta.loads.extend(self._to_load.values())
         self._to_load.clear()
         for rid, done in computed.items():
             tr = self._reqs[rid]
@@ -251,6 +255,7 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for op in getattr(meta, "loads", []):  # nothing can load: vLLM recomputes the blocks
                 self._invalid.update(op.block_ids[op.rows_from:])
             return
+        t0 = time.perf_counter()
         for op in meta.loads:
             try:
                 self._store.restore(ss.Match(op.snapshot_id, op.n_tokens),
@@ -263,6 +268,7 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._invalid.update(op.block_ids[op.rows_from:])
                 log.warning("snapstore: load for request %s failed, vLLM recomputes %d blocks: %s",
                             op.req_id, len(op.block_ids) - op.rows_from, e)
+        self.stats["load_us"] += int((time.perf_counter() - t0) * 1e6)
         LAST_STATS[self._side] = dict(self.stats)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -279,7 +285,9 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         self._reap()
         for op in meta.saves:
+            t0 = time.perf_counter()
             rows = gather_blocks(self._pools, op.block_ids)
+            self.stats["save_copy_us"] += int((time.perf_counter() - t0) * 1e6)
             for b in op.boundaries:  # FIFO: each boundary is a delta over the one before it
                 try:
                     self._handles.append(self._store.save(op.tokens[:b], {"kv": rows}, rows=b // self._bs,
