@@ -141,15 +141,15 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             ident = self._geo.identity(
                 build=f"vllm-{vllm.__version__}", kv=torch_dtype_name(self._geo.dtype),
                 pack=str(extra.get("weights_hash") or weights_hash(str(mc.model))),
-                backend=_backend(vllm_config, self._geo), tp=(rank, int(pc.tensor_parallel_size)))
+                backend=_backend(vllm_config, self._geo), tp=(rank, int(pc.tensor_parallel_size)),
+                extra={"cache_dtype": str(vllm_config.cache_config.cache_dtype)})
             budget = ss.Budget(disk_bytes=int(extra["disk_mib"]) << 20 if "disk_mib" in extra else None)
             self._store = ss.Store.open(extra.get("path"), identity=ident, layout=self._geo.layout(), budget=budget,
                                         drop_stale=bool(extra.get("drop_stale", False)))
             atexit.register(self._close)  # queued saves land even when vLLM exits without shutdown()
         except Exception as e:  # any failure to open disables the connector; vLLM serves on without it
             log.error("snapstore connector disabled (%s side): cannot open the store at %r: %s: %s", self._side,
-                      extra.get("path"),
-                      type(e).__name__, e)
+                      extra.get("path"), type(e).__name__, e)
             self._store = None
 
     # -- scheduler side ------------------------------------------------------------------------
