@@ -18,6 +18,7 @@ from ._buffers import Destination, Sink
 from ._errors import InvalidInputError, RestoreError
 from ._lifecycle import new_outside_use
 from ._plan import PlanItem, RestorePlan
+from ._prefix_match import match_tokens
 from ._read import stream_checked
 from ._refs import ref_namespace, snapshot_id
 from ._results import MatchDetails, RestoreResult
@@ -83,15 +84,15 @@ def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str
         m, into = pair
         if not isinstance(into, Mapping):
             raise InvalidInputError(f"restore_many: request {k}: into must be a mapping of part name to buffer")
-        refs.append((snapshot_id(m), ref_namespace(m, namespace), into))
+        refs.append((snapshot_id(m), ref_namespace(m, namespace), into, match_tokens(m)))
     if not refs:
         return []
     t0 = time.perf_counter()
 
     def build(c: Conn) -> list[tuple[bool, RestorePlan]]:
         out = []
-        for sid, ns, into in refs:
-            snap, plan = store._plan(c, sid, ns, into, wanted, rows_from)
+        for sid, ns, into, upto in refs:
+            snap, plan = store._plan(c, sid, ns, into, wanted, rows_from, upto)
             out.append((new_outside_use(snap, session), plan))  # the session rule's signal (_lifecycle)
         return out
 

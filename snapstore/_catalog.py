@@ -154,6 +154,23 @@ class Txn(ChunkQueries):
             ":state, :owner, 1, :now, :now, 0, :logical_bytes)", v)
         return int(self._c.last_insert_rowid())
 
+    # -- block-granular prefixes (see _prefix_match.py) --------------------------------------
+    def insert_row_prefixes(self, sid: int, keys: Sequence[tuple[int, bytes]]) -> None:
+        """Index ``sid`` under each (n_tokens, key) prefix it adds."""
+        self._c.executemany("INSERT OR IGNORE INTO row_prefixes(snapshot_id, n_tokens, key) VALUES (?, ?, ?)",
+                            [(sid, n, k) for n, k in keys])
+
+    def row_prefix_holders(self, identity_key: str, namespace: str, key: bytes, n_tokens: int,
+                           limit: int) -> list[int]:
+        """Committed snapshots of the identity *key* and namespace whose tokens start with the
+        prefix ``key`` names (``n_tokens`` long), most recently used first."""
+        rows = self._c.execute(
+            "SELECT s.id FROM row_prefixes r JOIN snapshots s ON s.id = r.snapshot_id WHERE r.key = ? "
+            "AND r.n_tokens = ? AND s.identity_id = (SELECT id FROM identities WHERE key = ?) "
+            "AND s.namespace = ? AND s.state = 1 ORDER BY s.last_used DESC, s.id DESC LIMIT ?",
+            (key, n_tokens, identity_key, namespace, limit)).fetchall()
+        return [int(str(r[0])) for r in rows]
+
     def children(self, sid: int) -> list[int]:
         return [int(r[0]) for r in self._c.execute("SELECT id FROM snapshots WHERE parent_id = ?", (sid,))]
 

@@ -86,6 +86,8 @@ _COMPAT_VIEWS: dict[int, list[str]] = {
         "pid INTEGER NOT NULL, lease REAL NOT NULL, renewed REAL NOT NULL, created REAL NOT NULL)"],
     3: ["CREATE TEMP VIEW chunks AS SELECT *, NULL AS quarantined FROM main.chunks"],
     4: ["CREATE TEMP VIEW snapshots AS SELECT *, 0 AS shared FROM main.snapshots"],
+    5: ["CREATE TEMP TABLE row_prefixes(snapshot_id INTEGER NOT NULL, n_tokens INTEGER NOT NULL, "
+        "key BLOB NOT NULL, PRIMARY KEY (snapshot_id, n_tokens))"],
 }
 
 

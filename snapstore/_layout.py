@@ -95,10 +95,17 @@ PartSpec = Fixed | Rows
 
 @dataclass(frozen=True)
 class Layout:
-    """The parts of a state: ``fixed`` parts and ``rows`` streams, each by a unique name."""
+    """The parts of a state: ``fixed`` parts and ``rows`` streams, each by a unique name.
+
+    ``tokens_per_row``: None (default) — one row per token and match() at saved boundaries only.
+    An int ``g`` — every stream holds one row per ``g`` tokens (a paged engine's block), there are
+    no fixed parts, and match() may return any common prefix at the row granularity
+    (docs/api.md "Prefixes at block granularity").
+    """
 
     fixed: Mapping[str, Fixed] = field(default_factory=dict)
     rows: Mapping[str, Rows] = field(default_factory=dict)
+    tokens_per_row: int | None = None
 
     def __post_init__(self) -> None:
         for kind, parts, cls in (("fixed", self.fixed, Fixed), ("rows", self.rows, Rows)):
@@ -112,6 +119,14 @@ class Layout:
             raise LayoutError(f"part names used twice (fixed and rows): {sorted(dup)}")
         if not self.fixed and not self.rows:
             raise LayoutError("a layout needs at least one part")
+        g = self.tokens_per_row
+        if g is not None:
+            if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+                raise LayoutError(f"tokens_per_row must be None or an int >= 1, got {g!r}")
+            if self.fixed or not self.rows:
+                # a fixed part is valid only at the exact point it was captured: no prefix of it exists
+                raise LayoutError("tokens_per_row (block-granular prefixes) needs a layout of row streams "
+                                  f"only; this one has fixed parts {sorted(self.fixed)}")
         object.__setattr__(self, "fixed", dict(self.fixed))
         object.__setattr__(self, "rows", dict(self.rows))
 
@@ -139,12 +154,15 @@ class Layout:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able description (stored with each snapshot's parts)."""
-        return {
+        out: dict[str, Any] = {
             "fixed": {n: {"dtype": s.dtype, "shape": list(s.shape), "component": s.component}
                       for n, s in sorted(self.fixed.items())},
             "rows": {n: {"dtype": s.dtype, "row_shape": list(s.row_shape), "component": s.component}
                      for n, s in sorted(self.rows.items())},
         }
+        if self.tokens_per_row is not None:  # absent otherwise: older layouts describe as before
+            out["tokens_per_row"] = self.tokens_per_row
+        return out
 
     @property
     def canonical(self) -> str:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 from ._catalog import SnapRow, Txn
+from ._layout import Layout
+from ._prefix_match import find_prefix
 from ._save import needs_quarantined
 from ._tokens import TokenIndex, decode_tokens, spells_prefix
 
-__all__ = ["longest_prefix", "tokens_of"]
+__all__ = ["best_match", "longest_prefix", "tokens_of"]
 
 
 def tokens_of(chain: list[SnapRow]) -> np.ndarray:
@@ -41,3 +43,26 @@ def longest_prefix(c: Txn, identity_key: str, ns: str, arr: np.ndarray, skip: se
         if spells_prefix(c.chain_tokens(sid), arr):  # the stored blobs against the prompt: no decodes
             return c.snapshot(sid)
     return None
+
+
+def best_match(c: Txn, layout: Layout, identity_key: str, ns: str, arr: np.ndarray, skip: set[int],
+               not_before: float) -> tuple[SnapRow, int] | None:
+    """``(snapshot, tokens it serves)``: the longest exact prefix (:func:`longest_prefix`), or, for a
+    layout with ``tokens_per_row``, rows [0, k) of any snapshot sharing a longer block-aligned
+    prefix with ``arr`` (:mod:`._prefix_match`); None on a miss."""
+    hit = longest_prefix(c, identity_key, ns, arr, skip, not_before)
+    exact = (hit, hit.n_tokens) if hit is not None else None
+    broken: dict[int, bool] | None = None
+
+    def usable(snap: SnapRow, k: int) -> bool:
+        nonlocal broken
+        if snap.id in skip or snap.last_used < not_before:
+            return False
+        chain = c.chain(snap.id)
+        broken = c.quarantined_users() if broken is None else broken
+        if broken and needs_quarantined(chain, broken, leaf=True):
+            return False
+        return bool(np.array_equal(tokens_of(chain)[:k], arr[:k]))
+
+    more = find_prefix(c, layout, identity_key, ns, arr, exact[1] if exact else 0, usable)
+    return (more.snap, more.n_tokens) if more is not None else exact

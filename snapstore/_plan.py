@@ -15,6 +15,7 @@ from ._buffers import Sink, as_sink
 from ._db import ChunkRow, PartRow, SnapRow
 from ._errors import CorruptChunkError, DestinationError, SnapshotUnavailableError
 from ._layout import Fixed, Layout, PartSpec, Rows
+from ._prefix_match import ClippedSink
 
 __all__ = ["PlanItem", "PlanSource", "RestorePlan", "build_plan"]
 
@@ -81,13 +82,15 @@ def _chunks(c: PlanSource, sid: int, part: PartRow) -> list[ChunkRow]:
 
 
 def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, into: Mapping[str, Any] | None,
-               components: set[str], rows_from: int = 0) -> RestorePlan:
+               components: set[str], rows_from: int = 0, rows_to: int | None = None) -> RestorePlan:
     """Validate the chain and the destinations and list every chunk to write, in order.
 
     ``into=None`` describes instead (``Store.describe``): the same checks of the chain and its
     chunks, no destinations, no items; ``rows`` and ``part_bytes`` say what a restore would write.
     ``rows_from``: rows below it (the engine holds them) are not written; a chunk wholly below is
     not read at all, one that straddles it is read and checked whole and written from that row.
+    ``rows_to``: a block-granular prefix match (``_prefix_match``) — only rows ``[0, rows_to)`` of
+    every stream are restored; chunks wholly above are not read, one that straddles is clipped.
     """
     leaf = chain[-1]
     prev_n = 0
@@ -102,7 +105,8 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
                 f"(starts at token {link.base_tokens}, parent ends at {prev_n})", snapshot_id=sid)
         prev_n = link.n_tokens
     parts_by_link = [{p.name: p for p in c.parts(link.id)} for link in chain]
-    plan = RestorePlan(sid, leaf.n_tokens, [s.id for s in chain], {}, set())
+    n_tokens = leaf.n_tokens if rows_to is None else rows_to * (layout.tokens_per_row or 1)
+    plan = RestorePlan(sid, n_tokens, [s.id for s in chain], {}, set())
     for name, spec in layout.parts.items():
         if spec.component is not None and spec.component not in components:
             continue  # a component the caller did not ask for
@@ -157,6 +161,11 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
                     f"for {p.row_end - p.row_start} rows", snapshot_id=sid)
             rows = p.row_end
             segments.append((link.id, p))
+        if rows_to is not None:
+            if rows < rows_to:
+                raise SnapshotUnavailableError(f"snapshot {sid} part {name!r} holds {rows} rows, the match "
+                                               f"needs {rows_to}; nothing was written", snapshot_id=sid)
+            rows = rows_to
         plan.rows[name] = rows
         plan.part_bytes[name] = (rows - min(rows_from, rows)) * spec.row_bytes
         if into is None:
@@ -164,11 +173,13 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
                 _chunks(c, link_id, p)  # every chunk row present and sized: what a restore checks
             continue
         sink = as_sink(name, into[name], spec, rows)
+        if rows_to is not None:
+            sink = ClippedSink(sink, rows * spec.row_bytes)
         keep_from = min(rows_from, rows) * spec.row_bytes
         for link_id, p in segments:
             off = p.row_start * spec.row_bytes
             for ch in _chunks(c, link_id, p):
-                if off + ch.raw_len > keep_from:
+                if off + ch.raw_len > keep_from and off < sink.nbytes:
                     plan.items.append(PlanItem(sink, off, ch, max(0, keep_from - off)))
                 off += ch.raw_len
     return plan

@@ -14,6 +14,7 @@ from ._chunker import StagingBuffer
 from ._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
 from ._layout import Layout
 from ._plan import RestorePlan, build_plan
+from ._prefix_match import rows_limit
 from ._ramtier import RamTier
 from ._repo import Repo
 from ._restore import Damage, quarantine, stream_plan
@@ -35,10 +36,12 @@ def wanted_components(layout: Layout, components: Iterable[str] | None) -> set[s
 
 
 def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Mapping[str, Destination] | None,
-            wanted: set[str], rows_from: int = 0) -> tuple[SnapRow, RestorePlan]:
-    """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
+            wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
+    """Check that ``sid`` is this store's to restore and build (and validate) its plan; ``upto``:
+    the tokens of a block-granular prefix match (rows [0, upto // g) only, :mod:`._prefix_match`)."""
     snap = access.readable(c, sid, ns, rows_from)
-    return snap, build_plan(c, sid, access.chain(c, snap), layout, into, wanted, rows_from)
+    rows_to = rows_limit(layout, snap, upto)
+    return snap, build_plan(c, sid, access.chain(c, snap), layout, into, wanted, rows_from, rows_to)
 
 
 def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int) -> MatchDetails:

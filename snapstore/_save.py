@@ -25,6 +25,7 @@ from ._chunkfile import HEADER_SIZE, checksum, header_at, header_matches, scope_
 from ._errors import CorruptionError, InvalidInputError, LayoutError
 from ._layout import Fixed, Layout, Rows
 from ._lifecycle import evict_until, new_outside_use, supersede
+from ._prefix_match import index_keys
 from ._refs import snapshot_id
 from ._tokens import TokenIndex, encode_tokens
 
@@ -90,13 +91,15 @@ def validate_parts(layout: Layout, parts: Mapping[str, Any], rows: Any, n: int
         s.component is None or s.component in present_components))
     if missing:
         raise LayoutError(f"parts missing from save(): {missing} (a component is saved whole or not at all)")
+    per = layout.tokens_per_row or 1  # block-granular layouts: one row per `per` tokens
+    full = n // per
     if rows is None:
-        row_counts = {name: n for name in parts if isinstance(specs[name], Rows)}
+        row_counts = {name: full for name in parts if isinstance(specs[name], Rows)}
     elif isinstance(rows, Mapping):
         extra = sorted(set(rows) - {k for k in parts if isinstance(specs[k], Rows)})
         if extra:
             raise LayoutError(f"rows given for parts that are not saved row streams: {extra}")
-        row_counts = {name: count_of(rows.get(name, n), f"rows[{name!r}]") for name in parts
+        row_counts = {name: count_of(rows.get(name, full), f"rows[{name!r}]") for name in parts
                       if isinstance(specs[name], Rows)}
     elif isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
         row_counts = {name: int(rows) for name in parts if isinstance(specs[name], Rows)}
@@ -105,9 +108,9 @@ def validate_parts(layout: Layout, parts: Mapping[str, Any], rows: Any, n: int
     for name, r in row_counts.items():
         if r < 0:
             raise InvalidInputError(f"rows[{name!r}] must be >= 0, got {r}")
-        if r > n:
+        if r > full:
             raise InvalidInputError(f"rows[{name!r}] = {r} but only {n} tokens are saved: a stream holds at "
-                                    "most one row per token")
+                                    f"most one row per {'token' if per == 1 else f'{per} tokens'}")
     sources = {name: as_source(name, obj, specs[name], row_counts.get(name, 0)) for name, obj in parts.items()}
     return sources, row_counts
 
@@ -298,6 +301,7 @@ class Saver:
             else:
                 t.insert_part(sid, name, PartKind.ROWS, spec.dtype, spec.row_shape, spec.component, r0, r1,
                               (r1 - r0) * spec.row_bytes, [r.id for r in rs])
+        t.insert_row_prefixes(sid, index_keys(self.layout, arr, t.parts(sid)))  # block-granular prefixes
         if commit:
             new = t.snapshot(sid)
             assert new is not None

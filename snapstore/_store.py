@@ -39,9 +39,10 @@ from ._inspect import snapshot_infos, stats_of
 from ._layout import Layout
 from ._lifecycle import new_outside_use
 from ._liveness import reap_lock_files
-from ._match import longest_prefix, tokens_of
+from ._match import best_match, tokens_of
 from ._owner import Owner
 from ._plan import RestorePlan
+from ._prefix_match import match_tokens
 from ._ramtier import RamTier
 from ._read import details_of, plan_of, stream_checked, wanted_components
 from ._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
@@ -287,23 +288,25 @@ class Store:
         if len(arr) == 0:
             return None
         not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
-        hit = self._repo.db.read(lambda c: longest_prefix(c, self.identity.key, ns, arr, skip, not_before))
+        found = self._repo.db.read(lambda c: best_match(c, self.layout, self.identity.key, ns, arr, skip,
+                                                        not_before))
         if self._remote is not None:  # the shared tier, when it may hold something longer
-            far = self._remote.lookup(arr, ns, hit.n_tokens if hit is not None else 0)
+            far = self._remote.lookup(arr, ns, found[1] if found is not None else 0)
             if far is not None:
                 return far  # type: ignore[no-any-return]
-        if hit is None:
+        if found is None:
             self._ledger.count("misses")
             return None
+        hit, n_hit = found
         self._ledger.count("hits")
-        self._ledger.count("hit_tokens", hit.n_tokens)
-        return Match(hit.id, hit.n_tokens, namespace)
+        self._ledger.count("hit_tokens", n_hit)
+        return Match(hit.id, n_hit, namespace)
 
     # -- restore -----------------------------------------------------------------------------
     def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
-              wanted: set[str], rows_from: int = 0) -> tuple[SnapRow, RestorePlan]:
+              wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
         """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
-        return plan_of(c, self._access, self.layout, sid, ns, into, wanted, rows_from)
+        return plan_of(c, self._access, self.layout, sid, ns, into, wanted, rows_from, upto)
 
     @operation
     def restore(self, m: SnapshotRef,
@@ -336,8 +339,9 @@ class Store:
         ns = ref_namespace(m, namespace)
         t0 = time.perf_counter()
         sess = session_key(session)
-        dest = planned_destination(into, lambda: self.describe(sid, components, namespace=ns or None, rows_from=k))
-        snap, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k))
+        dest = planned_destination(into, lambda: self.describe(m, components, namespace=ns or None, rows_from=k))
+        upto = match_tokens(m)  # a block-granular prefix match restores rows [0, upto // g) only
+        snap, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k, upto))
         stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count)
         # last use and the hit are bookkeeping: recorded in memory and written now only if the
         # write lock is free; a restore queues behind a writer only for a first outside use
@@ -356,7 +360,7 @@ class Store:
         k = count_of(rows_from, "rows_from")
 
         def run(c: Txn) -> MatchDetails:
-            snap, plan = self._plan(c, sid, ns, None, wanted, k)
+            snap, plan = self._plan(c, sid, ns, None, wanted, k, match_tokens(m))
             return details_of(c, snap, plan, ns, k)
 
         return self._repo.db.read(run)

@@ -1,0 +1,105 @@
+"""vLLM with the snapstore connector vs without vs vLLM's ExampleConnector (issue 17).
+
+Runs real vLLM processes (CPU build, .venv-vllm from scripts/vllm_venv.sh) on the tiny random
+Llama of tests/vllm_driver.py and reports:
+
+1. time to first token of long prompts: prefill (no connector), restored by snapstore (a second
+   process serving what the first saved), restored by the ExampleConnector (same two processes);
+2. eight conversations sharing a 2K-token system prompt: bytes in the snapstore store vs in the
+   ExampleConnector's folders, for the same prompts.
+
+``python benchmarks/bench_vllm.py [--long 3000] [--n 5] [--json out.json]``. The model is tiny, so
+TTFT here is dominated by vLLM's per-request overhead and the K/V copy, not by attention FLOPs:
+read the ratios, not the absolute figures, and on a loaded machine run it twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+VPY = ROOT / ".venv-vllm" / "bin" / "python"
+DRIVER = ROOT / "tests" / "vllm_driver.py"
+
+
+def _serve(tmp: Path, name: str, model: str, prompts: list[list[int]], **spec: Any) -> dict[str, Any]:
+    out = tmp / f"{name}.json"
+    (tmp / f"{name}.spec.json").write_text(json.dumps({"model": model, "prompts": prompts, "out": str(out),
+                                                       "max_tokens": 1, **spec}))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CACHE_ROOT=str(tmp / "vllm-cache"))
+    proc = subprocess.run([str(VPY), str(DRIVER), "serve", str(tmp / f"{name}.spec.json")], capture_output=True,
+                          text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: vLLM failed:\n{proc.stderr[-3000:]}")
+    res: dict[str, Any] = json.loads(out.read_text())
+    return res
+
+
+def _du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _ttfts(res: dict[str, Any]) -> list[float]:
+    return [r["seconds"] for r in res["results"][1:]]  # the first prompt warms the process up
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--long", type=int, default=3000, help="tokens of each long prompt")
+    ap.add_argument("--n", type=int, default=5, help="long prompts timed (medians)")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    subprocess.run([str(ROOT / "scripts" / "vllm_venv.sh")], check=True)
+    rng = random.Random(7)
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as d:
+        tmp = Path(d)
+        model = str(tmp / "model")
+        subprocess.run([str(VPY), str(DRIVER), "build", model], check=True, capture_output=True)
+        warm = [rng.randrange(4, 512) for _ in range(64)]
+        longs = [[rng.randrange(4, 512) for _ in range(args.long)] for _ in range(args.n)]
+        prompts = [warm, *longs]
+        fig: dict[str, Any] = {"long_tokens": args.long, "n": args.n, "load": os.getloadavg()}
+
+        base = _serve(tmp, "prefill", model, prompts)
+        snap = {"connector": "snapstore", "extra": {"path": str(tmp / "store")}}
+        _serve(tmp, "snap1", model, prompts, **snap)
+        snap2 = _serve(tmp, "snap2", model, [[5, *warm[1:]], *longs], **snap)
+        ex = {"connector": "example", "example_path": str(tmp / "example")}
+        _serve(tmp, "ex1", model, prompts, **ex)
+        ex2 = _serve(tmp, "ex2", model, [[5, *warm[1:]], *longs], **ex)
+        fig["ttft_s"] = {"prefill": statistics.median(_ttfts(base)),
+                         "snapstore_restored": statistics.median(_ttfts(snap2)),
+                         "example_restored": statistics.median(_ttfts(ex2))}
+        fig["snapstore_connector"] = snap2["stats"]
+        fig["cached_tokens"] = {"snapstore": [r["num_cached_tokens"] for r in snap2["results"][1:]],
+                                "example": [r["num_cached_tokens"] for r in ex2["results"][1:]]}
+
+        system = [rng.randrange(4, 512) for _ in range(2048)]
+        convs = [[*system, *(rng.randrange(4, 512) for _ in range(200))] for _ in range(8)]
+        _serve(tmp, "conv-snap", model, convs, connector="snapstore", extra={"path": str(tmp / "conv-store")})
+        _serve(tmp, "conv-ex", model, convs, connector="example", example_path=str(tmp / "conv-example"))
+        stats = subprocess.run([sys.executable, "-m", "snapstore", "--dir", str(tmp / "conv-store"), "stats",
+                                "--json"], capture_output=True, text=True, check=True)
+        st = json.loads(stats.stdout)["stats"]
+        block = 2 * 2 * 32 * 64 * 4  # 2 layers x (2 heads x 32 tokens x 64 floats) per block
+        fig["eight_conversations"] = {
+            "prompt_tokens": len(convs[0]), "snapstore_stored_bytes": st["stored_bytes"],
+            "snapstore_logical_bytes": st["logical_bytes"], "snapstore_dir_bytes": _du(tmp / "conv-store" / "blobs"),
+            "example_dir_bytes": _du(tmp / "conv-example"),
+            "one_prefix_plus_8_deltas_bytes": (2048 // 32 + 8 * ((2248 // 32) - 2048 // 32)) * block}
+    print(json.dumps(fig, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(fig, indent=2))
+
+
+if __name__ == "__main__":
+    main()
