@@ -332,8 +332,8 @@ class Saver:
                 except (OSError, CorruptionError):
                     missing.add(r.id)
                     continue
-                if not header_matches(head, r.raw_len, r.checksum):
-                    missing.add(r.id)  # a damaged file sits at the address: republish it
+                if not header_matches(head, r.raw_len, r.checksum, size):
+                    missing.add(r.id)  # a damaged (or cut) file sits at the address: republish it
                     continue
                 if t.add_chunk(r.id, r.raw_len, size, head.codec, r.checksum, keys[r.id], now):
                     new_bytes += size

@@ -378,6 +378,37 @@ def test_retried_save_leaves_no_uncounted_orphans(store_dir: str, hook: Any, par
         assert s.stats().stored_bytes == disk_bytes(s)
 
 
+def test_save_never_adopts_a_published_file_whose_payload_was_cut(store_dir: str, hook: Any) -> None:
+    """A chunk file cut short between its publish and the save's commit (header intact, payload
+    shorter than the header says) fails the save's header check as it fails restore's: the save
+    republishes it rather than committing a snapshot that cannot restore (review of issue 10's
+    one header check: the save path passed no file size, so it was weaker than restore's)."""
+    from snapstore._chunkfile import HEADER_SIZE
+
+    toks = list(range(300))
+    state = make_state(LAYOUT, 300, 12)
+    with open_store(store_dir) as s:
+        cut: list[str] = []
+
+        def damage(stage: str, chunker: Any, cid: bytes) -> None:
+            if stage != "stored" or cut:
+                return
+            known = s._repo.db.read(lambda c: {ch.id for ch in c.all_chunks()})
+            for fid, path in s._repo.blob_files():
+                size = os.path.getsize(path)
+                if fid not in known and size > HEADER_SIZE + 1:
+                    os.truncate(path, size - 1)  # what a torn or damaged file looks like to a stat
+                    cut.append(path)
+                    return
+
+        hook(damage)
+        r = s.save(toks, state)
+        assert cut and r.ok
+        restore_exact(s, r, state)
+        assert s.stats().quarantined == 0
+        assert s.verify(deep=True).ok
+
+
 def test_restore_of_many_small_chunks_keeps_few_descriptors(store_dir: str) -> None:
     big = ss.Layout(fixed={"a": ss.Fixed("uint8", (4 << 20,))}, rows={"kv": ss.Rows("uint8", (64,))})
     rng = np.random.default_rng(3)
