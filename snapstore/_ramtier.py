@@ -26,7 +26,16 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from ._chunkfile import CODEC_RAW, HEADER_SIZE, checksum, checksum_stream, decode_fd, parse_header, read_exact
+from ._chunkfile import (
+    CODEC_RAW,
+    HEADER_SIZE,
+    checksum,
+    checksum_stream,
+    decode_fd,
+    header_matches,
+    parse_header,
+    read_exact,
+)
 from ._errors import CorruptionError
 
 __all__ = ["RamTier"]
@@ -214,7 +223,7 @@ def _load(path: str, n: int, csum: bytes, pause: Callable[[], bool]) -> memoryvi
         return None  # evicted meanwhile
     try:
         head = parse_header(os.pread(fd, HEADER_SIZE, 0))
-        if head.raw_len != n or head.checksum != csum:
+        if not header_matches(head, n, csum, os.fstat(fd).st_size):
             return None
         out = np.empty(n, dtype=np.uint8).data
         if head.codec != CODEC_RAW:  # compressed: decoded whole (rare; zstd is not the default)

@@ -13,7 +13,16 @@ from typing import NoReturn
 
 import blake3
 
-from ._chunkfile import CODEC_RAW, HEADER_SIZE, ChunkHeader, checksum_stream, chunk_id, decode_payload, parse_header
+from ._chunkfile import (
+    CODEC_RAW,
+    HEADER_SIZE,
+    ChunkHeader,
+    checksum_stream,
+    chunk_id,
+    decode_payload,
+    header_matches,
+    parse_header,
+)
 from ._errors import CorruptChunkError, CorruptionError
 from ._manifest import ChunkEntry
 
@@ -76,7 +85,7 @@ class ChunkCheck:
                 self.head = parse_header(bytes(self._head_buf))
             except CorruptionError as err:
                 self.fail(str(err))
-            if self.head.raw_len != self.e.raw_len or self.head.checksum != self.e.checksum:
+            if not header_matches(self.head, self.e.raw_len, self.e.checksum):
                 self.fail("header does not match the manifest")
             if self.e.stored_len != HEADER_SIZE + self.head.payload_len or (
                     self.head.codec == CODEC_RAW and self.head.payload_len != self.head.raw_len):

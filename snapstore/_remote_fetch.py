@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from ._chunker import settle
-from ._chunkfile import HEADER_SIZE, header_at, scope_key
+from ._chunkfile import HEADER_SIZE, header_at, header_matches, scope_key
 from ._db import Conn
 from ._errors import CorruptionError, RemoteError, SnapshotUnavailableError
 from ._identity import Identity
@@ -113,7 +113,7 @@ class Fetcher:
                     head, size = header_at(self._repo.blob_path(cid))
                 except (OSError, CorruptionError):
                     raise _Retry() from None
-                if head.raw_len != e.raw_len or head.checksum != e.checksum:
+                if not header_matches(head, e.raw_len, e.checksum, size):  # a cut file is fetched again
                     raise _Retry()
                 c.add_chunk(cid, e.raw_len, size, head.codec, e.checksum, used.get(cid, keys[cid][0]), now)
             iid = identity_id(c)

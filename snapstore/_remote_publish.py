@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._chunkfile import CODEC_RAW, HEADER_SIZE, checksum, decode_payload, parse_header
+from ._chunkfile import CODEC_RAW, HEADER_SIZE, checksum, decode_payload, header_matches, parse_header
 from ._db import Conn, SnapRow
 from ._errors import CorruptionError, RemoteError
 from ._identity import Identity
@@ -170,8 +170,7 @@ class Publisher:
             head = parse_header(bytes(view[:HEADER_SIZE]))
         except CorruptionError:
             raise _Gone() from None
-        if (done != len(data) or head.raw_len != e.raw_len or head.checksum != e.checksum
-                or len(data) != HEADER_SIZE + head.payload_len):
+        if done != len(data) or not header_matches(head, e.raw_len, e.checksum, len(data)):
             raise _Gone()
         if head.codec == CODEC_RAW:
             raw: memoryview = view[HEADER_SIZE:]
