@@ -37,6 +37,7 @@ from ._remote_stream import describe_remote, stream_restore
 from ._repo import Repo
 from ._results import Match, RestoreResult
 from ._s3client import S3Client
+from ._save import Retry
 from ._uploader import FlushResult, Uploader
 
 # LAYOUT, LEASE_TTL and the key functions are re-exported: they lived here before the split
@@ -140,6 +141,9 @@ class RemoteTier:
                     return Match(sid, m.n_tokens, m.namespace)
                 except NoRoom:
                     pass  # pinned leaves hold the budget: stream it instead (counted below)
+                except Retry:  # identity_id(): this store's identity row is gone
+                    raise SnapshotUnavailableError("this store's identity was dropped as stale by another "
+                                                   "store during the fetch; match again", snapshot_id=None) from None
             self._count("remote_no_room", 1)
         dest = planned_destination(into, lambda: describe_remote(hit, layout, wanted, rows_from))
         res = stream_restore(self.client, hit, layout, dest, wanted, rows_from, self._pool, _WIDTH, self._count)

@@ -18,8 +18,6 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar, overload
 
-import numpy as np
-
 from ._access import Access
 from ._async_save import AsyncSaver, SaveHandle, copy_budget
 from ._batch import planned_destination, restore_batch
@@ -31,7 +29,7 @@ from ._chunker import Chunker, StagingBuffer
 from ._chunkfile import CODECS
 from ._config import Budget, StoreOptions, store_options
 from ._direct_io import direct_default
-from ._errors import ConfigError, RemoteError, SnapshotUnavailableError, StateError
+from ._errors import ConfigError, StateError
 from ._gate import CallGate, operation
 from ._gc import GcReport
 from ._identity import Identity
@@ -39,7 +37,7 @@ from ._inspect import snapshot_infos, stats_of
 from ._layout import Layout
 from ._lifecycle import new_outside_use
 from ._liveness import reap_lock_files
-from ._match import best_match, tokens_of
+from ._match import best_match
 from ._owner import Owner
 from ._plan import RestorePlan
 from ._prefix_match import match_tokens
@@ -48,13 +46,13 @@ from ._read import details_of, plan_of, stream_checked, wanted_components
 from ._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
 from ._repo import Repo
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
-from ._save import Retry, Saver, Skip, count_of
+from ._save import Saver, Skip, count_of
 from ._save_run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
 from ._save_run import SaveRun, skipped
 from ._snapshot_ops import abandon_capture, commit_capture, delete_subtree, drop_capture, housekeep, retire
 from ._tokens import TokensLike, as_token_array
 from ._turn import Turn
-from ._uploader import FlushResult
+from ._uploader import FlushResult, flush_all
 from ._verify import VerifyReport
 
 __all__ = ["Store"]
@@ -182,9 +180,6 @@ class Store:
                committed: Callable[[], None] | None = None) -> T:
         """A write transaction that also persists this store's bookkeeping (see :func:`write_with`)."""
         return write_with(self._repo, self._ledger, fn, durable=durable, discard=discard, committed=committed)
-
-    def _tokens_of(self, t: Txn, chain: list[SnapRow]) -> np.ndarray:
-        return tokens_of(chain)
 
     # -- save --------------------------------------------------------------------------------
     @overload
@@ -326,13 +321,8 @@ class Store:
         wanted = wanted_components(self.layout, components)
         if self._remote is not None and getattr(m, "remote", None) is not None:
             # a shared-tier match: fetched into the local tier (then restored below), or streamed (_remote_tier)
-            try:
-                m = self._remote.restore(m, into, self.layout, wanted, k, lambda t, _freed: self._capacity.excess(t)
-                                         is None, lambda n: self._capacity.precheck(n, 0) is None,
-                                         self._access.iid)
-            except Retry:
-                raise SnapshotUnavailableError("this store's identity was dropped as stale by another store "
-                                               "during the fetch; match again", snapshot_id=None) from None
+            m = self._remote.restore(m, into, self.layout, wanted, k, lambda t, _freed: self._capacity.excess(t)
+                                     is None, lambda n: self._capacity.precheck(n, 0) is None, self._access.iid)
             if isinstance(m, RestoreResult):
                 return m
         sid = snapshot_id(m)
@@ -420,18 +410,7 @@ class Store:
         """Wait for every save made with ``wait=False`` so far, then (with a shared tier) for their
         uploads. A FlushResult (uploads published/failed/dropped); false when ``timeout`` ran out."""
         self._gate.check()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._saver.flush(timeout):
-            return FlushResult(timed_out=True)
-        if self._remote is None:
-            return FlushResult()
-        try:
-            res: FlushResult = self._remote.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            return res
-        except RemoteError as e:
-            if e.errno != 110:
-                raise
-            return FlushResult(timed_out=True, errors=[str(e)])
+        return flush_all(self._saver.flush, self._remote, timeout)
 
     def close(self) -> None:
         """Abandon this store's pending captures (and dead owners'), flush counters, release resources.

@@ -14,10 +14,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._errors import RemoteError, SnapstoreError
 
-__all__ = ["FlushResult", "Uploader"]
+__all__ = ["FlushResult", "Uploader", "flush_all"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +125,20 @@ class Uploader:
                 self._q.clear()
                 self._cv.notify_all()
             self._thread.join(timeout=5)
+
+
+def flush_all(saves: Callable[[float | None], bool], remote: Any, timeout: float | None) -> FlushResult:
+    """``Store.flush``: wait for the saves made with ``wait=False`` (``saves(timeout)``), then for the
+    shared tier's uploads (``remote``, a RemoteTier or None) within what is left of ``timeout``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if not saves(timeout):
+        return FlushResult(timed_out=True)
+    if remote is None:
+        return FlushResult()
+    try:
+        res: FlushResult = remote.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return res
+    except RemoteError as e:
+        if e.errno != 110:  # ETIMEDOUT: the uploads go on in the background
+            raise
+        return FlushResult(timed_out=True, errors=[str(e)])

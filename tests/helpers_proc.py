@@ -83,7 +83,8 @@ def check_restore(store: ss.Store, ref: Any, k: int, n: int) -> None:
 
 def snapshot_tokens(store: ss.Store, sid: int) -> np.ndarray:
     """Tokens of a snapshot (through the catalog; tests only)."""
-    return store._repo.db.read(lambda c: store._tokens_of(c, c.chain(sid)))
+    from snapstore._match import tokens_of
+    return store._repo.db.read(lambda c: tokens_of(c.chain(sid)))
 
 
 # -- fault injection ------------------------------------------------------------------------------
