@@ -28,7 +28,7 @@ import errno
 import functools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -49,7 +49,6 @@ from ._db import ChunkRow, Conn, Database
 from ._direct_io import ALIGN, align_up, write_direct
 from ._errors import CorruptionError, SnapstoreError, StoreIOError
 from ._publish import create_temp, discard, finish_temp, fsync_dirs, link_new, replace_into, write_all, write_temp
-from ._repo import unlink_unreferenced
 
 __all__ = ["ChunkRef", "Chunker", "Piece", "settle"]
 
@@ -188,8 +187,10 @@ class Chunker:
     """Turns pieces of parts into published chunk files of at most ``chunk_bytes`` each."""
 
     def __init__(self, blob_path: Callable[[bytes], str], tmp_dir: str, chunk_bytes: int, codec: int,
-                 staging: StagingBuffer, pool: ThreadPoolExecutor, db: Database, direct: bool = False):
+                 staging: StagingBuffer, pool: ThreadPoolExecutor, db: Database,
+                 sweep: Callable[[Iterable[bytes]], int], direct: bool = False):
         self._blob_path = blob_path
+        self._sweep = sweep  # Repo.sweep: files no row references go, under the write lock
         self.direct = direct  # O_DIRECT for raw chunks; turned off for good once the file system refuses it
         self._tmp = tmp_dir
         self.chunk_bytes = chunk_bytes
@@ -247,7 +248,7 @@ class Chunker:
             if not ok:
                 created = [r.id for rs in results for r in rs if r.created]
                 try:  # what no row references goes now, not as orphans for gc
-                    unlink_unreferenced(self._db, self._blob_path, created)
+                    self._sweep(created)
                 except SnapstoreError:
                     pass  # the first error is the one raised; gc removes what stays
         # every file this save published (codec known), new or replacing an orphan: its name must be

@@ -16,7 +16,7 @@ from ._db import Database, MemDatabase, Txn, snapshot_catalog
 from ._errors import ConfigError, CorruptionError, SnapstoreError, StoreFormatError
 from ._publish import ensure_dir, fsync_dir, io_error
 
-__all__ = ["Repo", "unlink_unreferenced"]
+__all__ = ["Repo"]
 
 DB_NAME = "snapstore.db"
 _HEX2 = [f"{i:02x}" for i in range(256)]
@@ -94,11 +94,14 @@ class Repo:
         return result
 
     def sweep(self, ids: Iterable[bytes], batch: int = 1 << 30) -> int:
-        """Unlink chunk files whose rows are gone, ``batch`` per write transaction; returns bytes freed."""
+        """Unlink chunk files whose rows are gone, ``batch`` per write transaction; returns bytes freed.
+
+        The one way files leave the store: the write path after its commit, gc, verify's repair, a
+        save's or a fetch's rollback of files it published, all call this (a read-only repo: none)."""
         todo = list(dict.fromkeys(ids))
         done = 0
         for i in range(0, len(todo), batch):
-            done += self.unlink_unreferenced(todo[i:i + batch])
+            done += 0 if self.readonly else _unlink_gone(self.db, self.blob_path, todo[i:i + batch])
         return done
 
     def blob_path(self, cid: bytes) -> str:
@@ -133,10 +136,6 @@ class Repo:
             except FileNotFoundError:
                 continue
 
-    def unlink_unreferenced(self, ids: Iterable[bytes]) -> int:
-        """Unlink chunk files whose rows are gone (see :func:`unlink_unreferenced`). Returns bytes freed."""
-        return 0 if self.readonly else unlink_unreferenced(self.db, self.blob_path, ids)
-
     def close(self) -> None:
         """Close the catalog."""
         self.db.close()
@@ -160,7 +159,7 @@ class SnapshotRepo(Repo):
         return cls(root, readonly=True, db=MemDatabase(snapshot_catalog(path), path).open())
 
 
-def unlink_unreferenced(db: Database, blob_path: Callable[[bytes], str], ids: Iterable[bytes]) -> int:
+def _unlink_gone(db: Database, blob_path: Callable[[bytes], str], ids: Iterable[bytes]) -> int:
     """Unlink chunk files whose rows are gone, inside a write transaction (so no concurrent save
     can commit a reference to a file between the check and the unlink). Returns bytes freed."""
     todo = list(dict.fromkeys(ids))

@@ -139,7 +139,7 @@ class Store:
         self._access.ensure_identity(repo.db)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapstore")
         self._chunker = Chunker(repo.blob_path, repo.tmp, self.chunk_bytes, self.codec, self._staging, self._pool,
-                                repo.db, direct=self.direct_io)
+                                repo.db, sweep=repo.sweep, direct=self.direct_io)
         self._lease_owner = Owner(repo.db, repo.root, self.pending_lease)
         owner = self._access.owner = self._lease_owner.token
         stages = Saver(layout=self.layout, identity_key=self.identity.key, owner=owner,
