@@ -2,7 +2,8 @@
 
 A chain that cannot fit the local budget restores straight from the bucket (nothing published
 locally), byte-exact; ``SNAPSTORE_REMOTE_RESTORE=stream`` does so always; the counters reach
-``Store.stats().remote`` and ``snapstore inspect --remote``.
+``Store.stats().remote`` and ``snapstore inspect --remote``. A fetch into the local tier never
+adopts a cut file (right header, short payload) lying at a chunk's address.
 """
 # ruff: noqa: F811 - the fixtures `bucket` and `seaweed` come from s3_fixtures by import
 
@@ -20,6 +21,7 @@ from remote_helpers import LAYOUT, identity, state
 from s3_fixtures import SeaweedCluster, bucket, seaweed  # noqa: F401 - the fixtures
 
 import snapstore
+from snapstore._chunkfile import HEADER_SIZE
 from snapstore._remote_tier import LAYOUT as KEYS
 from snapstore._s3client import S3Client
 
@@ -184,3 +186,84 @@ def test_counters_in_stats_api_and_inspect(bucket: str, tmp_path: Path, capsys: 
     assert doc["counters"]["remote_hits"] == 1 and doc["remote"]["scopes"]
     assert main(["stats", "--dir", str(tmp_path / "b"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["remote"]["imports"] == 1
+
+
+def test_cut_file_at_a_fetched_chunks_path_is_fetched_again_never_adopted(bucket: str, tmp_path: Path) -> None:
+    # a file at a chunk's address with no catalog row (an orphan of a crash, cut short: header
+    # intact, payload missing) must be replaced by the fetched object, not adopted as the chunk
+    # (adopted, every later restore of the chain fails with CorruptChunkError): the fetch's publish
+    # finds the address taken and, with no row to vouch for the file there, replaces it
+    _publish(bucket, tmp_path / "a", 26)
+    tokens, kv, st = state(26, LENGTHS[-1])
+    with snapstore.Store.open(tmp_path / "a", identity=identity(), layout=LAYOUT) as a, \
+            snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, remote=bucket) as b:
+        m = b.match(tokens)
+        assert m is not None and type(m).__name__ == "RemoteMatch"
+        chain = m.remote.chain  # type: ignore[attr-defined]
+        cid = next(ch.id for p in chain[0].parts if p.name == "kv" for ch in p.chunks)  # read by the restore
+        whole = Path(a._repo.blob_path(cid)).read_bytes()
+        assert len(whole) > HEADER_SIZE + 2
+        cut = Path(b._repo.blob_path(cid))
+        cut.parent.mkdir(parents=True, exist_ok=True)
+        cut.write_bytes(whole[:HEADER_SIZE + (len(whole) - HEADER_SIZE) // 2])  # right header, half a payload
+        assert b._repo.db.read(lambda c: c.chunk(cid)) is None  # no row: B's catalog has never seen it
+        dest = _dest()
+        b.restore(m, dest)
+        assert np.array_equal(dest["kv"], kv) and np.array_equal(dest["st"], st + LENGTHS[-1])
+        assert cut.read_bytes() == whole  # the cut file was replaced by the fetched chunk
+        # and what the local tier now holds restores again, byte-exact, from its own files
+        local = b.match(tokens)
+        assert local is not None and type(local).__name__ == "Match"
+        again = _dest()
+        b.restore(local, again)
+        assert np.array_equal(again["kv"], kv) and np.array_equal(again["st"], st + LENGTHS[-1])
+        assert b.verify().ok
+
+
+def test_chunk_whose_row_went_mid_fetch_and_left_a_cut_file_is_fetched_again(
+        bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the commit transaction re-checks every chunk of the chain: one B held when the fetch began
+    # (so not fetched) may have lost its row meanwhile (deleted, evicted) and a cut file taken its
+    # address; only a header whose payload fills the file is adopted (header_matches with the
+    # file's size), otherwise the fetch goes again and gets it. Comparing only raw length and
+    # checksum adopted the cut file, and the restore failed with CorruptChunkError
+    _publish(bucket, tmp_path / "a", 27)
+    tokens, kv, st = state(27, LENGTHS[-1])
+    with snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, chunk_bytes=65536,
+                              staging_bytes=4 * 65536) as b:
+        first = b.save(tokens[:LENGTHS[0]], {"st": st + LENGTHS[0], "kv": kv}, rows=LENGTHS[0])  # A's first link
+    monkeypatch.setenv("SNAPSTORE_TEST_REMOTE_PAUSE", "fetch:2")  # every object fetch waits: the race window
+    with snapstore.Store.open(tmp_path / "a", identity=identity(), layout=LAYOUT) as a, \
+            snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, remote=bucket) as b:
+        m = b.match(tokens)
+        assert m is not None and m.n_tokens == LENGTHS[-1]
+        chain = m.remote.chain  # type: ignore[attr-defined]
+        cid = next(ch.id for p in chain[0].parts if p.name == "kv" for ch in p.chunks)
+        assert b._repo.db.read(lambda c: c.chunk(cid)) is not None  # B holds it: the fetch will not get it
+        whole = Path(a._repo.blob_path(cid)).read_bytes()
+        dest = _dest()
+        outcome: list[object] = []
+
+        def restore() -> None:
+            try:
+                outcome.append(b.restore(m, dest))
+            except snapstore.SnapstoreError as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=restore)
+        t.start()
+        time.sleep(0.5)  # the fetch has listed what B lacks and waits on the bucket
+        b.delete(first)  # the link's chunk rows go, their files after the commit
+        gone = [ch.id for p in chain[0].parts for ch in p.chunks]
+        assert b._repo.db.read(lambda c: [g for g in gone if c.chunk(g) is not None]) == []
+        for g in gone:  # orphans at their addresses: intact copies (fit to adopt) and the one cut file
+            Path(b._repo.blob_path(g)).parent.mkdir(parents=True, exist_ok=True)
+            Path(b._repo.blob_path(g)).write_bytes(Path(a._repo.blob_path(g)).read_bytes())
+        cut = Path(b._repo.blob_path(cid))
+        cut.write_bytes(whole[:HEADER_SIZE + (len(whole) - HEADER_SIZE) // 2])  # right header, half a payload
+        assert t.is_alive() and b.snapshots() == [], "the fetch committed before the window: the race was missed"
+        t.join(120)
+        assert outcome and not isinstance(outcome[0], BaseException), outcome
+        assert np.array_equal(dest["kv"], kv) and np.array_equal(dest["st"], st + LENGTHS[-1])
+        assert cut.read_bytes() == whole  # fetched again, never adopted
+        assert b.verify().ok
