@@ -64,11 +64,14 @@ def _chain(tokens: np.ndarray, step: int, upto: int) -> list[bytes]:
 
 
 def _covered(parts: Iterable[PartRow], g: int) -> tuple[int, int]:
-    """Tokens [lo, hi) whose rows a snapshot's own segments add, in every stream."""
+    """Tokens [lo, hi): above ``lo`` its parent's chain lacks a row in some stream, up to ``hi`` its
+    own does not. ``lo`` is the *lowest* segment start — where the parent's chain stops holding
+    every stream (streams may hold different row counts, ``rows={...}``); the highest would leave
+    the steps between unindexed, a hole that breaks the binary search's monotonicity."""
     segs = [p for p in parts if p.kind == 1]
     if not segs:
         return 0, 0
-    return max(p.row_start for p in segs) * g, min(p.row_end for p in segs) * g
+    return min(p.row_start for p in segs) * g, min(p.row_end for p in segs) * g
 
 
 def index_keys(layout: Layout, tokens: np.ndarray, parts: Iterable[PartRow]) -> list[tuple[int, bytes]]:

@@ -1,0 +1,181 @@
+"""Seams of block-granular prefixes (``Layout(tokens_per_row=)``) with the rest of the store: what a
+prefix match must never offer (another identity's, a pending capture, an expired snapshot), what
+it must still find (a stream saved with fewer rows than another, a superseded chain link), and what
+a restore of it writes (batches mixing clipped and whole restores, forged lengths, tokens >= 2**31)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import IDENT, LAYOUT, make_state
+
+import snapstore as ss
+from snapstore._results import Match
+
+G = 32  # tokens per row: one paged block
+BLOCKS = ss.Layout(rows={"l0": ss.Rows("float32", (2, G, 8)), "l1": ss.Rows("float32", (2, G, 8))},
+                   tokens_per_row=G)
+NAMES = ("l0", "l1")
+
+
+def _open(path: Any, layout: ss.Layout = BLOCKS, identity: ss.Identity = IDENT, **kw: Any) -> ss.Store:
+    kw.setdefault("chunk_bytes", 8192)
+    kw.setdefault("staging_bytes", 65536)
+    budget = kw.pop("budget", ss.Budget(reserve_bytes=0))
+    return ss.Store.open(str(path), identity=identity, layout=layout, budget=budget, check_rows=True, **kw)
+
+
+def _blocks(n_rows: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal((n_rows, 2, G, 8)).astype(np.float32) for n in NAMES}
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 50000, n)]
+
+
+def _dest(n_rows: int) -> dict[str, np.ndarray]:
+    return {n: np.full((n_rows, 2, G, 8), -1.0, np.float32) for n in NAMES}
+
+
+def test_prefix_match_never_crosses_identities(tmp_path: Any) -> None:
+    """Two identities in one directory: the same prompt's prefix is only ever its own identity's."""
+    other = dataclasses.replace(IDENT, build="test-2.0+def")
+    a = _prompt(8 * G, 1)
+    q = a[:5 * G] + _prompt(20, 2)
+    with _open(tmp_path / "s") as mine, _open(tmp_path / "s", identity=other) as theirs:
+        r = mine.save(a, _blocks(8, 3))
+        assert r.ok
+        assert theirs.match(q) is None and theirs.match(a) is None
+        m = mine.match(q)
+        assert m is not None and m.snapshot_id == r.snapshot_id and m.n_tokens == 5 * G
+        with pytest.raises(ss.IdentityError):
+            theirs.restore(m, into=_dest(5))
+
+
+def test_prefix_match_never_offers_a_pending_capture(tmp_path: Any) -> None:
+    """A capture saved with commit=False is invisible to match() at every prefix until committed."""
+    a = _prompt(8 * G, 10)
+    q = a[:6 * G] + _prompt(9, 11)
+    with _open(tmp_path / "s") as st:
+        r = st.save(a, _blocks(8, 12), commit=False)
+        assert r.pending
+        assert st.match(q) is None and st.match(a) is None
+        st.commit(r)
+        m = st.match(q)
+        assert m is not None and m.snapshot_id == r.snapshot_id and m.n_tokens == 6 * G
+
+
+def test_prefix_match_honours_the_ttl(tmp_path: Any) -> None:
+    """A snapshot not used within the TTL is no longer offered, whole or as a prefix."""
+    a = _prompt(8 * G, 20)
+    q = a[:3 * G] + [7]
+    with _open(tmp_path / "s", budget=ss.Budget(reserve_bytes=0, ttl=0.5)) as st:
+        st.save(a, _blocks(8, 21))
+        assert st.match(q) is not None
+        time.sleep(0.7)
+        assert st.match(q) is None and st.match(a) is None
+
+
+def test_streams_saved_with_fewer_rows_still_index_every_step(tmp_path: Any) -> None:
+    """A parent saved with fewer rows in one stream (rows={"l1": 4}) than the other: the child holds
+    every step its chain completes in both streams, so a prompt sharing 10 blocks with the child gets
+    10 blocks, not the 4 of the parent (a hole in the index broke the binary search)."""
+    sys_p = _prompt(6 * G, 30)
+    base = _blocks(6, 31)
+    with _open(tmp_path / "s") as st:
+        p = st.save(sys_p, base, rows={"l1": 4})
+        assert st.describe(p).rows == {"l0": 6, "l1": 4}
+        conv = sys_p + _prompt(6 * G, 32)
+        full = {n: np.concatenate([base[n], _blocks(6, 33)[n]]) for n in NAMES}
+        c = st.save(conv, full)
+        assert c.parent_id == p.snapshot_id
+        q = conv[:10 * G] + _prompt(40, 34)
+        m = st.match(q)
+        assert m is not None and m.snapshot_id == c.snapshot_id and m.n_tokens == 10 * G
+        dest = _dest(12)
+        assert st.restore(m, into=dest).rows == {"l0": 10, "l1": 10}
+        for n in NAMES:
+            assert np.array_equal(dest[n][:10], full[n][:10]) and (dest[n][10:] == -1.0).all()
+        # every step in between is reachable too (the index has no holes)
+        for k in range(1, 11):
+            mk = st.match(conv[:k * G] + [50001])
+            assert mk is not None and mk.n_tokens == k * G, k
+
+
+def test_restore_many_mixes_clipped_and_whole_restores_of_one_chain(tmp_path: Any) -> None:
+    """One batch: a 3-block prefix match, a 6-block prefix match and the whole snapshot share chunks;
+    each destination gets exactly its rows, nothing beyond."""
+    a = _prompt(9 * G, 40)
+    state = _blocks(9, 41)
+    with _open(tmp_path / "s") as st:
+        r = st.save(a, state)
+        m3, m6 = st.match(a[:3 * G] + [1]), st.match(a[:6 * G + 5] + [1])
+        assert m3 is not None and m6 is not None and (m3.n_tokens, m6.n_tokens) == (3 * G, 6 * G)
+        d3, d6, dall = _dest(9), _dest(9), _dest(9)
+        out = st.restore_many([(m3, d3), (m6, d6), (r, dall)])
+        assert [o.n_tokens for o in out] == [3 * G, 6 * G, 9 * G]
+        for d, k in ((d3, 3), (d6, 6), (dall, 9)):
+            for n in NAMES:
+                assert np.array_equal(d[n][:k], state[n][:k]) and (d[n][k:] == -1.0).all(), (k, n)
+
+
+def test_a_forged_match_length_is_refused_before_a_byte_is_written(tmp_path: Any) -> None:
+    """A Match whose n_tokens is not a whole number of rows names no restorable state: refused."""
+    a = _prompt(8 * G, 50)
+    with _open(tmp_path / "s") as st:
+        r = st.save(a, _blocks(8, 51))
+        dest = _dest(8)
+        with pytest.raises(ss.InvalidInputError, match="whole number"):
+            st.restore(Match(r.snapshot_id, 3 * G + 1, None), into=dest)
+        with pytest.raises(ss.InvalidInputError, match="whole number"):
+            st.describe(Match(r.snapshot_id, 3 * G + 1, None))
+        assert all((dest[n] == -1.0).all() for n in NAMES)
+
+
+def test_a_superseded_chain_link_still_serves_its_rows(tmp_path: Any) -> None:
+    """In one session a longer save supersedes the shorter (kept only as a chain link): a prompt that
+    shares fewer blocks than the link holds still gets them, bit-exact, from the link."""
+    a = _prompt(4 * G, 60)
+    base = _blocks(4, 61)
+    with _open(tmp_path / "s") as st:
+        r0 = st.save(a, base, session="chat")
+        longer = a + _prompt(4 * G, 62)
+        full = {n: np.concatenate([base[n], _blocks(4, 63)[n]]) for n in NAMES}
+        r1 = st.save(longer, full, session="chat")
+        assert r1.parent_id == r0.snapshot_id
+        m = st.match(a[:3 * G] + [1])
+        assert m is not None and m.n_tokens == 3 * G
+        dest = _dest(4)
+        st.restore(m, into=dest)
+        for n in NAMES:
+            assert np.array_equal(dest[n][:3], full[n][:3]) and (dest[n][3:] == -1.0).all()
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, BLOCKS], ids=["exact", "blocks"])
+def test_tokens_at_and_above_2_to_the_31_never_alias_stored_int32_tokens(tmp_path: Any, layout: ss.Layout) -> None:
+    """Stored int32 token blobs against a prompt token that wraps in int32 (2**32 + t reads as t):
+    no match; a child stored in int64 (a token >= 2**31) over an int32 parent matches exactly."""
+    n = 8 * G
+    toks = _prompt(n, 70)
+    state = make_state(layout, n) if layout is LAYOUT else _blocks(8, 71)
+    with _open(tmp_path / "s", layout=layout) as st:
+        r = st.save(toks, state)
+        wrapped = list(toks)
+        wrapped[5] = toks[5] + 2**32  # the same low 32 bits
+        assert st.match(wrapped) is None
+        assert st.match(toks + [2**40]).snapshot_id == r.snapshot_id  # type: ignore[union-attr]
+        big = toks + [2**31 + 3] + _prompt(2 * G - 1, 72)
+        more = make_state(layout, 2 * G, seed=73) if layout is LAYOUT else _blocks(2, 73)
+        state2 = {k: more[k] if k in layout.fixed else np.concatenate([state[k], more[k]]) for k in state}
+        r2 = st.save(big, state2)
+        assert r2.parent_id == r.snapshot_id
+        assert st.match(big + [1]).snapshot_id == r2.snapshot_id  # type: ignore[union-attr]
+        alias = list(big)
+        alias[n] = 3  # 2**31 + 3 as int32 is negative: never this token
+        hit = st.match(alias + [1])
+        assert hit is not None and hit.snapshot_id == r.snapshot_id and hit.n_tokens == n
