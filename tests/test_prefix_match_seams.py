@@ -200,3 +200,41 @@ def test_a_layout_differing_only_in_tokens_per_row_never_reads_rows_of_another_g
         dest = {"kv": np.zeros((8, 4), np.float32)}
         with pytest.raises(ss.SnapstoreError):
             st.restore(m, into=dest)  # 4 rows of 16 tokens served as 4 rows of 8 would be wrong state
+
+
+def test_a_prefix_restore_by_another_session_keeps_the_snapshot_matchable(tmp_path: Any) -> None:
+    """Session B restores a block-granular prefix of session A's snapshot: A's next turn detaches it
+    (still matched whole, at its own 4 blocks + 5 tokens) instead of superseding it."""
+    a = _prompt(4 * G + 5, 90)
+    base = _blocks(4, 91)
+    with _open(tmp_path / "s") as st:
+        r0 = st.save(a, base, session="A")
+        m = st.match(a[:3 * G] + [1])
+        assert m is not None and m.snapshot_id == r0.snapshot_id and m.n_tokens == 3 * G
+        st.restore(m, into=_dest(4), session="B")
+        longer = a + _prompt(4 * G, 92)
+        st.save(longer, {n: np.concatenate([base[n], _blocks(4, 93)[n]]) for n in NAMES}, session="A")
+        assert st.stats().detached == 1
+        whole = st.match(a + [50001])
+        assert whole is not None and whole.snapshot_id == r0.snapshot_id and whole.n_tokens == 4 * G + 5
+
+
+def test_restore_many_by_another_session_detaches_instead_of_superseding(tmp_path: Any) -> None:
+    """The session rule holds for a batch too: a snapshot restored by restore_many from outside its
+    session keeps its fixed parts when its session moves on."""
+    lay = ss.Layout(fixed={"rec": ss.Fixed("float32", (4,))}, rows={"kv": ss.Rows("uint8", (16,))})
+    a = _prompt(300, 100)
+    rng = np.random.default_rng(101)
+    kv = rng.integers(0, 256, (600, 16), dtype=np.uint8)
+    rec0, rec1 = rng.standard_normal(4).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    with _open(tmp_path / "s", layout=lay) as st:
+        r0 = st.save(a, {"rec": rec0, "kv": kv[:300]}, session="A")
+        dest = {"rec": np.zeros(4, np.float32), "kv": np.zeros((300, 16), np.uint8)}
+        st.restore_many([(st.match(a + [1]), dest)], session="B")
+        st.save(a + _prompt(300, 102), {"rec": rec1, "kv": kv}, session="A")
+        assert st.stats().detached == 1
+        m = st.match(a + [2])
+        assert m is not None and m.snapshot_id == r0.snapshot_id
+        out = {"rec": np.zeros(4, np.float32), "kv": np.zeros((300, 16), np.uint8)}
+        st.restore(m, into=out)
+        assert np.array_equal(out["rec"], rec0) and np.array_equal(out["kv"], kv[:300])
