@@ -8,7 +8,7 @@ after A's first ``k`` rows — and never for fixed parts (a recurrent state is v
 exact point it was captured). So it is opt-in per layout: ``Layout(rows=..., tokens_per_row=g)``
 declares one row per ``g`` tokens in every stream and no fixed parts.
 
-The index (table ``row_prefixes``, migration 0004): a save records, for each multiple ``n`` of the
+The index (table ``row_prefixes``, migration 0005): a save records, for each multiple ``n`` of the
 layout's *step* among the rows it adds, a key naming the snapshot's tokens ``[0, n)`` exactly —
 a chain of BLAKE3 hashes over steps, seeded with the step. Presence is monotone in ``n`` (a
 snapshot's ancestors index the rows below its own, and cannot be evicted while it lives), so

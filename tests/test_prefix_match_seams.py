@@ -238,3 +238,56 @@ def test_restore_many_by_another_session_detaches_instead_of_superseding(tmp_pat
         out = {"rec": np.zeros(4, np.float32), "kv": np.zeros((300, 16), np.uint8)}
         st.restore(m, into=out)
         assert np.array_equal(out["rec"], rec0) and np.array_equal(out["kv"], kv[:300])
+
+
+class _Writer:
+    """A PartWriter over a host array that records every byte range it is asked to write."""
+
+    def __init__(self, n_rows: int, lend: bool):
+        self.arr = np.full((n_rows, 2, G, 8), -1.0, np.float32)
+        self.raw = self.arr.reshape(-1).view(np.uint8)
+        self.nbytes = self.raw.nbytes
+        self.writes: list[tuple[int, int]] = []
+        self._lent: dict[tuple[int, int], bytearray] = {}
+        if lend:
+            self.buffer_for = self._buffer_for
+
+    def write_from(self, offset: int, data: memoryview) -> None:
+        self.writes.append((offset, offset + len(data)))
+        self.raw[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+
+    def _buffer_for(self, offset: int, n: int) -> memoryview:
+        buf = self._lent[(offset, n)] = bytearray(n)
+        return memoryview(buf)
+
+    def commit(self, offset: int, n: int) -> None:
+        self.write_from(offset, memoryview(self._lent.pop((offset, n))))
+
+    def discard(self, offset: int, n: int) -> None:
+        self._lent.pop((offset, n), None)
+
+
+@pytest.mark.parametrize("kind", ["strided", "writer", "lending-writer"])
+def test_a_prefix_restore_clips_every_kind_of_destination(tmp_path: Any, kind: str) -> None:
+    """The straddling chunk of a 5-block prefix is clipped whatever the destination: a strided
+    array, a PartWriter, a PartWriter that lends buffers — no byte at or beyond row 5 is written."""
+    a = _prompt(9 * G, 110)
+    state = _blocks(9, 111)
+    row_bytes = 2 * G * 8 * 4
+    with _open(tmp_path / "s", chunk_bytes=3 * 4096) as st:  # 6 rows a chunk: rows 0-5 straddle row 5
+        st.save(a, state)
+        m = st.match(a[:5 * G + 3] + [1])
+        assert m is not None and m.n_tokens == 5 * G
+        if kind == "strided":
+            big = {n: np.full((18, 2, G, 8), -1.0, np.float32) for n in NAMES}
+            dest: dict[str, Any] = {n: big[n][::2] for n in NAMES}
+            st.restore(m, into=dest)
+            for n in NAMES:
+                assert np.array_equal(big[n][0:10:2], state[n][:5])
+                assert (big[n][1::2] == -1.0).all() and (big[n][10::2] == -1.0).all()
+            return
+        writers = {n: _Writer(9, lend=kind == "lending-writer") for n in NAMES}
+        st.restore(m, into=writers)
+        for n, w in writers.items():
+            assert np.array_equal(w.arr[:5], state[n][:5]) and (w.arr[5:] == -1.0).all()
+            assert w.writes and max(end for _, end in w.writes) <= 5 * row_bytes
