@@ -291,3 +291,26 @@ def test_a_prefix_restore_clips_every_kind_of_destination(tmp_path: Any, kind: s
         for n, w in writers.items():
             assert np.array_equal(w.arr[:5], state[n][:5]) and (w.arr[5:] == -1.0).all()
             assert w.writes and max(end for _, end in w.writes) <= 5 * row_bytes
+
+
+def test_plan_then_write_sizes_a_prefix_restore_by_its_rows(tmp_path: Any) -> None:
+    """restore(m, into=callable): the plan the engine allocates from names the prefix's rows, and a
+    destination of exactly that many rows takes the restore (the straddling chunk clipped)."""
+    a = _prompt(9 * G, 120)
+    state = _blocks(9, 121)
+    with _open(tmp_path / "s") as st:
+        st.save(a, state)
+        m = st.match(a[:4 * G] + [1])
+        assert m is not None and m.n_tokens == 4 * G
+        seen: list[ss.MatchDetails] = []
+        dest: dict[str, np.ndarray] = {}
+
+        def alloc(d: ss.MatchDetails) -> dict[str, np.ndarray]:
+            seen.append(d)
+            dest.update({n: np.zeros((d.rows[n], 2, G, 8), np.float32) for n in NAMES})
+            return dest
+
+        out = st.restore(m, into=alloc)
+        assert seen[0].rows == out.rows == {"l0": 4, "l1": 4} and seen[0].n_tokens == 4 * G
+        assert seen[0].nbytes == 2 * 4 * 2 * G * 8 * 4
+        assert all(np.array_equal(dest[n], state[n][:4]) for n in NAMES)
