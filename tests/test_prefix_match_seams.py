@@ -314,3 +314,20 @@ def test_plan_then_write_sizes_a_prefix_restore_by_its_rows(tmp_path: Any) -> No
         assert seen[0].rows == out.rows == {"l0": 4, "l1": 4} and seen[0].n_tokens == 4 * G
         assert seen[0].nbytes == 2 * 4 * 2 * G * 8 * 4
         assert all(np.array_equal(dest[n], state[n][:4]) for n in NAMES)
+
+
+def test_exclude_passes_over_one_holder_of_a_prefix_to_the_next(tmp_path: Any) -> None:
+    """Two stored prompts hold the same 5 blocks (saved whole, so both are indexed there): excluding
+    the one match() offered falls back to the other at the same length, then to nothing."""
+    shared = _prompt(5 * G, 130)
+    a, b = shared + _prompt(3 * G, 131), shared + _prompt(2 * G, 132)
+    with _open(tmp_path / "s") as st:
+        ra = st.save(a, _blocks(8, 133), parent=None)
+        rb = st.save(b, _blocks(7, 134), parent=None)
+        q = shared + [50001] * 40
+        first = st.match(q)
+        assert first is not None and first.n_tokens == 5 * G
+        second = st.match(q, exclude=[first])
+        assert second is not None and second.n_tokens == 5 * G
+        assert {first.snapshot_id, second.snapshot_id} == {ra.snapshot_id, rb.snapshot_id}
+        assert st.match(q, exclude=[first, second]) is None
