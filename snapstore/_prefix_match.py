@@ -64,10 +64,10 @@ def _chain(tokens: np.ndarray, step: int, upto: int) -> list[bytes]:
 
 
 def _covered(parts: Iterable[PartRow], g: int) -> tuple[int, int]:
-    """Tokens [lo, hi): above ``lo`` its parent's chain lacks a row in some stream, up to ``hi`` its
-    own does not. ``lo`` is the *lowest* segment start — where the parent's chain stops holding
-    every stream (streams may hold different row counts, ``rows={...}``); the highest would leave
-    the steps between unindexed, a hole that breaks the binary search's monotonicity."""
+    """Tokens ``(lo, hi]`` a snapshot's chain newly holds rows for in every stream: the parent's chain
+    holds all streams up to the *lowest* segment start (streams may hold different row counts,
+    ``rows={...}``; the highest would leave the steps between unindexed, a hole that stops the
+    binary search short), its own chain up to the lowest segment end."""
     segs = [p for p in parts if p.kind == 1]
     if not segs:
         return 0, 0
