@@ -8,7 +8,7 @@ after A's first ``k`` rows — and never for fixed parts (a recurrent state is v
 exact point it was captured). So it is opt-in per layout: ``Layout(rows=..., tokens_per_row=g)``
 declares one row per ``g`` tokens in every stream and no fixed parts.
 
-The index (table ``row_prefixes``, migration 0004): a save records, for each multiple ``n`` of the
+The index (table ``row_prefixes``, migration 0005): a save records, for each multiple ``n`` of the
 layout's *step* among the rows it adds, a key naming the snapshot's tokens ``[0, n)`` exactly —
 a chain of BLAKE3 hashes over steps, seeded with the step. Presence is monotone in ``n`` (a
 snapshot's ancestors index the rows below its own, and cannot be evicted while it lives), so
@@ -64,11 +64,14 @@ def _chain(tokens: np.ndarray, step: int, upto: int) -> list[bytes]:
 
 
 def _covered(parts: Iterable[PartRow], g: int) -> tuple[int, int]:
-    """Tokens [lo, hi) whose rows a snapshot's own segments add, in every stream."""
+    """Tokens ``(lo, hi]`` a snapshot's chain newly holds rows for in every stream: the parent's chain
+    holds all streams up to the *lowest* segment start (streams may hold different row counts,
+    ``rows={...}``; the highest would leave the steps between unindexed, a hole that stops the
+    binary search short), its own chain up to the lowest segment end."""
     segs = [p for p in parts if p.kind == 1]
     if not segs:
         return 0, 0
-    return max(p.row_start for p in segs) * g, min(p.row_end for p in segs) * g
+    return min(p.row_start for p in segs) * g, min(p.row_end for p in segs) * g
 
 
 def index_keys(layout: Layout, tokens: np.ndarray, parts: Iterable[PartRow]) -> list[tuple[int, bytes]]:
