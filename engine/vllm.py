@@ -171,7 +171,10 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             hit = min(m.n_tokens, limit) // self._bs * self._bs
             if hit <= num_computed_tokens:
                 return 0, False
-            self._store.describe(ss.Match(m.snapshot_id, hit))  # the chain and its chunks are all there
+            d = self._store.describe(ss.Match(m.snapshot_id, hit))  # the chain and its chunks are all there
+            hit = min(hit, min(d.rows.values(), default=0) * self._bs)  # never more blocks than it writes
+            if hit <= num_computed_tokens:
+                return 0, False
         except ss.SnapstoreError as e:
             log.warning("snapstore: lookup for request %s failed (%s); computing it", request.request_id, e)
             return 0, False
