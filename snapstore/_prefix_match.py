@@ -34,7 +34,8 @@ from ._errors import InvalidInputError
 from ._layout import Layout
 from ._results import Match
 
-__all__ = ["ClippedSink", "PrefixHit", "find_prefix", "index_keys", "match_tokens", "prefix_step", "rows_limit"]
+__all__ = ["ClippedSink", "PrefixHit", "find_prefix", "index_keys", "match_tokens", "prefix_step", "record_prefixes",
+           "rows_limit"]
 
 _MIN_STEP = 16  # tokens: finer steps would index a 128K-token prompt under >8K keys
 _HOLDERS = 8  # snapshots tried at the longest indexed prefix (most recently used first)
@@ -87,6 +88,13 @@ def index_keys(layout: Layout, tokens: np.ndarray, parts: Iterable[PartRow]) -> 
     chain = _chain(tokens, step, hi)
     first = lo // step + 1  # the first multiple of step above lo
     return [((i + 1) * step, chain[i]) for i in range(first - 1, len(chain))]
+
+
+def record_prefixes(t: Txn, layout: Layout, sid: int, tokens: np.ndarray) -> None:
+    """Index the prefixes new snapshot ``sid`` adds (in its save's transaction); nothing — not even
+    a read of its parts — for a layout without ``tokens_per_row``, which every save of it would pay."""
+    if prefix_step(layout) is not None:
+        t.insert_row_prefixes(sid, index_keys(layout, tokens, t.parts(sid)))
 
 
 @dataclass(frozen=True)

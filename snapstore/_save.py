@@ -25,7 +25,7 @@ from ._chunkfile import HEADER_SIZE, checksum, header_at, header_matches, scope_
 from ._errors import CorruptionError, InvalidInputError, LayoutError
 from ._layout import Fixed, Layout, Rows
 from ._lifecycle import evict_until, new_outside_use, supersede
-from ._prefix_match import index_keys
+from ._prefix_match import record_prefixes
 from ._refs import snapshot_id
 from ._tokens import TokenIndex, encode_tokens
 
@@ -301,7 +301,7 @@ class Saver:
             else:
                 t.insert_part(sid, name, PartKind.ROWS, spec.dtype, spec.row_shape, spec.component, r0, r1,
                               (r1 - r0) * spec.row_bytes, [r.id for r in rs])
-        t.insert_row_prefixes(sid, index_keys(self.layout, arr, t.parts(sid)))  # block-granular prefixes
+        record_prefixes(t, self.layout, sid, arr)  # block-granular prefixes (tokens_per_row layouts only)
         if commit:
             new = t.snapshot(sid)
             assert new is not None
