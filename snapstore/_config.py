@@ -12,7 +12,7 @@ import platformdirs
 from ._errors import ConfigError
 from ._layout import Layout
 
-__all__ = ["Budget", "StoreOptions", "default_dir", "env_int", "pending_lease", "store_options"]
+__all__ = ["Budget", "StoreOptions", "default_dir", "env_int", "env_seconds", "pending_lease", "store_options"]
 
 MIB = 1 << 20
 DEFAULT_DISK_MIB = 51200
@@ -36,6 +36,19 @@ def env_int(name: str) -> int | None:
         raise ConfigError(f"${name} must be an integer, got {raw!r}") from None
     if value < 0:
         raise ConfigError(f"${name} must be >= 0, got {value}")
+    return value
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A duration in seconds from environment variable ``name`` (``default`` when unset or blank);
+    ConfigError when it is not a number or not > 0."""
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ConfigError(f"${name} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"${name} must be > 0")
     return value
 
 

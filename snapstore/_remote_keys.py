@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 
-from ._errors import ConfigError
+from ._config import env_seconds
 
 __all__ = ["LAYOUT", "LEASE_TTL", "chunk_key", "gc_window", "lease_key", "manifest_key", "pause_point", "use_key"]
 
@@ -31,14 +31,7 @@ def gc_window() -> float:
     An upload that relies on a chunk that was already in the bucket waits twice this long after
     writing its lease and then checks the chunk again (see ``_remote_publish``).
     """
-    raw = os.environ.get("SNAPSTORE_REMOTE_GC_WINDOW_S", "").strip()
-    try:
-        value = float(raw) if raw else 2.0
-    except ValueError:
-        raise ConfigError(f"$SNAPSTORE_REMOTE_GC_WINDOW_S must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError("$SNAPSTORE_REMOTE_GC_WINDOW_S must be > 0")
-    return value
+    return env_seconds("SNAPSTORE_REMOTE_GC_WINDOW_S", 2.0)
 
 
 def chunk_key(scope: str, cid: bytes) -> str:

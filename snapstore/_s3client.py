@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from ._config import env_seconds
 from ._errors import ConfigError, RemoteError
 
 __all__ = ["ObjectInfo", "S3Client", "parse_url"]
@@ -50,14 +51,7 @@ class ObjectInfo:
 
 
 def _timeout() -> float:
-    raw = os.environ.get("SNAPSTORE_REMOTE_TIMEOUT_S", "").strip()
-    try:
-        value = float(raw) if raw else 30.0
-    except ValueError:
-        raise ConfigError(f"$SNAPSTORE_REMOTE_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError("$SNAPSTORE_REMOTE_TIMEOUT_S must be > 0")
-    return value
+    return env_seconds("SNAPSTORE_REMOTE_TIMEOUT_S", 30.0)
 
 
 class S3Client:
