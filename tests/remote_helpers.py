@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -30,3 +33,20 @@ def expected(seed: int, n: int, n_max: int) -> tuple[str, str]:
     """sha256 of the kv rows [0, n) and of the fixed part a save of length ``n`` stored."""
     _t, kv, st = state(seed, n_max)
     return hashlib.sha256(kv[:n].tobytes()).hexdigest(), hashlib.sha256((st + n).tobytes()).hexdigest()
+
+
+def restore_in_background(store: snapstore.Store, m: snapstore.Match,
+                          dest: Mapping[str, Any]) -> tuple[threading.Thread, list[object]]:
+    """Start ``store.restore(m, dest)`` on a thread (for faults injected while it runs); the list
+    receives its RestoreResult or the SnapstoreError it raised."""
+    outcome: list[object] = []
+
+    def restore() -> None:
+        try:
+            outcome.append(store.restore(m, dest))
+        except snapstore.SnapstoreError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=restore)
+    t.start()
+    return t, outcome

@@ -7,13 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from remote_helpers import LAYOUT, expected, identity, state
+from remote_helpers import LAYOUT, expected, identity, restore_in_background, state
 from s3_fixtures import SeaweedCluster, bucket, seaweed  # noqa: F401 - the fixtures
 
 import snapstore
@@ -163,16 +162,7 @@ def test_volume_server_stopped_mid_restore(bucket: str, tmp_path: Path, seaweed:
     m = b.match(tokens)
     assert m is not None
     dest = _dest()
-    outcome: list[object] = []
-
-    def restore() -> None:
-        try:
-            outcome.append(b.restore(m, dest))
-        except snapstore.SnapstoreError as e:
-            outcome.append(e)
-
-    t = threading.Thread(target=restore)
-    t.start()
+    t, outcome = restore_in_background(b, m, dest)
     time.sleep(0.1)
     seaweed.stop_volume(1)
     try:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from remote_helpers import LAYOUT, identity, state
+from remote_helpers import LAYOUT, identity, restore_in_background, state
 from s3_fixtures import SeaweedCluster, bucket, seaweed  # noqa: F401 - the fixtures
 
 import snapstore
@@ -132,16 +131,7 @@ def test_volume_server_stopped_mid_stream(bucket: str, tmp_path: Path, seaweed: 
     m = b.match(tokens)
     assert m is not None
     dest = _dest()
-    outcome: list[object] = []
-
-    def restore() -> None:
-        try:
-            outcome.append(b.restore(m, dest))
-        except snapstore.SnapstoreError as e:
-            outcome.append(e)
-
-    t = threading.Thread(target=restore)
-    t.start()
+    t, outcome = restore_in_background(b, m, dest)
     time.sleep(0.1)
     seaweed.stop_volume(1)
     try:
@@ -242,16 +232,7 @@ def test_chunk_whose_row_went_mid_fetch_and_left_a_cut_file_is_fetched_again(
         assert b._repo.db.read(lambda c: c.chunk(cid)) is not None  # B holds it: the fetch will not get it
         whole = Path(a._repo.blob_path(cid)).read_bytes()
         dest = _dest()
-        outcome: list[object] = []
-
-        def restore() -> None:
-            try:
-                outcome.append(b.restore(m, dest))
-            except snapstore.SnapstoreError as e:
-                outcome.append(e)
-
-        t = threading.Thread(target=restore)
-        t.start()
+        t, outcome = restore_in_background(b, m, dest)
         time.sleep(0.5)  # the fetch has listed what B lacks and waits on the bucket
         b.delete(first)  # the link's chunk rows go, their files after the commit
         gone = [ch.id for p in chain[0].parts for ch in p.chunks]
