@@ -186,14 +186,20 @@ def header_at(path: str) -> tuple[ChunkHeader, int]:
         os.close(fd)
 
 
-def read_exact(fd: int, out: memoryview, offset: int) -> None:
-    """pread until ``out`` is full; CorruptionError on a short file."""
-    done = 0
-    while done < len(out):
-        n = os.preadv(fd, [out[done:]], offset + done)
+def read_exact(fd: int, out: memoryview | list[memoryview], offset: int) -> None:
+    """pread until ``out`` is full — one view, or several filled in order (one vectored preadv for
+    scattered paged blocks); CorruptionError on a short file."""
+    bufs = [b for b in ([out] if isinstance(out, memoryview) else out) if len(b)]  # nothing to read: done
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
         if n == 0:
             raise CorruptionError("chunk file is shorter than its header says (truncated)")
-        done += n
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
 
 
 # -- streaming codecs: constant memory beside the chunk itself ----------------------------------

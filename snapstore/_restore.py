@@ -180,24 +180,6 @@ def quarantine(db: Database, blob_path: Callable[[bytes], str], damage: Damage) 
     return db.write(run)
 
 
-def _read(fd: int, target: memoryview | list[memoryview], offset: int) -> None:
-    """read_exact into one view, or into several in order (scattered paged blocks: vectored preadv)."""
-    if isinstance(target, memoryview):
-        read_exact(fd, target, offset)
-        return
-    bufs = list(target)
-    while bufs:
-        n = os.preadv(fd, bufs, offset)
-        if n == 0:
-            raise CorruptionError("chunk file is shorter than its header says (truncated)")
-        offset += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs[0])
-            bufs.pop(0)
-        if n:
-            bufs[0] = bufs[0][n:]
-
-
 class _Reader:
     """Reads raw chunks straight into their destinations on ``threads`` threads, ahead of the checker.
 
@@ -230,7 +212,7 @@ class _Reader:
                 self.started = True
             fd, target, offset = self._jobs[j]
             try:
-                _read(fd, target, offset)
+                read_exact(fd, target, offset)
             except BaseException as e:  # handed to the checker, which raises it in order
                 self._errors[j] = e
             with self._cv:
@@ -346,7 +328,7 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                             finally:
                                 reader.done()
                         else:
-                            _read(fd, piece, offset)
+                            read_exact(fd, piece, offset)
                         for p in ([piece] if isinstance(piece, memoryview) else piece):
                             h.update(p)
                     good = h.digest() == item.chunk.checksum
