@@ -196,7 +196,8 @@ class Saver:
             raise InvalidInputError(f"parent {sid} is not a prefix of these tokens")
         pr = parent_rows(snap)
         if pr is None:
-            raise LayoutError(f"parent {sid} lacks a row stream being saved, or has more rows than this save")
+            raise LayoutError(f"parent {sid} lacks a row stream being saved, has more rows than this save, or holds "
+                              "rows of another dtype, row shape or tokens_per_row")
         return snap, pr
 
     def rows_vouched(self, t: Txn, parent: SnapRow, prows: dict[str, int], sources: dict[str, Source]) -> bool:

@@ -218,6 +218,8 @@ def test_a_layout_differing_only_in_tokens_per_row_never_reads_rows_of_another_g
         mine = np.random.default_rng(83).standard_normal((96 // (read or 1), 4)).astype(np.float32)
         r2 = st.save(more, {"kv": mine})
         assert r2.ok and r2.parent_id is None
+        with pytest.raises(ss.LayoutError, match="tokens_per_row"):  # nor one the caller names
+            st.save(more, {"kv": mine}, parent=r.snapshot_id)
         m = st.match(more + [1])
         assert m is not None and m.snapshot_id == r2.snapshot_id
         out = {"kv": np.zeros_like(mine)}
