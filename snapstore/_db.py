@@ -88,6 +88,7 @@ _COMPAT_VIEWS: dict[int, list[str]] = {
     4: ["CREATE TEMP VIEW snapshots AS SELECT *, 0 AS shared FROM main.snapshots"],
     5: ["CREATE TEMP TABLE row_prefixes(snapshot_id INTEGER NOT NULL, n_tokens INTEGER NOT NULL, "
         "key BLOB NOT NULL, PRIMARY KEY (snapshot_id, n_tokens))"],
+    7: ["CREATE TEMP VIEW parts AS SELECT *, NULL AS tokens_per_row FROM main.parts"],
 }
 
 
