@@ -98,23 +98,25 @@ def write_direct(tmp_dir: str, frame: memoryview, size: int) -> str | None:
 
 # -- read side: cold chunks read with O_DIRECT, resident ones through the page cache -------------
 # A buffered cold read goes through readahead one request window at a time; O_DIRECT reads of the
-# same file with several in flight reach more of the device's rate (docs/benchmarks.md, "Issue 12,
-# cold restores with reads in flight"). But an O_DIRECT read neither uses nor fills the page cache,
-# so a chunk whose pages are cached is read buffered (at memory speed): :func:`resident` decides.
+# same file with several in flight can reach more of the device's rate. But an O_DIRECT read neither
+# uses nor fills the page cache: a chunk whose pages are cached is read buffered (:func:`resident`
+# decides), and a chunk read direct is cold again at its next restore. Measured here (docs/
+# benchmarks.md, "Issue 12, cold restores with reads in flight"): cold restores 1.1-1.15x faster,
+# the next restore of the same chunks 2.5x slower, so direct reads are off unless asked for.
 
 _LIBC: Any = None  # resident()'s libc: None until first used, False where unavailable
 
 
 def direct_reads_default(value: bool | None) -> bool:
-    """The keyword, else ``$SNAPSTORE_DIRECT_READS`` (0/1), else on where the platform has O_DIRECT."""
+    """The keyword, else ``$SNAPSTORE_DIRECT_READS`` (0/1), else off (see above); never without O_DIRECT."""
     if value is not None:
         if not isinstance(value, bool):
             raise ConfigError(f"direct_reads must be True, False or None, got {value!r}")
         return value and O_DIRECT != 0
     flag = os.environ.get("SNAPSTORE_DIRECT_READS", "").strip().lower()
-    if flag in ("", "1", "true", "yes", "on"):
+    if flag in ("1", "true", "yes", "on"):
         return O_DIRECT != 0
-    if flag in ("0", "false", "no", "off"):
+    if flag in ("", "0", "false", "no", "off"):
         return False
     raise ConfigError(f"$SNAPSTORE_DIRECT_READS must be 0/1 (or true/false), got {flag!r}")
 

@@ -112,8 +112,8 @@ class Store:
         direct_io (``SNAPSTORE_DIRECT_IO``, on: raw chunks written with O_DIRECT where the file system
         allows it; docs/benchmarks.md has the trade-off), async_copy_bytes
         (``SNAPSTORE_ASYNC_COPY_MIB``, 1024 MiB: what saves with ``wait=False`` may hold copied),
-        direct_reads (``SNAPSTORE_DIRECT_READS``, on: raw chunks whose pages are not cached are restored
-        with O_DIRECT reads in flight; docs/benchmarks.md "Issue 12, cold restores with reads in flight").
+        direct_reads (``SNAPSTORE_DIRECT_READS=1``, off: raw chunks whose pages are not cached are
+        restored with O_DIRECT reads in flight, which leaves them uncached; docs/benchmarks.md).
         remote (``SNAPSTORE_REMOTE``): ``s3://BUCKET/PREFIX``, a shared tier behind this local one;
         remote_wait (``SNAPSTORE_REMOTE_WAIT=1``): save() waits for the bucket (docs/engine.md).
         """

@@ -23,7 +23,7 @@ N = 700
 LAYOUT = ss.Layout(fixed={"run": ss.Fixed("uint8", (FIXED,))}, rows={"kv": ss.Rows("uint8", (ROW,))})
 
 _open = store_factory(identity=IDENT, layout=LAYOUT, chunk_bytes=MIB, staging_bytes=4 * MIB,
-                      budget=ss.Budget(reserve_bytes=0, ram_bytes=0), check_rows=None)
+                      budget=ss.Budget(reserve_bytes=0, ram_bytes=0), check_rows=None, direct_reads=True)
 
 
 @pytest.fixture
@@ -173,19 +173,23 @@ def test_a_flipped_payload_byte_is_caught_on_the_direct_path(cold_fs: str) -> No
 
 
 def test_direct_reads_knob(cold_fs: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SNAPSTORE_DIRECT_READS", "0")
+    """Off by default (a direct read leaves the chunk cold for the next restore): buffered reads
+    that fill the page cache; on with ``direct_reads=True`` or ``SNAPSTORE_DIRECT_READS=1``."""
     state = _state(5)
-    with _open(cold_fs) as s:
+    with _open(cold_fs, direct_reads=None) as s:
         assert not s._reads.on
         r = s.save(list(range(N)), state)
         files = _cool(cold_fs)
         out = {"run": np.zeros(FIXED, dtype=np.uint8), "kv": np.zeros((N, ROW), dtype=np.uint8)}
         s.restore(r, out)
         assert all(np.array_equal(out[k], state[k]) for k in state) and not _bypassed(files)
-    with _open(cold_fs, direct_reads=True) as s:
+    monkeypatch.setenv("SNAPSTORE_DIRECT_READS", "1")
+    with _open(cold_fs, direct_reads=None) as s:
         assert s._reads.on
+    with _open(cold_fs, direct_reads=False) as s:  # the keyword wins over the environment
+        assert not s._reads.on
     with pytest.raises(ss.ConfigError):
         _open(cold_fs, direct_reads="yes")
     monkeypatch.setenv("SNAPSTORE_DIRECT_READS", "maybe")
     with pytest.raises(ss.ConfigError):
-        _open(cold_fs)
+        _open(cold_fs, direct_reads=None)
