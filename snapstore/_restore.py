@@ -6,6 +6,8 @@ vanished is reported before anything is written. Phase 2 reads each chunk straig
 destination when it is raw and the destination is contiguous (a reader thread reads chunk k+1
 while this thread checks chunk k), else through the staging buffer (zstd payloads decode piece by
 piece from the file: no chunk-sized temporaries), and checks every chunk's XXH3-128 as it lands.
+With direct reads on (``DirectReads``), runs of raw chunks whose pages are not cached go to
+:mod:`._restore_direct` instead (O_DIRECT, several pieces in flight); the others stay on this path.
 
 At most ``_MAX_OPEN`` chunk files are open at once, whatever the plan's size, and the process's
 open-file limit is never touched: a larger plan has every header checked first (open, check,

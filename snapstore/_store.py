@@ -77,8 +77,7 @@ class Store:
         self.check_rows = options.check_rows
         self.staging_bytes = options.staging_bytes
         self.pending_lease = options.pending_lease
-        self.direct_io = direct_io  # issue 12: O_DIRECT for raw chunks (see _direct_io)
-        self._reads = DirectReads(direct_reads)  # issue 12: cold chunks read with O_DIRECT (_restore_direct)
+        self.direct_io, self._reads = direct_io, DirectReads(direct_reads)  # issue 12: O_DIRECT writes / cold reads
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingBuffer(options.staging_bytes, options.chunk_bytes)
         self._ram = RamTier(budget.ram_bytes or 0) if budget.ram_bytes else None
@@ -110,10 +109,8 @@ class Store:
         pending_lease (``SNAPSTORE_PENDING_LEASE_S``, 300 s: how long this store's pending captures
         outlive a stalled renewal, as seen from another host; docs/format.md "Owners and liveness"),
         direct_io (``SNAPSTORE_DIRECT_IO``, on: raw chunks written with O_DIRECT where the file system
-        allows it; docs/benchmarks.md has the trade-off), async_copy_bytes
-        (``SNAPSTORE_ASYNC_COPY_MIB``, 1024 MiB: what saves with ``wait=False`` may hold copied),
-        direct_reads (``SNAPSTORE_DIRECT_READS=1``, off: raw chunks whose pages are not cached are
-        restored with O_DIRECT reads in flight, which leaves them uncached; docs/benchmarks.md).
+        allows it; docs/benchmarks.md has the trade-off), direct_reads (``SNAPSTORE_DIRECT_READS=1``), async_copy_bytes
+        (``SNAPSTORE_ASYNC_COPY_MIB``, 1024 MiB: what saves with ``wait=False`` may hold copied).
         remote (``SNAPSTORE_REMOTE``): ``s3://BUCKET/PREFIX``, a shared tier behind this local one;
         remote_wait (``SNAPSTORE_REMOTE_WAIT=1``): save() waits for the bucket (docs/engine.md).
         """
@@ -125,11 +122,9 @@ class Store:
         options = store_options(path, chunk_bytes=chunk_bytes, codec=codec, staging_bytes=staging_bytes,
                                 check_rows=check_rows, pending_lease=pending_lease, codecs=CODECS)
         direct = direct_default(direct_io)  # a bad value is a ConfigError before anything is created
-        copy = copy_budget(async_copy_bytes)
-        reads = direct_reads_default(direct_reads)
+        copy, rd = copy_budget(async_copy_bytes), direct_reads_default(direct_reads)
         repo = Repo.open(options.root)
-        store = cls(repo, identity, layout, budget, options, direct_io=direct, async_copy_bytes=copy,
-                    direct_reads=reads)
+        store = cls(repo, identity, layout, budget, options, direct_io=direct, async_copy_bytes=copy, direct_reads=rd)
         try:
             store._start(drop_stale=drop_stale, remote=remote, remote_wait=remote_wait)
         except BaseException:
