@@ -101,7 +101,7 @@ def write_direct(tmp_dir: str, frame: memoryview, size: int) -> str | None:
 # same file with several in flight can reach more of the device's rate. But an O_DIRECT read neither
 # uses nor fills the page cache: a chunk whose pages are cached is read buffered (:func:`resident`
 # decides), and a chunk read direct is cold again at its next restore. Measured here (docs/
-# benchmarks.md, "Issue 12, cold restores with reads in flight"): cold restores 1.1-1.15x faster,
+# benchmarks.md, "Issue 12, cold restores with reads in flight"): cold restores 1.0-1.15x faster,
 # the next restore of the same chunks 2.5x slower, so direct reads are off unless asked for.
 
 _LIBC: Any = None  # resident()'s libc: None until first used, False where unavailable
@@ -168,8 +168,8 @@ class DirectReads:
         self.on = on and O_DIRECT != 0
 
     def enable(self, fd: int) -> bool:
-        """Turn O_DIRECT on for the open file ``fd`` (the same inode the header check read); False,
-        and off for this store, when the file system refuses it."""
+        """Turn O_DIRECT on for the open file ``fd`` (the same inode the header check read); False when
+        that fails, and off for this store when the file system refuses it (EINVAL)."""
         if not self.on:
             return False
         try:
@@ -177,9 +177,8 @@ class DirectReads:
                 raise OSError(errno.EINVAL, "Invalid argument")
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
         except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self.on = False
+            if e.errno == errno.EINVAL:  # the file system's answer; anything else: this file, buffered
+                self.on = False
             return False
         return True
 
