@@ -193,3 +193,24 @@ def test_direct_reads_knob(cold_fs: str, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("SNAPSTORE_DIRECT_READS", "maybe")
     with pytest.raises(ss.ConfigError):
         _open(cold_fs, direct_reads=None)
+
+
+def test_plans_of_many_windows_and_batches_read_direct_exactly(cold_fs: str) -> None:
+    """More chunk files than one window holds open (64), and restore_many's merged plan."""
+    lay = ss.Layout(rows={"kv": ss.Rows("uint8", (8192,))})
+    n = 70 * 32  # 70 chunks of 256 KiB (32 rows)
+    rng = np.random.default_rng(6)
+    kv = rng.integers(0, 256, (n, 8192), dtype=np.uint8)
+    with _open(cold_fs, layout=lay, chunk_bytes=256 * 1024, staging_bytes=MIB) as s:
+        r = s.save(list(range(n)), {"kv": kv})
+        kv2 = rng.integers(0, 256, (64, 8192), dtype=np.uint8)  # shares no chunk (a shared one fans out buffered)
+        r2 = s.save(list(range(n, n + 64)), {"kv": kv2})
+        files = _cool(cold_fs)
+        assert len(_big(files)) >= 70
+        out = np.zeros_like(kv)
+        s.restore(r, {"kv": out})
+        assert np.array_equal(out, kv) and _bypassed(files)
+        files = _cool(cold_fs)
+        outs = [np.zeros_like(kv), np.zeros_like(kv2)]
+        s.restore_many([(r, {"kv": outs[0]}), (r2, {"kv": outs[1]})])
+        assert np.array_equal(outs[0], kv) and np.array_equal(outs[1], kv2) and _bypassed(files)
