@@ -101,8 +101,8 @@ def write_direct(tmp_dir: str, frame: memoryview, size: int) -> str | None:
 # same file with several in flight can reach more of the device's rate. But an O_DIRECT read neither
 # uses nor fills the page cache: a chunk whose pages are cached is read buffered (:func:`resident`
 # decides), and a chunk read direct is cold again at its next restore. Measured here (docs/
-# benchmarks.md, "Issue 12, cold restores with reads in flight"): cold restores 1.0-1.15x faster,
-# the next restore of the same chunks 2.5x slower, so direct reads are off unless asked for.
+# benchmarks.md, "Issue 12, cold restores with reads in flight"): cold restores 1.0-1.4x faster,
+# the next restore of the same chunks 1.9-2.5x slower, so direct reads are off unless asked for.
 
 _LIBC: Any = None  # resident()'s libc: None until first used, False where unavailable
 
