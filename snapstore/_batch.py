@@ -99,7 +99,8 @@ def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str
     built = store._repo.db.read(build)
     plans = [p for _, p in built]
     try:
-        stream_checked(_merged(plans), None, store._repo, store._staging, store._ram, store._ledger.count)
+        stream_checked(_merged(plans), None, store._repo, store._staging, store._ram, store._ledger.count,
+                       store._reads)
     except RestoreError as e:
         e.args = (f"restore_many ({len(plans)} requests, failed as one; every destination counts as "
                   f"touched={e.touched}): {e}",)

@@ -11,6 +11,7 @@ from ._access import Access
 from ._buffers import Destination
 from ._catalog import SnapRow, SnapState, Txn
 from ._chunker import StagingBuffer
+from ._direct_io import DirectReads
 from ._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
 from ._layout import Layout
 from ._plan import RestorePlan, build_plan
@@ -60,13 +61,13 @@ def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int
 
 
 def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: StagingBuffer, ram: RamTier | None,
-                   count: Callable[[str], None]) -> None:
+                   count: Callable[[str], None], reads: DirectReads | None = None) -> None:
     """Stream ``plan``; on a RestoreError count it, name snapshot ``sid`` (None: a batch), and
     quarantine the chunks found damaged in the same call (snapshots using them stop matching until
     a save heals them). The one copy of this policy: restore() and restore_many() both use it."""
     damage: Damage = []
     try:
-        stream_plan(plan, repo.blob_path, staging, ram, damage)
+        stream_plan(plan, repo.blob_path, staging, ram, damage, reads)
     except RestoreError as e:
         if e.snapshot_id is None and sid is not None:
             e.snapshot_id = sid

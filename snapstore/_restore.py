@@ -6,6 +6,8 @@ vanished is reported before anything is written. Phase 2 reads each chunk straig
 destination when it is raw and the destination is contiguous (a reader thread reads chunk k+1
 while this thread checks chunk k), else through the staging buffer (zstd payloads decode piece by
 piece from the file: no chunk-sized temporaries), and checks every chunk's XXH3-128 as it lands.
+With direct reads on (``DirectReads``), runs of raw chunks whose pages are not cached go to
+:mod:`._restore_direct` instead (O_DIRECT, several pieces in flight); the others stay on this path.
 
 At most ``_MAX_OPEN`` chunk files are open at once, whatever the plan's size, and the process's
 open-file limit is never touched: a larger plan has every header checked first (open, check,
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable
 
@@ -38,22 +39,19 @@ from ._chunkfile import (
     read_exact,
 )
 from ._db import Conn, Database
-from ._errors import CorruptChunkError, CorruptionError, RestoreError, SnapshotUnavailableError
+from ._direct_io import DirectReads, resident
+from ._errors import CorruptChunkError, CorruptionError, SnapshotUnavailableError
 from ._plan import PlanItem, RestorePlan
 from ._ramtier import RamTier
+from ._read_ahead import ReadAhead
+from ._restore_direct import DIRECT_MIN, DirectItem, Targets, direct_targets, stream_direct
+from ._restore_fail import Damage, corrupt, outcome, read_failed
 
 __all__ = ["Damage", "quarantine", "stream_plan"]
 
 _MAX_OPEN = 64  # chunk files one restore holds open at once
 
-# (chunk id, (st_dev, st_ino) of the damaged file, or None when the file was missing)
-Damage = list[tuple[bytes, "tuple[int, int] | None"]]
-
 _Opened = tuple[PlanItem, int, "ChunkHeader | None", "memoryview | None"]
-
-
-def _outcome(touched: bool) -> str:
-    return "the destination was partly written: re-read the prompt" if touched else "nothing was written"
 
 
 def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[bytes], str], ram: RamTier | None,
@@ -80,18 +78,18 @@ def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[byt
             try:
                 path = blob_path(cid)
             except CorruptionError as e:
-                raise SnapshotUnavailableError(f"snapshot {sid}: {e}; {_outcome(touched)}",
+                raise SnapshotUnavailableError(f"snapshot {sid}: {e}; {outcome(touched)}",
                                                touched=touched, snapshot_id=sid) from None
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except FileNotFoundError:
                 damage.append((cid, None))  # quarantined if its row is still there (not an eviction)
                 raise SnapshotUnavailableError(
-                    f"snapshot {sid}: chunk {cid.hex()} is gone (evicted or deleted); {_outcome(touched)}",
+                    f"snapshot {sid}: chunk {cid.hex()} is gone (evicted or deleted); {outcome(touched)}",
                     touched=touched, snapshot_id=sid) from None
             except OSError as e:
                 raise SnapshotUnavailableError(
-                    f"snapshot {sid}: cannot open chunk {cid.hex()}: {e.strerror}; {_outcome(touched)}",
+                    f"snapshot {sid}: cannot open chunk {cid.hex()}: {e.strerror}; {outcome(touched)}",
                     touched=touched, snapshot_id=sid) from None
             try:
                 head = _check_header(plan, item, fd, touched, damage)
@@ -118,19 +116,19 @@ def _check_header(plan: RestorePlan, item: PlanItem, fd: int, touched: bool, dam
         st = os.fstat(fd)
     except OSError as e:
         raise SnapshotUnavailableError(f"snapshot {sid}: cannot stat chunk {cid.hex()}: {e.strerror}; "
-                                       f"{_outcome(touched)}", touched=touched, snapshot_id=sid) from None
+                                       f"{outcome(touched)}", touched=touched, snapshot_id=sid) from None
     try:
         head = parse_header(os.pread(fd, HEADER_SIZE, 0))
     except (CorruptionError, OSError) as e:
         if isinstance(e, CorruptionError):
             damage.append((cid, (st.st_dev, st.st_ino)))
-        raise CorruptChunkError(f"snapshot {sid}: chunk {cid.hex()} is damaged ({e}); {_outcome(touched)}",
+        raise CorruptChunkError(f"snapshot {sid}: chunk {cid.hex()} is damaged ({e}); {outcome(touched)}",
                                 touched=touched, snapshot_id=sid) from None
     if not header_matches(head, item.chunk.raw_len, item.chunk.checksum, st.st_size):
         damage.append((cid, (st.st_dev, st.st_ino)))
         raise CorruptChunkError(
             f"snapshot {sid}: chunk {cid.hex()} does not match the catalog "
-            f"(size {st.st_size}, header says {HEADER_SIZE + head.payload_len}); {_outcome(touched)}",
+            f"(size {st.st_size}, header says {HEADER_SIZE + head.payload_len}); {outcome(touched)}",
             touched=touched, snapshot_id=sid)
     return head
 
@@ -180,68 +178,6 @@ def quarantine(db: Database, blob_path: Callable[[bytes], str], damage: Damage) 
     return db.write(run)
 
 
-class _Reader:
-    """Reads raw chunks straight into their destinations on ``threads`` threads, ahead of the checker.
-
-    Job ``j`` starts only once the checker is through with job ``j - depth`` (at most ``depth``
-    chunks read or being read but not yet verified), and ``stop()`` returns only once every
-    thread is idle: after a restore raises, nothing writes into the destination any more.
-    """
-
-    def __init__(self, jobs: list[tuple[int, memoryview | list[memoryview], int]], depth: int, threads: int):
-        self._jobs = jobs
-        self._depth = depth
-        self._ready = [False] * len(jobs)
-        self._errors: dict[int, BaseException] = {}
-        self._cv = threading.Condition()
-        self._checked = 0
-        self._stop = False
-        self.started = False  # some destination bytes may have been written
-        self._threads = [threading.Thread(target=self._run, args=(t, threads), name="snapstore-restore",
-                                          daemon=True) for t in range(threads)]
-        for th in self._threads:
-            th.start()
-
-    def _run(self, first: int, step: int) -> None:
-        for j in range(first, len(self._jobs), step):
-            with self._cv:
-                while j >= self._checked + self._depth and not self._stop:
-                    self._cv.wait()
-                if self._stop:
-                    return
-                self.started = True
-            fd, target, offset = self._jobs[j]
-            try:
-                read_exact(fd, target, offset)
-            except BaseException as e:  # handed to the checker, which raises it in order
-                self._errors[j] = e
-            with self._cv:
-                self._ready[j] = True
-                self._cv.notify_all()
-
-    def wait(self, j: int) -> None:
-        """Block until job ``j`` is read; raise what reading it raised."""
-        with self._cv:
-            while not self._ready[j]:
-                self._cv.wait()
-        err = self._errors.pop(j, None)
-        if err is not None:
-            raise err
-
-    def done(self) -> None:
-        """The checker is through with one more job: another may start."""
-        with self._cv:
-            self._checked += 1
-            self._cv.notify_all()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        for th in self._threads:
-            th.join()
-
-
 # Raw chunks are read and checked in pieces: the checksum reads each piece right after the reader
 # wrote it, while it is still in the CPU cache, instead of streaming the whole chunk from memory a
 # second time (warm restores are memory-bandwidth bound).
@@ -252,18 +188,19 @@ _PIPELINE_MIN = 2 * (1 << 20)  # below this much raw data a reader thread costs 
 
 
 def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
-                ram: RamTier | None, damage: Damage | None = None) -> None:
+                ram: RamTier | None, damage: Damage | None = None, reads: DirectReads | None = None) -> None:
     """Write every chunk of ``plan``; RestoreError(touched=...) on any failure.
 
-    Chunks found damaged or missing are added to ``damage`` (for :func:`quarantine`).
+    Chunks found damaged or missing are added to ``damage`` (for :func:`quarantine`). With
+    ``reads`` on, raw chunks whose pages are not cached are read with O_DIRECT (_restore_direct).
     """
     found: Damage = damage if damage is not None else []
     with ram.restoring() if ram is not None else contextlib.nullcontext():  # admission waits meanwhile
-        _stream_windows(plan, blob_path, staging, ram, found)
+        _stream_windows(plan, blob_path, staging, ram, found, reads)
 
 
 def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
-                    ram: RamTier | None, found: Damage) -> None:
+                    ram: RamTier | None, found: Damage, reads: DirectReads | None) -> None:
     """stream_plan's body: the plan in windows of at most _MAX_OPEN open chunk files."""
     windows = _windows(plan.items)
     if len(windows) > 1:  # check every header before a byte is written, holding few files at once
@@ -271,13 +208,59 @@ def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], stagin
             _open_all(plan, items, blob_path, ram, False, found, keep=False)
     touched = False
     for items in windows:
-        touched = _stream(plan, _open_all(plan, items, blob_path, ram, touched, found), staging, ram,
-                          touched, found, blob_path)
+        opened = _open_all(plan, items, blob_path, ram, touched, found)
+        try:
+            touched = _stream_window(plan, opened, staging, ram, touched, found, blob_path, reads)
+        finally:
+            for fd in {entry[1] for entry in opened if entry[1] >= 0}:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def _cold_targets(entry: _Opened, reads: DirectReads | None, cold: dict[int, bool]) -> Targets | None:
+    """Where a raw chunk goes when it is read with O_DIRECT: its pages are not cached and its
+    destination is host memory; else None (the buffered path). ``cold`` caches the probe per file."""
+    item, fd, head, data = entry
+    if (reads is None or not reads.on or data is not None or head is None or head.codec != CODEC_RAW
+            or item.chunk.raw_len < DIRECT_MIN):
+        return None
+    targets = direct_targets(item)
+    if targets is None:
+        return None
+    if fd not in cold:
+        cold[fd] = not resident(fd, HEADER_SIZE + item.chunk.raw_len)
+    return targets if cold[fd] else None
+
+
+def _stream_window(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ram: RamTier | None,
+                   touched: bool, damage: Damage, blob_path: Callable[[bytes], str],
+                   reads: DirectReads | None) -> bool:
+    """Write one window's chunks in order, as runs of cold chunks (read with O_DIRECT) and runs of
+    the others (buffered: cached, compressed, RAM-tier or writer destinations); returns touched."""
+    cold: dict[int, bool] = {}
+    runs: list[tuple[bool, list[_Opened], list[DirectItem]]] = []
+    for entry in opened:
+        targets = _cold_targets(entry, reads, cold)
+        if not runs or runs[-1][0] != (targets is not None):
+            runs.append((targets is not None, [], []))
+        runs[-1][1].append(entry)
+        if targets is not None:
+            item, fd, head, _ = entry
+            assert head is not None
+            runs[-1][2].append((item, fd, head, targets))
+    for direct, entries, items in runs:
+        done = None
+        if direct and reads is not None:
+            done = stream_direct(plan, items, staging, reads, ram, touched, damage, blob_path)
+        touched = done if done is not None else _stream(plan, entries, staging, ram, touched, damage, blob_path)
+    return touched
 
 
 def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ram: RamTier | None,
             touched: bool, damage: Damage, blob_path: Callable[[bytes], str]) -> bool:
-    """Write the opened chunks of one window (their descriptors are closed on return); returns touched."""
+    """Write ``opened`` chunks through the page cache, in order (the caller closes their files); returns touched."""
     # Raw chunks with a contiguous destination are read in place by a reader thread while this
     # thread checks the previous one (preadv releases the GIL); everything else goes in order here.
     targets: list[memoryview | list[memoryview] | None] = []
@@ -306,7 +289,7 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
         pieces.append(range(first, len(jobs)))
     big = len(jobs) > 1 and sum(len(t) if isinstance(t, memoryview) else sum(map(len, t))
                                 for _, t, _ in jobs) >= _PIPELINE_MIN
-    reader = _Reader(jobs, depth=_DEPTH, threads=_THREADS) if big else None
+    reader = ReadAhead(len(jobs), lambda j: read_exact(*jobs[j]), depth=_DEPTH, threads=_THREADS) if big else None
     try:
         for k, (item, fd, head, data) in enumerate(opened):
             cid, n = item.chunk.id, item.chunk.raw_len
@@ -364,31 +347,15 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                 reason = str(e)
             except OSError as e:
                 touched = touched or (reader is not None and reader.started)
-                raise RestoreError(
-                    f"snapshot {plan.snapshot_id}: reading chunk {cid.hex()} failed ({e.strerror}); "
-                    + _outcome(touched), touched=touched, snapshot_id=plan.snapshot_id) from None
+                raise read_failed(plan, cid, e, touched) from None
             else:
                 reason = "checksum mismatch"
             if not good:
                 touched = touched or (reader is not None and reader.started)
-                if ram is not None:
-                    ram.discard(cid)
-                try:
-                    st = os.fstat(fd)
-                    damage.append((cid, (st.st_dev, st.st_ino)))
-                except OSError:
-                    pass
-                raise CorruptChunkError(
-                    f"snapshot {plan.snapshot_id}: chunk {cid.hex()} is corrupt ({reason}); " + _outcome(touched),
-                    touched=touched, snapshot_id=plan.snapshot_id)
+                raise corrupt(plan, cid, fd, reason, touched, damage, ram)
             if ram is not None:  # admitted off this thread, from the file (see _ramtier)
                 ram.offer(cid, blob_path(cid), n, item.chunk.checksum)
     finally:
         if reader is not None:
             reader.stop()  # before the descriptors close, and before an error reaches the caller
-        for fd in {entry[1] for entry in opened if entry[1] >= 0}:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
     return touched

@@ -28,7 +28,7 @@ from ._catalog import SnapRow, Txn
 from ._chunker import Chunker, StagingBuffer
 from ._chunkfile import CODECS
 from ._config import Budget, StoreOptions, store_options
-from ._direct_io import direct_default
+from ._direct_io import DirectReads, direct_default, direct_reads_default
 from ._errors import ConfigError, StateError
 from ._gate import CallGate, operation
 from ._gc import GcReport
@@ -67,7 +67,7 @@ class Store:
     """
 
     def __init__(self, repo: Repo, identity: Identity, layout: Layout, budget: Budget, options: StoreOptions, *,
-                 direct_io: bool = False, async_copy_bytes: int = 0) -> None:
+                 direct_io: bool = False, async_copy_bytes: int = 0, direct_reads: bool = False) -> None:
         self._repo = repo
         self.identity = identity
         self.layout = layout
@@ -77,7 +77,7 @@ class Store:
         self.check_rows = options.check_rows
         self.staging_bytes = options.staging_bytes
         self.pending_lease = options.pending_lease
-        self.direct_io = direct_io  # issue 12: O_DIRECT for raw chunks (see _direct_io)
+        self.direct_io, self._reads = direct_io, DirectReads(direct_reads)  # issue 12: O_DIRECT writes / cold reads
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingBuffer(options.staging_bytes, options.chunk_bytes)
         self._ram = RamTier(budget.ram_bytes or 0) if budget.ram_bytes else None
@@ -98,7 +98,7 @@ class Store:
              codec: str | None = None, staging_bytes: int | None = None,
              check_rows: bool | None = None, pending_lease: float | None = None, remote: str | None = None,
              remote_wait: bool | None = None, direct_io: bool | None = None,
-             async_copy_bytes: int | None = None) -> Store:
+             async_copy_bytes: int | None = None, direct_reads: bool | None = None) -> Store:
         """Open (creating if needed) the store at ``path`` for ``identity``.
 
         path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove every
@@ -109,7 +109,7 @@ class Store:
         pending_lease (``SNAPSTORE_PENDING_LEASE_S``, 300 s: how long this store's pending captures
         outlive a stalled renewal, as seen from another host; docs/format.md "Owners and liveness"),
         direct_io (``SNAPSTORE_DIRECT_IO``, on: raw chunks written with O_DIRECT where the file system
-        allows it; docs/benchmarks.md has the trade-off), async_copy_bytes
+        allows it; docs/benchmarks.md has the trade-off), direct_reads (``SNAPSTORE_DIRECT_READS=1``), async_copy_bytes
         (``SNAPSTORE_ASYNC_COPY_MIB``, 1024 MiB: what saves with ``wait=False`` may hold copied).
         remote (``SNAPSTORE_REMOTE``): ``s3://BUCKET/PREFIX``, a shared tier behind this local one;
         remote_wait (``SNAPSTORE_REMOTE_WAIT=1``): save() waits for the bucket (docs/engine.md).
@@ -122,9 +122,9 @@ class Store:
         options = store_options(path, chunk_bytes=chunk_bytes, codec=codec, staging_bytes=staging_bytes,
                                 check_rows=check_rows, pending_lease=pending_lease, codecs=CODECS)
         direct = direct_default(direct_io)  # a bad value is a ConfigError before anything is created
-        copy = copy_budget(async_copy_bytes)
+        copy, rd = copy_budget(async_copy_bytes), direct_reads_default(direct_reads)
         repo = Repo.open(options.root)
-        store = cls(repo, identity, layout, budget, options, direct_io=direct, async_copy_bytes=copy)
+        store = cls(repo, identity, layout, budget, options, direct_io=direct, async_copy_bytes=copy, direct_reads=rd)
         try:
             store._start(drop_stale=drop_stale, remote=remote, remote_wait=remote_wait)
         except BaseException:
@@ -332,7 +332,7 @@ class Store:
         dest = planned_destination(into, lambda: self.describe(m, components, namespace=ns or None, rows_from=k))
         upto = match_tokens(m)  # a block-granular prefix match restores rows [0, upto // g) only
         snap, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k, upto))
-        stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count)
+        stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count, self._reads)
         # last use and the hit are bookkeeping: recorded in memory and written now only if the
         # write lock is free; a restore queues behind a writer only for a first outside use
         record_use(self._repo, self._ledger, [(sid, new_outside_use(snap, sess))])

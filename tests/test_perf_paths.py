@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support import IDENT, make_state, store_factory
+from support.pagecache import cached_pages
 
 import snapstore as ss
 from snapstore import _ramtier
@@ -116,30 +117,7 @@ def test_admission_waits_until_the_restore_that_triggered_it_returns(store_dir: 
 
 
 # -- direct I/O ----------------------------------------------------------------------------------
-def _cached_pages(path: str) -> int:
-    """Pages of ``path`` in the page cache (mincore(2) over a read-only mapping)."""
-    import ctypes
-    import mmap
-    import os
-    size = os.path.getsize(path)
-    pages = -(-size // mmap.PAGESIZE)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value)
-        vec = ctypes.create_string_buffer(pages)
-        try:
-            assert libc.mincore(ctypes.c_void_p(addr), size, vec) == 0, ctypes.get_errno()
-        finally:
-            libc.munmap(ctypes.c_void_p(addr), size)
-        return sum(b & 1 for b in vec.raw)
-    finally:
-        os.close(fd)
+_cached_pages = cached_pages  # tests/support/pagecache.py (shared with test_cold_reads.py)
 
 
 def _chunk_files(store_dir: str) -> list[str]:
