@@ -110,6 +110,14 @@ class StagingBuffer:
         """How many chunks may be in flight at once."""
         return self._count
 
+    @property
+    def writers(self) -> int:
+        """Threads a save's pool needs: one per slot (at least 2, at most 8), so the hash and write of
+        every chunk in flight run at once and the copy of the next overlaps them. With fewer threads
+        than slots, staged chunks wait for a thread while the disk idles between writes (measured:
+        docs/benchmarks.md, "Issue 12, save pipeline")."""
+        return max(2, min(self._count, 8))
+
     def acquire(self) -> tuple[int, memoryview]:
         """Wait for a free slot; return its index and a view of it."""
         with self._cv:

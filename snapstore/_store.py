@@ -137,7 +137,7 @@ class Store:
         then the shared tier (``remote``)."""
         repo = self._repo
         self._access.ensure_identity(repo.db)
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapstore")
+        self._pool = ThreadPoolExecutor(max_workers=self._staging.writers, thread_name_prefix="snapstore")
         self._chunker = Chunker(repo.blob_path, repo.tmp, self.chunk_bytes, self.codec, self._staging, self._pool,
                                 repo.db, sweep=repo.sweep, direct=self.direct_io)
         self._lease_owner = Owner(repo.db, repo.root, self.pending_lease)

@@ -405,3 +405,36 @@ def test_match_finds_a_prefix_beyond_the_first_statements_anchors(store: ss.Stor
     m = store.match(query, exclude=[deep])
     assert m is not None and m.snapshot_id == short.snapshot_id
     assert store.match([7] + query) is None
+
+
+# -- the save pipeline: every staging slot has a thread ------------------------------------------
+def test_a_save_hashes_and_writes_as_many_chunks_at_once_as_the_staging_buffer_has_slots(
+        store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 MiB of staging in 4 MiB slots: four chunks are in the hash/write stage together (a pool of
+    two threads left two staged chunks waiting while the disk idled between writes)."""
+    from snapstore import _chunker
+    inside, peak, lock = [0], [0], threading.Lock()
+    four = threading.Barrier(4, timeout=20)
+
+    def hook(stage: str, chunker: Any, cid: bytes) -> None:
+        if stage != "hashed":
+            return
+        with lock:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+        try:
+            four.wait()  # the first four chunks meet here; broken (timeout) if fewer run at once
+        except threading.BrokenBarrierError:
+            pass
+        with lock:
+            inside[0] -= 1
+
+    monkeypatch.setattr(_chunker, "_TEST_HOOK", hook)
+    state = _big_state(256, 9)  # 16 MiB of rows + 4 MiB fixed: 5 chunks of 4 MiB
+    with _open_big(store_dir) as s:
+        assert s._staging.slots == 4
+        r = s.save(list(range(256)), state)
+        assert peak[0] == 4, peak[0]
+        out = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
