@@ -44,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="a 64 MiB chain instead of 512 MiB")
     ap.add_argument("--prefill-tps", type=float, default=1300.0)
+    ap.add_argument("--rounds", type=int, default=7, help="rounds of raw GET, tee, fetch, stream (medians)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     mib = 64 if a.quick else 512
@@ -158,7 +159,7 @@ def main() -> None:
         # rounds of (raw GET, tee, fetch, stream): the four see the same load drift
         raw: list[float] = []
         got: dict[str, list[dict[str, float]]] = {"tee": [], "fetch": [], "stream": []}
-        for rep in range(5):
+        for rep in range(a.rounds):
             with ThreadPoolExecutor(4) as pool:
                 t = time.perf_counter()
                 assert sum(pool.map(get, [o.key for o in objs])) == total

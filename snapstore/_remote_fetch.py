@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -88,7 +88,7 @@ class Fetcher:
 
     def materialize(self, hit: RemoteHit, fits: Callable[[Conn, list[bytes]], bool],
                     identity_id: Callable[[Conn], int], layout: Layout,
-                    given: Mapping[bytes, memoryview] | None = None) -> int:
+                    given: Mapping[bytes, Sequence[memoryview]] | None = None) -> int:
         """Fetch the chain's missing chunks (each checked; ``given``: object bytes already read, by
         chunk id) and insert the chain locally; its leaf's id."""
         for _attempt in range(3):
@@ -100,7 +100,7 @@ class Fetcher:
         raise SnapshotUnavailableError("the local tier kept evicting the fetched chunks; nothing was written")
 
     def _once(self, hit: RemoteHit, fits: Callable[[Conn, list[bytes]], bool],
-              identity_id: Callable[[Conn], int], layout: Layout, given: Mapping[bytes, memoryview]) -> int:
+              identity_id: Callable[[Conn], int], layout: Layout, given: Mapping[bytes, Sequence[memoryview]]) -> int:
         needed: dict[bytes, ChunkEntry] = {ch.id: ch for mf in hit.chain for p in mf.parts for ch in p.chunks}
         # a chunk's address is keyed by its part's dtype and shape (v2), or by the identity and
         # namespace alone for chunks a store wrote before v2: the fetch accepts either, never another
@@ -169,11 +169,11 @@ class Fetcher:
             raise
 
     def _fetch(self, scope: str, keys: tuple[bytes, bytes], e: ChunkEntry,
-               given: memoryview | None = None) -> tuple[bytes, bool, bytes]:
-        """Stream one chunk object (or ``given``, its bytes already read) into a local chunk file,
+               given: Sequence[memoryview] | None = None) -> tuple[bytes, bool, bytes]:
+        """Stream one chunk object (or ``given``, its pieces already read) into a local chunk file,
         checking it; (id, created, its scope key)."""
         if given is not None:
-            size, pieces = len(given), iter((given,))
+            size, pieces = sum(len(p) for p in given), iter(given)
         else:
             size, pieces = open_object(self.client, scope, e)
         try:

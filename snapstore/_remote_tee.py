@@ -1,25 +1,28 @@
-"""The default shared-tier restore: read the chain into memory checked, fill the destination, import later.
+"""The default shared-tier restore: stream the chain into the destination, import the same bytes later.
 
 A fetch into the local tier before the restore is bound by the local disk (a write and an fsync
 per chunk: 0.41x a raw GET, docs/benchmarks.md "Shared tier"). The tee takes the disk off the
-restore's path: every chunk object the restore needs, and every other chunk of the chain the
-local tier lacks, is read from the bucket a few at a time and checked whole (size, header,
-XXH3-128: what a local restore checks) before a byte of any of them reaches the destination; the
-destination is then filled from memory and the restore returns. The same checked bytes go to the
-:class:`Importer`, one background thread that publishes them as local chunk files (address
-checked too, each fsynced) and only then inserts the chain in one transaction (``Fetcher``), so
-the next request for the prompt is local. A crash before that transaction leaves only chunk
-files no row references (orphans ``gc`` removes); nothing half-imported is ever visible.
+restore's path: the chunk objects the restore needs, then the rest of the chain the local tier
+lacks, are read from the bucket a few at a time, each checked whole (size, header, XXH3-128: what
+a local restore checks) before any of its bytes is written into the destination, so nothing
+unchecked ever reaches the engine; the restore returns when the destination is filled. The same
+checked bytes go to the :class:`Importer`, one background thread that publishes them as local
+chunk files (content address checked too, each fsynced) and only then inserts the chain in one
+transaction (``Fetcher``), so the next request for the prompt is local. A crash before that
+transaction leaves only chunk files no row references (orphans ``gc`` removes); nothing
+half-imported is ever visible.
 
-The bytes held for pending imports are bounded (``SNAPSTORE_REMOTE_TEE_MIB``, default 1024): a
-chain that would exceed it is fetched into the local tier first, as ``SNAPSTORE_REMOTE_RESTORE=fetch``
-does, so memory never grows with the fleet's traffic.
+The bytes held for queued imports are bounded (``SNAPSTORE_REMOTE_TEE_MIB``, default 1024): a
+chunk read beyond the bound is written into the destination and dropped, and its import reads it
+from the bucket again, so memory never grows with the fleet's traffic and the restore never waits
+for the local disk.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -32,7 +35,7 @@ from ._db import Conn
 from ._errors import RemoteError, RestoreError, SnapshotUnavailableError
 from ._layout import Layout
 from ._manifest import ChunkEntry
-from ._plan import build_plan
+from ._plan import PlanItem, build_plan
 from ._remote_check import BadObject, ChunkCheck, corrupt
 from ._remote_fetch import Fetcher, NoRoom, fetch_failed
 from ._remote_keys import chunk_key, pause_point
@@ -43,6 +46,8 @@ from ._s3client import S3Client
 
 __all__ = ["Importer", "hold_limit", "tee_restore"]
 
+_AHEAD = 2  # chunks read beyond the pool's width, waiting to be written (bounds what a restore holds)
+
 
 def hold_limit() -> int:
     """Bytes the pending imports may hold in memory (``SNAPSTORE_REMOTE_TEE_MIB``, default 1024)."""
@@ -52,10 +57,28 @@ def hold_limit() -> int:
 
 @dataclass
 class _Held:
-    """One chunk object read and checked: the object's bytes and the raw bytes they carry."""
+    """One chunk object read and checked: its pieces as the client handed them (no copy), and the
+    decoded raw bytes of a compressed one (None: the raw bytes are the pieces after the header)."""
 
-    obj: memoryview
-    raw: memoryview
+    pieces: list[memoryview]
+    decoded: memoryview | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
+    def write(self, item: PlanItem) -> None:
+        """Write the chunk's raw bytes from ``item.skip`` on into ``item.sink`` at ``item.offset``."""
+        if self.decoded is not None:
+            item.sink.write(item.offset + item.skip, self.decoded[item.skip:])
+            return
+        start = HEADER_SIZE + item.skip  # the first object byte to write
+        pos = 0
+        for piece in self.pieces:
+            lo = max(start - pos, 0)
+            if lo < len(piece):
+                item.sink.write(item.offset + pos + lo - HEADER_SIZE, piece[lo:])
+            pos += len(piece)
 
 
 def _entry(ch: ChunkRow | ChunkEntry) -> ChunkEntry:
@@ -74,85 +97,101 @@ def _read_whole(client: S3Client, scope: str, e: ChunkEntry, stop: threading.Eve
     if got is None:
         return ("missing", "")
     size, pieces = got
+    held: list[memoryview] = []
     try:
         check = ChunkCheck(e, None, size)
-        buf = memoryview(bytearray(size))
-        at = 0
         for piece in pieces:
             if stop.is_set():
                 return ("stopped", "")
-            check.feed(piece)  # raises before a piece could overrun the buffer
-            buf[at:at + len(piece)] = piece
-            at += len(piece)
+            check.feed(piece)
+            held.append(piece)  # kept as the client handed it: no copy while the GETs run
         decoded = check.finish()
     except BadObject as bad:
         return ("corrupt", bad.why)
     except RemoteError as err:
         return ("remote", str(err))
-    return _Held(buf, decoded if decoded is not None else buf[HEADER_SIZE:])
+    return _Held(held, decoded)
 
 
 def tee_restore(client: S3Client, hit: RemoteHit, layout: Layout, into: Mapping[str, Any], wanted: set[str],
-                rows_from: int, also: list[ChunkEntry], pool: ThreadPoolExecutor,
-                count: Callable[[str, int], None]) -> tuple[RestoreResult, dict[bytes, memoryview]]:
-    """Restore ``hit`` into ``into`` from memory once every chunk it needs and every chunk in ``also``
-    (the rest of what the local tier lacks) has been read and checked; the result and the checked
-    object bytes by chunk id, for the Importer. On any failure nothing was written (``touched``
-    False) unless an engine's writer failed part-way."""
+                rows_from: int, also: list[ChunkEntry], keep: Callable[[int], bool], pool: ThreadPoolExecutor,
+                width: int, count: Callable[[str, int], None]) -> tuple[RestoreResult, dict[bytes, list[memoryview]]]:
+    """Restore ``hit`` into ``into``, each chunk written once it has been read and checked whole; the
+    chunks in ``also`` (the rest of what the local tier lacks) are read and checked too, not written.
+    Returns the result and, by chunk id, the checked pieces of the chunks ``also`` names that
+    ``keep(nbytes)`` (the Importer's memory bound) let it hold. ``touched`` on a failure says whether
+    a destination byte was written (a failure stops every reader before the error is raised)."""
     t0 = time.perf_counter()
     src = ManifestSource(hit)
     plan = build_plan(src, len(src.chain), src.chain, layout, into, wanted, rows_from)
-    entries = {item.chunk.id: _entry(item.chunk) for item in plan.items}
+    groups: dict[bytes, list[PlanItem]] = {}
+    for item in plan.items:
+        groups.setdefault(item.chunk.id, []).append(item)
+    entries = {cid: _entry(items[0].chunk) for cid, items in groups.items()}
     for e in also:
         entries.setdefault(e.id, e)
+    wanted_ids = {e.id for e in also}
+    todo = deque(entries.values())  # the restore's chunks first, in plan order
     stop = threading.Event()
-    futs: dict[bytes, Future[_Held | tuple[str, str]]] = {
-        cid: pool.submit(_read_whole, client, hit.scope, e, stop) for cid, e in entries.items()}
-    held: dict[bytes, _Held] = {}
-    failure: RestoreError | None = None
+    pending: deque[tuple[ChunkEntry, Future[_Held | tuple[str, str]]]] = deque()
+    given: dict[bytes, list[memoryview]] = {}
+    failure: BaseException | None = None
+    touched = False
+    fetched = [0, 0]
+
+    def more() -> None:
+        while todo and len(pending) < width + _AHEAD:
+            e = todo.popleft()
+            pending.append((e, pool.submit(_read_whole, client, hit.scope, e, stop)))
+
     try:
-        for cid, fut in futs.items():
+        more()
+        while pending:
+            e, fut = pending.popleft()
             got = fut.result()
             if isinstance(got, tuple):
-                failure = _error(entries[cid], got, count)
+                failure = _error(e, got, count, touched)
                 break
-            held[cid] = got
+            fetched[0] += 1
+            fetched[1] += got.nbytes
+            for item in groups.get(e.id, ()):  # the calling thread writes (engines' writers never run on pools)
+                touched = True
+                got.write(item)
+            if e.id in wanted_ids and keep(got.nbytes):
+                given[e.id] = got.pieces
+            more()
+    except BaseException as err:  # an engine's writer failed (a RestoreError already), or an interrupt
+        failure = err
     finally:
         stop.set()
-        wait(futs.values())
-    count("remote_fetched_chunks", len(held))
-    count("remote_fetched_bytes", sum(h.obj.nbytes for h in held.values()))
+        wait([f for _e, f in pending])  # nothing reads on once the caller sees the error
+    count("remote_fetched_chunks", fetched[0])
+    count("remote_fetched_bytes", fetched[1])
     if failure is not None:
+        if isinstance(failure, RestoreError) and touched:
+            failure.touched = True
         raise failure
-    touched = False
-    try:
-        for item in plan.items:  # the calling thread writes (engines' writers are never called from pools)
-            raw = held[item.chunk.id].raw
-            touched = True
-            item.sink.write(item.offset + item.skip, raw[item.skip:])
-    except RestoreError as e:
-        e.touched = e.touched or touched
-        raise
     count("remote_tee_restores", 1)
     res = RestoreResult(plan.n_tokens, plan.rows, frozenset(plan.missing_components), [], plan.nbytes,
                         time.perf_counter() - t0)
-    return res, {cid: h.obj for cid, h in held.items()}
+    return res, given
 
 
-def _error(e: ChunkEntry, got: tuple[str, str], count: Callable[[str, int], None]) -> RestoreError:
+def _error(e: ChunkEntry, got: tuple[str, str], count: Callable[[str, int], None], touched: bool) -> RestoreError:
     kind, why = got
     if kind == "corrupt":
-        return corrupt(e, why, count)
+        return corrupt(e, why, count, touched)
     if kind == "remote":
-        return fetch_failed(e, why)
+        return fetch_failed(e, why, touched)
+    outcome = "the destination was partly written: re-read the prompt" if touched else "nothing was written"
     return SnapshotUnavailableError(f"chunk {e.id.hex()} is missing from the shared tier (removed by gc or lost); "
-                                    "nothing was written")
+                                    + outcome, touched=touched)
 
 
 class Importer:
     """One background thread: publish a tee'd chain's checked bytes locally, then insert the chain.
 
-    Holds at most ``limit`` bytes for the imports queued; one import per chain leaf at a time.
+    Holds at most ``limit`` bytes for the imports queued (:meth:`reserve`); one import per chain leaf at a time.
     """
 
     def __init__(self, fetcher: Fetcher, count: Callable[[str, int], None], limit: int):
@@ -165,27 +204,35 @@ class Importer:
         self._pending: set[Future[None]] = set()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapstore-import")
 
-    def room(self, nbytes: int) -> bool:
-        """Could ``nbytes`` more be held for an import now?"""
+    def reserve(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` more for an import if the bound allows (else the import fetches that chunk)."""
         with self._lock:
-            return self._held + nbytes <= self.limit
+            if self._held + nbytes > self.limit:
+                return False
+            self._held += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back what :meth:`reserve` granted (a restore that failed, an import that finished)."""
+        with self._lock:
+            self._held -= nbytes
 
     def busy(self, hit: RemoteHit) -> bool:
         """Is an import of this chain's leaf already queued (then a restore need not queue another)?"""
         with self._lock:
             return hit.chain[-1].name in self._leaves
 
-    def submit(self, hit: RemoteHit, given: dict[bytes, memoryview], layout: Layout,
+    def submit(self, hit: RemoteHit, given: dict[bytes, list[memoryview]], layout: Layout,
                fits: Callable[[Conn, list[bytes]], bool], identity_id: Callable[[Conn], int],
                used: Callable[[], None]) -> None:
-        """Queue the import of ``hit`` from ``given`` (the restore already returned)."""
-        nbytes = sum(v.nbytes for v in given.values())
+        """Queue the import of ``hit`` from ``given`` (reserved; the restore already returned)."""
+        nbytes = sum(len(p) for v in given.values() for p in v)
         leaf = hit.chain[-1].name
         with self._lock:
             if leaf in self._leaves:
+                self._held -= nbytes
                 return
             self._leaves.add(leaf)
-            self._held += nbytes
 
         def run() -> None:
             try:

@@ -7,11 +7,11 @@ queue of ``_uploader``), lookup from a prompt (``_remote_lookup``), fetch into t
 restore straight from the bucket (``_remote_stream``), the checks every fetched chunk passes
 (``_remote_check``). Layout and protocol: docs/format.md "Shared tier".
 
-Restore policy (``SNAPSTORE_REMOTE_RESTORE``): ``tee`` (default) reads the chain checked into
-memory, fills the destination and returns, while a background thread imports the same bytes into
-the local tier, so the next request for the prompt is local; ``fetch`` imports first, then
-restores locally (what ``tee`` does when the bytes it would hold exceed its bound); a chain that
-cannot fit the local budget (or the disk) is streamed by both. ``stream`` always streams: nothing
+Restore policy (``SNAPSTORE_REMOTE_RESTORE``): ``tee`` (default) streams the chain into the
+destination, each chunk checked whole before it is written, and returns, while a background
+thread imports the same bytes into the local tier, so the next request for the prompt is local;
+``fetch`` imports first, then restores locally (a failure never touches the destination); a chain
+that cannot fit the local budget (or the disk) is streamed by both. ``stream`` always streams: nothing
 is written locally (docs/benchmarks.md "Shared tier" measures the three).
 """
 
@@ -55,7 +55,7 @@ _MODES = ("tee", "fetch", "stream")
 
 
 def restore_mode() -> str:
-    """``SNAPSTORE_REMOTE_RESTORE``: ``tee`` (default: from memory, imported in the background),
+    """``SNAPSTORE_REMOTE_RESTORE``: ``tee`` (default: streamed, imported in the background),
     ``fetch`` (import, then restore locally) or ``stream`` (never import); tee and fetch stream what cannot fit."""
     mode = os.environ.get("SNAPSTORE_REMOTE_RESTORE", "").strip().lower() or "tee"
     if mode not in _MODES:
@@ -168,7 +168,7 @@ class RemoteTier:
         if mode != "stream":
             missing = self._fetcher.missing(hit)
             need = sum(e.stored_len for e in missing)
-            if room(need) and mode == "tee" and self._importer.room(_chain_bytes(hit)):
+            if room(need) and mode == "tee":
                 return self._tee(hit, into, layout, wanted, rows_from, missing, fits, identity_id)
             if room(need):
                 try:
@@ -189,16 +189,27 @@ class RemoteTier:
     def _tee(self, hit: RemoteHit, into: Any, layout: Layout, wanted: set[str], rows_from: int,
              missing: list[ChunkEntry], fits: Callable[[Conn, list[bytes]], bool],
              identity_id: Callable[[Conn], int]) -> RestoreResult:
-        """Restore from memory (every chunk checked first), then queue the chain's import (``_remote_tee``)."""
+        """Restore chunk by chunk (each checked before it is written), then queue the import (``_remote_tee``)."""
         dest = planned_destination(into, lambda: describe_remote(hit, layout, wanted, rows_from))
         busy = self._importer.busy(hit)  # an import of this chain is queued: read only what the restore needs
-        res, given = tee_restore(self.client, hit, layout, dest, wanted, rows_from, [] if busy else missing,
-                                 self._pool, self._count)
+        reserved = [0]
+
+        def keep(n: int) -> bool:  # the importer's memory bound: a chunk beyond it is read again by the import
+            if self._importer.reserve(n):
+                reserved[0] += n
+                return True
+            return False
+
+        try:
+            res, given = tee_restore(self.client, hit, layout, dest, wanted, rows_from, [] if busy else missing,
+                                     keep, self._pool, _WIDTH, self._count)
+        except BaseException:
+            self._importer.release(reserved[0])
+            raise
         if busy:
             self._used(hit)
-        else:  # only what the local tier lacks is held on for the import
-            keep = {e.id: given[e.id] for e in missing if e.id in given}
-            self._importer.submit(hit, keep, layout, fits, identity_id, lambda: self._used(hit))
+        else:
+            self._importer.submit(hit, given, layout, fits, identity_id, lambda: self._used(hit))
         return res
 
     def _used(self, hit: RemoteHit) -> None:
@@ -206,11 +217,6 @@ class RemoteTier:
             self.client.put(use_key(hit.scope, hit.chain[-1].name), b"")
         except RemoteError:
             pass  # last use is a hint for the budget, not worth failing a restore
-
-
-def _chain_bytes(hit: RemoteHit) -> int:
-    """What a tee of ``hit`` holds at most: every chunk of the chain, counted once."""
-    return sum({ch.id: ch.stored_len for mf in hit.chain for p in mf.parts for ch in p.chunks}.values())
 
 
 def _hit(m: Any) -> RemoteHit:

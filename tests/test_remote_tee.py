@@ -82,18 +82,50 @@ def test_default_restore_returns_before_the_import_then_the_prompt_is_local(
     assert verify_remote(S3Client(bucket), deep=True).ok
 
 
-def test_tee_over_its_memory_bound_fetches_first(bucket: str, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tee_over_its_memory_bound_imports_what_it_could_not_hold_from_the_bucket(
+        bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _publish(bucket, tmp_path / "a", 32)
     tokens, kv, st = state(32, LENGTHS[-1])
-    monkeypatch.setenv("SNAPSTORE_REMOTE_TEE_MIB", "0")
+    monkeypatch.setenv("SNAPSTORE_REMOTE_TEE_MIB", "0")  # nothing may be held for the import
     with snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, remote=bucket) as b:
         m = b.match(tokens)
         dest = _dest()
         b.restore(m, dest)  # type: ignore[arg-type]
         assert np.array_equal(dest["kv"], kv) and np.array_equal(dest["st"], st + LENGTHS[-1])
-        assert len(b.snapshots()) == 3  # imported before the restore, as SNAPSTORE_REMOTE_RESTORE=fetch does
-        assert b.stats().remote.get("tee_restores", 0) == 0
+        assert b.flush().ok
+        assert len(b.snapshots()) == 3 and type(b.match(tokens)).__name__ == "Match"
+        chain = m.remote.chain  # type: ignore[union-attr]
+        chain_bytes = sum({ch.id: ch.stored_len for mf in chain for p in mf.parts for ch in p.chunks}.values())
+        remote = b.stats().remote
+        assert remote["tee_restores"] == 1 and remote["fetched_bytes"] == 2 * chain_bytes  # read twice
+        assert b.verify().ok
+
+
+def test_default_restore_never_writes_an_unchecked_byte_and_imports_nothing_after_a_corrupt_chunk(
+        bucket: str, tmp_path: Path) -> None:
+    _publish(bucket, tmp_path / "a", 38)
+    tokens, kv, st = state(38, LENGTHS[-1])
+    with snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, remote=bucket) as b:
+        m = b.match(tokens)
+        chain = m.remote.chain  # type: ignore[union-attr]
+        last = [ch for p in chain[-1].parts if p.name == "kv" for ch in p.chunks][-1]  # the last rows restored
+        client = S3Client(bucket)
+        key = next(i.key for i in client.list("snapshot-v1/c/".replace("snapshot", "snapstore"))
+                   if i.key.endswith(last.id.hex()))
+        data = bytearray(client.get(key, 1 << 30) or b"")
+        data[-1] ^= 0x40  # its last byte: every earlier piece of it passes until the checksum at the end
+        client.put(key, bytes(data))
+        dest = _dest()
+        with pytest.raises(snapstore.CorruptChunkError) as e:
+            b.restore(m, dest)  # type: ignore[arg-type]
+        assert e.value.touched is True and "partly written" in str(e.value)
+        # what was written is right; the corrupt chunk's rows never reached the destination
+        rows = (last.raw_len // 256)
+        good = np.all((dest["kv"] == kv).reshape(LENGTHS[-1], -1), axis=1)
+        assert good[:LENGTHS[-1] - rows].any() and not good[LENGTHS[-1] - rows:].any()
+        assert ((dest["kv"] == kv) | (dest["kv"] == 5.0)).all()
+        assert b.flush().ok and b.snapshots() == [] and _files(tmp_path / "b") == []  # nothing imported
+        assert b.stats().remote["corrupt_chunks"] == 1
 
 
 _KILLED_NODE = """
