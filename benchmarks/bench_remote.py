@@ -1,19 +1,20 @@
 """The shared tier against a real loopback SeaweedFS (two volume servers), one run, side by side.
 
-  * tee (the default restore): node B reads the chain from the bucket into memory (every chunk
-    checked), fills its buffers and returns; the chain is imported into its local tier in the
-    background (timed until ``flush()`` returns); the next restore of the prompt is local;
+  * tee (the default restore): node B reads the chain from the bucket, each chunk checked whole
+    before it is copied into its buffers, and returns; the chain is imported into its local tier
+    in the background (timed until ``flush()`` returns); the next restore of the prompt is local;
   * fetch (``SNAPSTORE_REMOTE_RESTORE=fetch``): node B pulls the chain into its local tier (every
     chunk verified, written, fsynced), then restores locally;
-    each of the three vs a raw GET of the same objects with the same client (obstore), same parallelism;
   * stream: node B restores the chain straight from the bucket into its buffers
-    (``SNAPSTORE_REMOTE_RESTORE=stream``, every chunk checked, nothing written locally), same yardstick;
+    (``SNAPSTORE_REMOTE_RESTORE=stream``, every chunk checked, nothing written locally);
+  * each of the three vs a raw GET of the same objects with the same client (obstore), same
+    parallelism, in rounds (``--rounds``, medians);
   * time to a restored prefix on node B (match + restore, per mode) vs re-prefill (given as
     --prefill-tps tokens/s, default 1300: ~26 s for a 34K-token prompt on a consumer GPU);
   * the saving node's save() latency without a shared tier, with background upload (the
     default) and with remote_wait=True.
 
-``.venv/bin/python benchmarks/bench_remote.py [--quick] [--json]``. Figures: docs/benchmarks.md.
+``.venv/bin/python benchmarks/bench_remote.py [--quick] [--rounds N] [--json]``. Figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
