@@ -141,16 +141,18 @@ class RemoteTier:
         self._used(hit)
         return Match(sid, m.n_tokens, m.namespace)
 
-    def localize(self, requests: list[Any], fits: Callable[[Conn, list[bytes]], bool],
-                 identity_id: Callable[[Conn], int], layout: Layout) -> list[Any]:
-        """``restore_many``'s requests with each shared-tier match fetched into the local tier first
-        (every chunk checked) and replaced by its local Match: a batch reads its shared chunks once,
-        locally. SnapshotUnavailableError, before anything is written, for a chain that cannot fit."""
+    def localize(self, requests: list[Any], store: Any) -> list[Any]:
+        """``restore_many``'s requests (of ``store``) with each shared-tier match fetched into the local
+        tier first (every chunk checked) and replaced by its local Match: a batch reads its shared chunks
+        once, locally. SnapshotUnavailableError, before anything is written, for a chain that cannot fit."""
+        def fits(c: Conn, _freed: list[bytes]) -> bool:
+            return bool(store._capacity.excess(c) is None)
+
         out = []
         for pair in requests:
             if isinstance(pair, tuple) and len(pair) == 2 and getattr(pair[0], "remote", None) is not None:
                 try:
-                    pair = (self.materialize(pair[0], fits, identity_id, layout), pair[1])
+                    pair = (self.materialize(pair[0], fits, store._access.iid, store.layout), pair[1])
                 except SnapshotUnavailableError as e:
                     raise SnapshotUnavailableError(f"restore_many: a shared-tier match must be fetched into the "
                                                    f"local tier first and could not be: {e}; restore() it alone "

@@ -366,11 +366,8 @@ class Store:
                      components: Iterable[str] | None = None, *, namespace: str | None = None,
                      rows_from: int = 0, session: str | None = None) -> list[RestoreResult]:
         """Restore many (match, into) pairs at once; a chunk their chains share is read once."""
-        reqs, wanted, k = list(requests), wanted_components(self.layout, components), count_of(rows_from, "rows_from")
-        if self._remote is not None:  # shared-tier matches are fetched into the local tier first (_remote_tier)
-            reqs = self._remote.localize(reqs, lambda t, _freed: self._capacity.excess(t) is None,
-                                         self._access.iid, self.layout)
-        return restore_batch(self, reqs, wanted, namespace, k, session_key(session))
+        return restore_batch(self, list(requests), wanted_components(self.layout, components), namespace,
+                             count_of(rows_from, "rows_from"), session_key(session))
 
     def turn(self, *, session: str | None = None, namespace: str | None = None,
              parent: SnapshotRef | str | None = "auto") -> Turn:

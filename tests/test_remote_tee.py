@@ -110,7 +110,7 @@ def test_default_restore_never_writes_an_unchecked_byte_and_imports_nothing_afte
         chain = m.remote.chain  # type: ignore[union-attr]
         last = [ch for p in chain[-1].parts if p.name == "kv" for ch in p.chunks][-1]  # the last rows restored
         client = S3Client(bucket)
-        key = next(i.key for i in client.list("snapshot-v1/c/".replace("snapshot", "snapstore"))
+        key = next(i.key for i in client.list("snapstore-v1/c/")
                    if i.key.endswith(last.id.hex()))
         data = bytearray(client.get(key, 1 << 30) or b"")
         data[-1] ^= 0x40  # its last byte: every earlier piece of it passes until the checksum at the end
@@ -120,7 +120,7 @@ def test_default_restore_never_writes_an_unchecked_byte_and_imports_nothing_afte
             b.restore(m, dest)  # type: ignore[arg-type]
         assert e.value.touched is True and "partly written" in str(e.value)
         # what was written is right; the corrupt chunk's rows never reached the destination
-        rows = (last.raw_len // 256)
+        rows = last.raw_len // 256
         good = np.all((dest["kv"] == kv).reshape(LENGTHS[-1], -1), axis=1)
         assert good[:LENGTHS[-1] - rows].any() and not good[LENGTHS[-1] - rows:].any()
         assert ((dest["kv"] == kv) | (dest["kv"] == 5.0)).all()
