@@ -3,7 +3,7 @@
 This module wires the jobs together and holds the one restore policy; each job has its module:
 object names and timing (``_remote_keys``), upload (``_remote_publish`` behind the background
 queue of ``_uploader``), lookup from a prompt (``_remote_lookup``), fetch into the local tier
-(``_remote_fetch``), restore from memory and import in the background (``_remote_tee``),
+(``_remote_fetch``), restore chunk by chunk and import in the background (``_remote_tee``),
 restore straight from the bucket (``_remote_stream``), the checks every fetched chunk passes
 (``_remote_check``). Layout and protocol: docs/format.md "Shared tier".
 
@@ -163,8 +163,9 @@ class RemoteTier:
     def restore(self, m: RemoteMatch, into: Any, layout: Layout, wanted: set[str], rows_from: int,
                 fits: Callable[[Conn, list[bytes]], bool], room: Callable[[int], bool],
                 identity_id: Callable[[Conn], int]) -> Match | RestoreResult:
-        """Serve a shared-tier match: a local Match to restore (fetched into the local tier) or the
-        RestoreResult of a restore streamed from the bucket. ``room(n)``: could n more bytes fit locally."""
+        """Serve a shared-tier match: the RestoreResult of a tee (the default: imported in the background)
+        or streamed restore, or a local Match to restore (``fetch``: imported first). ``room(n)``: could
+        n more bytes fit locally."""
         hit = _hit(m)
         mode = restore_mode()
         if mode != "stream":
