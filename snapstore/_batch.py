@@ -76,7 +76,10 @@ def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str
                   rows_from: int, session: str | None = None) -> list[RestoreResult]:
     """Validate every request's plan, then stream them together; one error fails the batch.
 
-    ``session``: the caller's, for the session rule (as ``Store.restore``)."""
+    ``session``: the caller's, for the session rule (as ``Store.restore``). Shared-tier matches are
+    fetched into the local tier first (``RemoteTier.localize``)."""
+    if store._remote is not None:
+        requests = store._remote.localize(requests, store)
     refs = []
     for k, pair in enumerate(requests):
         if not isinstance(pair, tuple) or len(pair) != 2:

@@ -3,7 +3,10 @@
 Every chunk of the chain the local tier lacks is streamed into ``tmp/`` (a few in parallel),
 checked as it arrives (:class:`ChunkCheck`: size, header, XXH3-128, keyed BLAKE3 = its id),
 fsynced and published as a local chunk file; then one transaction adds their rows and inserts the
-chain (reusing local links of equal prefix and content), evicting local LRU leaves to the budget.
+chain (reusing local links of equal prefix and content) with its block-granular prefix index
+(``row_prefixes``, for ``tokens_per_row`` layouts, as a local save records it), evicting local
+LRU leaves to the budget. A tee restore (``_remote_tee``) hands in the checked object bytes it
+already holds (``given``): those are checked again (address included) and written, not fetched.
 A chain that does not fit even then raises :class:`NoRoom` with nothing imported (the caller
 streams instead).
 """
@@ -13,22 +16,27 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 
 from ._chunker import settle
 from ._chunkfile import HEADER_SIZE, header_at, header_matches, scope_key
 from ._db import Conn
 from ._errors import CorruptionError, RemoteError, SnapshotUnavailableError
 from ._identity import Identity
+from ._layout import Layout
 from ._lifecycle import evict_until
 from ._manifest import ChunkEntry
+from ._prefix_match import record_prefixes
 from ._publish import TEMP_PREFIX, fsync_dirs, link_new
 from ._remote_check import BadObject, ChunkCheck, corrupt
 from ._remote_keys import chunk_key, pause_point
 from ._remote_lookup import RemoteHit
 from ._repo import Repo
 from ._s3client import S3Client
+from ._tokens import decode_tokens
 
 __all__ = ["Fetcher", "NoRoom", "fetch_failed", "open_object"]
 
@@ -79,17 +87,20 @@ class Fetcher:
         return [e for cid, e in needed.items() if cid not in have]
 
     def materialize(self, hit: RemoteHit, fits: Callable[[Conn, list[bytes]], bool],
-                    identity_id: Callable[[Conn], int]) -> int:
-        """Fetch the chain's missing chunks (each checked) and insert the chain locally; its leaf's id."""
+                    identity_id: Callable[[Conn], int], layout: Layout,
+                    given: Mapping[bytes, Sequence[memoryview]] | None = None) -> int:
+        """Fetch the chain's missing chunks (each checked; ``given``: object bytes already read, by
+        chunk id) and insert the chain locally; its leaf's id."""
         for _attempt in range(3):
             try:
-                return self._once(hit, fits, identity_id)
+                return self._once(hit, fits, identity_id, layout, given or {})
             except _Retry:
+                given = None  # what was handed in went into files the catalog would not adopt: fetch
                 continue
         raise SnapshotUnavailableError("the local tier kept evicting the fetched chunks; nothing was written")
 
     def _once(self, hit: RemoteHit, fits: Callable[[Conn, list[bytes]], bool],
-              identity_id: Callable[[Conn], int]) -> int:
+              identity_id: Callable[[Conn], int], layout: Layout, given: Mapping[bytes, Sequence[memoryview]]) -> int:
         needed: dict[bytes, ChunkEntry] = {ch.id: ch for mf in hit.chain for p in mf.parts for ch in p.chunks}
         # a chunk's address is keyed by its part's dtype and shape (v2), or by the identity and
         # namespace alone for chunks a store wrote before v2: the fetch accepts either, never another
@@ -98,12 +109,15 @@ class Fetcher:
                 for mf in hit.chain for p in mf.parts for ch in p.chunks}
         todo = self.missing(hit)
         # the files that did arrive before an error are orphans until a row references them: gc collects them
-        results = list(self._pool.map(lambda e: self._fetch(hit.scope, keys[e.id], e), todo))
+        results = list(self._pool.map(lambda e: self._fetch(hit.scope, keys[e.id], e, given.get(e.id)), todo))
         created = [cid for cid, new, _key in results if new]
         used = {cid: key for cid, _new, key in results}
         fsync_dirs({os.path.dirname(self._repo.blob_path(e.id)) for e in todo})
         now = time.time()
         ns = hit.namespace
+        # each link's tokens from 0 (the prefix index names a snapshot's tokens [0, n) exactly)
+        toks = np.concatenate([decode_tokens(m.tokens, m.token_width, m.n_tokens - m.base_tokens)
+                               for m in hit.chain])
 
         def txn(c: Conn) -> int:
             for cid, e in needed.items():
@@ -138,6 +152,7 @@ class Fetcher:
                 for p in mf.parts:
                     c.insert_part(sid, p.name, p.kind, p.dtype, p.shape, p.component, p.row_start,
                                   p.row_end, p.nbytes, [ch.id for ch in p.chunks], p.tokens_per_row)
+                record_prefixes(c, layout, sid, toks[:mf.n_tokens])  # as the link's save did on its node
                 parent_id = sid
                 ids.append(sid)
             ok, _ = evict_until(c, lambda fr: fits(c, fr), set(ids))
@@ -146,15 +161,21 @@ class Fetcher:
             c.add_counter("remote_imports", 1)
             return ids[-1]
 
+        pause_point("import_commit")  # test hook: every chunk file is durable, the chain not yet inserted
         try:
             return self._repo.write(txn)  # evicted leaves' chunk files go after the commit (Repo.write)
         except NoRoom:
             self._repo.sweep(created)
             raise
 
-    def _fetch(self, scope: str, keys: tuple[bytes, bytes], e: ChunkEntry) -> tuple[bytes, bool, bytes]:
-        """Stream one chunk object into a local chunk file, checking it; (id, created, its scope key)."""
-        size, pieces = open_object(self.client, scope, e)
+    def _fetch(self, scope: str, keys: tuple[bytes, bytes], e: ChunkEntry,
+               given: Sequence[memoryview] | None = None) -> tuple[bytes, bool, bytes]:
+        """Stream one chunk object (or ``given``, its pieces already read) into a local chunk file,
+        checking it; (id, created, its scope key)."""
+        if given is not None:
+            size, pieces = sum(len(p) for p in given), iter(given)
+        else:
+            size, pieces = open_object(self.client, scope, e)
         try:
             check = ChunkCheck(e, keys, size)
         except BadObject as bad:
@@ -185,8 +206,9 @@ class Fetcher:
         new = link_new(tmp, path)
         if not new:
             settle(self._repo.db, e.id, tmp, path, e.stored_len, check.head.codec)
-        self._count("remote_fetched_chunks", 1)
-        self._count("remote_fetched_bytes", e.stored_len)
+        if given is None:  # bytes a tee restore handed in were counted when it read them
+            self._count("remote_fetched_chunks", 1)
+            self._count("remote_fetched_bytes", e.stored_len)
         return e.id, new, check.scope_key
 
 

@@ -3,19 +3,23 @@
 This module wires the jobs together and holds the one restore policy; each job has its module:
 object names and timing (``_remote_keys``), upload (``_remote_publish`` behind the background
 queue of ``_uploader``), lookup from a prompt (``_remote_lookup``), fetch into the local tier
-(``_remote_fetch``), restore straight from the bucket (``_remote_stream``), the checks every
-fetched chunk passes (``_remote_check``). Layout and protocol: docs/format.md "Shared tier".
+(``_remote_fetch``), restore chunk by chunk and import in the background (``_remote_tee``),
+restore straight from the bucket (``_remote_stream``), the checks every fetched chunk passes
+(``_remote_check``). Layout and protocol: docs/format.md "Shared tier".
 
-Restore policy (``SNAPSTORE_REMOTE_RESTORE``): ``fetch`` (default) imports the chain's missing
-chunks into the local tier, then restores locally, so the next request for the prompt is local;
-a chain that cannot fit the local budget (or the disk) is streamed instead. ``stream`` always
-streams: nothing is written locally (docs/benchmarks.md "Shared tier" measures both).
+Restore policy (``SNAPSTORE_REMOTE_RESTORE``): ``tee`` (default) streams the chain into the
+destination, each chunk checked whole before it is written, and returns, while a background
+thread imports the same bytes into the local tier, so the next request for the prompt is local;
+``fetch`` imports first, then restores locally (a failure never touches the destination); a chain
+that cannot fit the local budget (or the disk) is streamed by both. ``stream`` always streams: nothing
+is written locally (docs/benchmarks.md "Shared tier" measures the three).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,11 +33,13 @@ from ._db import Conn
 from ._errors import ConfigError, RemoteError, SnapshotUnavailableError
 from ._identity import Identity
 from ._layout import Layout
+from ._manifest import ChunkEntry
 from ._remote_fetch import Fetcher, NoRoom
 from ._remote_keys import LAYOUT, LEASE_TTL, chunk_key, gc_window, manifest_key, use_key
 from ._remote_lookup import Lookup, RemoteHit, RemoteMatch
 from ._remote_publish import Publisher
 from ._remote_stream import describe_remote, stream_restore
+from ._remote_tee import Importer, hold_limit, tee_restore
 from ._repo import Repo
 from ._results import Match, RestoreResult
 from ._s3client import S3Client
@@ -45,12 +51,13 @@ __all__ = ["LAYOUT", "LEASE_TTL", "RemoteHit", "RemoteMatch", "RemoteTier", "chu
            "manifest_key", "open_remote", "restore_mode", "use_key"]
 
 _WIDTH = 4  # objects read or written at once (docs/benchmarks.md "Shared tier")
-_MODES = ("fetch", "stream")
+_MODES = ("tee", "fetch", "stream")
 
 
 def restore_mode() -> str:
-    """``SNAPSTORE_REMOTE_RESTORE``: ``fetch`` (default: local tier; streams what cannot fit) or ``stream``."""
-    mode = os.environ.get("SNAPSTORE_REMOTE_RESTORE", "").strip().lower() or "fetch"
+    """``SNAPSTORE_REMOTE_RESTORE``: ``tee`` (default: streamed, imported in the background),
+    ``fetch`` (import, then restore locally) or ``stream`` (never import); tee and fetch stream what cannot fit."""
+    mode = os.environ.get("SNAPSTORE_REMOTE_RESTORE", "").strip().lower() or "tee"
     if mode not in _MODES:
         raise ConfigError(f"$SNAPSTORE_REMOTE_RESTORE must be one of {', '.join(_MODES)}, got {mode!r}")
     return mode
@@ -70,6 +77,9 @@ class RemoteTier:
         self._publisher = Publisher(client, repo, identity, writer, self.scope, count, self._pool)
         self._lookup = Lookup(client, identity, self.scope, count, self._pool)
         self._fetcher = Fetcher(client, repo, identity, count, self._pool)
+        # the importer writes on its own threads: a restore's reads never queue behind its fsyncs
+        self._import_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapstore-import-io")
+        self._importer = Importer(Fetcher(client, repo, identity, count, self._import_pool), count, hold_limit())
         self._uploader = Uploader(self.publish, count, maxsize=queue) if not wait else None
 
     def scope(self, ns: str) -> str:
@@ -89,10 +99,13 @@ class RemoteTier:
         self._publisher.publish(sid)
 
     def flush(self, timeout: float | None = None) -> FlushResult:
-        """Wait for the queued uploads (see Uploader.flush)."""
-        if self._uploader is None:
-            return FlushResult()
-        return self._uploader.flush(timeout)
+        """Wait for the queued uploads (see Uploader.flush), then for the background imports of tee'd restores."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        res = FlushResult() if self._uploader is None else self._uploader.flush(timeout)
+        if not self._importer.flush(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise RemoteError(110, f"flush: imports of restored chains still pending after {timeout} s; "
+                                   "they continue in the background")
+        return res
 
     def uploads(self) -> dict[str, int]:
         """Uploads queued and in flight now (``Store.stats().remote``)."""
@@ -105,6 +118,8 @@ class RemoteTier:
             if self._uploader is not None:
                 self._uploader.close()
         finally:
+            self._importer.close()  # finishes the imports queued: the restores' local copies
+            self._import_pool.shutdown(wait=True)
             self._pool.shutdown(wait=True)
 
     def lookup(self, arr: np.ndarray, ns: str, have: int) -> RemoteMatch | None:
@@ -113,12 +128,12 @@ class RemoteTier:
 
     # -- restore -----------------------------------------------------------------------------
     def materialize(self, m: RemoteMatch, fits: Callable[[Conn, list[bytes]], bool],
-                    identity_id: Callable[[Conn], int]) -> Match:
+                    identity_id: Callable[[Conn], int], layout: Layout) -> Match:
         """Fetch the chain into the local tier (every chunk checked); a local Match. SnapshotUnavailableError
         when it does not fit the local budget."""
         hit = _hit(m)
         try:
-            sid = self._fetcher.materialize(hit, fits, identity_id)
+            sid = self._fetcher.materialize(hit, fits, identity_id, layout)
         except NoRoom:
             raise SnapshotUnavailableError(
                 f"the shared tier's snapshot ({hit.chain[-1].n_tokens} tokens) does not fit the local budget "
@@ -126,17 +141,41 @@ class RemoteTier:
         self._used(hit)
         return Match(sid, m.n_tokens, m.namespace)
 
+    def localize(self, requests: list[Any], store: Any) -> list[Any]:
+        """``restore_many``'s requests (of ``store``) with each shared-tier match fetched into the local
+        tier first (every chunk checked) and replaced by its local Match: a batch reads its shared chunks
+        once, locally. SnapshotUnavailableError, before anything is written, for a chain that cannot fit."""
+        def fits(c: Conn, _freed: list[bytes]) -> bool:
+            return bool(store._capacity.excess(c) is None)
+
+        out = []
+        for pair in requests:
+            if isinstance(pair, tuple) and len(pair) == 2 and getattr(pair[0], "remote", None) is not None:
+                try:
+                    pair = (self.materialize(pair[0], fits, store._access.iid, store.layout), pair[1])
+                except SnapshotUnavailableError as e:
+                    raise SnapshotUnavailableError(f"restore_many: a shared-tier match must be fetched into the "
+                                                   f"local tier first and could not be: {e}; restore() it alone "
+                                                   "(it streams what does not fit)") from None
+            out.append(pair)
+        return out
+
     def restore(self, m: RemoteMatch, into: Any, layout: Layout, wanted: set[str], rows_from: int,
                 fits: Callable[[Conn, list[bytes]], bool], room: Callable[[int], bool],
                 identity_id: Callable[[Conn], int]) -> Match | RestoreResult:
-        """Serve a shared-tier match: a local Match to restore (fetched into the local tier) or the
-        RestoreResult of a restore streamed from the bucket. ``room(n)``: could n more bytes fit locally."""
+        """Serve a shared-tier match: the RestoreResult of a tee (the default: imported in the background)
+        or streamed restore, or a local Match to restore (``fetch``: imported first). ``room(n)``: could
+        n more bytes fit locally."""
         hit = _hit(m)
-        if restore_mode() == "fetch":
-            need = sum(e.stored_len for e in self._fetcher.missing(hit))
+        mode = restore_mode()
+        if mode != "stream":
+            missing = self._fetcher.missing(hit)
+            need = sum(e.stored_len for e in missing)
+            if room(need) and mode == "tee":
+                return self._tee(hit, into, layout, wanted, rows_from, missing, fits, identity_id)
             if room(need):
                 try:
-                    sid = self._fetcher.materialize(hit, fits, identity_id)
+                    sid = self._fetcher.materialize(hit, fits, identity_id, layout)
                     self._used(hit)
                     return Match(sid, m.n_tokens, m.namespace)
                 except NoRoom:
@@ -148,6 +187,32 @@ class RemoteTier:
         dest = planned_destination(into, lambda: describe_remote(hit, layout, wanted, rows_from))
         res = stream_restore(self.client, hit, layout, dest, wanted, rows_from, self._pool, _WIDTH, self._count)
         self._used(hit)
+        return res
+
+    def _tee(self, hit: RemoteHit, into: Any, layout: Layout, wanted: set[str], rows_from: int,
+             missing: list[ChunkEntry], fits: Callable[[Conn, list[bytes]], bool],
+             identity_id: Callable[[Conn], int]) -> RestoreResult:
+        """Restore chunk by chunk (each checked before it is written), then queue the import (``_remote_tee``)."""
+        dest = planned_destination(into, lambda: describe_remote(hit, layout, wanted, rows_from))
+        busy = self._importer.busy(hit)  # an import of this chain is queued: read only what the restore needs
+        reserved = [0]
+
+        def keep(n: int) -> bool:  # the importer's memory bound: a chunk beyond it is read again by the import
+            if self._importer.reserve(n):
+                reserved[0] += n
+                return True
+            return False
+
+        try:
+            res, given = tee_restore(self.client, hit, layout, dest, wanted, rows_from, [] if busy else missing,
+                                     keep, self._pool, _WIDTH, self._count)
+        except BaseException:
+            self._importer.release(reserved[0])
+            raise
+        if busy:
+            self._used(hit)
+        else:
+            self._importer.submit(hit, given, layout, fits, identity_id, lambda: self._used(hit))
         return res
 
     def _used(self, hit: RemoteHit) -> None:

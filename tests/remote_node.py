@@ -45,6 +45,7 @@ def main() -> None:
         dest_st = st.copy()
         dest_st[:] = 0
         res = store.restore(m, {"st": dest_st, "kv": dest_kv})
+        store.flush()  # the default restore imports the chain in the background
         again = store.match(list(tokens[:a["n"]]) + [7, 7, 7], namespace=ns)
         store.close()
         print(json.dumps({"match": m.n_tokens, "remote": type(m).__name__ == "RemoteMatch",

@@ -107,14 +107,19 @@ def test_corrupt_chunk_object_is_detected_never_served_and_counted(bucket: str, 
     assert a.flush().uploaded == 3
     a.close()
     client = S3Client(bucket)
-    victim = sorted(keys(bucket, "c"))[0]
-    data = bytearray(client.get(victim, 1 << 30) or b"")
-    data[-1] ^= 0x40
-    client.put(victim, bytes(data))  # bit rot in the bucket
     tokens, kv, st = state(4, LENGTHS[-1])
     b = snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, remote=bucket)
     m = b.match(tokens)
     assert m is not None and m.n_tokens == LENGTHS[-1]
+    # the first chunk the restore reads (parts in layout order: the leaf's fixed part "st"), so it
+    # is found before any byte is written (a corrupt chunk found later leaves the chunks before it
+    # written, each checked: test_remote_tee.py)
+    leaf = m.remote.chain[-1].parts  # type: ignore[attr-defined]
+    cid_hex = next(p for p in leaf if p.name == "st").chunks[0].id.hex()
+    victim = next(k for k in keys(bucket, "c") if k.endswith(cid_hex))
+    data = bytearray(client.get(victim, 1 << 30) or b"")
+    data[-1] ^= 0x40
+    client.put(victim, bytes(data))  # bit rot in the bucket
     dest = _dest()
     with pytest.raises(snapstore.CorruptChunkError) as e:
         b.restore(m, dest)
@@ -150,8 +155,10 @@ def test_corrupt_manifest_is_skipped_and_counted(bucket: str, tmp_path: Path) ->
     assert not verify_remote(client).ok
 
 
+@pytest.mark.parametrize("mode", ["tee", "fetch"])
 def test_volume_server_stopped_mid_restore(bucket: str, tmp_path: Path, seaweed: SeaweedCluster,  # noqa: F811
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                           monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    monkeypatch.setenv("SNAPSTORE_REMOTE_RESTORE", mode)  # tee: the default
     a = _save_chain(bucket, tmp_path / "a", 6)
     assert a.flush().uploaded == 3
     a.close()
@@ -169,9 +176,15 @@ def test_volume_server_stopped_mid_restore(bucket: str, tmp_path: Path, seaweed:
         t.join(120)
         assert outcome, "restore hung"
         res = outcome[0]
-        if isinstance(res, snapstore.SnapstoreError):  # a clear error, and the destination untouched
-            assert isinstance(res, snapstore.RestoreError) and res.touched is False, res
-            assert (dest["kv"] == 5.0).all() and (dest["st"] == 5.0).all()
+        if isinstance(res, snapstore.SnapstoreError):  # a clear error
+            assert isinstance(res, snapstore.RestoreError), res
+            if mode == "fetch" or not res.touched:  # fetch checks the whole chain before writing a byte
+                assert res.touched is False, res
+                assert (dest["kv"] == 5.0).all() and (dest["st"] == 5.0).all()
+            else:  # tee: the chunks written before the failure, each checked: never a wrong byte
+                assert "partly written" in str(res)
+                assert ((dest["kv"] == kv) | (dest["kv"] == 5.0)).all()
+                assert ((dest["st"] == st + LENGTHS[-1]) | (dest["st"] == 5.0)).all()
         else:  # or a success: then every byte is right
             want_kv, want_st = expected(6, LENGTHS[-1], LENGTHS[-1])
             import hashlib

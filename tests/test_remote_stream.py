@@ -43,7 +43,7 @@ def _dest() -> dict[str, np.ndarray]:
 
 
 def _local_files(root: Path) -> list[str]:
-    return [f for _d, _s, fs in os.walk(root / "chunks") for f in fs] if (root / "chunks").exists() else []
+    return [f for _d, _s, fs in os.walk(root / "blobs") for f in fs] if (root / "blobs").exists() else []
 
 
 def test_chain_bigger_than_the_local_budget_streams_byte_exact(bucket: str, tmp_path: Path) -> None:
@@ -162,6 +162,7 @@ def test_counters_in_stats_api_and_inspect(bucket: str, tmp_path: Path, capsys: 
     tokens, _kv, _st = state(25, LENGTHS[-1])
     with snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, remote=bucket) as b:
         b.restore(b.match(tokens), _dest())  # type: ignore[arg-type]
+        b.flush()  # the default restore imports in the background
         remote = b.stats().remote
         assert remote["hits"] == 1 and remote["imports"] == 1 and remote["fetched_chunks"] >= 3
         assert remote["upload_queue"] == 0 and remote["uploading"] == 0  # live, from the open store
@@ -200,6 +201,7 @@ def test_cut_file_at_a_fetched_chunks_path_is_fetched_again_never_adopted(bucket
         dest = _dest()
         b.restore(m, dest)
         assert np.array_equal(dest["kv"], kv) and np.array_equal(dest["st"], st + LENGTHS[-1])
+        assert b.flush().ok  # the import (in the background by default) wrote the restore's checked bytes
         assert cut.read_bytes() == whole  # the cut file was replaced by the fetched chunk
         # and what the local tier now holds restores again, byte-exact, from its own files
         local = b.match(tokens)
@@ -223,6 +225,7 @@ def test_chunk_whose_row_went_mid_fetch_and_left_a_cut_file_is_fetched_again(
                               staging_bytes=4 * 65536) as b:
         first = b.save(tokens[:LENGTHS[0]], {"st": st + LENGTHS[0], "kv": kv}, rows=LENGTHS[0])  # A's first link
     monkeypatch.setenv("SNAPSTORE_TEST_REMOTE_PAUSE", "fetch:2")  # every object fetch waits: the race window
+    monkeypatch.setenv("SNAPSTORE_REMOTE_RESTORE", "fetch")  # the race is the fetch-first import's
     with snapstore.Store.open(tmp_path / "a", identity=identity(), layout=LAYOUT) as a, \
             snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, remote=bucket) as b:
         m = b.match(tokens)
