@@ -85,10 +85,13 @@ _COMPAT_VIEWS: dict[int, list[str]] = {
     2: ["CREATE TEMP TABLE owners(id TEXT PRIMARY KEY, kernel TEXT NOT NULL, host TEXT NOT NULL, "
         "pid INTEGER NOT NULL, lease REAL NOT NULL, renewed REAL NOT NULL, created REAL NOT NULL)"],
     3: ["CREATE TEMP VIEW chunks AS SELECT *, NULL AS quarantined FROM main.chunks"],
-    4: ["CREATE TEMP VIEW snapshots AS SELECT *, 0 AS shared FROM main.snapshots"],
     5: ["CREATE TEMP TABLE row_prefixes(snapshot_id INTEGER NOT NULL, n_tokens INTEGER NOT NULL, "
         "key BLOB NOT NULL, PRIMARY KEY (snapshot_id, n_tokens))"],
 }
+# Columns later migrations add to ``snapshots``, with what an older catalog reads as them: one TEMP
+# view over main.snapshots adds every one the catalog lacks (two views could not share the name).
+# A v<6 catalog read this way has no find keys: match() finds nothing in it (nothing read-only matches).
+_COMPAT_SNAPSHOT_COLS: dict[int, str] = {4: "0 AS shared", 6: "NULL AS find_key"}
 
 
 def _compat_views(c: Raw) -> None:
@@ -97,6 +100,13 @@ def _compat_views(c: Raw) -> None:
         if 0 < ver < num:
             for sql in stmts:
                 c.execute(sql)
+    cols = [col for num, col in sorted(_COMPAT_SNAPSHOT_COLS.items()) if 0 < ver < num]
+    if cols:
+        c.execute(f"CREATE TEMP VIEW snapshots AS SELECT *, {', '.join(cols)} FROM main.snapshots")
+
+
+# Python steps that complete a migration inside its transaction (data SQL alone cannot compute).
+_MIGRATION_STEPS: dict[int, Callable[[Txn], object]] = {6: Txn.backfill_find_keys}
 
 
 class _Held:
@@ -149,6 +159,8 @@ class Database:
         conn = self.conn()
         if not readonly:
             self._migrate(conn)
+            if self.read(Txn.has_unkeyed):  # rows an older snapstore inserted since migration 0006
+                self.write(Txn.backfill_find_keys)
         else:
             self._check_version(conn)
         return self
@@ -330,6 +342,9 @@ class Database:
                 if num <= current:
                     continue  # another process migrated first
                 t.execute(sql)
+                step = _MIGRATION_STEPS.get(num)
+                if step is not None:
+                    step(t)
                 t.pragma("user_version", num)
             t.pragma("application_id", APPLICATION_ID)
 

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from ._errors import CorruptionError, InvalidInputError
 
-__all__ = ["BLOCK", "TokenIndex", "TokensLike", "as_token_array", "decode_tokens", "encode_tokens",
+__all__ = ["BLOCK", "Encoded", "TokenIndex", "TokensLike", "as_token_array", "decode_tokens", "encode_tokens",
            "spells_prefix"]
 
 # What the public API takes as tokens: a one-dimensional sequence of non-negative ints below 2**63
@@ -40,8 +40,12 @@ _SEED = blake3.blake3(b"snapstore tokens v1").digest(16)
 _MAX_TOKEN = 2**63 - 1
 
 
-def as_token_array(tokens: Any, *, what: str = "tokens") -> np.ndarray:
-    """Validate a sequence of non-negative ints and return it as a little-endian uint64 array."""
+def as_token_array(tokens: Any, *, what: str = "tokens", borrow: bool = False) -> np.ndarray:
+    """Validate a sequence of non-negative ints and return it as a little-endian uint64 array.
+
+    ``borrow``: the caller reads the tokens only during its call (match()), so an int64 array is
+    used in place, reinterpreted as uint64 once checked non-negative, not copied (a fresh copy of
+    a 128K-token prompt costs more in page faults than the rest of a match)."""
     if isinstance(tokens, (str, bytes, bytearray)):
         raise InvalidInputError(f"{what} must be a sequence of non-negative ints, got {type(tokens).__name__}")
     try:
@@ -68,6 +72,8 @@ def as_token_array(tokens: Any, *, what: str = "tokens") -> np.ndarray:
         raise InvalidInputError(f"{what} must be non-negative; found {int(arr.min())}")
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _MAX_TOKEN:
         raise InvalidInputError(f"{what} must be < 2**63")
+    if borrow and arr.dtype == np.dtype("<i8"):
+        return arr.view("<u8")  # the same bytes: every token is non-negative (checked above)
     return arr.astype("<u8", copy=False)
 
 
@@ -89,13 +95,58 @@ def decode_tokens(blob: bytes, width: int, count: int) -> np.ndarray:
     return arr.astype("<u8")
 
 
-def spells_prefix(segments: Sequence[tuple[bytes, int, int, int]], arr: np.ndarray) -> bool:
+_SCRATCH_MAX = 8 << 20  # bytes of encoded prompt a thread keeps between matches (2M tokens at int32)
+_scratch = threading.local()
+
+
+class Encoded:
+    """A prompt in each stored token width, encoded once however many candidates it is compared with.
+
+    Encoded into a buffer the thread keeps (up to ``_SCRATCH_MAX``): a fresh 512 KiB for a 128K-token
+    prompt costs its page faults on every match, several times the encode itself on a loaded machine.
+    Valid until the thread's next Encoded of the same width."""
+
+    __slots__ = ("_by_width", "arr", "wide")
+
+    def __init__(self, arr: np.ndarray):
+        self.arr = arr
+        self._by_width: dict[int, bytearray] = {}
+        self.wide: bool | None = None  # has a token >= 2**31, which no int32 blob holds (the cast wraps it)
+
+    def width(self, width: int) -> bytearray:
+        """The prompt as int32 or int64 LE bytes (valid tokens are < 2**63: the same numbers), possibly
+        followed by stale bytes: compare only inside ``len(arr) * width``."""
+        mine = self._by_width.get(width)
+        if mine is None:
+            need = len(self.arr) * width
+            mine = getattr(_scratch, f"w{width}", None)
+            if mine is None or len(mine) < need:
+                mine = bytearray(need)
+                if need <= _SCRATCH_MAX:
+                    setattr(_scratch, f"w{width}", mine)
+            view = np.frombuffer(mine, dtype="<i4" if width == 4 else "<i8", count=len(self.arr))
+            np.copyto(view, self.arr, casting="unsafe")
+            self._by_width[width] = mine
+        return mine
+
+    def fits(self, width: int, pos: int, n: int) -> bool:
+        """Can a blob of ``width`` hold the prompt's tokens ``[pos, n)``?"""
+        if width == 8 or n <= pos:
+            return True
+        if self.wide is None:
+            self.wide = bool(len(self.arr)) and int(self.arr.max()) >= 2**31
+        return not self.wide or int(self.arr[pos:n].max()) < 2**31
+
+
+def spells_prefix(segments: Sequence[tuple[bytes, int, int, int]], arr: np.ndarray,
+                  encoded: Encoded | None = None) -> bool:
     """Do stored token segments ``(blob, width, base_tokens, n_tokens)``, root first, spell exactly
     ``arr[:n]`` (``n`` the last segment's end)? match()'s final check of a candidate, token by token.
 
-    The comparison of decoding every segment and comparing the concatenation, without the decodes:
-    the query prefix is encoded once in the stored width and each blob compared with its slice
-    (a 128K-token chain of 100 deltas: one encode, not 100 decodes and a concatenation). A blob
+    The comparison of decoding every segment and comparing the concatenation, without the decodes
+    or copies: the prompt is encoded once in the stored width (``encoded``, shared by a match's
+    candidates) and each blob compared in place (``bytes.startswith`` at its offset: one memcmp),
+    the leaf's own segment first (a sibling or a find-key collision differs there, usually). A blob
     that cannot hold its tokens raises CorruptionError, as decoding it would.
     """
     if not segments:
@@ -103,9 +154,6 @@ def spells_prefix(segments: Sequence[tuple[bytes, int, int, int]], arr: np.ndarr
     end = segments[-1][3]
     if end > len(arr):
         return False
-    query = arr[:end]
-    enc: dict[int, bytes] = {}  # the query prefix in each stored width, encoded once
-    wraps = False  # a query token >= 2**31, which no int32 blob holds (astype would wrap it)
     pos = 0
     for blob, width, base, n in segments:
         if width not in (4, 8) or not isinstance(blob, (bytes, memoryview)) or len(blob) != width * (n - base):
@@ -113,16 +161,11 @@ def spells_prefix(segments: Sequence[tuple[bytes, int, int, int]], arr: np.ndarr
                                   f"width {width}; run `snapstore verify`")
         if base != pos or n < pos:
             return False
-        mine = enc.get(width)
-        if mine is None:  # valid tokens are < 2**63: as int64 they are the same numbers
-            mine = enc[width] = query.astype("<i4" if width == 4 else "<i8").tobytes()
-            if width == 4:
-                wraps = bool(end) and int(query.max()) >= 2**31
-        if width == 4 and wraps and n > pos and int(query[pos:n].max()) >= 2**31:
-            return False
-        if mine[pos * width:n * width] != blob:  # bytes compare: one memcmp
-            return False
         pos = n
+    enc = encoded if encoded is not None and encoded.arr is arr else Encoded(arr)
+    for blob, width, base, n in reversed(segments):
+        if not enc.fits(width, base, n) or not enc.width(width).startswith(blob, base * width):
+            return False
     return True
 
 

@@ -14,6 +14,7 @@ import apsw
 import numpy as np
 import pytest
 from conftest import IDENT, sha
+from support.catalogs import LATEST_SCHEMA, UNDO_V6
 
 import snapstore as ss
 
@@ -221,7 +222,7 @@ def test_v3_catalog_reads_read_only_and_migrates_on_open(store_dir: str) -> None
         p = x.save(s, 200, "X")
     db = os.path.join(store_dir, "snapstore.db")
     c = apsw.Connection(db)
-    c.execute("DROP TABLE row_prefixes; ALTER TABLE snapshots DROP COLUMN shared; PRAGMA user_version = 3")
+    c.execute(UNDO_V6 + "DROP TABLE row_prefixes; ALTER TABLE snapshots DROP COLUMN shared; PRAGMA user_version = 3")
     c.close()
     env = dict(os.environ, PYTHONPATH=ROOT)
     for cmd in (["inspect", "--json"], ["stats", "--json"], ["verify", "--json"]):
@@ -236,5 +237,5 @@ def test_v3_catalog_reads_read_only_and_migrates_on_open(store_dir: str) -> None
         x.save(s, 600, "X")
         assert s.match(z.tokens[:300]).snapshot_id == p.snapshot_id
     c = apsw.Connection(db)
-    assert c.pragma("user_version") == 5  # every migration since (0004 shared, 0005 row_prefixes)
+    assert c.pragma("user_version") == LATEST_SCHEMA  # every migration since (0004 shared, 0005 row_prefixes, ...)
     c.close()
