@@ -168,7 +168,7 @@ class Txn(ChunkQueries):
             ":session, :state, :owner, 1, :now, :now, 0, :logical_bytes, :find_key)", v)
         return int(self._c.last_insert_rowid())
 
-    # -- find keys (schema v6, see _find_keys.py) --------------------------------------------
+    # -- find keys (schema v8, see _find_keys.py) --------------------------------------------
     def derive_find_key(self, parent_id: int | None, base: int, n: int, width: int, blob: bytes) -> int:
         """The find key of a snapshot of ``n`` tokens whose own segment ``blob`` holds tokens
         ``[base, n)`` over parent ``parent_id``: the parent's key extended by the blocks the
@@ -213,7 +213,7 @@ class Txn(ChunkQueries):
         return self._c.execute("SELECT 1 FROM snapshots WHERE find_key IS NULL LIMIT 1").fetchone() is not None
 
     def backfill_find_keys(self) -> int:
-        """Key every snapshot that has no find key yet (migration 0006), parents first; how many."""
+        """Key every snapshot that has no find key yet (migration 0008), parents first; how many."""
         todo = [int(r[0]) for r in self._c.execute(
             "SELECT id FROM snapshots WHERE find_key IS NULL ORDER BY depth, id")]
         for sid in todo:

@@ -40,10 +40,12 @@ class ChunkQueries:
     # -- parts and their chunk references -------------------------------------------------------
     def insert_part(self, sid: int, name: str, kind: int, dtype: str, shape: Sequence[int],
                     component: str | None, row_start: int, row_end: int, nbytes: int,
-                    chunk_ids: Sequence[bytes]) -> None:
+                    chunk_ids: Sequence[bytes], tokens_per_row: int | None = None) -> None:
+        """One part of ``sid`` and its chunk references; ``tokens_per_row``: a row segment's granularity."""
         self._c.execute("INSERT INTO parts(snapshot_id, name, kind, dtype, shape, component, row_start, row_end, "
-                  "nbytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                  (sid, name, kind, dtype, json.dumps(list(shape)), component, row_start, row_end, nbytes))
+                  "nbytes, tokens_per_row) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                  (sid, name, kind, dtype, json.dumps(list(shape)), component, row_start, row_end, nbytes,
+                   tokens_per_row))
         self._c.executemany("INSERT INTO part_chunks(snapshot_id, name, seq, chunk_id) VALUES (?, ?, ?, ?)",
                       [(sid, name, i, cid) for i, cid in enumerate(chunk_ids)])
         for cid in chunk_ids:
@@ -74,7 +76,7 @@ class ChunkQueries:
 
     def parts(self, sid: int) -> list[PartRow]:
         return [part_row(r) for r in self._c.execute(
-            "SELECT snapshot_id, name, kind, dtype, shape, component, row_start, row_end, nbytes "
+            "SELECT snapshot_id, name, kind, dtype, shape, component, row_start, row_end, nbytes, tokens_per_row "
             "FROM parts WHERE snapshot_id = ? ORDER BY name", (sid,))]
 
     def part_chunks(self, sid: int, name: str) -> list[ChunkRow | None]:

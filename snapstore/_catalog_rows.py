@@ -78,6 +78,9 @@ class PartRow:
     row_start: int
     row_end: int
     nbytes: int
+    # a row segment's tokens per row as saved (schema v7; 1: one per token); None: a fixed part, or a
+    # segment saved before v7 (not recorded). The restore's part check compares it (_prefix_match).
+    tokens_per_row: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,11 +123,11 @@ def snap_row(row: Sequence[Any]) -> SnapRow:
 
 
 def part_row(row: Sequence[Any]) -> PartRow:
-    sid, name, kind, dtype, shape, comp, rs, re_, nb = row
+    sid, name, kind, dtype, shape, comp, rs, re_, nb, per = row
     try:
         dims = json.loads(shape)
         if not isinstance(dims, list) or not all(isinstance(d, int) and d >= 0 for d in dims):
             raise ValueError(shape)
     except ValueError:
         raise CorruptionError(f"snapshot {sid} part {name!r} has a malformed shape {shape!r}") from None
-    return PartRow(sid, name, kind, dtype, tuple(dims), comp, rs, re_, nb)
+    return PartRow(sid, name, kind, dtype, tuple(dims), comp, rs, re_, nb, per)

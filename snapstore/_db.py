@@ -87,11 +87,12 @@ _COMPAT_VIEWS: dict[int, list[str]] = {
     3: ["CREATE TEMP VIEW chunks AS SELECT *, NULL AS quarantined FROM main.chunks"],
     5: ["CREATE TEMP TABLE row_prefixes(snapshot_id INTEGER NOT NULL, n_tokens INTEGER NOT NULL, "
         "key BLOB NOT NULL, PRIMARY KEY (snapshot_id, n_tokens))"],
+    7: ["CREATE TEMP VIEW parts AS SELECT *, NULL AS tokens_per_row FROM main.parts"],
 }
 # Columns later migrations add to ``snapshots``, with what an older catalog reads as them: one TEMP
 # view over main.snapshots adds every one the catalog lacks (two views could not share the name).
-# A v<6 catalog read this way has no find keys: match() finds nothing in it (nothing read-only matches).
-_COMPAT_SNAPSHOT_COLS: dict[int, str] = {4: "0 AS shared", 6: "NULL AS find_key"}
+# A v<8 catalog read this way has no find keys: match() finds nothing in it (nothing read-only matches).
+_COMPAT_SNAPSHOT_COLS: dict[int, str] = {4: "0 AS shared", 8: "NULL AS find_key"}
 
 
 def _compat_views(c: Raw) -> None:
@@ -106,7 +107,7 @@ def _compat_views(c: Raw) -> None:
 
 
 # Python steps that complete a migration inside its transaction (data SQL alone cannot compute).
-_MIGRATION_STEPS: dict[int, Callable[[Txn], object]] = {6: Txn.backfill_find_keys}
+_MIGRATION_STEPS: dict[int, Callable[[Txn], object]] = {8: Txn.backfill_find_keys}
 
 
 class _Held:
@@ -159,7 +160,7 @@ class Database:
         conn = self.conn()
         if not readonly:
             self._migrate(conn)
-            if self.read(Txn.has_unkeyed):  # rows an older snapstore inserted since migration 0006
+            if self.read(Txn.has_unkeyed):  # rows an older snapstore inserted since migration 0008
                 self.write(Txn.backfill_find_keys)
         else:
             self._check_version(conn)

@@ -1,4 +1,4 @@
-"""Find keys: the cheap integer index key match() finds its candidates by (schema v6, ``snapshots.find_key``).
+"""Find keys: the cheap integer match() finds its candidates by (schema v8, ``snapshots.find_key``).
 
 ``find_keys(tokens)[b]`` names the first ``b`` blocks of ``tokens`` (``BLOCK`` tokens each): key 0
 is ``FIND_SEED``; key ``b + 1`` is XXH3-64 of block ``b`` (its tokens as uint64 LE, 2 KiB) seeded

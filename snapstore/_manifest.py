@@ -59,6 +59,7 @@ class PartEntry:
     row_end: int
     nbytes: int
     chunks: tuple[ChunkEntry, ...]
+    tokens_per_row: int | None = None  # a row segment's granularity (absent in manifests written before it)
 
 
 @dataclass(frozen=True)
@@ -113,11 +114,18 @@ def _body(m: Manifest) -> dict[str, Any]:
         "tokens": base64.b64encode(m.tokens).decode(), "anchor": m.anchor.hex(), "prefix_key": m.prefix_key.hex(),
         "content_key": m.content_key.hex(), "parent": m.parent, "matchable": m.matchable,
         "logical_bytes": m.logical_bytes, "created": m.created, "writer": m.writer,
-        "parts": [{"name": p.name, "kind": p.kind, "dtype": p.dtype, "shape": list(p.shape), "component": p.component,
-                   "row_start": p.row_start, "row_end": p.row_end, "nbytes": p.nbytes,
-                   "chunks": [{"id": c.id.hex(), "raw_len": c.raw_len, "stored_len": c.stored_len, "codec": c.codec,
-                               "checksum": c.checksum.hex()} for c in p.chunks]} for p in m.parts],
+        "parts": [_part(p) for p in m.parts],
     }
+
+
+def _part(p: PartEntry) -> dict[str, Any]:
+    out = {"name": p.name, "kind": p.kind, "dtype": p.dtype, "shape": list(p.shape), "component": p.component,
+           "row_start": p.row_start, "row_end": p.row_end, "nbytes": p.nbytes,
+           "chunks": [{"id": c.id.hex(), "raw_len": c.raw_len, "stored_len": c.stored_len, "codec": c.codec,
+                       "checksum": c.checksum.hex()} for c in p.chunks]}
+    if p.tokens_per_row is not None:  # absent otherwise: a v1 reader ignores it, and reads the object as before
+        out["tokens_per_row"] = p.tokens_per_row
+    return out
 
 
 def encode(m: Manifest) -> bytes:
@@ -231,7 +239,11 @@ def decode(data: bytes) -> Manifest:
         nbytes = _count(p, "nbytes")
         if sum(c.raw_len for c in chunks) != nbytes:
             raise _bad(f"part {name!r}: chunks do not add up to its size")
-        parts.append(PartEntry(name, kind, dtype, tuple(shape), comp, r0, r1, nbytes, tuple(chunks)))
+        per = p.get("tokens_per_row")
+        if per is not None and (kind != 1 or not isinstance(per, int) or isinstance(per, bool)
+                                or not 1 <= per < 1 << 31):
+            raise _bad("tokens_per_row must be absent or a positive int on a row segment")
+        parts.append(PartEntry(name, kind, dtype, tuple(shape), comp, r0, r1, nbytes, tuple(chunks), per))
     ident = _get(body, "identity", str)
     try:
         if not isinstance(json.loads(ident), dict):

@@ -15,7 +15,7 @@ from ._buffers import Sink, as_sink
 from ._db import ChunkRow, PartRow, SnapRow
 from ._errors import CorruptChunkError, DestinationError, SnapshotUnavailableError
 from ._layout import Fixed, Layout, PartSpec, Rows
-from ._prefix_match import ClippedSink
+from ._prefix_match import ClippedSink, granularity, granularity_fits
 
 __all__ = ["PlanItem", "PlanSource", "RestorePlan", "build_plan"]
 
@@ -133,6 +133,12 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
                 raise DestinationError(
                     f"part {name!r} was saved as {p.dtype} {list(p.shape)}, the layout says "
                     f"{spec.dtype} {list(spec.shape if isinstance(spec, Fixed) else spec.row_shape)}")
+            if p is not None and not granularity_fits(p, layout):
+                raise DestinationError(
+                    f"part {name!r} was saved at {p.tokens_per_row} tokens per row, the layout reads "
+                    f"{granularity(layout)} tokens per row (Layout.tokens_per_row; 1 without it): open the store "
+                    "with the layout that saved it, or put the block size in the Identity's extra; "
+                    "nothing was written")
         if isinstance(spec, Fixed):
             assert leaf_part is not None
             if leaf_part.nbytes != spec.nbytes:

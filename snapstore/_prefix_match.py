@@ -17,6 +17,13 @@ probes, no scan. The found snapshot's tokens are then compared exactly (no hash 
 chain is checked for quarantined chunks, and the match names it with ``n_tokens = k``, shorter
 than the snapshot. A restore of such a match writes rows ``[0, k // g)`` only (:func:`rows_limit`,
 :class:`ClippedSink`).
+
+Granularity (migration 0007): every row segment a save writes records the tokens per row of its
+layout (``parts.tokens_per_row``; 1 without ``tokens_per_row``), and the one rule
+:func:`granularity_fits` refuses a segment of another granularity wherever a saved part meets the
+reading layout — a restore plan (DestinationError, before a byte is written) and a save's parent.
+The dtype and row shape need not say the block size, so without it a store of the same identity at
+8 tokens per row would read rows saved at 16 as its own.
 """
 
 from __future__ import annotations
@@ -34,12 +41,34 @@ from ._errors import InvalidInputError
 from ._layout import Layout
 from ._results import Match
 
-__all__ = ["ClippedSink", "PrefixHit", "find_prefix", "index_keys", "match_tokens", "prefix_step", "record_prefixes",
-           "rows_limit"]
+__all__ = ["ClippedSink", "PrefixHit", "content_tag", "find_prefix", "granularity", "granularity_fits", "index_keys",
+           "match_tokens", "prefix_step", "record_prefixes", "rows_bound", "rows_limit"]
 
 _MIN_STEP = 16  # tokens: finer steps would index a 128K-token prompt under >8K keys
 _HOLDERS = 8  # snapshots tried at the longest indexed prefix (most recently used first)
 _DEPTHS = 8  # prefix lengths tried downwards when no holder is usable (quarantined, excluded)
+
+
+def granularity(layout: Layout) -> int:
+    """Tokens per row of every stream of ``layout``: its ``tokens_per_row``, else 1 (one row per token).
+
+    What a save records with each row segment (``parts.tokens_per_row``, schema v7)."""
+    return layout.tokens_per_row or 1
+
+
+def granularity_fits(p: PartRow, layout: Layout) -> bool:
+    """Whether row segment ``p`` holds rows of ``layout``'s granularity: the one copy of the rule, used
+    where a saved part is checked against the reading layout (restore plans, a save's parent).
+
+    A segment saved before schema v7 recorded none (None) and is read as the layout says, as before."""
+    return p.kind != 1 or p.tokens_per_row is None or p.tokens_per_row == granularity(layout)
+
+
+def content_tag(layout: Layout) -> bytes:
+    """What a snapshot's content key adds for its granularity: the same bytes in rows of another size are
+    other state. Empty at one row per token, so content keys saved before v7 stay the same."""
+    g = granularity(layout)
+    return b"" if g == 1 else b"|tokens_per_row:%d" % g
 
 
 def prefix_step(layout: Layout) -> int | None:
@@ -154,6 +183,12 @@ def rows_limit(layout: Layout, snap: SnapRow, n_tokens: int | None) -> int | Non
         raise InvalidInputError(f"a match of {n_tokens} tokens into snapshot {snap.id} is not a whole number "
                                 f"of rows of {g} tokens")
     return n_tokens // g
+
+
+def rows_bound(layout: Layout, snap: SnapRow, rows_to: int | None) -> int:
+    """The most rows ``rows_from`` may skip in a restore of ``snap``: the rows it restores (a prefix
+    match's ``rows_to``, else one per ``g`` of the snapshot's tokens), not its tokens."""
+    return rows_to if rows_to is not None else snap.n_tokens // granularity(layout)
 
 
 class ClippedSink(Sink):

@@ -14,7 +14,7 @@ from ._chunker import StagingBuffer
 from ._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
 from ._layout import Layout
 from ._plan import RestorePlan, build_plan
-from ._prefix_match import rows_limit
+from ._prefix_match import granularity, rows_bound, rows_limit
 from ._ramtier import RamTier
 from ._repo import Repo
 from ._restore import Damage, quarantine, stream_plan
@@ -41,6 +41,10 @@ def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Map
     the tokens of a block-granular prefix match (rows [0, upto // g) only, :mod:`._prefix_match`)."""
     snap = access.readable(c, sid, ns, rows_from)
     rows_to = rows_limit(layout, snap, upto)
+    bound = rows_bound(layout, snap, rows_to)
+    if rows_from > bound:  # rows_from counts rows: at tokens_per_row > 1 the tokens bound (readable) is looser
+        raise InvalidInputError(f"rows_from={rows_from} is past the {bound} rows (of {granularity(layout)} tokens) "
+                                f"that restoring snapshot {sid} writes; nothing was written")
     return snap, build_plan(c, sid, access.chain(c, snap), layout, into, wanted, rows_from, rows_to)
 
 

@@ -137,7 +137,7 @@ class Fetcher:
                     c.set_unmatchable(sid)
                 for p in mf.parts:
                     c.insert_part(sid, p.name, p.kind, p.dtype, p.shape, p.component, p.row_start,
-                                  p.row_end, p.nbytes, [ch.id for ch in p.chunks])
+                                  p.row_end, p.nbytes, [ch.id for ch in p.chunks], p.tokens_per_row)
                 parent_id = sid
                 ids.append(sid)
             ok, _ = evict_until(c, lambda fr: fits(c, fr), set(ids))

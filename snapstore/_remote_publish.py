@@ -95,7 +95,8 @@ class Publisher:
                 raise _Gone()
             entries.append(PartEntry(p.name, p.kind, p.dtype, tuple(p.shape), p.component, p.row_start, p.row_end,
                                      p.nbytes, tuple(ChunkEntry(ch.id, ch.raw_len, ch.stored_len, ch.codec,
-                                                                bytes(ch.checksum)) for ch in chunks)))
+                                                                bytes(ch.checksum)) for ch in chunks),
+                                     p.tokens_per_row))
         return Manifest(
             identity_key=self._identity.key, identity=self._identity.canonical, namespace=ns,
             n_tokens=link.n_tokens, base_tokens=link.base_tokens, token_width=link.token_width,

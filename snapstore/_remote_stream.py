@@ -54,7 +54,7 @@ class ManifestSource:
                 owner=None, matchable=int(mf.matchable), created=mf.created, last_used=mf.created, hits=0,
                 logical_bytes=mf.logical_bytes))
             self._parts[i] = [PartRow(i, p.name, p.kind, p.dtype, tuple(p.shape), p.component, p.row_start,
-                                      p.row_end, p.nbytes) for p in mf.parts]
+                                      p.row_end, p.nbytes, p.tokens_per_row) for p in mf.parts]
             for p in mf.parts:
                 self._chunks[(i, p.name)] = [ChunkRow(ch.id, ch.raw_len, ch.stored_len, ch.codec, ch.checksum,
                                                       0, mf.created, b"") for ch in p.chunks]

@@ -26,7 +26,7 @@ from ._errors import CorruptionError, InvalidInputError, LayoutError
 from ._find_keys import find_keys
 from ._layout import Fixed, Layout, Rows
 from ._lifecycle import evict_until, new_outside_use, supersede
-from ._prefix_match import record_prefixes
+from ._prefix_match import content_tag, granularity, granularity_fits, record_prefixes
 from ._refs import snapshot_id
 from ._tokens import TokenIndex, encode_tokens
 
@@ -165,7 +165,7 @@ class Saver:
             for name, r in row_counts.items():
                 q = stored.get(name)
                 if q is None or q.row_end > r or q.dtype != self.layout.rows[name].dtype or \
-                        tuple(q.shape) != self.layout.rows[name].row_shape:
+                        tuple(q.shape) != self.layout.rows[name].row_shape or not granularity_fits(q, self.layout):
                     return None
                 out[name] = q.row_end
             return out
@@ -198,7 +198,8 @@ class Saver:
             raise InvalidInputError(f"parent {sid} is not a prefix of these tokens")
         pr = parent_rows(snap)
         if pr is None:
-            raise LayoutError(f"parent {sid} lacks a row stream being saved, or has more rows than this save")
+            raise LayoutError(f"parent {sid} lacks a row stream being saved, has more rows than this save, or holds "
+                              "rows of another dtype, row shape or tokens_per_row")
         return snap, pr
 
     def rows_vouched(self, t: Txn, parent: SnapRow, prows: dict[str, int], sources: dict[str, Source]) -> bool:
@@ -251,6 +252,7 @@ class Saver:
         par = plan.parent
         h = blake3.blake3(b"content v2")
         h.update(par.content_key if par else bytes(16))
+        h.update(content_tag(self.layout))  # rows of another granularity are other state (schema v7)
         for (name, r0, r1), rs in sorted(zip(plan.segments, refs), key=lambda x: x[0]):
             spec = specs[name]
             kind, shape = (0, spec.shape) if isinstance(spec, Fixed) else (1, spec.row_shape)
@@ -302,7 +304,7 @@ class Saver:
                               spec.nbytes, [r.id for r in rs])
             else:
                 t.insert_part(sid, name, PartKind.ROWS, spec.dtype, spec.row_shape, spec.component, r0, r1,
-                              (r1 - r0) * spec.row_bytes, [r.id for r in rs])
+                              (r1 - r0) * spec.row_bytes, [r.id for r in rs], granularity(self.layout))
         record_prefixes(t, self.layout, sid, arr)  # block-granular prefixes (tokens_per_row layouts only)
         if commit:
             new = t.snapshot(sid)

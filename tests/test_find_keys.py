@@ -1,9 +1,9 @@
-"""Find keys (schema v6, snapshots.find_key): the cheap integer match() finds candidates by.
+"""Find keys (schema v8, snapshots.find_key): the cheap integer match() finds candidates by.
 
 What must hold: every stored key is the prompt-side key of the snapshot's tokens at its block,
 however the chain was built (block-aligned or not, explicit parents, int64 segments); a key that
 collides (forced here through the catalog) costs a candidate read and never changes match()'s
-answer; a catalog from before v6 is keyed on open and matches exactly as before; a row left
+answer; a catalog from before v8 is keyed on open and matches exactly as before; a row left
 without a key (an older snapstore writing after the migration) is keyed by the next open.
 """
 
@@ -15,7 +15,7 @@ import apsw
 import numpy as np
 import pytest
 from support import open_store
-from support.catalogs import LATEST_SCHEMA, UNDO_V6
+from support.catalogs import LATEST_SCHEMA, UNDO_FIND_KEYS
 
 import snapstore as ss
 from snapstore._find_keys import find_keys
@@ -101,7 +101,7 @@ def test_a_forced_key_collision_costs_a_read_never_the_answer(tmp_path: str) -> 
         assert s.match(q).snapshot_id == mid.snapshot_id
 
 
-def test_a_catalog_from_before_v6_is_keyed_on_open_and_matches_the_same(tmp_path: str) -> None:
+def test_a_catalog_from_before_v8_is_keyed_on_open_and_matches_the_same(tmp_path: str) -> None:
     path = os.path.join(tmp_path, "s")
     rng = np.random.default_rng(3)
     with _open(path) as s:
@@ -111,7 +111,7 @@ def test_a_catalog_from_before_v6_is_keyed_on_open_and_matches_the_same(tmp_path
         want = {sid: key for sid, (_n, key) in _stored(s).items()}
     assert any(b is not None for b in before) and any(b is None for b in before)
     c = apsw.Connection(os.path.join(path, "snapstore.db"))
-    c.execute(UNDO_V6 + "PRAGMA user_version = 5")
+    c.execute(UNDO_FIND_KEYS + "PRAGMA user_version = 7")
     c.close()
     with _open(path) as s:
         assert {sid: key for sid, (_n, key) in _stored(s).items()} == want  # backfilled, parents first

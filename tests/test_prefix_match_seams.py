@@ -181,25 +181,87 @@ def test_tokens_at_and_above_2_to_the_31_never_alias_stored_int32_tokens(tmp_pat
         assert hit is not None and hit.snapshot_id == r.snapshot_id and hit.n_tokens == n
 
 
-@pytest.mark.xfail(strict=True, reason="tokens_per_row is recorded nowhere per snapshot: a store of the same "
-                   "identity whose layout differs only in tokens_per_row reads rows of another granularity "
-                   "(docs/api.md promises a DestinationError under the wrong layout); needs a schema change")
-def test_a_layout_differing_only_in_tokens_per_row_never_reads_rows_of_another_granularity(tmp_path: Any) -> None:
-    """Rows saved at 16 tokens per row, read by a store of the same identity at 8 tokens per row (the
-    same dtype and row shape, so the part check passes): 32 tokens are 2 rows there, 4 rows here."""
-    coarse = ss.Layout(rows={"kv": ss.Rows("float32", (4,))}, tokens_per_row=16)
-    fine = ss.Layout(rows={"kv": ss.Rows("float32", (4,))}, tokens_per_row=8)
+def _kv_layout(g: int | None) -> ss.Layout:
+    """One stream whose dtype and row shape do not say the granularity: only ``tokens_per_row`` does."""
+    return ss.Layout(rows={"kv": ss.Rows("float32", (4,))}, tokens_per_row=g)
+
+
+@pytest.mark.parametrize(("saved", "read"), [(16, 8), (8, 16), (None, 8), (8, None)],
+                         ids=["coarse-to-fine", "fine-to-coarse", "none-to-g", "g-to-none"])
+def test_a_layout_differing_only_in_tokens_per_row_never_reads_rows_of_another_granularity(
+        tmp_path: Any, saved: int | None, read: int | None) -> None:
+    """Rows saved at one granularity, read by a store of the same identity at another (the same dtype
+    and row shape, so the dtype/shape check passes): every way in — the saved result, an exact match,
+    a block-granular prefix match, describe, restore_many — raises DestinationError before a byte is
+    written (rows of 16 tokens served as rows of 8 would be wrong state)."""
     a = _prompt(64, 80)
-    kv = np.random.default_rng(81).standard_normal((4, 4)).astype(np.float32)
-    with _open(tmp_path / "s", layout=coarse) as st:
-        st.save(a, {"kv": kv})
-    with _open(tmp_path / "s", layout=fine) as st:
-        m = st.match(a[:32] + [1])
-        if m is None:
-            return  # not offered: nothing read under the wrong granularity
-        dest = {"kv": np.zeros((8, 4), np.float32)}
-        with pytest.raises(ss.SnapstoreError):
-            st.restore(m, into=dest)  # 4 rows of 16 tokens served as 4 rows of 8 would be wrong state
+    kv = np.random.default_rng(81).standard_normal((64 // (saved or 1), 4)).astype(np.float32)
+    with _open(tmp_path / "s", layout=_kv_layout(saved)) as st:
+        r = st.save(a, {"kv": kv})
+        assert r.ok
+    with _open(tmp_path / "s", layout=_kv_layout(read)) as st:
+        refs: list[Any] = [r, st.match(a + [1]), st.match(a[:32] + [1])]
+        assert refs[1] is not None and refs[1].snapshot_id == r.snapshot_id  # offered: the restore refuses
+        dest = {"kv": np.full((64, 4), -1.0, np.float32)}
+        for ref in refs:
+            if ref is None:
+                continue
+            with pytest.raises(ss.DestinationError, match="tokens per row"):
+                st.describe(ref)
+            with pytest.raises(ss.DestinationError, match="tokens per row"):
+                st.restore(ref, into=dest)
+            with pytest.raises(ss.DestinationError, match="tokens per row"):
+                st.restore_many([(ref, dest)])
+        assert (dest["kv"] == -1.0).all()
+        # its own save of a longer prompt is no delta over rows of another granularity
+        more = a + _prompt(32, 82)
+        mine = np.random.default_rng(83).standard_normal((96 // (read or 1), 4)).astype(np.float32)
+        r2 = st.save(more, {"kv": mine})
+        assert r2.ok and r2.parent_id is None
+        with pytest.raises(ss.LayoutError, match="tokens_per_row"):  # nor one the caller names
+            st.save(more, {"kv": mine}, parent=r.snapshot_id)
+        m = st.match(more + [1])
+        assert m is not None and m.snapshot_id == r2.snapshot_id
+        out = {"kv": np.zeros_like(mine)}
+        st.restore(m, into=out)
+        assert np.array_equal(out["kv"], mine)
+    with _open(tmp_path / "s", layout=_kv_layout(saved)) as st:  # the first layout still reads its own
+        out = {"kv": np.zeros_like(kv)}
+        st.restore(r, into=out)
+        assert np.array_equal(out["kv"], kv)
+
+
+def test_the_same_bytes_as_rows_of_another_size_are_another_snapshot(tmp_path: Any) -> None:
+    """The same prompt and the same row bytes saved at 16 and at 8 tokens per row (rows= keeps the row
+    count equal): the second save is a snapshot of its own, not the first one found again by content."""
+    a = _prompt(64, 84)
+    kv = np.random.default_rng(85).standard_normal((4, 4)).astype(np.float32)
+    with _open(tmp_path / "s", layout=_kv_layout(16)) as st:
+        coarse = st.save(a, {"kv": kv})
+    with _open(tmp_path / "s", layout=_kv_layout(8)) as st:
+        fine = st.save(a, {"kv": kv}, rows={"kv": 4})
+        assert fine.ok and fine.snapshot_id != coarse.snapshot_id
+        out = {"kv": np.zeros((4, 4), np.float32)}
+        assert st.restore(fine, into=out).rows == {"kv": 4}
+        assert np.array_equal(out["kv"], kv)
+
+
+def test_rows_from_counts_rows_not_tokens(tmp_path: Any) -> None:
+    """At 32 tokens per row a snapshot of 8 blocks restores 8 rows: rows_from=9 (within its 256 tokens,
+    past its rows) is refused like any rows_from outside the restore, for a prefix match at its rows."""
+    a = _prompt(8 * G, 86)
+    with _open(tmp_path / "s") as st:
+        r = st.save(a, _blocks(8, 87))
+        assert st.describe(r, rows_from=8).rows == {"l0": 8, "l1": 8}
+        with pytest.raises(ss.InvalidInputError, match="rows_from"):
+            st.describe(r, rows_from=9)
+        with pytest.raises(ss.InvalidInputError, match="rows_from"):
+            st.restore(r, into=_dest(8), rows_from=9)
+        m = st.match(a[:3 * G] + [1])
+        assert m is not None and m.n_tokens == 3 * G
+        assert st.describe(m, rows_from=3).nbytes == 0
+        with pytest.raises(ss.InvalidInputError, match="rows_from"):
+            st.restore_many([(m, _dest(8))], rows_from=4)
 
 
 def test_a_prefix_restore_by_another_session_keeps_the_snapshot_matchable(tmp_path: Any) -> None:

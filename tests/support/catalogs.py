@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from snapstore._db import migrations_dir
 
-# Schema v6 (0006_find_keys.sql) taken out: no snapshots.find_key, the anchor index back.
-UNDO_V6 = ("DROP INDEX snapshots_find; DROP INDEX snapshots_unkeyed; ALTER TABLE snapshots DROP COLUMN find_key; "
-           "CREATE INDEX snapshots_match ON snapshots(identity_id, namespace, anchor); ")
+# Schema v8 (0008_find_keys.sql) taken out: no snapshots.find_key, the anchor index back.
+UNDO_FIND_KEYS = ("DROP INDEX snapshots_find; DROP INDEX snapshots_unkeyed; "
+                  "ALTER TABLE snapshots DROP COLUMN find_key; "
+                  "CREATE INDEX snapshots_match ON snapshots(identity_id, namespace, anchor); ")
 LATEST_SCHEMA = migrations_dir()[-1][0]  # the user_version a read-write open migrates to

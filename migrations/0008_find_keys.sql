@@ -1,4 +1,4 @@
--- snapstore schema v6: find keys. See docs/format.md (snapshots.find_key).
+-- snapstore schema v8: find keys. See docs/format.md (snapshots.find_key).
 -- An integer that match() finds its candidates by: a chained XXH3-64 over the whole 256-token
 -- blocks of a snapshot's tokens (~0.3 us a block, against ~2 us for the BLAKE3 anchor chain).
 -- Not trusted: every candidate it finds is compared token by token. The open that applies this
