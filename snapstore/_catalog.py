@@ -27,12 +27,28 @@ from ._tokens import BLOCK, decode_tokens
 
 __all__ = ["QUARANTINED_USERS_SQL", "ChunkRow", "OwnerRow", "PartKind", "PartRow", "SnapRow", "SnapState", "Txn"]
 
-_ANCHOR_BATCH = 2048  # anchors bound per match statement: far below SQLite's 32766-variable limit
-# The first match statement binds only the deepest anchors: a hit is usually a prompt that extends
-# a saved one by a turn, so it ends within these, and one index probe per 256-token block of a
-# 128K prompt (515) cost more than the rest of a hit (docs/benchmarks.md). A miss pays one more
-# statement for the remaining anchors.
+_ANCHOR_BATCH = 2048  # find keys per match statement: far below SQLite's 32766-variable limit
+# The first match statement binds only the deepest find keys: a hit is usually a prompt that
+# extends a saved one by a turn, so it ends within these, and one index probe per 256-token block
+# of a 128K prompt (515) cost more than the rest of a hit (docs/benchmarks.md). A miss pays one
+# more statement for the remaining keys.
 _FIRST_BATCH = 32
+
+
+def _carray() -> Any:
+    """apsw's binding of an int64 array to SQLite's carray() as one value, where this apsw and its
+    SQLite have it (apsw 3.54 here): a 515-key probe costs ~0.6x the same IN list of bound variables."""
+    make = getattr(apsw, "carray", None)
+    if make is None:
+        return None
+    try:
+        apsw.Connection(":memory:").execute("SELECT value FROM carray(?)", (make(np.zeros(1, np.int64)),)).fetchall()
+    except apsw.Error:
+        return None  # an SQLite built without carray: the IN list
+    return make
+
+
+_CARRAY: Any = _carray()
 
 
 class Txn(ChunkQueries):
@@ -107,7 +123,7 @@ class Txn(ChunkQueries):
         (a 64-bit collision) is not yielded there: it would break the deepest-first order.
         """
         sql = ("SELECT id, n_tokens, prefix_key, find_key FROM snapshots WHERE identity_id = "
-               "(SELECT id FROM identities WHERE key = ?) AND namespace = ? AND find_key IN ({marks}) "
+               "(SELECT id FROM identities WHERE key = ?) AND namespace = ? AND find_key IN {keys} "
                "AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1 "
                "ORDER BY n_tokens DESC, id DESC")
         hi = min(len(keys), max_tokens // BLOCK + 1) if max_tokens >= 0 else 0
@@ -115,11 +131,15 @@ class Txn(ChunkQueries):
         while hi > 0:
             lo = max(0, hi - batch_size)
             batch_size = _ANCHOR_BATCH
-            batch = keys[lo:hi].tolist()
-            for sid, n, pkey, fk in self._c.execute(sql.format(marks=",".join("?" * len(batch))),
-                                                    (identity_key, namespace, *batch, max_tokens, not_before)):
+            batch = np.ascontiguousarray(keys[lo:hi], dtype=np.int64)
+            if _CARRAY is not None:  # the batch bound as one array: no statement text of 500 "?"s to bind
+                marks, bound = "carray(?)", [_CARRAY(batch)]
+            else:
+                marks, bound = "(" + ",".join("?" * len(batch)) + ")", batch.tolist()
+            for sid, n, pkey, fk in self._c.execute(sql.format(keys=marks),
+                                                    (identity_key, namespace, *bound, max_tokens, not_before)):
                 b = int(n) // BLOCK
-                if lo <= b < hi and fk == batch[b - lo]:
+                if lo <= b < hi and fk == int(keys[b]):
                     yield int(sid), int(n), bytes(pkey)
             hi = lo
 

@@ -166,3 +166,18 @@ def test_match_reads_the_prompt_in_place_and_answers_the_same(tmp_path: str, kin
     assert not np.shares_memory(as_token_array(base), base)  # saves keep their own copy
     with pytest.raises(ss.InvalidInputError):
         as_token_array(np.array([1, -1]), borrow=True)
+
+
+def test_the_in_list_finds_what_carray_finds(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without apsw's carray (an older apsw, or an SQLite built without it) the keys go as an IN
+    list of bound variables: the same candidates, the same answers."""
+    from snapstore import _catalog
+
+    rng = np.random.default_rng(6)
+    with _open(os.path.join(tmp_path, "s")) as s:
+        prompts = _chains(s, rng)
+        queries = [p[:k] for p in prompts for k in (50, 299, 700, 1100, len(p))] + [rng.integers(0, 50_000, 9000)]
+        with_carray = [m.snapshot_id if (m := s.match(q)) is not None else None for q in queries]
+        monkeypatch.setattr(_catalog, "_CARRAY", None)
+        assert [m.snapshot_id if (m := s.match(q)) is not None else None for q in queries] == with_carray
+    assert any(x is not None for x in with_carray)
