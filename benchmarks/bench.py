@@ -714,7 +714,8 @@ def section_match(args: argparse.Namespace, work: str) -> None:
         segs = c.chain_tokens(hit_sid)
         raw_query = prompt_tokens[0][:plen + 517]
         parts = {
-            "the prompt checked and made uint64 (as_token_array)": med_us(lambda: as_token_array(raw_query)),
+            "the prompt checked, read in place as uint64 (as_token_array)": med_us(
+                lambda: as_token_array(raw_query, borrow=True)),
             f"find keys ({len(keys) - 1} blocks of XXH3: what match() hashes)": med_us(lambda: find_keys(query)),
             "(BLAKE3 anchor chain in full: saves only, for comparison)": med_us(fresh_chain),
             "first statement: deepest find keys -> first candidate": med_us(

@@ -41,10 +41,13 @@ def _carray() -> Any:
     make = getattr(apsw, "carray", None)
     if make is None:
         return None
+    probe = apsw.Connection(":memory:")
     try:
-        apsw.Connection(":memory:").execute("SELECT value FROM carray(?)", (make(np.zeros(1, np.int64)),)).fetchall()
+        probe.execute("SELECT value FROM carray(?)", (make(np.zeros(1, np.int64)),)).fetchall()
     except apsw.Error:
         return None  # an SQLite built without carray: the IN list
+    finally:
+        probe.close()
     return make
 
 

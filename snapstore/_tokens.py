@@ -96,15 +96,16 @@ def decode_tokens(blob: bytes, width: int, count: int) -> np.ndarray:
 
 
 _SCRATCH_MAX = 8 << 20  # bytes of encoded prompt a thread keeps between matches (2M tokens at int32)
-_scratch = threading.local()
+_scratch = threading.local()  # w4 / w8: a buffer no live Encoded holds
 
 
 class Encoded:
     """A prompt in each stored token width, encoded once however many candidates it is compared with.
 
-    Encoded into a buffer the thread keeps (up to ``_SCRATCH_MAX``): a fresh 512 KiB for a 128K-token
-    prompt costs its page faults on every match, several times the encode itself on a loaded machine.
-    Valid until the thread's next Encoded of the same width."""
+    Encoded into a buffer the thread keeps between matches (up to ``_SCRATCH_MAX``): a fresh 512 KiB
+    for a 128K-token prompt costs its page faults on every match, several times the encode itself
+    on a loaded machine. An Encoded takes the buffer out while it lives (a second one meanwhile
+    gets a new buffer: nothing can overwrite a prompt being compared) and gives it back when dropped."""
 
     __slots__ = ("_by_width", "arr", "wide")
 
@@ -119,11 +120,9 @@ class Encoded:
         mine = self._by_width.get(width)
         if mine is None:
             need = len(self.arr) * width
-            mine = getattr(_scratch, f"w{width}", None)
+            mine = _scratch.__dict__.pop(f"w{width}", None)
             if mine is None or len(mine) < need:
                 mine = bytearray(need)
-                if need <= _SCRATCH_MAX:
-                    setattr(_scratch, f"w{width}", mine)
             view = np.frombuffer(mine, dtype="<i4" if width == 4 else "<i8", count=len(self.arr))
             np.copyto(view, self.arr, casting="unsafe")
             self._by_width[width] = mine
@@ -136,6 +135,11 @@ class Encoded:
         if self.wide is None:
             self.wide = bool(len(self.arr)) and int(self.arr.max()) >= 2**31
         return not self.wide or int(self.arr[pos:n].max()) < 2**31
+
+    def __del__(self) -> None:
+        for width, buf in self._by_width.items():
+            if len(buf) <= _SCRATCH_MAX:
+                _scratch.__dict__.setdefault(f"w{width}", buf)
 
 
 def spells_prefix(segments: Sequence[tuple[bytes, int, int, int]], arr: np.ndarray,

@@ -181,3 +181,20 @@ def test_the_in_list_finds_what_carray_finds(tmp_path: str, monkeypatch: pytest.
         monkeypatch.setattr(_catalog, "_CARRAY", None)
         assert [m.snapshot_id if (m := s.match(q)) is not None else None for q in queries] == with_carray
     assert any(x is not None for x in with_carray)
+
+
+def test_two_encoded_prompts_on_one_thread_never_share_a_buffer() -> None:
+    """The compare buffer a thread reuses between matches is held by one Encoded at a time."""
+    from snapstore._tokens import Encoded, encode_tokens, spells_prefix
+
+    rng = np.random.default_rng(7)
+    a, b = rng.integers(0, 50_000, 3000).astype("<u8"), rng.integers(0, 50_000, 3000).astype("<u8")
+    segs = [(encode_tokens(a[:1000])[0], 4, 0, 1000), (encode_tokens(a[1000:2500])[0], 4, 1000, 2500)]
+    for _ in range(2):  # the second round reuses the buffers the first gave back
+        ea = Encoded(a)
+        assert spells_prefix(segs, a, ea)
+        eb = Encoded(b)
+        assert not spells_prefix(segs, b, eb)  # b encoded while ea is alive
+        assert spells_prefix(segs, a, ea)  # ea still holds a
+        assert ea.width(4) is not eb.width(4)
+        del ea, eb
