@@ -80,7 +80,8 @@ def translate(e: BaseException) -> BaseException:
 
 # A read-only connection cannot migrate a catalog written by an older version; these TEMP views
 # (which shadow the main tables for unqualified names) give its queries the columns the newer
-# migrations add, with their defaults. Keyed by the migration that adds the columns.
+# migrations add, with their defaults, keyed by the migration that adds them. Those of ``snapshots``
+# share one view (two cannot share its name); a v<8 catalog has no find keys: nothing read-only matches.
 _COMPAT_VIEWS: dict[int, list[str]] = {
     2: ["CREATE TEMP TABLE owners(id TEXT PRIMARY KEY, kernel TEXT NOT NULL, host TEXT NOT NULL, "
         "pid INTEGER NOT NULL, lease REAL NOT NULL, renewed REAL NOT NULL, created REAL NOT NULL)"],
@@ -89,9 +90,6 @@ _COMPAT_VIEWS: dict[int, list[str]] = {
         "key BLOB NOT NULL, PRIMARY KEY (snapshot_id, n_tokens))"],
     7: ["CREATE TEMP VIEW parts AS SELECT *, NULL AS tokens_per_row FROM main.parts"],
 }
-# Columns later migrations add to ``snapshots``, with what an older catalog reads as them: one TEMP
-# view over main.snapshots adds every one the catalog lacks (two views could not share the name).
-# A v<8 catalog read this way has no find keys: match() finds nothing in it (nothing read-only matches).
 _COMPAT_SNAPSHOT_COLS: dict[int, str] = {4: "0 AS shared", 8: "NULL AS find_key"}
 
 
@@ -104,10 +102,6 @@ def _compat_views(c: Raw) -> None:
     cols = [col for num, col in sorted(_COMPAT_SNAPSHOT_COLS.items()) if 0 < ver < num]
     if cols:
         c.execute(f"CREATE TEMP VIEW snapshots AS SELECT *, {', '.join(cols)} FROM main.snapshots")
-
-
-# Python steps that complete a migration inside its transaction (data SQL alone cannot compute).
-_MIGRATION_STEPS: dict[int, Callable[[Txn], object]] = {8: Txn.backfill_find_keys}
 
 
 class _Held:
@@ -336,6 +330,7 @@ class Database:
         todo = [m for m in migrations_dir() if m[0] > ver]
         if not todo:
             return
+        steps: dict[int, Callable[[Txn], object]] = {8: Txn.backfill_find_keys}  # Python a migration needs
 
         def apply(t: Txn) -> None:
             current = int(str(t.pragma("user_version")))
@@ -343,9 +338,8 @@ class Database:
                 if num <= current:
                     continue  # another process migrated first
                 t.execute(sql)
-                step = _MIGRATION_STEPS.get(num)
-                if step is not None:
-                    step(t)
+                if num in steps:
+                    steps[num](t)  # in the migrating transaction, before user_version says it is done
                 t.pragma("user_version", num)
             t.pragma("application_id", APPLICATION_ID)
 
