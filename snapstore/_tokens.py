@@ -1,17 +1,18 @@
-"""Token sequences: validation, compact storage and the chained block hashes behind match().
+"""Token sequences: validation, compact storage, the chained block hashes of saves, and the
+exact token check behind match().
 
 A prompt is cut into blocks of ``BLOCK`` tokens. ``chain[i]`` hashes blocks 0..i-1 (so
-``chain[0]`` is the hash of the empty prefix). A snapshot of ``n`` tokens is indexed by its
-*anchor* ``chain[n // BLOCK]``; its *prefix key* hashes the anchor and the < BLOCK tokens after
-it, so it names the exact sequence. A query computes its own chain once and looks every anchor up
-in one indexed statement.
+``chain[0]`` is the hash of the empty prefix). A snapshot of ``n`` tokens records its *anchor*
+``chain[n // BLOCK]``; its *prefix key* hashes the anchor and the < BLOCK tokens after it, so it
+names the exact sequence (saves' parent checks, supersede, the shared tier's manifest names).
+match() finds candidates by the cheaper find keys (:mod:`._find_keys`) and decides by comparing
+tokens (:func:`spells_prefix`); it computes no BLAKE3 chain.
 
-The chain costs ~2 us per block (BLAKE3 of 2 KiB; ~1 ms for a 128K-token prompt), more than
-the index probes behind it, and an engine hashes the same prompt again and again (match, then
-save of the same prompt plus the answer, then match of the next turn). So the chains of the last
-few sequences are kept (their own copy of the tokens, never the caller's buffer): a new sequence
-reuses the chain of the longest common prefix of a cached one with the same first block and
-hashes only the blocks after it.
+The chain costs ~2 us per block (BLAKE3 of 2 KiB; ~1 ms for a 128K-token prompt), and an engine
+saves the same prompt again and again (each turn's save extends the last). So the chains of the
+last few sequences are kept (their own copy of the tokens, never the caller's buffer): a new
+sequence reuses the chain of the longest common prefix of a cached one with the same first block
+and hashes only the blocks after it.
 """
 
 from __future__ import annotations
