@@ -23,7 +23,7 @@ from ._catalog_chunks import QUARANTINED_USERS_SQL, ChunkQueries
 from ._catalog_rows import N_SNAP, SNAP_COLS, ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, snap_row
 from ._errors import CorruptionError
 from ._find_keys import FIND_SEED, extend
-from ._tokens import BLOCK, decode_tokens
+from ._tokens import BLOCK, Segment, decode_tokens
 
 __all__ = ["QUARANTINED_USERS_SQL", "ChunkRow", "OwnerRow", "PartKind", "PartRow", "SnapRow", "SnapState", "Txn"]
 
@@ -112,8 +112,8 @@ class Txn(ChunkQueries):
         return [snap_row(r) for r in cur]
 
     def match_candidates(self, identity_key: str, namespace: str, keys: np.ndarray,
-                         max_tokens: int, not_before: float) -> Iterator[tuple[int, int, bytes]]:
-        """(id, n_tokens, prefix_key) of committed matchable snapshots of the identity *key* whose
+                         max_tokens: int, not_before: float) -> Iterator[tuple[int, int, bytes, Segment]]:
+        """(id, n_tokens, prefix_key, own token segment) of committed matchable snapshots of the identity *key* whose
         find key (:mod:`._find_keys`) is ``keys[n_tokens // BLOCK]``, deepest first, read lazily
         (callers stop at a hit). ``keys``: a prompt's find keys, int64 (:func:`._find_keys.find_keys`).
 
@@ -123,9 +123,12 @@ class Txn(ChunkQueries):
         one indexed statement for the last ``_FIRST_BATCH`` keys, then one per ``_ANCHOR_BATCH``
         of the rest (two for prompts below 512K tokens), so a prompt of any length stays under
         SQLite's bound-variable limit. A row whose key equals the prompt's key at another block
-        (a 64-bit collision) is not yielded there: it would break the deepest-first order.
+        (a 64-bit collision) is not yielded there: it would break the deepest-first order. The own
+        segment ``(blob, width, base_tokens, n_tokens)`` lets match() pass over a candidate whose
+        last tokens differ (a sibling, a collision) without reading its chain.
         """
-        sql = ("SELECT id, n_tokens, prefix_key, find_key FROM snapshots WHERE identity_id = "
+        sql = ("SELECT id, n_tokens, prefix_key, find_key, tokens, token_width, base_tokens FROM snapshots "
+               "WHERE identity_id = "
                "(SELECT id FROM identities WHERE key = ?) AND namespace = ? AND find_key IN {keys} "
                "AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1 "
                "ORDER BY n_tokens DESC, id DESC")
@@ -139,11 +142,11 @@ class Txn(ChunkQueries):
                 marks, bound = "carray(?)", [_CARRAY(batch)]
             else:
                 marks, bound = "(" + ",".join("?" * len(batch)) + ")", batch.tolist()
-            for sid, n, pkey, fk in self._c.execute(sql.format(keys=marks),
-                                                    (identity_key, namespace, *bound, max_tokens, not_before)):
+            for sid, n, pkey, fk, blob, width, base in self._c.execute(
+                    sql.format(keys=marks), (identity_key, namespace, *bound, max_tokens, not_before)):
                 b = int(n) // BLOCK
                 if lo <= b < hi and fk == int(keys[b]):
-                    yield int(sid), int(n), bytes(pkey)
+                    yield int(sid), int(n), bytes(pkey), (bytes(blob), int(width), int(base), int(n))
             hi = lo
 
     def same_content(self, identity_id: int, namespace: str, prefix_key: bytes,
@@ -164,7 +167,7 @@ class Txn(ChunkQueries):
             (sid, sid)).fetchall()
         return [snap_row(r[:N_SNAP]) for r in rows]
 
-    def chain_tokens(self, sid: int) -> list[tuple[bytes, int, int, int]]:
+    def chain_tokens(self, sid: int) -> list[Segment]:
         """The stored token segments ``(blob, width, base_tokens, n_tokens)`` of the snapshot's
         chain, root first: what match() compares, without reading whole rows (``chain``).
 

@@ -177,7 +177,7 @@ class Saver:
                 raise InvalidInputError(f"parent must be 'auto', None or a snapshot id, got {parent!r}")
             broken = t.quarantined_users()
             keys = find_keys(index.tokens)  # candidates by find key; the BLAKE3 prefix key below decides
-            for sid, cn, key in list(t.match_candidates(self.identity_key, ns, keys, n - 1, 0.0)):
+            for sid, cn, key, _own in list(t.match_candidates(self.identity_key, ns, keys, n - 1, 0.0)):
                 if key != index.prefix_key(cn):
                     continue
                 if broken and needs_quarantined(t.chain(sid), broken, leaf=False):

@@ -28,8 +28,8 @@ import numpy.typing as npt
 
 from ._errors import CorruptionError, InvalidInputError
 
-__all__ = ["BLOCK", "Encoded", "TokenIndex", "TokensLike", "as_token_array", "decode_tokens", "encode_tokens",
-           "spells_prefix"]
+__all__ = ["BLOCK", "Encoded", "Segment", "TokenIndex", "TokensLike", "as_token_array", "decode_tokens",
+           "encode_tokens", "spells_prefix", "spells_segment"]
 
 # What the public API takes as tokens: a one-dimensional sequence of non-negative ints below 2**63
 # (a list, a tuple, a numpy integer array, or an object numpy.asarray makes one of, such as a CPU
@@ -143,35 +143,46 @@ class Encoded:
                 _scratch.__dict__.setdefault(f"w{width}", buf)
 
 
-def spells_prefix(segments: Sequence[tuple[bytes, int, int, int]], arr: np.ndarray,
-                  encoded: Encoded | None = None) -> bool:
+Segment: TypeAlias = tuple[bytes, int, int, int]  # a stored token segment: (blob, width, base_tokens, n_tokens)
+
+
+def _check_blob(blob: bytes, width: int, base: int, n: int) -> None:
+    if width not in (4, 8) or not isinstance(blob, (bytes, memoryview)) or len(blob) != width * (n - base):
+        raise CorruptionError(f"stored token blob of {len(blob)} bytes does not hold {n - base} tokens of "
+                              f"width {width}; run `snapstore verify`")
+
+
+def spells_segment(seg: Segment, arr: np.ndarray, encoded: Encoded | None = None) -> bool:
+    """Does one stored segment hold exactly ``arr[base:n]``? (A blob that cannot hold its tokens
+    raises CorruptionError.) A root's segment (base 0) decides a match alone."""
+    blob, width, base, n = seg
+    _check_blob(blob, width, base, n)
+    if n > len(arr) or n < base:
+        return False
+    enc = encoded if encoded is not None and encoded.arr is arr else Encoded(arr)
+    return enc.fits(width, base, n) and enc.width(width).startswith(blob, base * width)
+
+
+def spells_prefix(segments: Sequence[Segment], arr: np.ndarray, encoded: Encoded | None = None) -> bool:
     """Do stored token segments ``(blob, width, base_tokens, n_tokens)``, root first, spell exactly
     ``arr[:n]`` (``n`` the last segment's end)? match()'s final check of a candidate, token by token.
 
     The comparison of decoding every segment and comparing the concatenation, without the decodes
     or copies: the prompt is encoded once in the stored width (``encoded``, shared by a match's
-    candidates) and each blob compared in place (``bytes.startswith`` at its offset: one memcmp),
+    candidates) and each blob compared in place (``bytearray.startswith`` at its offset: one memcmp),
     the leaf's own segment first (a sibling or a find-key collision differs there, usually). A blob
     that cannot hold its tokens raises CorruptionError, as decoding it would.
     """
-    if not segments:
-        return False
-    end = segments[-1][3]
-    if end > len(arr):
+    if not segments or segments[-1][3] > len(arr):
         return False
     pos = 0
     for blob, width, base, n in segments:
-        if width not in (4, 8) or not isinstance(blob, (bytes, memoryview)) or len(blob) != width * (n - base):
-            raise CorruptionError(f"stored token blob of {len(blob)} bytes does not hold {n - base} tokens of "
-                                  f"width {width}; run `snapstore verify`")
+        _check_blob(blob, width, base, n)
         if base != pos or n < pos:
             return False
         pos = n
     enc = encoded if encoded is not None and encoded.arr is arr else Encoded(arr)
-    for blob, width, base, n in reversed(segments):
-        if not enc.fits(width, base, n) or not enc.width(width).startswith(blob, base * width):
-            return False
-    return True
+    return all(spells_segment(seg, arr, enc) for seg in reversed(segments))
 
 
 _CACHE_ENTRIES = 8  # sequences whose chains are kept (a 128K-token one: 1 MiB of tokens + 8 KiB)

@@ -198,3 +198,27 @@ def test_two_encoded_prompts_on_one_thread_never_share_a_buffer() -> None:
         assert spells_prefix(segs, a, ea)  # ea still holds a
         assert ea.width(4) is not eb.width(4)
         del ea, eb
+
+
+def test_candidates_whose_own_tokens_differ_cost_no_chain_read(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every snapshot shorter than a block shares the empty prefix's key, and siblings ending in one
+    block share theirs: each is a candidate, passed over on its own segment (read with it), never
+    by reading its chain — and the one that matches reads its chain once."""
+    from snapstore import _catalog
+
+    reads: list[int] = []
+    orig = _catalog.Txn.chain_tokens
+    monkeypatch.setattr(_catalog.Txn, "chain_tokens", lambda self, sid: reads.append(sid) or orig(self, sid))
+    rng = np.random.default_rng(8)
+    with _open(os.path.join(tmp_path, "s")) as s:
+        for _ in range(30):
+            _save(s, rng.integers(0, 50_000, int(rng.integers(20, 250))), parent=None)  # key of the empty prefix
+        trunk = rng.integers(0, 50_000, 1000)
+        _save(s, trunk, parent=None)
+        sibs = [np.concatenate([trunk, rng.integers(0, 50_000, 100)]) for _ in range(10)]  # all end in block 4
+        ids = [_save(s, t).snapshot_id for t in sibs]
+        reads.clear()
+        assert s.match(rng.integers(0, 50_000, 5000)) is None
+        assert reads == []
+        m = s.match(np.concatenate([sibs[3], rng.integers(0, 50_000, 50)]))
+        assert m.snapshot_id == ids[3] and reads == [ids[3]]
