@@ -720,7 +720,7 @@ def section_match(args: argparse.Namespace, work: str) -> None:
             "(BLAKE3 anchor chain in full: saves only, for comparison)": med_us(fresh_chain),
             "first statement: deepest find keys -> first candidate": med_us(
                 lambda: next(iter(orig(c, s.identity.key, "", keys, len(query), 0.0)))),
-            "every statement read out (what a miss runs)": med_us(
+            "every statement read out (a miss runs these; here the hit prompt's candidates)": med_us(
                 lambda: list(orig(c, s.identity.key, "", keys, len(query), 0.0))),
             "quarantine probe": med_us(c.quarantined_users),
             "candidate's token segments read (chain of deltas)": med_us(lambda: c.chain_tokens(hit_sid)),
