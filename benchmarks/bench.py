@@ -753,7 +753,8 @@ def section_match(args: argparse.Namespace, work: str) -> None:
         finally:
             _catalog.Txn.match_candidates = orig  # type: ignore[method-assign]
         # where a hit's time goes, each step timed alone on the same store (medians of 50)
-        from snapstore._tokens import TokenIndex, spells_prefix
+        from snapstore._find_keys import find_keys
+        from snapstore._tokens import TokenIndex, as_token_array, spells_prefix
         query = np.asarray(prompt_tokens[0][:plen + 517], dtype="<u8")
         conn = s._repo.db.conn()
         c = _catalog.Txn(conn)
@@ -771,34 +772,40 @@ def section_match(args: argparse.Namespace, work: str) -> None:
                 _tokens._cache.clear()
             TokenIndex(query)
 
-        idx = TokenIndex(query)
-        hit_sid = next(iter(orig(c, s.identity.key, "", idx.chain, len(query), 0.0)))[0]
+        keys = find_keys(query)
+        hit_sid = next(iter(orig(c, s.identity.key, "", keys, len(query), 0.0)))[0]
+        segs = c.chain_tokens(hit_sid)
+        raw_query = prompt_tokens[0][:plen + 517]
         parts = {
-            "hash the chain in full (515 blocks of BLAKE3)": med_us(fresh_chain),
-            "hash, chain cached (compare tokens with the cached copy)": med_us(lambda: TokenIndex(query)),
-            "first statement: deepest anchors -> first candidate": med_us(
-                lambda: next(iter(orig(c, s.identity.key, "", idx.chain, len(query), 0.0)))),
-            "every statement read out (what a miss runs)": med_us(
-                lambda: list(orig(c, s.identity.key, "", idx.chain, len(query), 0.0))),
+            "the prompt checked, read in place as uint64 (as_token_array)": med_us(
+                lambda: as_token_array(raw_query, borrow=True)),
+            f"find keys ({len(keys) - 1} blocks of XXH3: what match() hashes)": med_us(lambda: find_keys(query)),
+            "(BLAKE3 anchor chain in full: saves only, for comparison)": med_us(fresh_chain),
+            "first statement: deepest find keys -> first candidate": med_us(
+                lambda: next(iter(orig(c, s.identity.key, "", keys, len(query), 0.0)))),
+            "every statement read out (a miss runs these; here the hit prompt's candidates)": med_us(
+                lambda: list(orig(c, s.identity.key, "", keys, len(query), 0.0))),
             "quarantine probe": med_us(c.quarantined_users),
             "candidate's token segments read (chain of deltas)": med_us(lambda: c.chain_tokens(hit_sid)),
-            "candidate's tokens compared": med_us(lambda: spells_prefix(c.chain_tokens(hit_sid), query)),
+            "candidate's tokens compared (prompt encoded once, memcmp)": med_us(lambda: spells_prefix(segs, query)),
+            "the hit's row read": med_us(lambda: c.snapshot(hit_sid)),
         }
         plan = [r for r in conn.execute(
             "EXPLAIN QUERY PLAN SELECT id FROM snapshots WHERE identity_id = (SELECT id FROM identities WHERE "
-            "key = ?) AND namespace = ? AND anchor IN (?, ?, ?) AND n_tokens <= ? AND last_used >= ? AND state = 1 "
+            "key = ?) AND namespace = ? AND find_key IN (?, ?, ?) AND n_tokens <= ? AND last_used >= ? AND state = 1 "
             "AND matchable = 1 ORDER BY n_tokens DESC",
-            (s.identity.key, "", b"a", b"b", b"c", 10, 0.0))]
+            (s.identity.key, "", 1, 2, 3, 10, 0.0))]
     shutil.rmtree(sdir)
     us = median(lat) * 1e6
     print(f"\n== match(): {count} snapshots ({prompts} prompts of {plen} tokens, {per} boundary snapshots each, "
           f"delta chains), built in {build:.0f} s ==")
     print(f"hit, chain hashed in full (query of {plen + 517} tokens, longest = {per * step} tokens): median "
           f"{us:,.0f} us (p90 {sorted(lat)[int(len(lat) * 0.9)] * 1e6:,.0f} us) over {len(lat)} queries")
-    print(f"hit, chain cached (the same prompt matched again): median {median(warm) * 1e6:,.0f} us "
+    print(f"hit, the same prompt matched again (chain cached before; find keys are not cached): median "
+          f"{median(warm) * 1e6:,.0f} us "
           f"(p90 {sorted(warm)[int(len(warm) * 0.9)] * 1e6:,.0f} us)")
     print(f"miss (random {plen + 517}-token query): median {median(miss) * 1e6:,.0f} us")
-    print(f"anchors: {hit_probes[0]} in the query's chain; the first statement binds the deepest "
+    print(f"find keys: {hit_probes[0]} in the query's chain; the first statement binds the deepest "
           f"{_catalog._FIRST_BATCH}, the rest only when it finds nothing; hit -> {hit_probes[1]} candidate "
           f"rows read (it stops at the first hit), miss -> {miss_probes[1]}")
     print("where a hit's time goes (each step alone, medians of 50):")

@@ -17,19 +17,41 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import apsw
+import numpy as np
 
 from ._catalog_chunks import QUARANTINED_USERS_SQL, ChunkQueries
 from ._catalog_rows import N_SNAP, SNAP_COLS, ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, snap_row
-from ._tokens import BLOCK
+from ._errors import CorruptionError
+from ._find_keys import FIND_SEED, extend
+from ._tokens import BLOCK, Segment, decode_tokens
 
 __all__ = ["QUARANTINED_USERS_SQL", "ChunkRow", "OwnerRow", "PartKind", "PartRow", "SnapRow", "SnapState", "Txn"]
 
-_ANCHOR_BATCH = 2048  # anchors bound per match statement: far below SQLite's 32766-variable limit
-# The first match statement binds only the deepest anchors: a hit is usually a prompt that extends
-# a saved one by a turn, so it ends within these, and one index probe per 256-token block of a
-# 128K prompt (515) cost more than the rest of a hit (docs/benchmarks.md). A miss pays one more
-# statement for the remaining anchors.
+_ANCHOR_BATCH = 2048  # find keys per match statement: far below SQLite's 32766-variable limit
+# The first match statement binds only the deepest find keys: a hit is usually a prompt that
+# extends a saved one by a turn, so it ends within these, and one index probe per 256-token block
+# of a 128K prompt (515) cost more than the rest of a hit (docs/benchmarks.md). A miss pays one
+# more statement for the remaining keys.
 _FIRST_BATCH = 32
+
+
+def _carray() -> Any:
+    """apsw's binding of an int64 array to SQLite's carray() as one value, where this apsw and its
+    SQLite have it (apsw 3.54 here): a 515-key probe costs ~0.6x the same IN list of bound variables."""
+    make = getattr(apsw, "carray", None)
+    if make is None:
+        return None
+    probe = apsw.Connection(":memory:")
+    try:
+        probe.execute("SELECT value FROM carray(?)", (make(np.zeros(1, np.int64)),)).fetchall()
+    except apsw.Error:
+        return None  # an SQLite built without carray: the IN list
+    finally:
+        probe.close()
+    return make
+
+
+_CARRAY: Any = _carray()
 
 
 class Txn(ChunkQueries):
@@ -89,31 +111,42 @@ class Txn(ChunkQueries):
                             (identity_id,))
         return [snap_row(r) for r in cur]
 
-    def match_candidates(self, identity_key: str, namespace: str, anchors: Sequence[bytes],
-                         max_tokens: int, not_before: float) -> Iterator[tuple[int, int, bytes]]:
-        """(id, n_tokens, prefix_key) of committed matchable snapshots of the identity *key* whose
-        anchor is one of ``anchors``, deepest first, read lazily (callers stop at a hit).
+    def match_candidates(self, identity_key: str, namespace: str, keys: np.ndarray,
+                         max_tokens: int, not_before: float) -> Iterator[tuple[int, int, bytes, Segment]]:
+        """(id, n_tokens, prefix_key, own token segment) of committed matchable snapshots of the identity *key* whose
+        find key (:mod:`._find_keys`) is ``keys[n_tokens // BLOCK]``, deepest first, read lazily
+        (callers stop at a hit). ``keys``: a prompt's find keys, int64 (:func:`._find_keys.find_keys`).
 
         The identity is resolved by key inside the statement, so a row id that has come to name
-        another identity can never select its snapshots. ``anchors[i]`` anchors the prefixes of
+        another identity can never select its snapshots. ``keys[i]`` names the prefixes of
         ``BLOCK i … BLOCK (i + 1) - 1`` tokens, so batches taken from the end are in n_tokens order too:
-        one indexed statement for the last ``_FIRST_BATCH`` anchors, then one per ``_ANCHOR_BATCH``
+        one indexed statement for the last ``_FIRST_BATCH`` keys, then one per ``_ANCHOR_BATCH``
         of the rest (two for prompts below 512K tokens), so a prompt of any length stays under
-        SQLite's bound-variable limit.
+        SQLite's bound-variable limit. A row whose key equals the prompt's key at another block
+        (a 64-bit collision) is not yielded there: it would break the deepest-first order. The own
+        segment ``(blob, width, base_tokens, n_tokens)`` lets match() pass over a candidate whose
+        last tokens differ (a sibling, a collision) without reading its chain.
         """
-        sql = ("SELECT id, n_tokens, prefix_key FROM snapshots WHERE identity_id = "
-               "(SELECT id FROM identities WHERE key = ?) AND namespace = ? AND anchor IN ({marks}) "
+        sql = ("SELECT id, n_tokens, prefix_key, find_key, tokens, token_width, base_tokens FROM snapshots "
+               "WHERE identity_id = "
+               "(SELECT id FROM identities WHERE key = ?) AND namespace = ? AND find_key IN {keys} "
                "AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1 "
                "ORDER BY n_tokens DESC, id DESC")
-        hi = min(len(anchors), max_tokens // BLOCK + 1) if max_tokens >= 0 else 0
+        hi = min(len(keys), max_tokens // BLOCK + 1) if max_tokens >= 0 else 0
         batch_size = _FIRST_BATCH
         while hi > 0:
             lo = max(0, hi - batch_size)
             batch_size = _ANCHOR_BATCH
-            batch = anchors[lo:hi]
-            for sid, n, key in self._c.execute(sql.format(marks=",".join("?" * len(batch))),
-                                         (identity_key, namespace, *batch, max_tokens, not_before)):
-                yield int(sid), int(n), bytes(key)
+            batch = np.ascontiguousarray(keys[lo:hi], dtype=np.int64)
+            if _CARRAY is not None:  # the batch bound as one array: no statement text of 500 "?"s to bind
+                marks, bound = "carray(?)", [_CARRAY(batch)]
+            else:
+                marks, bound = "(" + ",".join("?" * len(batch)) + ")", batch.tolist()
+            for sid, n, pkey, fk, blob, width, base in self._c.execute(
+                    sql.format(keys=marks), (identity_key, namespace, *bound, max_tokens, not_before)):
+                b = int(n) // BLOCK
+                if lo <= b < hi and fk == int(keys[b]):
+                    yield int(sid), int(n), bytes(pkey), (bytes(blob), int(width), int(base), int(n))
             hi = lo
 
     def same_content(self, identity_id: int, namespace: str, prefix_key: bytes,
@@ -134,25 +167,88 @@ class Txn(ChunkQueries):
             (sid, sid)).fetchall()
         return [snap_row(r[:N_SNAP]) for r in rows]
 
-    def chain_tokens(self, sid: int) -> list[tuple[bytes, int, int, int]]:
+    def chain_tokens(self, sid: int) -> list[Segment]:
         """The stored token segments ``(blob, width, base_tokens, n_tokens)`` of the snapshot's
-        chain, root first: what match() compares, without reading whole rows (``chain``)."""
+        chain, root first: what match() compares, without reading whole rows (``chain``).
+
+        Python puts the links root first: an ORDER BY would sort every blob once more (half the
+        statement's time for a 100-link chain)."""
         rows: list[Any] = self._c.execute(
             "WITH RECURSIVE ch(x, lvl) AS (SELECT ?, 0 UNION ALL "
             "SELECT s.parent_id, ch.lvl + 1 FROM snapshots s JOIN ch ON s.id = ch.x "
             "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?), 100000)) "
-            "SELECT tokens, token_width, base_tokens, n_tokens FROM snapshots JOIN ch ON snapshots.id = ch.x "
-            "ORDER BY ch.lvl DESC", (sid, sid)).fetchall()
-        return [(bytes(b), int(w), int(base), int(n)) for b, w, base, n in rows]
+            "SELECT ch.lvl, s.tokens, s.token_width, s.base_tokens, s.n_tokens FROM ch JOIN snapshots s "
+            "ON s.id = ch.x", (sid, sid)).fetchall()
+        rows.sort(key=lambda r: -int(r[0]))
+        return [(bytes(b), int(w), int(base), int(n)) for _lvl, b, w, base, n in rows]
 
     def insert_snapshot(self, **v: Any) -> int:
+        """Insert one snapshot row; its find key is derived here from its parent's (never passed in)."""
+        v["find_key"] = self.derive_find_key(v["parent_id"], v["base_tokens"], v["n_tokens"], v["token_width"],
+                                             v["tokens"])
         self._c.execute(
             "INSERT INTO snapshots(identity_id, namespace, parent_id, depth, n_tokens, base_tokens, "
             "token_width, tokens, anchor, prefix_key, content_key, session, state, owner, matchable, "
-            "created, last_used, hits, logical_bytes) VALUES (:identity_id, :namespace, :parent_id, :depth, "
-            ":n_tokens, :base_tokens, :token_width, :tokens, :anchor, :prefix_key, :content_key, :session, "
-            ":state, :owner, 1, :now, :now, 0, :logical_bytes)", v)
+            "created, last_used, hits, logical_bytes, find_key) VALUES (:identity_id, :namespace, :parent_id, "
+            ":depth, :n_tokens, :base_tokens, :token_width, :tokens, :anchor, :prefix_key, :content_key, "
+            ":session, :state, :owner, 1, :now, :now, 0, :logical_bytes, :find_key)", v)
         return int(self._c.last_insert_rowid())
+
+    # -- find keys (schema v8, see _find_keys.py) --------------------------------------------
+    def derive_find_key(self, parent_id: int | None, base: int, n: int, width: int, blob: bytes) -> int:
+        """The find key of a snapshot of ``n`` tokens whose own segment ``blob`` holds tokens
+        ``[base, n)`` over parent ``parent_id``: the parent's key extended by the blocks the
+        segment completes (the parent's last partial block is read from the chain above)."""
+        own = decode_tokens(blob, width, n - base)
+        if parent_id is None:
+            return extend(FIND_SEED, own)
+        start = base // BLOCK * BLOCK
+        head, key = self._tokens_from(parent_id, start, base)
+        if key is None:  # a parent without a key (written by an older snapstore since): from the root
+            head, _ = self._tokens_from(parent_id, 0, base)
+            key = FIND_SEED
+        return extend(key, np.concatenate([head, own]) if len(head) else own)
+
+    def _tokens_from(self, sid: int, start: int, end: int) -> tuple[np.ndarray, int | None]:
+        """Tokens ``[start, end)`` of the chain ending at ``sid`` (``end`` its n_tokens), read one
+        link at a time upwards until ``start`` is covered, and ``sid``'s own find key."""
+        segs: list[np.ndarray] = []
+        key: int | None = None
+        at: int | None = sid
+        for hop in range(100_001):
+            row = self._c.execute("SELECT parent_id, base_tokens, n_tokens, token_width, tokens, find_key "
+                                  "FROM snapshots WHERE id = ?", (at,)).fetchone() if at is not None else None
+            if row is None or int(row[2]) != end:
+                raise CorruptionError(f"the token chain above snapshot {sid} is broken at {at}; "
+                                      "run `snapstore verify`")
+            pid, base, _n, w, blob, fk = row
+            if hop == 0:
+                key = None if fk is None else int(fk)
+            seg = decode_tokens(blob, int(w), end - int(base))
+            segs.append(seg[max(0, start - int(base)):])
+            if int(base) <= start:
+                break
+            at, end = pid, int(base)
+        else:
+            raise CorruptionError(f"the chain above snapshot {sid} does not end; run `snapstore verify`")
+        segs.reverse()
+        return (np.concatenate(segs) if len(segs) > 1 else segs[0]), key
+
+    def has_unkeyed(self) -> bool:
+        """Is there a snapshot without a find key (index snapshots_unkeyed: no scan)?"""
+        return self._c.execute("SELECT 1 FROM snapshots WHERE find_key IS NULL LIMIT 1").fetchone() is not None
+
+    def backfill_find_keys(self) -> int:
+        """Key every snapshot that has no find key yet (migration 0008), parents first; how many."""
+        todo = [int(r[0]) for r in self._c.execute(
+            "SELECT id FROM snapshots WHERE find_key IS NULL ORDER BY depth, id")]
+        for sid in todo:
+            row: Any = self._c.execute("SELECT parent_id, base_tokens, n_tokens, token_width, tokens FROM snapshots "
+                                       "WHERE id = ?", (sid,)).fetchone()
+            key = self.derive_find_key(None if row[0] is None else int(row[0]), int(row[1]), int(row[2]),
+                                       int(row[3]), row[4])
+            self._c.execute("UPDATE snapshots SET find_key = ? WHERE id = ?", (key, sid))
+        return len(todo)
 
     # -- block-granular prefixes (see _prefix_match.py) --------------------------------------
     def insert_row_prefixes(self, sid: int, keys: Sequence[tuple[int, bytes]]) -> None:

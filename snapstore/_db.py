@@ -80,16 +80,17 @@ def translate(e: BaseException) -> BaseException:
 
 # A read-only connection cannot migrate a catalog written by an older version; these TEMP views
 # (which shadow the main tables for unqualified names) give its queries the columns the newer
-# migrations add, with their defaults. Keyed by the migration that adds the columns.
+# migrations add, with their defaults, keyed by the migration that adds them. Those of ``snapshots``
+# share one view (two cannot share its name); a v<8 catalog has no find keys: nothing read-only matches.
 _COMPAT_VIEWS: dict[int, list[str]] = {
     2: ["CREATE TEMP TABLE owners(id TEXT PRIMARY KEY, kernel TEXT NOT NULL, host TEXT NOT NULL, "
         "pid INTEGER NOT NULL, lease REAL NOT NULL, renewed REAL NOT NULL, created REAL NOT NULL)"],
     3: ["CREATE TEMP VIEW chunks AS SELECT *, NULL AS quarantined FROM main.chunks"],
-    4: ["CREATE TEMP VIEW snapshots AS SELECT *, 0 AS shared FROM main.snapshots"],
     5: ["CREATE TEMP TABLE row_prefixes(snapshot_id INTEGER NOT NULL, n_tokens INTEGER NOT NULL, "
         "key BLOB NOT NULL, PRIMARY KEY (snapshot_id, n_tokens))"],
     7: ["CREATE TEMP VIEW parts AS SELECT *, NULL AS tokens_per_row FROM main.parts"],
 }
+_COMPAT_SNAPSHOT_COLS: dict[int, str] = {4: "0 AS shared", 8: "NULL AS find_key"}
 
 
 def _compat_views(c: Raw) -> None:
@@ -98,6 +99,9 @@ def _compat_views(c: Raw) -> None:
         if 0 < ver < num:
             for sql in stmts:
                 c.execute(sql)
+    cols = [col for num, col in sorted(_COMPAT_SNAPSHOT_COLS.items()) if 0 < ver < num]
+    if cols:
+        c.execute(f"CREATE TEMP VIEW snapshots AS SELECT *, {', '.join(cols)} FROM main.snapshots")
 
 
 class _Held:
@@ -150,6 +154,8 @@ class Database:
         conn = self.conn()
         if not readonly:
             self._migrate(conn)
+            if self.read(Txn.has_unkeyed):  # rows an older snapstore inserted since migration 0008
+                self.write(Txn.backfill_find_keys)
         else:
             self._check_version(conn)
         return self
@@ -324,6 +330,7 @@ class Database:
         todo = [m for m in migrations_dir() if m[0] > ver]
         if not todo:
             return
+        steps: dict[int, Callable[[Txn], object]] = {8: Txn.backfill_find_keys}  # Python a migration needs
 
         def apply(t: Txn) -> None:
             current = int(str(t.pragma("user_version")))
@@ -331,6 +338,8 @@ class Database:
                 if num <= current:
                     continue  # another process migrated first
                 t.execute(sql)
+                if num in steps:
+                    steps[num](t)  # in the migrating transaction, before user_version says it is done
                 t.pragma("user_version", num)
             t.pragma("application_id", APPLICATION_ID)
 

@@ -1,10 +1,10 @@
 """Match: the longest committed snapshot of one identity whose tokens are a prefix of a prompt.
 
-The token index narrows the candidates to the block anchors of the prompt (the deepest 32 first,
-the rest only on no hit); each candidate's prefix key, then its chain's stored token blobs compared
-with the prompt encoded once, decide. A
-snapshot that would read a quarantined chunk is passed over, so the next-longest prefix serves
-until a save heals the chunk.
+The find-key index (:mod:`._find_keys`: one cheap integer per 256-token block of the prompt, the
+deepest 32 first, the rest only on no hit) narrows the candidates; each candidate's chain of stored
+token blobs, compared with the prompt encoded once, decides — the only check trusted, since a find
+key may collide. A snapshot that would read a quarantined chunk is passed over, so the
+next-longest prefix serves until a save heals the chunk.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 
 from ._catalog import SnapRow, Txn
+from ._find_keys import find_keys
 from ._layout import Layout
 from ._prefix_match import find_prefix
 from ._save import needs_quarantined
-from ._tokens import TokenIndex, decode_tokens, spells_prefix
+from ._tokens import Encoded, decode_tokens, spells_prefix, spells_segment
 
 __all__ = ["best_match", "longest_prefix", "tokens_of"]
 
@@ -32,16 +33,18 @@ def longest_prefix(c: Txn, identity_key: str, ns: str, arr: np.ndarray, skip: se
 
     ``skip``: ids passed over; ``not_before``: snapshots last used earlier have expired (TTL).
     """
-    index = TokenIndex(arr)
-    broken: dict[int, bool] | None = None  # read once a candidate passes the key check
-    for sid, cn, key in c.match_candidates(identity_key, ns, index.chain, len(arr), not_before):
-        if key != index.prefix_key(cn) or sid in skip:
-            continue
+    keys = find_keys(arr)
+    encoded = Encoded(arr)  # the prompt in each stored token width, encoded once for every candidate
+    broken: dict[int, bool] | None = None  # read once a candidate's tokens are a prefix
+    for sid, _n, _key, own in c.match_candidates(identity_key, ns, keys, len(arr), not_before):
+        if sid in skip or not spells_segment(own, arr, encoded):
+            continue  # excluded, or its own last tokens differ (a sibling, a find-key collision)
+        if own[2] and not spells_prefix(c.chain_tokens(sid), arr, encoded):
+            continue  # the tokens below its own segment differ: the stored blobs decide, not the key
         broken = c.quarantined_users() if broken is None else broken
         if broken and needs_quarantined(c.chain(sid), broken, leaf=True):
             continue  # it cannot restore until a save heals its chunk: the next-longest serves
-        if spells_prefix(c.chain_tokens(sid), arr):  # the stored blobs against the prompt: no decodes
-            return c.snapshot(sid)
+        return c.snapshot(sid)
     return None
 
 

@@ -23,6 +23,7 @@ from ._catalog import PartKind, SnapRow, SnapState, Txn
 from ._chunker import Chunker, ChunkRef, Piece
 from ._chunkfile import HEADER_SIZE, checksum, header_at, header_matches, scope_key
 from ._errors import CorruptionError, InvalidInputError, LayoutError
+from ._find_keys import find_keys
 from ._layout import Fixed, Layout, Rows
 from ._lifecycle import evict_until, new_outside_use, supersede
 from ._prefix_match import content_tag, granularity, granularity_fits, record_prefixes
@@ -175,7 +176,8 @@ class Saver:
             if parent != "auto":
                 raise InvalidInputError(f"parent must be 'auto', None or a snapshot id, got {parent!r}")
             broken = t.quarantined_users()
-            for sid, cn, key in list(t.match_candidates(self.identity_key, ns, index.chain, n - 1, 0.0)):
+            keys = find_keys(index.tokens)  # candidates by find key; the BLAKE3 prefix key below decides
+            for sid, cn, key, _own in list(t.match_candidates(self.identity_key, ns, keys, n - 1, 0.0)):
                 if key != index.prefix_key(cn):
                     continue
                 if broken and needs_quarantined(t.chain(sid), broken, leaf=False):

@@ -277,7 +277,7 @@ class Store:
         ``exclude``: snapshot ids (or Match / SaveResult) to pass over (None: none) — after a failed restore,
         match again excluding it to fall back to the next-longest prefix.
         """
-        arr = as_token_array(tokens)
+        arr = as_token_array(tokens, borrow=True)  # read only during this call: an int64 prompt is not copied
         ns = namespace_key(namespace)
         skip = excluded(exclude)
         if len(arr) == 0:

@@ -1,17 +1,18 @@
-"""Token sequences: validation, compact storage and the chained block hashes behind match().
+"""Token sequences: validation, compact storage, the chained block hashes of saves, and the
+exact token check behind match().
 
 A prompt is cut into blocks of ``BLOCK`` tokens. ``chain[i]`` hashes blocks 0..i-1 (so
-``chain[0]`` is the hash of the empty prefix). A snapshot of ``n`` tokens is indexed by its
-*anchor* ``chain[n // BLOCK]``; its *prefix key* hashes the anchor and the < BLOCK tokens after
-it, so it names the exact sequence. A query computes its own chain once and looks every anchor up
-in one indexed statement.
+``chain[0]`` is the hash of the empty prefix). A snapshot of ``n`` tokens records its *anchor*
+``chain[n // BLOCK]``; its *prefix key* hashes the anchor and the < BLOCK tokens after it, so it
+names the exact sequence (saves' parent checks, supersede, the shared tier's manifest names).
+match() finds candidates by the cheaper find keys (:mod:`._find_keys`) and decides by comparing
+tokens (:func:`spells_prefix`); it computes no BLAKE3 chain.
 
-The chain costs ~2 us per block (BLAKE3 of 2 KiB; ~1 ms for a 128K-token prompt), more than
-the index probes behind it, and an engine hashes the same prompt again and again (match, then
-save of the same prompt plus the answer, then match of the next turn). So the chains of the last
-few sequences are kept (their own copy of the tokens, never the caller's buffer): a new sequence
-reuses the chain of the longest common prefix of a cached one with the same first block and
-hashes only the blocks after it.
+The chain costs ~2 us per block (BLAKE3 of 2 KiB; ~1 ms for a 128K-token prompt), and an engine
+saves the same prompt again and again (each turn's save extends the last). So the chains of the
+last few sequences are kept (their own copy of the tokens, never the caller's buffer): a new
+sequence reuses the chain of the longest common prefix of a cached one with the same first block
+and hashes only the blocks after it.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import numpy.typing as npt
 
 from ._errors import CorruptionError, InvalidInputError
 
-__all__ = ["BLOCK", "TokenIndex", "TokensLike", "as_token_array", "decode_tokens", "encode_tokens",
-           "spells_prefix"]
+__all__ = ["BLOCK", "Encoded", "Segment", "TokenIndex", "TokensLike", "as_token_array", "decode_tokens",
+           "encode_tokens", "spells_prefix", "spells_segment"]
 
 # What the public API takes as tokens: a one-dimensional sequence of non-negative ints below 2**63
 # (a list, a tuple, a numpy integer array, or an object numpy.asarray makes one of, such as a CPU
@@ -40,8 +41,12 @@ _SEED = blake3.blake3(b"snapstore tokens v1").digest(16)
 _MAX_TOKEN = 2**63 - 1
 
 
-def as_token_array(tokens: Any, *, what: str = "tokens") -> np.ndarray:
-    """Validate a sequence of non-negative ints and return it as a little-endian uint64 array."""
+def as_token_array(tokens: Any, *, what: str = "tokens", borrow: bool = False) -> np.ndarray:
+    """Validate a sequence of non-negative ints and return it as a little-endian uint64 array.
+
+    ``borrow``: the caller reads the tokens only during its call (match()), so an int64 array is
+    used in place, reinterpreted as uint64 once checked non-negative, not copied (a fresh copy of
+    a 128K-token prompt costs more in page faults than the rest of a match)."""
     if isinstance(tokens, (str, bytes, bytearray)):
         raise InvalidInputError(f"{what} must be a sequence of non-negative ints, got {type(tokens).__name__}")
     try:
@@ -68,6 +73,8 @@ def as_token_array(tokens: Any, *, what: str = "tokens") -> np.ndarray:
         raise InvalidInputError(f"{what} must be non-negative; found {int(arr.min())}")
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _MAX_TOKEN:
         raise InvalidInputError(f"{what} must be < 2**63")
+    if borrow and arr.dtype == np.dtype("<i8"):
+        return arr.view("<u8")  # the same bytes: every token is non-negative (checked above)
     return arr.astype("<u8", copy=False)
 
 
@@ -89,41 +96,93 @@ def decode_tokens(blob: bytes, width: int, count: int) -> np.ndarray:
     return arr.astype("<u8")
 
 
-def spells_prefix(segments: Sequence[tuple[bytes, int, int, int]], arr: np.ndarray) -> bool:
+_SCRATCH_MAX = 8 << 20  # bytes of encoded prompt a thread keeps between matches (2M tokens at int32)
+_scratch = threading.local()  # w4 / w8: a buffer no live Encoded holds
+
+
+class Encoded:
+    """A prompt in each stored token width, encoded once however many candidates it is compared with.
+
+    Encoded into a buffer the thread keeps between matches (up to ``_SCRATCH_MAX``): a fresh 512 KiB
+    for a 128K-token prompt costs its page faults on every match, several times the encode itself
+    on a loaded machine. An Encoded takes the buffer out while it lives (a second one meanwhile
+    gets a new buffer: nothing can overwrite a prompt being compared) and gives it back when dropped."""
+
+    __slots__ = ("_by_width", "arr", "wide")
+
+    def __init__(self, arr: np.ndarray):
+        self.arr = arr
+        self._by_width: dict[int, bytearray] = {}
+        self.wide: bool | None = None  # has a token >= 2**31, which no int32 blob holds (the cast wraps it)
+
+    def width(self, width: int) -> bytearray:
+        """The prompt as int32 or int64 LE bytes (valid tokens are < 2**63: the same numbers), possibly
+        followed by stale bytes: compare only inside ``len(arr) * width``."""
+        mine = self._by_width.get(width)
+        if mine is None:
+            need = len(self.arr) * width
+            mine = _scratch.__dict__.pop(f"w{width}", None)
+            if mine is None or len(mine) < need:
+                mine = bytearray(need)
+            view = np.frombuffer(mine, dtype="<i4" if width == 4 else "<i8", count=len(self.arr))
+            np.copyto(view, self.arr, casting="unsafe")
+            self._by_width[width] = mine
+        return mine
+
+    def fits(self, width: int, pos: int, n: int) -> bool:
+        """Can a blob of ``width`` hold the prompt's tokens ``[pos, n)``?"""
+        if width == 8 or n <= pos:
+            return True
+        if self.wide is None:
+            self.wide = bool(len(self.arr)) and int(self.arr.max()) >= 2**31
+        return not self.wide or int(self.arr[pos:n].max()) < 2**31
+
+    def __del__(self) -> None:
+        for width, buf in self._by_width.items():
+            if len(buf) <= _SCRATCH_MAX:
+                _scratch.__dict__.setdefault(f"w{width}", buf)
+
+
+Segment: TypeAlias = tuple[bytes, int, int, int]  # a stored token segment: (blob, width, base_tokens, n_tokens)
+
+
+def _check_blob(blob: bytes, width: int, base: int, n: int) -> None:
+    if width not in (4, 8) or not isinstance(blob, (bytes, memoryview)) or len(blob) != width * (n - base):
+        raise CorruptionError(f"stored token blob of {len(blob)} bytes does not hold {n - base} tokens of "
+                              f"width {width}; run `snapstore verify`")
+
+
+def spells_segment(seg: Segment, arr: np.ndarray, encoded: Encoded | None = None) -> bool:
+    """Does one stored segment hold exactly ``arr[base:n]``? (A blob that cannot hold its tokens
+    raises CorruptionError.) A root's segment (base 0) decides a match alone."""
+    blob, width, base, n = seg
+    _check_blob(blob, width, base, n)
+    if n > len(arr) or n < base:
+        return False
+    enc = encoded if encoded is not None and encoded.arr is arr else Encoded(arr)
+    return enc.fits(width, base, n) and enc.width(width).startswith(blob, base * width)
+
+
+def spells_prefix(segments: Sequence[Segment], arr: np.ndarray, encoded: Encoded | None = None) -> bool:
     """Do stored token segments ``(blob, width, base_tokens, n_tokens)``, root first, spell exactly
     ``arr[:n]`` (``n`` the last segment's end)? match()'s final check of a candidate, token by token.
 
-    The comparison of decoding every segment and comparing the concatenation, without the decodes:
-    the query prefix is encoded once in the stored width and each blob compared with its slice
-    (a 128K-token chain of 100 deltas: one encode, not 100 decodes and a concatenation). A blob
+    The comparison of decoding every segment and comparing the concatenation, without the decodes
+    or copies: the prompt is encoded once in the stored width (``encoded``, shared by a match's
+    candidates) and each blob compared in place (``bytearray.startswith`` at its offset: one memcmp),
+    the leaf's own segment first (a sibling or a find-key collision differs there, usually). A blob
     that cannot hold its tokens raises CorruptionError, as decoding it would.
     """
-    if not segments:
+    if not segments or segments[-1][3] > len(arr):
         return False
-    end = segments[-1][3]
-    if end > len(arr):
-        return False
-    query = arr[:end]
-    enc: dict[int, bytes] = {}  # the query prefix in each stored width, encoded once
-    wraps = False  # a query token >= 2**31, which no int32 blob holds (astype would wrap it)
     pos = 0
     for blob, width, base, n in segments:
-        if width not in (4, 8) or not isinstance(blob, (bytes, memoryview)) or len(blob) != width * (n - base):
-            raise CorruptionError(f"stored token blob of {len(blob)} bytes does not hold {n - base} tokens of "
-                                  f"width {width}; run `snapstore verify`")
+        _check_blob(blob, width, base, n)
         if base != pos or n < pos:
             return False
-        mine = enc.get(width)
-        if mine is None:  # valid tokens are < 2**63: as int64 they are the same numbers
-            mine = enc[width] = query.astype("<i4" if width == 4 else "<i8").tobytes()
-            if width == 4:
-                wraps = bool(end) and int(query.max()) >= 2**31
-        if width == 4 and wraps and n > pos and int(query[pos:n].max()) >= 2**31:
-            return False
-        if mine[pos * width:n * width] != blob:  # bytes compare: one memcmp
-            return False
         pos = n
-    return True
+    enc = encoded if encoded is not None and encoded.arr is arr else Encoded(arr)
+    return all(spells_segment(seg, arr, enc) for seg in reversed(segments))
 
 
 _CACHE_ENTRIES = 8  # sequences whose chains are kept (a 128K-token one: 1 MiB of tokens + 8 KiB)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support import LAYOUT, make_state, store_factory
+from support.catalogs import UNDO_FIND_KEYS
 
 import snapstore as ss
 from snapstore import _chunker
@@ -481,9 +482,10 @@ def test_catalog_of_an_older_version_reads_read_only_and_migrates_on_open(store_
         r = s.save(list(range(100)), state)
     db = os.path.join(store_dir, "snapstore.db")
     c = apsw.Connection(db)
-    c.execute("DROP TABLE row_prefixes; DROP INDEX chunks_quarantined; ALTER TABLE chunks DROP COLUMN quarantined; "
-              "DROP TABLE owners; ALTER TABLE snapshots DROP COLUMN shared; "
-              "ALTER TABLE parts DROP COLUMN tokens_per_row; PRAGMA user_version = 1")
+    c.execute(UNDO_FIND_KEYS + "DROP TABLE row_prefixes; DROP INDEX chunks_quarantined; "
+              "ALTER TABLE chunks DROP COLUMN quarantined; DROP TABLE owners; "
+              "ALTER TABLE snapshots DROP COLUMN shared; ALTER TABLE parts DROP COLUMN tokens_per_row; "
+              "PRAGMA user_version = 1")
     c.close()
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for cmd in (["verify", "--deep", "--json"], ["stats", "--json"], ["inspect", "--json"]):

@@ -58,6 +58,15 @@ def prefix_key(tokens: list[int], n: int) -> bytes:
     return blake3.blake3(chain(tokens)[k] + tail + struct.pack("<Q", n)).digest(length=16)
 
 
+def find_key(tokens: list[int], n: int) -> int:
+    """§4.4: the find key of the prefix of n tokens (unsigned)."""
+    raw = b"".join(struct.pack("<Q", t) for t in tokens)
+    key = 0x736E617073746F72
+    for i in range(n // 256):
+        key = xxhash.xxh3_64_intdigest(raw[i * 2048:(i + 1) * 2048], seed=key)
+    return key
+
+
 def header(raw: bytes) -> bytes:
     head = struct.pack("<8sHBBIQQ16s", b"SNAPCHK\x00", 1, 0, 0, 64, len(raw), len(raw), xxhash.xxh3_128_digest(raw))
     return head + xxhash.xxh3_64_digest(head) + bytes(8)
@@ -81,6 +90,8 @@ def computed() -> dict[str, str]:
         "anchor_300": chain(seq)[1].hex(),
         "prefix_key_300": prefix_key(seq, 300).hex(),
         "prefix_key_3": prefix_key([1, 2, 3], 3).hex(),
+        "find_seed": f"{find_key([], 0):016x}",
+        "find_key_300": f"{find_key(seq, 300):016x}",
     }
 
 
@@ -106,6 +117,7 @@ def test_a_real_save_writes_the_documented_bytes(tmp_path: Path, codec: str) -> 
     try:
         rows = {sid: (bytes(a), bytes(p), bytes(c)) for sid, a, p, c in db.execute(
             "SELECT id, anchor, prefix_key, content_key FROM snapshots")}
+        finds = {sid: f"{k & (2**64 - 1):016x}" for sid, k in db.execute("SELECT id, find_key FROM snapshots")}
         chunks = [(bytes(i), bytes(c), bytes(k)) for i, c, k in db.execute("SELECT id, checksum, scope FROM chunks")]
     finally:
         db.close()
@@ -113,6 +125,7 @@ def test_a_real_save_writes_the_documented_bytes(tmp_path: Path, codec: str) -> 
                            bytes.fromhex(doc["content_key_rec"]))
     assert rows[long_] == (bytes.fromhex(doc["anchor_300"]), bytes.fromhex(doc["prefix_key_300"]),
                            bytes.fromhex(doc["content_key_rec"]))
+    assert finds == {short: doc["find_seed"], long_: doc["find_key_300"]}  # stored signed, the same 64 bits
     assert chunks == [(bytes.fromhex(doc["chunk_id_rec"]), bytes.fromhex(doc["checksum_rec"]),
                        bytes.fromhex(doc["scope_rec"]))]  # one chunk: the second save deduplicates
     cid = doc["chunk_id_rec"]

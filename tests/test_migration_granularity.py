@@ -13,6 +13,7 @@ import apsw
 import numpy as np
 import pytest
 from support import IDENT, LAYOUT, make_state
+from support.catalogs import UNDO_FIND_KEYS
 
 import snapstore as ss
 from snapstore._cli import main
@@ -36,10 +37,11 @@ def _state(layout: ss.Layout, n_tokens: int, seed: int) -> dict[str, np.ndarray]
 
 
 def _pre_v7(db: str) -> int:
-    """Take a catalog back to the schema before migration 0007 (parts without tokens_per_row); its version."""
+    """Take a catalog back to the schema before migration 0007 (parts without tokens_per_row, and so
+    without 0008's find keys); its version."""
     before = max(num for num, _name, _sql in migrations_dir() if num < 7)
     c = apsw.Connection(db)
-    c.execute(f"ALTER TABLE parts DROP COLUMN tokens_per_row; PRAGMA user_version = {before}")
+    c.execute(UNDO_FIND_KEYS + f"ALTER TABLE parts DROP COLUMN tokens_per_row; PRAGMA user_version = {before}")
     c.close()
     return before
 

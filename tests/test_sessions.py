@@ -14,6 +14,7 @@ import apsw
 import numpy as np
 import pytest
 from conftest import IDENT, sha
+from support.catalogs import UNDO_FIND_KEYS
 
 import snapstore as ss
 from snapstore._db import migrations_dir
@@ -222,7 +223,7 @@ def test_v3_catalog_reads_read_only_and_migrates_on_open(store_dir: str) -> None
         p = x.save(s, 200, "X")
     db = os.path.join(store_dir, "snapstore.db")
     c = apsw.Connection(db)
-    c.execute("DROP TABLE row_prefixes; ALTER TABLE snapshots DROP COLUMN shared; "
+    c.execute(UNDO_FIND_KEYS + "DROP TABLE row_prefixes; ALTER TABLE snapshots DROP COLUMN shared; "
               "ALTER TABLE parts DROP COLUMN tokens_per_row; PRAGMA user_version = 3")
     c.close()
     env = dict(os.environ, PYTHONPATH=ROOT)

@@ -1,0 +1,12 @@
+"""Catalogs of older schema versions, made from a new one: what each migration added, taken out
+again, so a test can open a store as an older snapstore left it (and the newest version number)."""
+
+from __future__ import annotations
+
+from snapstore._db import migrations_dir
+
+# Schema v8 (0008_find_keys.sql) taken out: no snapshots.find_key, the anchor index back.
+UNDO_FIND_KEYS = ("DROP INDEX snapshots_find; DROP INDEX snapshots_unkeyed; "
+                  "ALTER TABLE snapshots DROP COLUMN find_key; "
+                  "CREATE INDEX snapshots_match ON snapshots(identity_id, namespace, anchor); ")
+LATEST_SCHEMA = migrations_dir()[-1][0]  # the user_version a read-write open migrates to
