@@ -150,8 +150,14 @@ def tee_restore(client: S3Client, hit: RemoteHit, layout: Layout, into: Mapping[
             e, fut = pending.popleft()
             got = fut.result()
             if isinstance(got, tuple):
-                failure = _error(e, got, count, touched)
-                break
+                err = _error(e, got, count, touched)  # a corrupt object is counted either way
+                if e.id in groups:
+                    failure = err
+                    break
+                # read only for the import (not written here): the import fetches it again and fails
+                # alone (counted), and the restore, its destination filled with checked bytes, stands
+                more()
+                continue
             fetched[0] += 1
             fetched[1] += got.nbytes
             for item in groups.get(e.id, ()):  # the calling thread writes (engines' writers never run on pools)

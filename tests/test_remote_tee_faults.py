@@ -1,0 +1,51 @@
+"""Faults around the default shared-tier restore (tee) that a review found, against a real SeaweedFS.
+
+A chunk the restore does not write (below ``rows_from``, or of a component not asked for) is read
+only for the background import: its loss or damage must not fail a restore whose destination was
+filled with checked bytes; the import then fails alone (counted) and the chain stays in the bucket.
+"""
+# ruff: noqa: F811 - the fixtures `bucket` and `seaweed` come from s3_fixtures by import
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from remote_helpers import LAYOUT, identity, state
+from s3_fixtures import bucket, seaweed  # noqa: F401 - the fixtures
+
+import snapstore
+from snapstore._s3client import S3Client
+
+LENGTHS = [600, 1300, 2100]  # 256-byte rows, 256 rows a chunk: link 0's first chunk holds rows [0, 256)
+
+
+def _publish(url: str, root: Path, seed: int) -> None:
+    tokens, kv, st = state(seed, LENGTHS[-1])
+    with snapstore.Store.open(root, identity=identity(), layout=LAYOUT, remote=url, chunk_bytes=65536,
+                              staging_bytes=4 * 65536) as a:
+        for n in LENGTHS:
+            a.save(tokens[:n], {"st": st + n, "kv": kv}, rows=n)
+        assert a.flush().uploaded == len(LENGTHS)
+
+
+def test_tee_restore_is_not_failed_by_a_chunk_it_does_not_write(bucket: str, tmp_path: Path) -> None:
+    _publish(bucket, tmp_path / "a", 41)
+    tokens, kv, st = state(41, LENGTHS[-1])
+    with snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, remote=bucket) as b:
+        m = b.match(tokens)
+        assert type(m).__name__ == "RemoteMatch"
+        first = m.remote.chain[0]  # type: ignore[union-attr]
+        below = next(p for p in first.parts if p.name == "kv").chunks[0]  # rows [0, 256): below rows_from
+        client = S3Client(bucket)
+        key = next(i.key for i in client.list("snapstore-v1/c/") if i.key.endswith(below.id.hex()))
+        client.delete([key])  # lost from the bucket: only the import would need it
+        dest = {"st": np.full((8, 8), 5.0, np.float32), "kv": np.full((LENGTHS[-1], 2, 64), 5.0, np.float16)}
+        res = b.restore(m, dest, rows_from=1300)  # type: ignore[arg-type]
+        assert res.rows == {"kv": LENGTHS[-1]}
+        assert np.array_equal(dest["kv"][1300:], kv[1300:]) and np.all(dest["kv"][:1300] == 5.0)
+        assert np.array_equal(dest["st"], st + LENGTHS[-1])
+        assert b.flush().ok
+        remote = b.stats().remote
+        assert remote["tee_restores"] == 1 and remote["import_errors"] == 1  # the import failed alone
+        assert b.snapshots() == []  # nothing half-imported
