@@ -141,13 +141,17 @@ class RemoteTier:
         self._used(hit)
         return Match(sid, m.n_tokens, m.namespace)
 
-    def localize(self, requests: list[Any], store: Any) -> list[Any]:
+    def localize(self, requests: list[Any], store: Any, wanted: set[str], rows_from: int) -> list[Any]:
         """``restore_many``'s requests (of ``store``) with each shared-tier match fetched into the local
         tier first (every chunk checked) and replaced by its local Match: a batch reads its shared chunks
-        once, locally. SnapshotUnavailableError, before anything is written, for a chain that cannot fit."""
+        once, locally. SnapshotUnavailableError, before anything is written, for a chain that cannot fit;
+        the plan's errors (DestinationError: a chain this layout cannot read) before anything is imported."""
         def fits(c: Conn, _freed: list[bytes]) -> bool:
             return bool(store._capacity.excess(c) is None)
 
+        for pair in requests:  # every chain checked against this layout before any is imported
+            if isinstance(pair, tuple) and len(pair) == 2 and getattr(pair[0], "remote", None) is not None:
+                describe_remote(_hit(pair[0]), store.layout, wanted, rows_from)
         out = []
         for pair in requests:
             if isinstance(pair, tuple) and len(pair) == 2 and getattr(pair[0], "remote", None) is not None:
@@ -169,6 +173,9 @@ class RemoteTier:
         hit = _hit(m)
         mode = restore_mode()
         if mode != "stream":
+            # the plan's checks first (a chain of another granularity, dtype or shape): a chain this
+            # layout cannot read is never imported, where it would take the budget and match again
+            describe_remote(hit, layout, wanted, rows_from)
             missing = self._fetcher.missing(hit)
             need = sum(e.stored_len for e in missing)
             if room(need) and mode == "tee":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from remote_helpers import LAYOUT, identity, state
 from s3_fixtures import bucket, seaweed  # noqa: F401 - the fixtures
 
@@ -49,3 +50,37 @@ def test_tee_restore_is_not_failed_by_a_chunk_it_does_not_write(bucket: str, tmp
         remote = b.stats().remote
         assert remote["tee_restores"] == 1 and remote["import_errors"] == 1  # the import failed alone
         assert b.snapshots() == []  # nothing half-imported
+
+
+def _layout(g: int) -> snapstore.Layout:
+    return snapstore.Layout(rows={"kv": snapstore.Rows("float16", (2, 64))}, tokens_per_row=g)
+
+
+def test_a_chain_of_another_granularity_is_refused_before_it_is_imported(
+        bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fetch mode and restore_many import before the local plan is checked: a chain this store's
+    layout can never read (saved at 16 tokens per row, read at 8) must not be written into the local
+    tier (where it would take the budget, evicting usable leaves, and match every later request)."""
+    n = 640
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(0, 50_000, n, dtype=np.int64)
+    kv = rng.standard_normal((n // 16, 2, 64)).astype(np.float16)
+    with snapstore.Store.open(tmp_path / "a", identity=identity(), layout=_layout(16), remote=bucket) as a:
+        assert a.save(tokens, {"kv": kv}).ok
+        assert a.flush().uploaded == 1
+    for mode in ("fetch", "tee"):
+        monkeypatch.setenv("SNAPSTORE_REMOTE_RESTORE", mode)
+        with snapstore.Store.open(tmp_path / f"b-{mode}", identity=identity(), layout=_layout(8),
+                                  remote=bucket) as b:
+            m = b.match(tokens)
+            assert type(m).__name__ == "RemoteMatch"
+            dest = {"kv": np.full((n // 8, 2, 64), 5.0, np.float16)}
+            with pytest.raises(snapstore.DestinationError, match="tokens per row"):
+                if mode == "fetch":
+                    b.restore(m, dest)  # type: ignore[arg-type]
+                else:
+                    b.restore_many([(m, dest)])  # type: ignore[list-item]
+            assert (dest["kv"] == 5.0).all()
+            assert b.flush().ok
+            assert b.snapshots() == [], mode  # nothing imported
+            assert b.stats().remote.get("fetched_chunks", 0) == 0, mode
