@@ -30,10 +30,11 @@ from ._batch import planned_destination
 from ._chunkfile import scope_key
 from ._config import env_int
 from ._db import Conn
-from ._errors import ConfigError, RemoteError, SnapshotUnavailableError
+from ._errors import ConfigError, InvalidInputError, RemoteError, SnapshotUnavailableError
 from ._identity import Identity
 from ._layout import Layout
 from ._manifest import ChunkEntry
+from ._prefix_match import granularity
 from ._remote_fetch import Fetcher, NoRoom
 from ._remote_keys import LAYOUT, LEASE_TTL, chunk_key, gc_window, manifest_key, use_key
 from ._remote_lookup import Lookup, RemoteHit, RemoteMatch
@@ -171,6 +172,10 @@ class RemoteTier:
         or streamed restore, or a local Match to restore (``fetch``: imported first). ``room(n)``: could
         n more bytes fit locally."""
         hit = _hit(m)
+        rows = hit.chain[-1].n_tokens // granularity(layout)  # rows_from counts rows, as a local restore checks
+        if rows_from > rows:
+            raise InvalidInputError(f"rows_from={rows_from} is past the {rows} rows (of {granularity(layout)} tokens) "
+                                    "that restoring this shared-tier match writes; nothing was written")
         mode = restore_mode()
         if mode != "stream":
             # the plan's checks first (a chain of another granularity, dtype or shape): a chain this

@@ -84,3 +84,22 @@ def test_a_chain_of_another_granularity_is_refused_before_it_is_imported(
             assert b.flush().ok
             assert b.snapshots() == [], mode  # nothing imported
             assert b.stats().remote.get("fetched_chunks", 0) == 0, mode
+
+
+def test_a_shared_tier_restore_refuses_rows_from_past_its_rows_as_a_local_one_does(
+        bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rows_from counts rows the engine holds: past the snapshot's rows it is bad input (the local
+    restore raises InvalidInputError); a shared-tier restore returned success having written nothing."""
+    _publish(bucket, tmp_path / "a", 43)
+    tokens, _kv, _st = state(43, LENGTHS[-1])
+    for mode in ("tee", "fetch", "stream"):
+        monkeypatch.setenv("SNAPSTORE_REMOTE_RESTORE", mode)
+        with snapstore.Store.open(tmp_path / f"b-{mode}", identity=identity(), layout=LAYOUT, remote=bucket) as b:
+            m = b.match(tokens)
+            assert type(m).__name__ == "RemoteMatch"
+            dest = {"st": np.full((8, 8), 5.0, np.float32), "kv": np.full((LENGTHS[-1], 2, 64), 5.0, np.float16)}
+            with pytest.raises(snapstore.InvalidInputError, match="rows_from"):
+                b.restore(m, dest, rows_from=LENGTHS[-1] + 1)  # type: ignore[arg-type]
+            assert (dest["kv"] == 5.0).all() and (dest["st"] == 5.0).all(), mode
+            assert b.flush().ok
+            assert b.snapshots() == [], mode
