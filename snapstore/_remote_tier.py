@@ -100,12 +100,15 @@ class RemoteTier:
         self._publisher.publish(sid)
 
     def flush(self, timeout: float | None = None) -> FlushResult:
-        """Wait for the queued uploads (see Uploader.flush), then for the background imports of tee'd restores."""
+        """Wait for the queued uploads (see Uploader.flush), then for the background imports of tee'd restores
+        (``timed_out`` when ``timeout`` ran out on them; the uploads' counts are reported either way)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         res = FlushResult() if self._uploader is None else self._uploader.flush(timeout)
         if not self._importer.flush(None if deadline is None else max(0.0, deadline - time.monotonic())):
-            raise RemoteError(110, f"flush: imports of restored chains still pending after {timeout} s; "
-                                   "they continue in the background")
+            # the uploads' counts were taken (reset) above: returned, not raised away with them
+            return FlushResult(res.uploaded, res.failed, res.dropped,
+                               [*res.errors, f"flush: imports of restored chains still pending after {timeout} s; "
+                                             "they continue in the background"], timed_out=True)
         return res
 
     def uploads(self) -> dict[str, int]:

@@ -103,3 +103,24 @@ def test_a_shared_tier_restore_refuses_rows_from_past_its_rows_as_a_local_one_do
             assert (dest["kv"] == 5.0).all() and (dest["st"] == 5.0).all(), mode
             assert b.flush().ok
             assert b.snapshots() == [], mode
+
+
+def test_a_flush_that_times_out_on_imports_still_reports_the_uploads_it_saw(
+        bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flush() counts the uploads since the previous flush once: a flush whose timeout runs out on the
+    background imports of tee'd restores must report them (uploaded, failed, errors), not drop them."""
+    _publish(bucket, tmp_path / "a", 44)
+    tokens, _kv, _st = state(44, LENGTHS[-1])
+    monkeypatch.setenv("SNAPSTORE_TEST_REMOTE_PAUSE", "import:3")  # the background import is slow
+    with snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, remote=bucket) as b:
+        other, kv2, st2 = state(45, 300)
+        assert b.save(other, {"st": st2, "kv": kv2}, rows=300).ok  # one upload queued
+        m = b.match(tokens)
+        assert type(m).__name__ == "RemoteMatch"
+        dest = {"st": np.zeros((8, 8), np.float32), "kv": np.zeros((LENGTHS[-1], 2, 64), np.float16)}
+        b.restore(m, dest)  # type: ignore[arg-type]
+        first = b.flush(timeout=1.0)
+        assert first.timed_out  # the import is still paused
+        second = b.flush()
+        assert second.ok
+        assert first.uploaded + second.uploaded == 1  # the upload is reported by one of them
