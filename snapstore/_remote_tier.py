@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -132,12 +132,12 @@ class RemoteTier:
 
     # -- restore -----------------------------------------------------------------------------
     def materialize(self, m: RemoteMatch, fits: Callable[[Conn, list[bytes]], bool],
-                    identity_id: Callable[[Conn], int], layout: Layout) -> Match:
-        """Fetch the chain into the local tier (every chunk checked); a local Match. SnapshotUnavailableError
-        when it does not fit the local budget."""
+                    identity_id: Callable[[Conn], int], layout: Layout, protect: Set[int] = frozenset()) -> Match:
+        """Fetch the chain into the local tier (every chunk checked), never evicting ``protect``; a local
+        Match. SnapshotUnavailableError when it does not fit the local budget."""
         hit = _hit(m)
         try:
-            sid = self._fetcher.materialize(hit, fits, identity_id, layout)
+            sid = self._fetcher.materialize(hit, fits, identity_id, layout, protect=protect)
         except NoRoom:
             raise SnapshotUnavailableError(
                 f"the shared tier's snapshot ({hit.chain[-1].n_tokens} tokens) does not fit the local budget "
@@ -156,15 +156,24 @@ class RemoteTier:
         for pair in requests:  # every chain checked against this layout before any is imported
             if isinstance(pair, tuple) and len(pair) == 2 and getattr(pair[0], "remote", None) is not None:
                 describe_remote(_hit(pair[0]), store.layout, wanted, rows_from)
+        # the batch's local snapshots, and the chains fetched for it, are never evicted to fit the next
+        keep: set[int] = set()
+        for pair in requests:
+            if isinstance(pair, tuple) and len(pair) == 2 and getattr(pair[0], "remote", None) is None:
+                sid = getattr(pair[0], "snapshot_id", pair[0])
+                if isinstance(sid, (int, np.integer)) and not isinstance(sid, bool):
+                    keep.add(int(sid))  # a bad reference is refused later, by restore_batch
         out = []
         for pair in requests:
             if isinstance(pair, tuple) and len(pair) == 2 and getattr(pair[0], "remote", None) is not None:
                 try:
-                    pair = (self.materialize(pair[0], fits, store._access.iid, store.layout), pair[1])
+                    pair = (self.materialize(pair[0], fits, store._access.iid, store.layout, keep), pair[1])
+                    keep.add(pair[0].snapshot_id)
                 except SnapshotUnavailableError as e:
-                    raise SnapshotUnavailableError(f"restore_many: a shared-tier match must be fetched into the "
-                                                   f"local tier first and could not be: {e}; restore() it alone "
-                                                   "(it streams what does not fit)") from None
+                    raise SnapshotUnavailableError(
+                        f"restore_many: a shared-tier match must be fetched into the local tier first and could "
+                        f"not be: {e}; restore() it alone or in a smaller batch (a restore() streams what does not "
+                        "fit; a batch's chains are never evicted for each other)") from None
             out.append(pair)
         return out
 

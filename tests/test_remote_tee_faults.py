@@ -124,3 +124,31 @@ def test_a_flush_that_times_out_on_imports_still_reports_the_uploads_it_saw(
         second = b.flush()
         assert second.ok
         assert first.uploaded + second.uploaded == 1  # the upload is reported by one of them
+
+
+def test_restore_many_of_two_shared_chains_that_fit_only_one_at_a_time(bucket: str, tmp_path: Path) -> None:
+    """Each chain fits the local budget alone, not both: fetching the second into the local tier must
+    not evict the first the same batch just fetched (the batch then failed on a snapshot "gone")."""
+    n = 1000  # 256,000 bytes of rows a chain
+    seeds = (51, 52)
+    with snapstore.Store.open(tmp_path / "a", identity=identity(), layout=LAYOUT, remote=bucket,
+                              chunk_bytes=65536, staging_bytes=4 * 65536) as a:
+        for seed in seeds:
+            tokens, kv, st = state(seed, n)
+            a.save(tokens, {"st": st, "kv": kv}, rows=n)
+        assert a.flush().uploaded == 2
+    budget = snapstore.Budget(disk_bytes=400_000, ram_bytes=0, reserve_bytes=0)
+    with snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, remote=bucket, budget=budget) as b:
+        ms = [b.match(state(seed, n)[0]) for seed in seeds]
+        assert all(type(m).__name__ == "RemoteMatch" for m in ms)
+        dests = [{"st": np.full((8, 8), 5.0, np.float32), "kv": np.full((n, 2, 64), 5.0, np.float16)} for _ in ms]
+        try:
+            out = b.restore_many(list(zip(ms, dests)))  # type: ignore[arg-type]
+        except snapstore.SnapshotUnavailableError as e:  # refused as one: clearly, with nothing written
+            assert "restore() it alone" in str(e) or "together" in str(e), str(e)
+            assert not e.touched and all((d["kv"] == 5.0).all() for d in dests)
+        else:
+            assert len(out) == 2
+            for seed, d in zip(seeds, dests):
+                _t, kv, st = state(seed, n)
+                assert np.array_equal(d["kv"], kv) and np.array_equal(d["st"], st)
