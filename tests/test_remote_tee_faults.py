@@ -18,6 +18,8 @@ from s3_fixtures import bucket, seaweed  # noqa: F401 - the fixtures
 import snapstore
 from snapstore._s3client import S3Client
 
+pytestmark = pytest.mark.slow  # starts a SeaweedFS cluster
+
 LENGTHS = [600, 1300, 2100]  # 256-byte rows, 256 rows a chunk: link 0's first chunk holds rows [0, 256)
 
 
