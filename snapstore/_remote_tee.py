@@ -245,7 +245,6 @@ class Importer:
                 pause_point("import")
                 self._fetcher.materialize(hit, fits, identity_id, layout, given)
                 self._count("remote_tee_imports", 1)
-                used()
             except NoRoom:
                 self._count("remote_no_room", 1)  # pinned leaves hold the budget: it stays in the bucket
             except Exception:  # noqa: BLE001 - the restore it follows succeeded; nobody waits on this thread
@@ -255,6 +254,7 @@ class Importer:
                 with self._lock:
                     self._held -= nbytes
                     self._leaves.discard(leaf)
+            used()  # the restore used the chain whether or not it was imported: the bucket's gc sees that
 
         fut = self._thread.submit(run)
         with self._lock:

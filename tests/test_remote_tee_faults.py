@@ -16,6 +16,7 @@ from remote_helpers import LAYOUT, identity, state
 from s3_fixtures import bucket, seaweed  # noqa: F401 - the fixtures
 
 import snapstore
+from snapstore._remote_keys import use_key
 from snapstore._s3client import S3Client
 
 pytestmark = pytest.mark.slow  # starts a SeaweedFS cluster
@@ -154,3 +155,24 @@ def test_restore_many_of_two_shared_chains_that_fit_only_one_at_a_time(bucket: s
             for seed, d in zip(seeds, dests):
                 _t, kv, st = state(seed, n)
                 assert np.array_equal(d["kv"], kv) and np.array_equal(d["st"], st)
+
+
+def test_a_tee_restore_marks_its_use_even_when_its_import_fails(bucket: str, tmp_path: Path) -> None:
+    """The bucket's gc evicts the least recently used chains by their use markers: a chain a restore
+    served is used whether or not this node's background import of it succeeded."""
+    _publish(bucket, tmp_path / "a", 46)
+    tokens, kv, _st = state(46, LENGTHS[-1])
+    with snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, remote=bucket) as b:
+        m = b.match(tokens)
+        hit = m.remote  # type: ignore[union-attr]
+        below = next(p for p in hit.chain[0].parts if p.name == "kv").chunks[0]
+        client = S3Client(bucket)
+        client.delete([next(i.key for i in client.list("snapstore-v1/c/") if i.key.endswith(below.id.hex()))])
+        marker = use_key(hit.scope, hit.chain[-1].name)
+        assert client.get(marker, 1 << 10) is None  # nothing marked it yet
+        dest = {"st": np.zeros((8, 8), np.float32), "kv": np.zeros((LENGTHS[-1], 2, 64), np.float16)}
+        b.restore(m, dest, rows_from=1300)  # type: ignore[arg-type]
+        assert np.array_equal(dest["kv"][1300:], kv[1300:])
+        assert b.flush().ok
+        assert b.stats().remote["import_errors"] == 1
+        assert client.get(marker, 1 << 10) is not None  # the served chain counts as used
