@@ -1,8 +1,9 @@
-"""Faults around the default shared-tier restore (tee) that a review found, against a real SeaweedFS.
+"""Faults around shared-tier restores (tee, fetch, restore_many) that a review found, against a real SeaweedFS.
 
-A chunk the restore does not write (below ``rows_from``, or of a component not asked for) is read
-only for the background import: its loss or damage must not fail a restore whose destination was
-filled with checked bytes; the import then fails alone (counted) and the chain stays in the bucket.
+A chunk read only for the background import must not fail a restore whose destination is filled;
+a chain this layout cannot read is refused before it is imported; rows_from past the rows is bad
+input as locally; a flush that times out on imports still reports its uploads; a batch never
+evicts the chains it fetched for itself; a served chain is marked used even if its import failed.
 """
 # ruff: noqa: F811 - the fixtures `bucket` and `seaweed` come from s3_fixtures by import
 
