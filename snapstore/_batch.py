@@ -79,7 +79,7 @@ def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str
     ``session``: the caller's, for the session rule (as ``Store.restore``). Shared-tier matches are
     fetched into the local tier first (``RemoteTier.localize``)."""
     if store._remote is not None:
-        requests = store._remote.localize(requests, store)
+        requests = store._remote.localize(requests, store, wanted, rows_from)
     refs = []
     for k, pair in enumerate(requests):
         if not isinstance(pair, tuple) or len(pair) != 2:

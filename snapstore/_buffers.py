@@ -134,7 +134,18 @@ class Sink:
         """Writable host views covering [start, end) in order, from a writer that has ``views`` (paged
         pools): the restore reads chunks straight into them. None: use ``write``."""
         views = getattr(self.writer, "views", None) if self.writer is not None else None
-        return views(start, end - start) if views is not None else None
+        if views is None:
+            return None
+        n = end - start
+        out: list[memoryview] | None = self._writer_call(f"views({start}, {n})", lambda: views(start, n))
+        # the chunk is read and checked in these views: any other extent would leave bytes unwritten
+        # (or blame a good chunk), so the destination's mistake is its own error, before a byte is read
+        if out is not None and (sum(len(v) for v in out) != n or any(v.readonly for v in out)):
+            raise RestoreError(f"part {self.name!r}: the destination's views({start}, {n}) returned "
+                               f"{sum(len(v) for v in out)} bytes{' (some read-only)' * any(v.readonly for v in out)}"
+                               f", not {n} writable ones; return None to be written through write_from",
+                               touched=True)
+        return out
 
     def _writer_call(self, what: str, fn: Callable[[], T]) -> T:
         """Run a call into the engine's writer; any failure is a RestoreError(touched=True)."""

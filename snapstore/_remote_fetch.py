@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -88,19 +88,21 @@ class Fetcher:
 
     def materialize(self, hit: RemoteHit, fits: Callable[[Conn, list[bytes]], bool],
                     identity_id: Callable[[Conn], int], layout: Layout,
-                    given: Mapping[bytes, Sequence[memoryview]] | None = None) -> int:
+                    given: Mapping[bytes, Sequence[memoryview]] | None = None, protect: Set[int] = frozenset()) -> int:
         """Fetch the chain's missing chunks (each checked; ``given``: object bytes already read, by
-        chunk id) and insert the chain locally; its leaf's id."""
+        chunk id) and insert the chain locally; its leaf's id. ``protect``: local snapshots its room
+        is never made by evicting (a batch's other requests)."""
         for _attempt in range(3):
             try:
-                return self._once(hit, fits, identity_id, layout, given or {})
+                return self._once(hit, fits, identity_id, layout, given or {}, protect)
             except _Retry:
                 given = None  # what was handed in went into files the catalog would not adopt: fetch
                 continue
         raise SnapshotUnavailableError("the local tier kept evicting the fetched chunks; nothing was written")
 
     def _once(self, hit: RemoteHit, fits: Callable[[Conn, list[bytes]], bool],
-              identity_id: Callable[[Conn], int], layout: Layout, given: Mapping[bytes, Sequence[memoryview]]) -> int:
+              identity_id: Callable[[Conn], int], layout: Layout, given: Mapping[bytes, Sequence[memoryview]],
+              protect: Set[int]) -> int:
         needed: dict[bytes, ChunkEntry] = {ch.id: ch for mf in hit.chain for p in mf.parts for ch in p.chunks}
         # a chunk's address is keyed by its part's dtype and shape (v2), or by the identity and
         # namespace alone for chunks a store wrote before v2: the fetch accepts either, never another
@@ -155,7 +157,7 @@ class Fetcher:
                 record_prefixes(c, layout, sid, toks[:mf.n_tokens])  # as the link's save did on its node
                 parent_id = sid
                 ids.append(sid)
-            ok, _ = evict_until(c, lambda fr: fits(c, fr), set(ids))
+            ok, _ = evict_until(c, lambda fr: fits(c, fr), set(ids) | set(protect))
             if not ok:
                 raise NoRoom()
             c.add_counter("remote_imports", 1)

@@ -150,8 +150,14 @@ def tee_restore(client: S3Client, hit: RemoteHit, layout: Layout, into: Mapping[
             e, fut = pending.popleft()
             got = fut.result()
             if isinstance(got, tuple):
-                failure = _error(e, got, count, touched)
-                break
+                err = _error(e, got, count, touched)  # a corrupt object is counted either way
+                if e.id in groups:
+                    failure = err
+                    break
+                # read only for the import (not written here): the import fetches it again and fails
+                # alone (counted), and the restore, its destination filled with checked bytes, stands
+                more()
+                continue
             fetched[0] += 1
             fetched[1] += got.nbytes
             for item in groups.get(e.id, ()):  # the calling thread writes (engines' writers never run on pools)
@@ -239,7 +245,6 @@ class Importer:
                 pause_point("import")
                 self._fetcher.materialize(hit, fits, identity_id, layout, given)
                 self._count("remote_tee_imports", 1)
-                used()
             except NoRoom:
                 self._count("remote_no_room", 1)  # pinned leaves hold the budget: it stays in the bucket
             except Exception:  # noqa: BLE001 - the restore it follows succeeded; nobody waits on this thread
@@ -249,6 +254,7 @@ class Importer:
                 with self._lock:
                     self._held -= nbytes
                     self._leaves.discard(leaf)
+            used()  # the restore used the chain whether or not it was imported: the bucket's gc sees that
 
         fut = self._thread.submit(run)
         with self._lock:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,10 +30,11 @@ from ._batch import planned_destination
 from ._chunkfile import scope_key
 from ._config import env_int
 from ._db import Conn
-from ._errors import ConfigError, RemoteError, SnapshotUnavailableError
+from ._errors import ConfigError, InvalidInputError, RemoteError, SnapshotUnavailableError
 from ._identity import Identity
 from ._layout import Layout
 from ._manifest import ChunkEntry
+from ._prefix_match import granularity
 from ._remote_fetch import Fetcher, NoRoom
 from ._remote_keys import LAYOUT, LEASE_TTL, chunk_key, gc_window, manifest_key, use_key
 from ._remote_lookup import Lookup, RemoteHit, RemoteMatch
@@ -99,12 +100,15 @@ class RemoteTier:
         self._publisher.publish(sid)
 
     def flush(self, timeout: float | None = None) -> FlushResult:
-        """Wait for the queued uploads (see Uploader.flush), then for the background imports of tee'd restores."""
+        """Wait for the queued uploads (see Uploader.flush), then for the background imports of tee'd restores
+        (``timed_out`` when ``timeout`` ran out on them; the uploads' counts are reported either way)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         res = FlushResult() if self._uploader is None else self._uploader.flush(timeout)
         if not self._importer.flush(None if deadline is None else max(0.0, deadline - time.monotonic())):
-            raise RemoteError(110, f"flush: imports of restored chains still pending after {timeout} s; "
-                                   "they continue in the background")
+            # the uploads' counts were taken (reset) above: returned, not raised away with them
+            return FlushResult(res.uploaded, res.failed, res.dropped,
+                               [*res.errors, f"flush: imports of restored chains still pending after {timeout} s; "
+                                             "they continue in the background"], timed_out=True)
         return res
 
     def uploads(self) -> dict[str, int]:
@@ -128,12 +132,12 @@ class RemoteTier:
 
     # -- restore -----------------------------------------------------------------------------
     def materialize(self, m: RemoteMatch, fits: Callable[[Conn, list[bytes]], bool],
-                    identity_id: Callable[[Conn], int], layout: Layout) -> Match:
-        """Fetch the chain into the local tier (every chunk checked); a local Match. SnapshotUnavailableError
-        when it does not fit the local budget."""
+                    identity_id: Callable[[Conn], int], layout: Layout, protect: Set[int] = frozenset()) -> Match:
+        """Fetch the chain into the local tier (every chunk checked), never evicting ``protect``; a local
+        Match. SnapshotUnavailableError when it does not fit the local budget."""
         hit = _hit(m)
         try:
-            sid = self._fetcher.materialize(hit, fits, identity_id, layout)
+            sid = self._fetcher.materialize(hit, fits, identity_id, layout, protect=protect)
         except NoRoom:
             raise SnapshotUnavailableError(
                 f"the shared tier's snapshot ({hit.chain[-1].n_tokens} tokens) does not fit the local budget "
@@ -141,22 +145,35 @@ class RemoteTier:
         self._used(hit)
         return Match(sid, m.n_tokens, m.namespace)
 
-    def localize(self, requests: list[Any], store: Any) -> list[Any]:
+    def localize(self, requests: list[Any], store: Any, wanted: set[str], rows_from: int) -> list[Any]:
         """``restore_many``'s requests (of ``store``) with each shared-tier match fetched into the local
         tier first (every chunk checked) and replaced by its local Match: a batch reads its shared chunks
-        once, locally. SnapshotUnavailableError, before anything is written, for a chain that cannot fit."""
+        once, locally. SnapshotUnavailableError, before anything is written, for a chain that cannot fit;
+        the plan's errors (DestinationError: a chain this layout cannot read) before anything is imported."""
         def fits(c: Conn, _freed: list[bytes]) -> bool:
             return bool(store._capacity.excess(c) is None)
 
+        for pair in requests:  # every chain checked against this layout before any is imported
+            if isinstance(pair, tuple) and len(pair) == 2 and getattr(pair[0], "remote", None) is not None:
+                describe_remote(_hit(pair[0]), store.layout, wanted, rows_from)
+        # the batch's local snapshots, and the chains fetched for it, are never evicted to fit the next
+        keep: set[int] = set()
+        for pair in requests:
+            if isinstance(pair, tuple) and len(pair) == 2 and getattr(pair[0], "remote", None) is None:
+                sid = getattr(pair[0], "snapshot_id", pair[0])
+                if isinstance(sid, (int, np.integer)) and not isinstance(sid, bool):
+                    keep.add(int(sid))  # a bad reference is refused later, by restore_batch
         out = []
         for pair in requests:
             if isinstance(pair, tuple) and len(pair) == 2 and getattr(pair[0], "remote", None) is not None:
                 try:
-                    pair = (self.materialize(pair[0], fits, store._access.iid, store.layout), pair[1])
+                    pair = (self.materialize(pair[0], fits, store._access.iid, store.layout, keep), pair[1])
+                    keep.add(pair[0].snapshot_id)
                 except SnapshotUnavailableError as e:
-                    raise SnapshotUnavailableError(f"restore_many: a shared-tier match must be fetched into the "
-                                                   f"local tier first and could not be: {e}; restore() it alone "
-                                                   "(it streams what does not fit)") from None
+                    raise SnapshotUnavailableError(
+                        f"restore_many: a shared-tier match must be fetched into the local tier first and could "
+                        f"not be: {e}; restore() it alone or in a smaller batch (a restore() streams what does not "
+                        "fit; a batch's chains are never evicted for each other)") from None
             out.append(pair)
         return out
 
@@ -167,8 +184,15 @@ class RemoteTier:
         or streamed restore, or a local Match to restore (``fetch``: imported first). ``room(n)``: could
         n more bytes fit locally."""
         hit = _hit(m)
+        rows = hit.chain[-1].n_tokens // granularity(layout)  # rows_from counts rows, as a local restore checks
+        if rows_from > rows:
+            raise InvalidInputError(f"rows_from={rows_from} is past the {rows} rows (of {granularity(layout)} tokens) "
+                                    "that restoring this shared-tier match writes; nothing was written")
         mode = restore_mode()
         if mode != "stream":
+            # the plan's checks first (a chain of another granularity, dtype or shape): a chain this
+            # layout cannot read is never imported, where it would take the budget and match again
+            describe_remote(hit, layout, wanted, rows_from)
             missing = self._fetcher.missing(hit)
             need = sum(e.stored_len for e in missing)
             if room(need) and mode == "tee":
