@@ -142,7 +142,7 @@ class Budget:
         return cls(disk_bytes=int(conversations * per * headroom), **kw)  # type: ignore[arg-type]
 
 
-DEFAULT_CHUNK_MIB = 32  # measured: docs/benchmarks.md (chunk size sweep)
+DEFAULT_CHUNK_MIB = 16  # 4 chunks in flight in the default staging: docs/benchmarks.md ("Issue 12, save pipeline")
 DEFAULT_STAGING_MIB = 64
 
 

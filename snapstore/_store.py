@@ -103,7 +103,7 @@ class Store:
 
         path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove every
         snapshot of other identities now (one transaction, no chunk-file scan). chunk_bytes
-        (``SNAPSTORE_CHUNK_MIB``, 32 MiB), codec (``SNAPSTORE_CODEC``: raw | zstd | zstd-shuffle2;
+        (``SNAPSTORE_CHUNK_MIB``, 16 MiB), codec (``SNAPSTORE_CODEC``: raw | zstd | zstd-shuffle2;
         raw), staging_bytes (``SNAPSTORE_STAGING_MIB``, 64 MiB), check_rows
         (``SNAPSTORE_CHECK_ROWS=1``: verify the rows a delta vouches for against the parent chain),
         pending_lease (``SNAPSTORE_PENDING_LEASE_S``, 300 s: how long this store's pending captures
