@@ -529,7 +529,7 @@ def _run_on_pty(args: list[str], wait_for: bytes, env: dict[str, str]) -> tuple[
 @pytest.mark.skipif(not hasattr(os, "openpty") or sys.platform == "win32", reason="needs a POSIX pty")
 def test_progress_on_a_terminal_and_ctrl_c(store_dir: str) -> None:
     build_store(store_dir)
-    slow = {"_SNAPSTORE_PROGRESS_DELAY": "0.2"}
+    slow = {"_SNAPSTORE_PROGRESS_DELAY": "1.0"}  # long enough that SIGINT lands mid-work on a loaded machine
     rc, tty, out = _run_on_pty(["--dir", store_dir, "verify", "--deep"], b"verify --deep:", slow)
     assert rc == 130 and b"interrupted" in tty and b"/s" in tty and out == ""
     rc, tty, out = _run_on_pty(["--dir", store_dir, "gc", "--disk-mib", "0", "--grace", "0"], b"gc:", slow)
