@@ -16,7 +16,7 @@ from ._find_keys import find_keys
 from ._layout import Layout
 from ._prefix_match import find_prefix
 from ._save import needs_quarantined
-from ._tokens import Encoded, decode_tokens, spells_prefix, spells_segment
+from ._tokens import Encoded, decode_tokens, spells_chain, spells_segment
 
 __all__ = ["best_match", "longest_prefix", "tokens_of"]
 
@@ -39,7 +39,7 @@ def longest_prefix(c: Txn, identity_key: str, ns: str, arr: np.ndarray, skip: se
     for sid, _n, _key, own in c.match_candidates(identity_key, ns, keys, len(arr), not_before):
         if sid in skip or not spells_segment(own, arr, encoded):
             continue  # excluded, or its own last tokens differ (a sibling, a find-key collision)
-        if own[2] and not spells_prefix(c.chain_tokens(sid), arr, encoded):
+        if own[2] and not spells_chain(own, c.chain_segments(sid, start=1), arr, encoded):
             continue  # the tokens below its own segment differ: the stored blobs decide, not the key
         broken = c.quarantined_users() if broken is None else broken
         if broken and needs_quarantined(c.chain(sid), broken, leaf=True):

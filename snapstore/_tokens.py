@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
 
 import blake3
@@ -29,7 +29,7 @@ import numpy.typing as npt
 from ._errors import CorruptionError, InvalidInputError
 
 __all__ = ["BLOCK", "Encoded", "Segment", "TokenIndex", "TokensLike", "as_token_array", "decode_tokens",
-           "encode_tokens", "spells_prefix", "spells_segment"]
+           "encode_tokens", "spells_chain", "spells_prefix", "spells_segment"]
 
 # What the public API takes as tokens: a one-dimensional sequence of non-negative ints below 2**63
 # (a list, a tuple, a numpy integer array, or an object numpy.asarray makes one of, such as a CPU
@@ -183,6 +183,29 @@ def spells_prefix(segments: Sequence[Segment], arr: np.ndarray, encoded: Encoded
         pos = n
     enc = encoded if encoded is not None and encoded.arr is arr else Encoded(arr)
     return all(spells_segment(seg, arr, enc) for seg in reversed(segments))
+
+
+def spells_chain(own: Segment, ancestors: Iterable[tuple[int, Segment]], arr: np.ndarray,
+                 encoded: Encoded | None = None) -> bool:
+    """Does a candidate spell exactly ``arr[:n]``, given its own segment ``own`` (``n`` its end,
+    already found to hold ``arr[base:n]`` by :func:`spells_segment`) and its ancestors' segments
+    ``(level, segment)`` as :meth:`._catalog.Txn.chain_segments` streams them, parent (level 1)
+    first? The answer of :func:`spells_prefix` on the whole chain, each blob compared as it
+    arrives, none held.
+
+    After the first mismatching link no more blobs are compared, but the rest are still read and
+    their shapes checked: a blob that cannot hold its tokens anywhere in the chain raises
+    CorruptionError, as the whole-chain check does. (A mismatch below the own segment is rare:
+    the find key and the own tokens matched.)"""
+    enc = encoded if encoded is not None and encoded.arr is arr else Encoded(arr)
+    pos, want, ok = own[2], 1, True
+    for lvl, seg in ancestors:
+        blob, width, base, n = seg
+        _check_blob(blob, width, base, n)
+        if ok:  # each link ends where the one above it starts, down to token 0
+            ok = lvl == want and n == pos and base <= n and spells_segment(seg, arr, enc)
+            pos, want = base, want + 1
+    return ok and pos == 0
 
 
 _CACHE_ENTRIES = 8  # sequences whose chains are kept (a 128K-token one: 1 MiB of tokens + 8 KiB)

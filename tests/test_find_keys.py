@@ -207,8 +207,9 @@ def test_candidates_whose_own_tokens_differ_cost_no_chain_read(tmp_path: str, mo
     from snapstore import _catalog
 
     reads: list[int] = []
-    orig = _catalog.Txn.chain_tokens
-    monkeypatch.setattr(_catalog.Txn, "chain_tokens", lambda self, sid: reads.append(sid) or orig(self, sid))
+    orig = _catalog.Txn.chain_segments
+    monkeypatch.setattr(_catalog.Txn, "chain_segments",
+                        lambda self, sid, start=0: reads.append(sid) or orig(self, sid, start))
     rng = np.random.default_rng(8)
     with _open(os.path.join(tmp_path, "s")) as s:
         for _ in range(30):

@@ -1,0 +1,143 @@
+"""match()'s chain check streams a candidate's ancestor segments (``Txn.chain_segments``) and
+compares each as it arrives (``spells_chain``), holding none: the answers must be those of the
+whole-chain check (``spells_prefix``) on every chain, a mismatching link below a matching own
+segment passes the candidate over, and a malformed blob anywhere in the chain is still reported
+as corrupt, past a mismatch too.
+"""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+
+import numpy as np
+import pytest
+from support import open_store
+
+import snapstore as ss
+from snapstore import _tokens
+from snapstore._find_keys import find_keys
+from snapstore._tokens import BLOCK, as_token_array
+
+TINY = ss.Layout(rows={"t": ss.Rows("uint8", (1,))})
+
+
+def _save(s: ss.Store, toks: np.ndarray, parent: object = "auto") -> ss.SaveResult:
+    rows = (np.arange(len(toks), dtype=np.uint64) % 251).astype(np.uint8).reshape(-1, 1)
+    r = s.save(toks, {"t": rows}, parent=parent)
+    assert r.ok
+    return r
+
+
+def _set_key(s: ss.Store, sid: int, key: int) -> None:
+    s._repo.db.write(lambda c: c.execute("UPDATE snapshots SET find_key = ? WHERE id = ?", (key, sid)))
+
+
+def _streamed(segs: list[_tokens.Segment]) -> list[tuple[int, _tokens.Segment]]:
+    """A chain's ancestors (all but the leaf, root first) as chain_segments yields them."""
+    return list(enumerate(reversed(segs[:-1]), start=1))
+
+
+def test_the_streamed_check_answers_as_the_whole_chain_check() -> None:
+    rng = np.random.default_rng(11)
+    checked = 0
+    for case in range(300):
+        n = int(rng.integers(1, 3000))
+        toks = rng.integers(0, 2**40 if case % 3 == 0 else 150_000, n).astype("<u8")
+        cuts = sorted({0, n, *rng.integers(0, n, int(rng.integers(1, 7))).tolist()})
+        segs = []
+        for a, b in zip(cuts, cuts[1:]):
+            blob, width = _tokens.encode_tokens(toks[a:b])
+            segs.append((blob, width, a, b))
+        query = np.concatenate([toks, rng.integers(0, 1000, int(rng.integers(0, 50))).astype("<u8")])
+        variants = [query]
+        for _ in range(3):  # a token changed in some link, or wrapped by 2**32 (no int32 blob holds it)
+            v = query.copy()
+            v[int(rng.integers(0, n))] += 1 if rng.random() < 0.5 else 2**32
+            variants.append(v)
+        for q in variants:
+            if not _tokens.spells_segment(segs[-1], q):
+                continue  # match() compares the own segment first; only a matching one streams on
+            checked += 1
+            assert _tokens.spells_chain(segs[-1], _streamed(segs), q) == _tokens.spells_prefix(segs, q), case
+    assert checked > 300
+
+
+def test_links_out_of_order_or_past_the_root_never_match() -> None:
+    toks = np.arange(3000, dtype="<u8")
+    segs = [(_tokens.encode_tokens(toks[a:b])[0], 4, a, b) for a, b in ((0, 1000), (1000, 2000), (2000, 3000))]
+    assert _tokens.spells_chain(segs[-1], _streamed(segs), toks)
+    anc = _streamed(segs)
+    assert not _tokens.spells_chain(segs[-1], anc[::-1], toks)  # root before parent
+    assert not _tokens.spells_chain(segs[-1], [(1, anc[0][1]), (3, anc[1][1])], toks)  # a level skipped
+    assert not _tokens.spells_chain(segs[-1], [*anc, (3, segs[0])], toks)  # a link past the root (a cycle)
+    assert not _tokens.spells_chain(segs[-1], anc[:1], toks)  # the chain stops above token 0
+
+
+def test_a_malformed_blob_past_a_mismatching_link_is_still_reported() -> None:
+    toks = np.arange(3000, dtype="<u8")
+    segs = [(_tokens.encode_tokens(toks[a:b])[0], 4, a, b) for a, b in ((0, 1000), (1000, 2000), (2000, 3000))]
+    q = toks.copy()
+    q[1500] += 1  # the parent differs
+    assert not _tokens.spells_chain(segs[-1], _streamed(segs), q)
+    segs[0] = (segs[0][0][:-1], 4, 0, 1000)  # and the root's blob cannot hold its tokens
+    for check in (lambda: _tokens.spells_prefix(segs, q), lambda: _tokens.spells_chain(segs[-1], _streamed(segs), q)):
+        with pytest.raises(ss.CorruptionError):
+            check()
+
+
+def test_a_candidate_whose_ancestor_differs_is_passed_over(tmp_path: str) -> None:
+    """Its find key (forced) and own segment match the prompt; its parent does not: the next
+    true prefix serves, and with that prefix gone, nothing does; a corrupt root is reported."""
+    rng = np.random.default_rng(12)
+    x = rng.integers(0, 50_000, 3000)
+    q = np.concatenate([rng.integers(0, 50_000, 1000), x[1000:3000], rng.integers(0, 50_000, 300)])
+    with open_store(os.path.join(tmp_path, "s"), layout=TINY) as s:
+        for n in (1000, 2000, 3000):
+            leaf = _save(s, x[:n])
+        true = _save(s, q[:700], parent=None)
+        _set_key(s, leaf.snapshot_id, int(find_keys(as_token_array(q))[3000 // BLOCK]))
+        assert s.match(q).snapshot_id == true.snapshot_id
+        s.delete(true.snapshot_id)
+        assert s.match(q) is None
+        root = s._repo.db.read(lambda c: c.chain(leaf.snapshot_id))[0]
+        s._repo.db.write(lambda c: c.execute("UPDATE snapshots SET tokens = substr(tokens, 1, 8) WHERE id = ?",
+                                             (root.id,)))
+        with pytest.raises(ss.CorruptionError):
+            s.match(q)
+
+
+def test_match_holds_no_more_than_a_link_of_a_long_chain_at_once(tmp_path: str) -> None:
+    """A hit over 40 links of 64 KiB each: the streamed check holds one link's blob at a time, not
+    the chain's 2.5 MiB (holding them all faults in fresh pages on every match)."""
+    rng = np.random.default_rng(13)
+    links, per = 40, 16 * 1024
+    toks = rng.integers(0, 50_000, links * per + 100)
+    with open_store(os.path.join(tmp_path, "s"), layout=TINY) as s:
+        for k in range(1, links + 1):
+            leaf = _save(s, toks[:k * per])
+        assert s.match(toks).snapshot_id == leaf.snapshot_id  # the thread's compare buffer, kept
+        tracemalloc.start()
+        try:
+            assert s.match(toks).snapshot_id == leaf.snapshot_id
+            _cur, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < 8 * per * 4, peak  # a few links' blobs (64 KiB each), far below the chain's 2.5 MiB
+
+
+def test_candidates_of_one_statement_come_longest_first(tmp_path: str) -> None:
+    """One statement's candidates (here all in the deepest batch) are ordered by length, then by
+    newest id, in Python: excluding each answer in turn walks them down in that order."""
+    rng = np.random.default_rng(14)
+    q = rng.integers(0, 50_000, 40 * BLOCK)
+    lengths = [int(n) for n in rng.permutation(np.arange(30 * BLOCK, 40 * BLOCK, 97))]
+    with open_store(os.path.join(tmp_path, "s"), layout=TINY) as s:
+        ids = {_save(s, q[:n], parent=None).snapshot_id: n for n in lengths}
+        first = next(iter(ids))
+        twin = _save(s, q[:lengths[0]], parent=first).snapshot_id  # a delta of no tokens: same length, newer id
+        order: list[int] = []
+        while (m := s.match(q, exclude=order)) is not None:
+            order.append(m.snapshot_id)
+        want = sorted([*ids, twin], key=lambda sid: (ids.get(sid, lengths[0]), sid), reverse=True)
+        assert order == want
