@@ -24,7 +24,7 @@ import numpy as np
 from ._chunker import settle
 from ._chunkfile import HEADER_SIZE, header_at, header_matches, scope_key
 from ._db import Conn
-from ._errors import CorruptionError, RemoteError, SnapshotUnavailableError
+from ._errors import CorruptionError, RemoteError, RestoreError, SnapshotUnavailableError
 from ._identity import Identity
 from ._layout import Layout
 from ._lifecycle import evict_until
@@ -54,6 +54,19 @@ def fetch_failed(e: ChunkEntry, err: object, touched: bool = False) -> SnapshotU
     outcome = "the destination was partly written: re-read the prompt" if touched else "nothing was written"
     return SnapshotUnavailableError(f"fetching chunk {e.id.hex()} from the shared tier failed ({err}); {outcome}",
                                     touched=touched)
+
+
+def read_error(e: ChunkEntry, kind: str, why: str, count: Callable[[str, int], None],
+               touched: bool) -> RestoreError:
+    """The one error for a chunk a streamed or tee'd restore could not use: ``kind`` "corrupt" (counted),
+    "remote" (the bucket failed) or "missing" (removed by gc or lost); says whether ``touched``."""
+    if kind == "corrupt":
+        return corrupt(e, why, count, touched)
+    if kind == "remote":
+        return fetch_failed(e, why, touched)
+    outcome = "the destination was partly written: re-read the prompt" if touched else "nothing was written"
+    return SnapshotUnavailableError(f"chunk {e.id.hex()} is missing from the shared tier (removed by gc or lost); "
+                                    + outcome, touched=touched)
 
 
 def open_object(client: S3Client, scope: str, e: ChunkEntry) -> tuple[int, Iterator[memoryview]]:

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._catalog import ChunkRow, PartRow, SnapRow
-from ._errors import RemoteError, RestoreError, SnapshotUnavailableError
+from ._errors import RemoteError, RestoreError
 from ._layout import Layout
 from ._manifest import ChunkEntry
 from ._plan import PlanItem, build_plan
-from ._remote_check import BadObject, ChunkCheck, corrupt
-from ._remote_fetch import fetch_failed
+from ._remote_check import BadObject, ChunkCheck
+from ._remote_fetch import read_error
 from ._remote_keys import chunk_key, pause_point
 from ._remote_lookup import RemoteHit
 from ._results import MatchDetails, RestoreResult
@@ -192,13 +192,5 @@ def stream_restore(client: S3Client, hit: RemoteHit, layout: Layout, into: Mappi
 
 
 def _error(got: _Got, touched: bool, count: Callable[[str, int], None]) -> RestoreError:
-    e = _entry(got.items[0].chunk)
     assert got.error is not None
-    kind, why = got.error
-    if kind == "corrupt":
-        return corrupt(e, why, count, touched)
-    if kind == "remote":
-        return fetch_failed(e, why, touched)
-    outcome = "the destination was partly written: re-read the prompt" if touched else "nothing was written"
-    return SnapshotUnavailableError(f"chunk {e.id.hex()} is missing from the shared tier (removed by gc or lost); "
-                                    + outcome, touched=touched)
+    return read_error(_entry(got.items[0].chunk), got.error[0], got.error[1], count, touched)

@@ -32,12 +32,12 @@ from ._catalog import ChunkRow
 from ._chunkfile import HEADER_SIZE
 from ._config import env_int
 from ._db import Conn
-from ._errors import RemoteError, RestoreError, SnapshotUnavailableError
+from ._errors import RemoteError, RestoreError
 from ._layout import Layout
 from ._manifest import ChunkEntry
 from ._plan import PlanItem, build_plan
-from ._remote_check import BadObject, ChunkCheck, corrupt
-from ._remote_fetch import Fetcher, NoRoom, fetch_failed
+from ._remote_check import BadObject, ChunkCheck
+from ._remote_fetch import Fetcher, NoRoom, read_error
 from ._remote_keys import chunk_key, pause_point
 from ._remote_lookup import RemoteHit
 from ._remote_stream import ManifestSource
@@ -184,14 +184,7 @@ def tee_restore(client: S3Client, hit: RemoteHit, layout: Layout, into: Mapping[
 
 
 def _error(e: ChunkEntry, got: tuple[str, str], count: Callable[[str, int], None], touched: bool) -> RestoreError:
-    kind, why = got
-    if kind == "corrupt":
-        return corrupt(e, why, count, touched)
-    if kind == "remote":
-        return fetch_failed(e, why, touched)
-    outcome = "the destination was partly written: re-read the prompt" if touched else "nothing was written"
-    return SnapshotUnavailableError(f"chunk {e.id.hex()} is missing from the shared tier (removed by gc or lost); "
-                                    + outcome, touched=touched)
+    return read_error(e, got[0], got[1], count, touched)
 
 
 class Importer:
