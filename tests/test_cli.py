@@ -492,8 +492,15 @@ def _run_on_pty(args: list[str], wait_for: bytes, env: dict[str, str]) -> tuple[
     master, slave = pty.openpty()
     e = dict(os.environ)
     e.update(env)
-    p = subprocess.Popen([sys.executable, "-m", "snapstore", *args], stdout=subprocess.PIPE, stderr=slave,
-                         env=e, cwd=ROOT)
+    # A child inherits an ignored SIGINT (a test run started as a background job of a non-interactive
+    # shell ignores it), and Python then installs no KeyboardInterrupt handler: the child would never
+    # see Ctrl-C. With a handler here (not SIG_IGN), exec gives the child the default disposition.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "snapstore", *args], stdout=subprocess.PIPE, stderr=slave,
+                             env=e, cwd=ROOT)
+    finally:
+        signal.signal(signal.SIGINT, old)
     os.close(slave)
     seen = b""
     deadline = time.monotonic() + 30
@@ -529,7 +536,7 @@ def _run_on_pty(args: list[str], wait_for: bytes, env: dict[str, str]) -> tuple[
 @pytest.mark.skipif(not hasattr(os, "openpty") or sys.platform == "win32", reason="needs a POSIX pty")
 def test_progress_on_a_terminal_and_ctrl_c(store_dir: str) -> None:
     build_store(store_dir)
-    slow = {"_SNAPSTORE_PROGRESS_DELAY": "1.0"}  # long enough that SIGINT lands mid-work on a loaded machine
+    slow = {"_SNAPSTORE_PROGRESS_DELAY": "0.2"}
     rc, tty, out = _run_on_pty(["--dir", store_dir, "verify", "--deep"], b"verify --deep:", slow)
     assert rc == 130 and b"interrupted" in tty and b"/s" in tty and out == ""
     rc, tty, out = _run_on_pty(["--dir", store_dir, "gc", "--disk-mib", "0", "--grace", "0"], b"gc:", slow)
