@@ -26,7 +26,7 @@ from ._catalog import ChunkRow, PartRow, SnapRow
 from ._errors import RemoteError, RestoreError
 from ._layout import Layout
 from ._manifest import ChunkEntry
-from ._plan import PlanItem, build_plan
+from ._plan import PlanItem, RestorePlan, build_plan
 from ._remote_check import BadObject, ChunkCheck
 from ._remote_fetch import read_error
 from ._remote_keys import chunk_key, pause_point
@@ -34,7 +34,7 @@ from ._remote_lookup import RemoteHit
 from ._results import MatchDetails, RestoreResult
 from ._s3client import S3Client
 
-__all__ = ["ManifestSource", "describe_remote", "stream_restore"]
+__all__ = ["ManifestSource", "describe_remote", "plan_by_chunk", "stream_restore"]
 
 _AHEAD = 2  # chunks fetched beyond the pool's width, waiting to be written (bounds the memory held)
 
@@ -144,16 +144,24 @@ def describe_remote(hit: RemoteHit, layout: Layout, wanted: set[str], rows_from:
                         pending=False, rows_from=rows_from)
 
 
-def stream_restore(client: S3Client, hit: RemoteHit, layout: Layout, into: Mapping[str, Any], wanted: set[str],
-                   rows_from: int, pool: ThreadPoolExecutor, width: int,
-                   count: Callable[[str, int], None]) -> RestoreResult:
-    """Restore ``hit`` into ``into`` from the bucket; RestoreError(touched=...) on any failure."""
-    t0 = time.perf_counter()
+def plan_by_chunk(hit: RemoteHit, layout: Layout, into: Mapping[str, Any], wanted: set[str],
+                  rows_from: int) -> tuple[RestorePlan, dict[bytes, list[PlanItem]]]:
+    """The restore plan of ``hit`` from its manifests (the part checks run here, before any read), and
+    its items grouped by chunk id in plan order: each chunk object is read once for all its items."""
     src = ManifestSource(hit)
     plan = build_plan(src, len(src.chain), src.chain, layout, into, wanted, rows_from)
     groups: dict[bytes, list[PlanItem]] = {}
     for item in plan.items:
         groups.setdefault(item.chunk.id, []).append(item)
+    return plan, groups
+
+
+def stream_restore(client: S3Client, hit: RemoteHit, layout: Layout, into: Mapping[str, Any], wanted: set[str],
+                   rows_from: int, pool: ThreadPoolExecutor, width: int,
+                   count: Callable[[str, int], None]) -> RestoreResult:
+    """Restore ``hit`` into ``into`` from the bucket; RestoreError(touched=...) on any failure."""
+    t0 = time.perf_counter()
+    plan, groups = plan_by_chunk(hit, layout, into, wanted, rows_from)
     todo = deque(groups.values())
     run = _Run()
     pending: deque[Future[_Got]] = deque()

@@ -35,12 +35,12 @@ from ._db import Conn
 from ._errors import RemoteError, RestoreError
 from ._layout import Layout
 from ._manifest import ChunkEntry
-from ._plan import PlanItem, build_plan
+from ._plan import PlanItem
 from ._remote_check import BadObject, ChunkCheck
 from ._remote_fetch import Fetcher, NoRoom, read_error
 from ._remote_keys import chunk_key, pause_point
 from ._remote_lookup import RemoteHit
-from ._remote_stream import ManifestSource
+from ._remote_stream import plan_by_chunk
 from ._results import RestoreResult
 from ._s3client import S3Client
 
@@ -122,11 +122,7 @@ def tee_restore(client: S3Client, hit: RemoteHit, layout: Layout, into: Mapping[
     ``keep(nbytes)`` (the Importer's memory bound) let it hold. ``touched`` on a failure says whether
     a destination byte was written (a failure stops every reader before the error is raised)."""
     t0 = time.perf_counter()
-    src = ManifestSource(hit)
-    plan = build_plan(src, len(src.chain), src.chain, layout, into, wanted, rows_from)
-    groups: dict[bytes, list[PlanItem]] = {}
-    for item in plan.items:
-        groups.setdefault(item.chunk.id, []).append(item)
+    plan, groups = plan_by_chunk(hit, layout, into, wanted, rows_from)
     entries = {cid: _entry(items[0].chunk) for cid, items in groups.items()}
     for e in also:
         entries.setdefault(e.id, e)
