@@ -12,7 +12,8 @@ import platformdirs
 from ._errors import ConfigError
 from ._layout import Layout
 
-__all__ = ["Budget", "StoreOptions", "default_dir", "env_int", "env_seconds", "pending_lease", "store_options"]
+__all__ = ["Budget", "StoreOptions", "default_dir", "env_flag", "env_int", "env_seconds", "pending_lease",
+           "store_options"]
 
 MIB = 1 << 20
 DEFAULT_DISK_MIB = 51200
@@ -37,6 +38,19 @@ def env_int(name: str) -> int | None:
     if value < 0:
         raise ConfigError(f"${name} must be >= 0, got {value}")
     return value
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off setting from environment variable ``name`` (``default`` when unset or blank): 0/1,
+    true/false, yes/no or on/off; ConfigError otherwise. The one parse of every boolean setting."""
+    flag = os.environ.get(name, "").strip().lower()
+    if not flag:
+        return default
+    if flag in ("1", "true", "yes", "on"):
+        return True
+    if flag in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"${name} must be 0/1 (or true/false), got {flag!r}")
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -177,10 +191,7 @@ def store_options(path: str | os.PathLike[str] | None, *, chunk_bytes: int | Non
     if codec_name not in known:
         raise ConfigError(f"codec must be one of {known}, got {codec_name!r}")
     if check_rows is None:
-        flag = os.environ.get("SNAPSTORE_CHECK_ROWS", "0").strip().lower()
-        if flag not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
-            raise ConfigError(f"$SNAPSTORE_CHECK_ROWS must be 0/1 (or true/false), got {flag!r}")
-        check_rows = flag in ("1", "true", "yes", "on")
+        check_rows = env_flag("SNAPSTORE_CHECK_ROWS", False)
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"path must be a directory path or None, got {path!r}")
     root = os.fspath(path) if path is not None else default_dir()

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ._config import env_flag
 from ._errors import ConfigError
 from ._publish import create_temp, finish_temp, write_all
 
@@ -53,12 +54,7 @@ def direct_default(value: bool | None) -> bool:
         if not isinstance(value, bool):
             raise ConfigError(f"direct_io must be True, False or None, got {value!r}")
         return value and O_DIRECT != 0
-    flag = os.environ.get("SNAPSTORE_DIRECT_IO", "").strip().lower()
-    if flag in ("", "1", "true", "yes", "on"):
-        return O_DIRECT != 0
-    if flag in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"$SNAPSTORE_DIRECT_IO must be 0/1 (or true/false), got {flag!r}")
+    return env_flag("SNAPSTORE_DIRECT_IO", True) and O_DIRECT != 0
 
 
 class _Refused(Exception):
@@ -113,12 +109,7 @@ def direct_reads_default(value: bool | None) -> bool:
         if not isinstance(value, bool):
             raise ConfigError(f"direct_reads must be True, False or None, got {value!r}")
         return value and O_DIRECT != 0
-    flag = os.environ.get("SNAPSTORE_DIRECT_READS", "").strip().lower()
-    if flag in ("1", "true", "yes", "on"):
-        return O_DIRECT != 0
-    if flag in ("", "0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"$SNAPSTORE_DIRECT_READS must be 0/1 (or true/false), got {flag!r}")
+    return env_flag("SNAPSTORE_DIRECT_READS", False) and O_DIRECT != 0
 
 
 def _libc() -> Any:

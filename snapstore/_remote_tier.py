@@ -28,7 +28,7 @@ import numpy as np
 
 from ._batch import planned_destination
 from ._chunkfile import scope_key
-from ._config import env_int
+from ._config import env_flag, env_int
 from ._db import Conn
 from ._errors import ConfigError, InvalidInputError, RemoteError, SnapshotUnavailableError
 from ._identity import Identity
@@ -260,10 +260,7 @@ def open_remote(url: str | None, repo: Repo, identity: Identity, owner: str, cou
     if not url:
         return None
     if wait is None:
-        flag = os.environ.get("SNAPSTORE_REMOTE_WAIT", "0").strip().lower()
-        if flag not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
-            raise ConfigError(f"$SNAPSTORE_REMOTE_WAIT must be 0/1 (or true/false), got {flag!r}")
-        wait = flag in ("1", "true", "yes", "on")
+        wait = env_flag("SNAPSTORE_REMOTE_WAIT", False)
     queue = env_int("SNAPSTORE_REMOTE_QUEUE") or 256
     gc_window()  # malformed settings fail at open, not in the background or mid-restore
     restore_mode()
