@@ -754,7 +754,7 @@ def section_match(args: argparse.Namespace, work: str) -> None:
             _catalog.Txn.match_candidates = orig  # type: ignore[method-assign]
         # where a hit's time goes, each step timed alone on the same store (medians of 50)
         from snapstore._find_keys import find_keys
-        from snapstore._tokens import TokenIndex, as_token_array, spells_chain, spells_prefix
+        from snapstore._tokens import Encoded, TokenIndex, as_token_array, spells_chain, spells_prefix
         query = np.asarray(prompt_tokens[0][:plen + 517], dtype="<u8")
         conn = s._repo.db.conn()
         c = _catalog.Txn(conn)
@@ -773,6 +773,7 @@ def section_match(args: argparse.Namespace, work: str) -> None:
             TokenIndex(query)
 
         keys = find_keys(query)
+        enc = Encoded(query)
         hit_sid = next(iter(orig(c, s.identity.key, "", keys, len(query), 0.0)))[0]
         segs = c.chain_tokens(hit_sid)
         raw_query = prompt_tokens[0][:plen + 517]
@@ -788,8 +789,9 @@ def section_match(args: argparse.Namespace, work: str) -> None:
             "quarantine probe": med_us(c.quarantined_users),
             "candidate's token segments read, all held (chain_tokens)": med_us(lambda: c.chain_tokens(hit_sid)),
             "candidate's tokens compared (prompt encoded once, memcmp)": med_us(lambda: spells_prefix(segs, query)),
-            "candidate's chain streamed and compared (what match() does)": med_us(
-                lambda: spells_chain(segs[-1], c.chain_segments(hit_sid, start=1), query)),
+            "candidate's chain walked, links compared in SQL (what match() does)": med_us(
+                lambda: spells_chain(segs[-1], c.chain_links(hit_sid, 1, segs[-1][1], memoryview(
+                    enc.width(segs[-1][1]))[:segs[-1][2] * segs[-1][1]]), query, enc)),
             "the hit's row read": med_us(lambda: c.snapshot(hit_sid)),
         }
         plan = [r for r in conn.execute(

@@ -23,7 +23,7 @@ from ._catalog_chunks import QUARANTINED_USERS_SQL, ChunkQueries
 from ._catalog_rows import N_SNAP, SNAP_COLS, ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, snap_row
 from ._errors import CorruptionError
 from ._find_keys import FIND_SEED, extend
-from ._tokens import BLOCK, Segment, decode_tokens
+from ._tokens import BLOCK, Link, Segment, decode_tokens
 
 __all__ = ["QUARANTINED_USERS_SQL", "ChunkRow", "OwnerRow", "PartKind", "PartRow", "SnapRow", "SnapState", "Txn"]
 
@@ -192,6 +192,27 @@ class Txn(ChunkQueries):
             "ON s.id = ch.x WHERE ch.lvl >= ?", (sid, sid, start))
         for lvl, b, w, base, n in cur:
             yield int(lvl), (bytes(b), int(w), int(base), int(n))
+
+    def chain_links(self, sid: int, start: int, width: int, prompt: memoryview) -> Iterator[Link]:
+        """The links of the snapshot's chain from level ``start`` up, leaf first, lazily (the walk
+        of :meth:`chain_segments`), each compared inside SQLite: a link of ``width`` with
+        ``prompt`` (the prompt encoded in that width) at its own offset, so its blob never becomes
+        a Python object; a link of another width brings its blob for the caller to compare.
+
+        Yields :data:`._tokens.Link` ``(level, width, base_tokens, n_tokens, blob bytes, same,
+        blob)``: ``same`` is None where ``blob`` is given. (Measured: docs/benchmarks.md, "match()
+        fifth pass".)"""
+        cur = self._c.execute(
+            "WITH RECURSIVE ch(x, lvl) AS (SELECT ?1, 0 UNION ALL "
+            "SELECT s.parent_id, ch.lvl + 1 FROM snapshots s JOIN ch ON s.id = ch.x "
+            "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?1), 100000)) "
+            "SELECT ch.lvl, s.token_width, s.base_tokens, s.n_tokens, "
+            "length(s.tokens), "
+            "CASE WHEN s.token_width = ?3 THEN s.tokens = substr(?4, s.base_tokens * ?3 + 1, length(s.tokens)) END, "
+            "CASE WHEN s.token_width = ?3 THEN NULL ELSE s.tokens END "
+            "FROM ch CROSS JOIN snapshots s ON s.id = ch.x WHERE ch.lvl >= ?2", (sid, start, width, prompt))
+        for lvl, w, base, n, nbytes, same, blob in cur:  # tokens is a BLOB NOT NULL of a STRICT table
+            yield int(lvl), int(w), int(base), int(n), int(nbytes), None if same is None else bool(same), blob
 
     def insert_snapshot(self, **v: Any) -> int:
         """Insert one snapshot row; its find key is derived here from its parent's (never passed in)."""

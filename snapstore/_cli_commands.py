@@ -17,7 +17,7 @@ from typing import Any
 from . import _cli_render as render
 from ._cli_context import EXIT_DAMAGE, EXIT_OK, FORMAT, CliContext, UsageError
 from ._config import MIB, Budget, default_dir, env_int
-from ._db import release_wal
+from ._db_copy import release_wal
 from ._errors import CorruptionError
 from ._gc import gc
 from ._inspect import inspect_snapshot, inspect_store, resolve_identity, stats_of

@@ -1,4 +1,4 @@
-"""The SQLite machinery: connections, transactions, migrations, private copies of a catalog.
+"""The SQLite machinery: connections, transactions, migrations (private copies: `_db_copy.py`).
 
 A :class:`Database` holds one apsw connection per thread (a connection is never shared between
 concurrent transactions) and runs functions in IMMEDIATE write or deferred read transactions,
@@ -12,7 +12,6 @@ import os
 import random
 import threading
 import time
-import urllib.parse
 import weakref
 from collections.abc import Callable
 from importlib import resources
@@ -23,6 +22,7 @@ import apsw
 import apsw.bestpractice
 
 from ._catalog import ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, Txn
+from ._config import env_int
 from ._errors import CorruptionError, StateError, StoreFormatError, StoreIOError
 
 __all__ = ["APPLICATION_ID", "MIN_SQLITE", "ChunkRow", "Conn", "Database", "OwnerRow", "PartKind", "PartRow",
@@ -33,6 +33,9 @@ APPLICATION_ID = 0x534E5053  # "SNPS"
 MIN_SQLITE = (3, 51, 3)
 _BUSY_TIMEOUT_MS = 10_000
 _BUSY_RETRIES = 50
+# The catalog read through a memory map: match() walks a candidate's chain of token blobs, and a
+# pread per overflow page doubled that walk (docs/benchmarks.md, "match() fifth pass").
+DEFAULT_MMAP_MIB = 256
 
 Conn = Txn  # what a transaction function receives (the name callers have always typed it with)
 Raw = apsw.Connection
@@ -133,6 +136,8 @@ class Database:
         self._all: weakref.WeakSet[_Held] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
+        mib = env_int("SNAPSTORE_SQLITE_MMAP_MIB")  # 0: read through the page cache only (pread)
+        self._mmap_bytes = (DEFAULT_MMAP_MIB if mib is None else mib) * (1 << 20)
 
     def open(self) -> Database:
         """Create the file (0600) if needed, then migrate it (or, read-only, check its version)."""
@@ -192,6 +197,7 @@ class Database:
                 # FULL: a commit is durable when it returns (WAL fsync per commit), so a save the API
                 # reported survives power loss, not only a process crash.
                 c.pragma("synchronous", "FULL")
+                c.pragma("mmap_size", self._mmap_bytes)
                 if self.readonly:
                     _compat_views(c)
                 return c
@@ -355,96 +361,3 @@ def rolled_back(c: Raw, fn: Callable[[Txn], T]) -> tuple[T, list[bytes]]:
         return fn(t), t.freed
     finally:
         c.execute("ROLLBACK")
-
-
-def catalog_copy(src: Raw) -> Raw:
-    """An in-memory copy of the catalog (one consistent read snapshot), for a dry run to mutate."""
-    mem = apsw.Connection(":memory:")
-    with mem.backup("main", src, "main") as b:
-        b.step(-1)
-    mem.pragma("foreign_keys", True)
-    return mem
-
-
-class MemDatabase(Database):
-    """A :class:`Database` over one private in-memory connection (a copy of a store's catalog).
-
-    Only :meth:`conn` differs: ``read``/``write`` and every query run unchanged against the copy,
-    and nothing on disk is opened or written.
-    """
-
-    def __init__(self, mem: Raw, path: str) -> None:
-        super().__init__(path, readonly=True)
-        self._mem: Raw | None = mem
-
-    def open(self) -> MemDatabase:
-        """Bring the private copy of an older catalog up to date (nothing on disk is touched)."""
-        self._migrate(self.conn())
-        return self
-
-    def conn(self) -> Raw:
-        """The one in-memory connection (every thread shares it: the copy is private to one reader)."""
-        if self._mem is None:
-            raise StateError("the store is closed; open it again")
-        return self._mem
-
-    def close(self) -> None:
-        """Close the in-memory copy."""
-        if self._mem is not None:
-            self._mem.close()
-            self._mem = None
-
-
-def snapshot_catalog(db_path: str) -> Raw:
-    """A private in-memory copy of the catalog at ``db_path``, taken without writing a byte."""
-    had_shm = os.path.exists(db_path + "-shm")
-    had_any = had_shm or os.path.exists(db_path + "-wal")
-    uri = "file:" + urllib.parse.quote(db_path) + "?mode=ro" + ("&readonly_shm=1" if had_shm else "")
-    last: BaseException | None = None
-    for attempt in range(20):
-        mem = apsw.Connection(":memory:")
-        try:
-            src = apsw.Connection(uri, flags=apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI
-                                  | apsw.SQLITE_OPEN_NOFOLLOW)
-            try:
-                src.set_busy_timeout(10_000)
-                with mem.backup("main", src, "main") as b:
-                    b.step(-1)
-            finally:
-                src.close()
-            mem.pragma("foreign_keys", True)
-            return mem
-        except (apsw.BusyError, apsw.ReadOnlyError, apsw.ProtocolError) as e:  # a writer raced the read
-            mem.close()
-            last = e
-            time.sleep(0.01 * (attempt + 1))
-        except apsw.Error as e:
-            mem.close()
-            raise translate(e) from None
-        finally:
-            if not had_any:
-                release_wal(db_path)
-    raise StoreIOError(16, f"could not take a consistent copy of the catalog: {last}")
-
-
-def release_wal(db_path: str) -> None:
-    """Remove the -wal/-shm files a read-only session created, when no other process uses the store.
-
-    A read-only SQLite connection to a WAL database creates ``-wal`` and ``-shm`` but cannot remove
-    them. Opening and closing one read-write connection lets SQLite do it: the last connection to
-    close deletes them, and only when it gets the exclusive lock (no other process has the store
-    open). The database file is not written (the WAL is empty). Errors are ignored.
-    """
-    try:
-        c = apsw.Connection(db_path, flags=apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_NOFOLLOW)
-    except apsw.Error:
-        return
-    try:
-        c.pragma("user_version")
-    except apsw.Error:
-        pass
-    finally:
-        try:
-            c.close()
-        except apsw.Error:
-            pass

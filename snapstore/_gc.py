@@ -19,7 +19,8 @@ from typing import Any
 from ._catalog import Txn
 from ._config import Budget
 from ._config import pending_lease as resolve_lease
-from ._db import catalog_copy, rolled_back
+from ._db import rolled_back
+from ._db_copy import catalog_copy
 from ._errors import CorruptionError
 from ._lifecycle import drop_dead_pending, drop_identities, evict_until, expire, over_budget
 from ._liveness import Liveness, reap_lock_files

@@ -39,8 +39,11 @@ def longest_prefix(c: Txn, identity_key: str, ns: str, arr: np.ndarray, skip: se
     for sid, _n, _key, own in c.match_candidates(identity_key, ns, keys, len(arr), not_before):
         if sid in skip or not spells_segment(own, arr, encoded):
             continue  # excluded, or its own last tokens differ (a sibling, a find-key collision)
-        if own[2] and not spells_chain(own, c.chain_segments(sid, start=1), arr, encoded):
-            continue  # the tokens below its own segment differ: the stored blobs decide, not the key
+        if own[2]:  # the links below its own segment, compared in SQL against the prompt in its width
+            w = own[1]
+            if not spells_chain(own, c.chain_links(sid, 1, w, memoryview(encoded.width(w))[:own[2] * w]), arr,
+                                encoded):
+                continue  # the tokens below its own segment differ: the stored blobs decide, not the key
         broken = c.quarantined_users() if broken is None else broken
         if broken and needs_quarantined(c.chain(sid), broken, leaf=True):
             continue  # it cannot restore until a save heals its chunk: the next-longest serves

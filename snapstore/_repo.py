@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from ._chunkfile import is_hex_id
-from ._db import Database, MemDatabase, Txn, snapshot_catalog
+from ._db import Database, Txn
+from ._db_copy import MemDatabase, snapshot_catalog
 from ._errors import ConfigError, CorruptionError, SnapstoreError, StoreFormatError
 from ._publish import ensure_dir, fsync_dir, io_error
 

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from ._errors import CorruptionError, InvalidInputError
 
 __all__ = ["BLOCK", "Encoded", "Segment", "TokenIndex", "TokensLike", "as_token_array", "decode_tokens",
-           "encode_tokens", "spells_chain", "spells_prefix", "spells_segment"]
+           "encode_tokens", "Link", "spells_chain", "spells_prefix", "spells_segment"]
 
 # What the public API takes as tokens: a one-dimensional sequence of non-negative ints below 2**63
 # (a list, a tuple, a numpy integer array, or an object numpy.asarray makes one of, such as a CPU
@@ -146,10 +146,14 @@ class Encoded:
 Segment: TypeAlias = tuple[bytes, int, int, int]  # a stored token segment: (blob, width, base_tokens, n_tokens)
 
 
+def _malformed(nbytes: int, width: int, count: int) -> CorruptionError:
+    return CorruptionError(f"stored token blob of {nbytes} bytes does not hold {count} tokens of width {width}; "
+                           "run `snapstore verify`")
+
+
 def _check_blob(blob: bytes, width: int, base: int, n: int) -> None:
     if width not in (4, 8) or not isinstance(blob, (bytes, memoryview)) or len(blob) != width * (n - base):
-        raise CorruptionError(f"stored token blob of {len(blob)} bytes does not hold {n - base} tokens of "
-                              f"width {width}; run `snapstore verify`")
+        raise _malformed(len(blob), width, n - base)
 
 
 def spells_segment(seg: Segment, arr: np.ndarray, encoded: Encoded | None = None) -> bool:
@@ -157,9 +161,13 @@ def spells_segment(seg: Segment, arr: np.ndarray, encoded: Encoded | None = None
     raises CorruptionError.) A root's segment (base 0) decides a match alone."""
     blob, width, base, n = seg
     _check_blob(blob, width, base, n)
-    if n > len(arr) or n < base:
+    return _holds(encoded if encoded is not None and encoded.arr is arr else Encoded(arr), blob, width, base, n)
+
+
+def _holds(enc: Encoded, blob: bytes, width: int, base: int, n: int) -> bool:
+    """Does a blob of checked shape hold exactly the prompt's tokens ``[base, n)``? One memcmp."""
+    if n > len(enc.arr) or n < base:
         return False
-    enc = encoded if encoded is not None and encoded.arr is arr else Encoded(arr)
     return enc.fits(width, base, n) and enc.width(width).startswith(blob, base * width)
 
 
@@ -185,25 +193,33 @@ def spells_prefix(segments: Sequence[Segment], arr: np.ndarray, encoded: Encoded
     return all(spells_segment(seg, arr, enc) for seg in reversed(segments))
 
 
-def spells_chain(own: Segment, ancestors: Iterable[tuple[int, Segment]], arr: np.ndarray,
-                 encoded: Encoded | None = None) -> bool:
-    """Does a candidate spell exactly ``arr[:n]``, given its own segment ``own`` (``n`` its end,
-    already found to hold ``arr[base:n]`` by :func:`spells_segment`) and its ancestors' segments
-    ``(level, segment)`` as :meth:`._catalog.Txn.chain_segments` streams them, parent (level 1)
-    first? The answer of :func:`spells_prefix` on the whole chain, each blob compared as it
-    arrives, none held.
+# A link of a candidate's chain as :meth:`._catalog.Txn.chain_links` streams it: (level, width,
+# base_tokens, n_tokens, blob bytes, same: compared in SQL, or None where blob is given for the
+# caller to compare, blob or None).
+Link: TypeAlias = tuple[int, int, int, int, int, bool | None, Any]
 
-    After the first mismatching link no more blobs are compared, but the rest are still read and
-    their shapes checked: a blob that cannot hold its tokens anywhere in the chain raises
-    CorruptionError, as the whole-chain check does. (A mismatch below the own segment is rare:
-    the find key and the own tokens matched.)"""
+
+def spells_chain(own: Segment, links: Iterable[Link], arr: np.ndarray, encoded: Encoded | None = None) -> bool:
+    """Does a candidate spell exactly ``arr[:n]``, given its own segment ``own`` (``n`` its end,
+    already found to hold ``arr[base:n]`` by :func:`spells_segment`) and its ancestors' links as
+    :meth:`._catalog.Txn.chain_links` streams them, parent (level 1) first? The answer of
+    :func:`spells_prefix` on the whole chain, each link checked as it arrives, none held.
+
+    A link compared in SQL counts only where the prompt's tokens fit its width (an int32 compare of
+    a token >= 2**31 would see it wrapped). After the first mismatching link none is compared, but
+    every link's shape is still checked: a blob that cannot hold its tokens anywhere in the chain
+    raises CorruptionError, as the whole-chain check does. (A mismatch below the own segment is
+    rare: the find key and the own tokens matched.)"""
     enc = encoded if encoded is not None and encoded.arr is arr else Encoded(arr)
     pos, want, ok = own[2], 1, True
-    for lvl, seg in ancestors:
-        blob, width, base, n = seg
-        _check_blob(blob, width, base, n)
+    for lvl, width, base, n, nbytes, same, blob in links:
+        if same is None:
+            _check_blob(blob, width, base, n)
+        elif width not in (4, 8) or nbytes != width * (n - base):
+            raise _malformed(nbytes, width, n - base)
         if ok:  # each link ends where the one above it starts, down to token 0
-            ok = lvl == want and n == pos and base <= n and spells_segment(seg, arr, enc)
+            ok = lvl == want and n == pos and base <= n and (
+                _holds(enc, blob, width, base, n) if same is None else same and enc.fits(width, base, n))
             pos, want = base, want + 1
     return ok and pos == 0
 

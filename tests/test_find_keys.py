@@ -207,9 +207,9 @@ def test_candidates_whose_own_tokens_differ_cost_no_chain_read(tmp_path: str, mo
     from snapstore import _catalog
 
     reads: list[int] = []
-    orig = _catalog.Txn.chain_segments
-    monkeypatch.setattr(_catalog.Txn, "chain_segments",
-                        lambda self, sid, start=0: reads.append(sid) or orig(self, sid, start))
+    orig = _catalog.Txn.chain_links
+    monkeypatch.setattr(_catalog.Txn, "chain_links",
+                        lambda self, sid, *a: reads.append(sid) or orig(self, sid, *a))
     rng = np.random.default_rng(8)
     with _open(os.path.join(tmp_path, "s")) as s:
         for _ in range(30):
@@ -223,3 +223,21 @@ def test_candidates_whose_own_tokens_differ_cost_no_chain_read(tmp_path: str, mo
         assert reads == []
         m = s.match(np.concatenate([sibs[3], rng.integers(0, 50_000, 50)]))
         assert m.snapshot_id == ids[3] and reads == [ids[3]]
+
+
+def test_the_catalog_is_read_through_a_memory_map_unless_turned_off(tmp_path: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every connection maps 256 MiB of the catalog (match() walks token blobs in overflow pages);
+    SNAPSTORE_SQLITE_MMAP_MIB sets it, 0 reads through pread only; a malformed value is refused."""
+    path = os.path.join(tmp_path, "s")
+    with _open(path) as s:
+        _save(s, np.arange(300), parent=None)
+        assert s._repo.db.read(lambda c: c.pragma("mmap_size")) == 256 << 20
+    for value, want in (("0", 0), ("64", 64 << 20)):
+        monkeypatch.setenv("SNAPSTORE_SQLITE_MMAP_MIB", value)
+        with _open(path) as s:
+            assert s._repo.db.read(lambda c: c.pragma("mmap_size")) == want
+            assert s.match(np.arange(400)) is not None
+    monkeypatch.setenv("SNAPSTORE_SQLITE_MMAP_MIB", "lots")
+    with pytest.raises(ss.ConfigError, match="SNAPSTORE_SQLITE_MMAP_MIB"):
+        _open(path)

@@ -1,5 +1,6 @@
-"""match()'s chain check streams a candidate's ancestor segments (``Txn.chain_segments``) and
-compares each as it arrives (``spells_chain``), holding none: the answers must be those of the
+"""match()'s chain check streams a candidate's ancestor links (``Txn.chain_links``, each compared
+inside SQLite or, for a link of another width, by its blob) and checks each as it arrives
+(``spells_chain``), holding none: the answers must be those of the
 whole-chain check (``spells_prefix``) on every chain, a mismatching link below a matching own
 segment passes the candidate over, and a malformed blob anywhere in the chain is still reported
 as corrupt, past a mismatch too.
@@ -33,9 +34,10 @@ def _set_key(s: ss.Store, sid: int, key: int) -> None:
     s._repo.db.write(lambda c: c.execute("UPDATE snapshots SET find_key = ? WHERE id = ?", (key, sid)))
 
 
-def _streamed(segs: list[_tokens.Segment]) -> list[tuple[int, _tokens.Segment]]:
-    """A chain's ancestors (all but the leaf, root first) as chain_segments yields them."""
-    return list(enumerate(reversed(segs[:-1]), start=1))
+def _streamed(segs: list[_tokens.Segment]) -> list[_tokens.Link]:
+    """A chain's ancestors (all but the leaf, root first) as chain_links yields links of another
+    width than the one it compares: each with its blob."""
+    return [(lvl, w, base, n, len(blob), None, blob) for lvl, (blob, w, base, n) in enumerate(reversed(segs[:-1]), 1)]
 
 
 def test_the_streamed_check_answers_as_the_whole_chain_check() -> None:
@@ -69,8 +71,8 @@ def test_links_out_of_order_or_past_the_root_never_match() -> None:
     assert _tokens.spells_chain(segs[-1], _streamed(segs), toks)
     anc = _streamed(segs)
     assert not _tokens.spells_chain(segs[-1], anc[::-1], toks)  # root before parent
-    assert not _tokens.spells_chain(segs[-1], [(1, anc[0][1]), (3, anc[1][1])], toks)  # a level skipped
-    assert not _tokens.spells_chain(segs[-1], [*anc, (3, segs[0])], toks)  # a link past the root (a cycle)
+    assert not _tokens.spells_chain(segs[-1], [anc[0], (3, *anc[1][1:])], toks)  # a level skipped
+    assert not _tokens.spells_chain(segs[-1], [*anc, (3, *anc[-1][1:])], toks)  # a link past the root (a cycle)
     assert not _tokens.spells_chain(segs[-1], anc[:1], toks)  # the chain stops above token 0
 
 
@@ -141,3 +143,58 @@ def test_candidates_of_one_statement_come_longest_first(tmp_path: str) -> None:
             order.append(m.snapshot_id)
         want = sorted([*ids, twin], key=lambda sid: (ids.get(sid, lengths[0]), sid), reverse=True)
         assert order == want
+
+
+def test_links_compared_in_sql_answer_as_their_blobs_do(tmp_path: str) -> None:
+    """chain_links compares links of the bound width inside SQLite and hands back the blobs of the
+    others: over random chains mixing int32 and int64 links, and prompts changed in one token (by
+    one, or by 2**32, which an int32 compare would see wrapped), the answer is the whole-chain check's."""
+    rng = np.random.default_rng(21)
+    checked = 0
+    with open_store(os.path.join(tmp_path, "s"), layout=TINY) as s:
+        for case in range(12):
+            n = int(rng.integers(600, 4000))
+            toks = rng.integers(0, 150_000, n)
+            cuts = sorted({n, *rng.integers(1, n, int(rng.integers(2, 6))).tolist()})
+            for b in cuts:
+                if rng.random() < 0.3:  # an int64 link: a token the int32 width cannot hold
+                    toks[int(rng.integers(max(0, b - 50), b))] = 2**40 + case
+            leaf = None
+            for b in cuts:
+                leaf = _save(s, toks[:b], parent=leaf if leaf is not None else None)
+            sid = leaf.snapshot_id
+            segs = s._repo.db.read(lambda c, sid=sid: c.chain_tokens(sid))
+            variants = [toks.astype("<u8")]
+            for _ in range(6):
+                v = toks.astype("<u8")
+                v[int(rng.integers(0, segs[-1][2]))] += 1 if rng.random() < 0.5 else 2**32
+                variants.append(v)
+            for q in variants:
+                enc = _tokens.Encoded(q)
+                if not _tokens.spells_segment(segs[-1], q, enc):
+                    continue
+                w = segs[-1][1]
+                got = s._repo.db.read(lambda c, q=q, enc=enc, w=w: _tokens.spells_chain(
+                    segs[-1], c.chain_links(sid, 1, w, memoryview(enc.width(w))[:segs[-1][2] * w]), q, enc))
+                assert got == _tokens.spells_prefix(segs, q), case
+                checked += 1
+    assert checked > 50
+
+
+def test_a_prompt_token_past_int32_never_matches_an_int32_link_it_wraps_to(tmp_path: str) -> None:
+    """The int32 root holds token 5 where the prompt has 2**32 + 5: the prompt encoded in int32
+    wraps to the same bytes, so SQLite's compare says equal; with the find keys forced to the
+    prompt's (a collision), the chain must still not match."""
+    toks = np.arange(3000, dtype=np.int64) % 50_000
+    with open_store(os.path.join(tmp_path, "s"), layout=TINY) as s:
+        root = _save(s, toks[:1000])
+        leaf = _save(s, toks[:3000])
+        q = toks.astype("<u8")
+        q[500] += 2**32
+        keys = find_keys(q)
+        _set_key(s, root.snapshot_id, int(keys[1000 // BLOCK]))
+        _set_key(s, leaf.snapshot_id, int(keys[3000 // BLOCK]))
+        assert s.match(q) is None
+        assert s.match(toks[:3000]) is None  # (the keys are forced: the true prompt finds nothing)
+        _set_key(s, leaf.snapshot_id, int(find_keys(as_token_array(toks))[3000 // BLOCK]))
+        assert s.match(toks).snapshot_id == leaf.snapshot_id
