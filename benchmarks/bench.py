@@ -377,6 +377,17 @@ def section_issue12(args: argparse.Namespace, st: State, work: str) -> None:
                         add("save wait=False: engine-visible", time.perf_counter() - t0)
                         h.result()
                         add("save wait=False: until durable", time.perf_counter() - t0)
+                        # the engine's steady state: a store already in use (its staging touched, its
+                        # blobs/ directories made) saves new bytes: one byte changed in every chunk
+                        flip = (st.kv[::16 * MIB], st.fixed[:1])
+                        for v in flip:
+                            v += 1
+                        try:
+                            add("save durable (direct, store in use)",
+                                timed(lambda: a.save(st.tokens, st.parts(), parent=None)))  # noqa: B023
+                        finally:
+                            for v in flip:
+                                v -= 1
                 m = s.match(st.tokens)
                 assert m is not None
                 drop_cache(blob_files(sdir))

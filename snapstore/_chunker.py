@@ -112,11 +112,12 @@ class StagingBuffer:
 
     @property
     def writers(self) -> int:
-        """Threads a save's pool needs: one per slot (at least 2, at most 8), so the hash and write of
-        every chunk in flight run at once and the copy of the next overlaps them. With fewer threads
-        than slots, staged chunks wait for a thread while the disk idles between writes (measured:
-        docs/benchmarks.md, "Issue 12, save pipeline")."""
-        return max(2, min(self._count, 8))
+        """Threads a save's pool needs: two per slot (at least 2, at most 8), so the hash and write of
+        every chunk in flight run at once, the copy of the next overlaps them, and a chunk whose slot
+        is already free (written, now being made durable) holds no thread a staged one needs. With
+        fewer threads than slots, staged chunks wait for a thread while the disk idles between
+        writes (measured: docs/benchmarks.md, "Issue 12, save pipeline")."""
+        return max(2, min(2 * self._count, 8))
 
     def acquire(self) -> tuple[int, memoryview]:
         """Wait for a free slot; return its index and a view of it."""
@@ -206,6 +207,11 @@ class Chunker:
         self._staging = staging
         self._pool = pool
         self._db = db
+        # one O_DIRECT chunk write at a time: concurrent ones share the device and finish together,
+        # freeing every staging slot at once while the disk then idles through the copies and hashes
+        # of the next round; one at a time, a slot frees at the disk's pace (docs/benchmarks.md,
+        # "Issue 12, save pipeline, writes in turn")
+        self._disk = threading.Lock()
 
     def store(self, pieces: Sequence[Piece], key: bytes = b"") -> list[list[ChunkRef]]:
         """Publish every piece; returns, per piece, its chunks in order. Files are durable on return.
@@ -213,7 +219,7 @@ class Chunker:
         On an error, the files this call published that no catalog row references are removed.
         """
         jobs: list[tuple[int, Future[ChunkRef]]] = []
-        window = max(2, self._staging.slots)
+        window = max(2, 2 * self._staging.slots)  # a chunk frees its slot once written, before its fsync
         results: list[list[ChunkRef]] = [[] for _ in pieces]
         # lend: hash and write from the source's own memory, unless this chunk goes raw with O_DIRECT
         lend = not (self.direct and self.codec == CODEC_RAW)
@@ -223,7 +229,7 @@ class Chunker:
                 pkey = piece.key or key
                 for off in range(piece.start, piece.end, self.chunk_bytes):
                     end = min(off + self.chunk_bytes, piece.end)
-                    if len(jobs) >= window:  # bound the chunks in flight (and staging slots held)
+                    if len(jobs) >= window:  # bound the chunks in flight (the slots bound the bytes held)
                         i, fut = jobs.pop(0)
                         results[i].append(fut.result())
                     lent = piece.source.borrow(off, end - off) if lend else None
@@ -272,7 +278,19 @@ class Chunker:
 
     def _one(self, raw: memoryview, slot: int, key: bytes, done: Callable[[], None] | None = None) -> ChunkRef:
         """Address, checksum and publish one chunk from its private copy: staging slot ``slot``, or
-        (slot -1) memory a source lent, handed back by ``done``."""
+        (slot -1) memory a source lent, handed back by ``done``. A slot written with O_DIRECT is
+        given back as soon as its bytes are on their way to the disk, before the file's fsync (which
+        waits for the next chunk's write too) and link: the copy of a later chunk needs it."""
+        freed = [False]
+
+        def free() -> None:
+            if not freed[0]:
+                freed[0] = True
+                if done is not None:
+                    done()
+                else:
+                    self._staging.release(slot)
+
         try:
             cid = chunk_id(raw, key)
             csum = checksum(raw)
@@ -289,15 +307,16 @@ class Chunker:
             # no row, a quarantined row (this save holds the right bytes: it heals it), or a lost file
             _hook("publish", self, cid)
             for attempt in range(3):
-                tmp, codec, payload_len = self._write(raw, csum, slot)
+                tmp, codec, payload_len = self._write(raw, csum, slot, free)
                 stored = HEADER_SIZE + payload_len
                 try:
                     if state == 0 and link_new(tmp, path):
                         return ChunkRef(cid, len(raw), stored, codec, csum, True)
                     kept = settle(self._db, cid, tmp, path, stored, codec)
                 except StoreIOError as e:
-                    # a gc run with no grace period may remove a temp file between write and link
-                    if e.errno != errno.ENOENT or attempt == 2 or os.path.exists(tmp):
+                    # a gc run with no grace period may remove a temp file between write and link:
+                    # written again while this chunk's bytes are still held (not once its slot is free)
+                    if e.errno != errno.ENOENT or attempt == 2 or os.path.exists(tmp) or freed[0]:
                         discard(tmp)
                         raise
                     continue
@@ -306,13 +325,12 @@ class Chunker:
                 return ChunkRef(cid, len(raw), stored, codec, csum, True)
             raise AssertionError("unreachable")  # pragma: no cover
         finally:
-            if done is not None:
-                done()
-            else:
-                self._staging.release(slot)
+            free()
 
-    def _write(self, raw: memoryview, csum: bytes, slot: int = -1) -> tuple[str, int, int]:
+    def _write(self, raw: memoryview, csum: bytes, slot: int = -1,
+               written: Callable[[], None] | None = None) -> tuple[str, int, int]:
         """Write one chunk file to a durable temp file; returns (temp path, codec used, payload length).
+        ``written`` is called once an O_DIRECT write has taken the bytes of slot ``slot``.
 
         Compressed output streams into the file piece by piece (constant memory); once it is no
         smaller than the raw bytes it covers, the chunk is written raw instead.
@@ -338,7 +356,7 @@ class Chunker:
         if self.direct and slot >= 0:
             frame = self._staging.frame(slot, len(raw))
             frame[:HEADER_SIZE] = header  # in front of the data already in the slot: no payload copy
-            path = write_direct(self._tmp, frame, HEADER_SIZE + len(raw))
+            path = write_direct(self._tmp, frame, HEADER_SIZE + len(raw), self._disk, written)
             if path is not None:
                 return path, CODEC_RAW, len(raw)
             self.direct = False  # the file system refuses O_DIRECT (tmpfs, ...): buffered from now on

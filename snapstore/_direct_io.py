@@ -23,6 +23,8 @@ import errno
 import fcntl
 import mmap
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -61,10 +63,13 @@ class _Refused(Exception):
     """The file system refused O_DIRECT for this file."""
 
 
-def write_direct(tmp_dir: str, frame: memoryview, size: int) -> str | None:
+def write_direct(tmp_dir: str, frame: memoryview, size: int, turn: AbstractContextManager[object] | None = None,
+                 written: Callable[[], None] | None = None) -> str | None:
     """Write ``frame`` (aligned address, length a multiple of ALIGN) to a fresh temp file with
     O_DIRECT, truncate it to ``size`` bytes, fsync and close it; return its path, or None when
-    the file system refuses direct I/O (nothing is left behind; write it buffered instead)."""
+    the file system refuses direct I/O (nothing is left behind; write it buffered instead).
+    ``turn``: held around the write itself (the caller's one-write-at-a-time lock); ``written``:
+    called once the write returned, when ``frame`` may be reused (the fsync follows)."""
     try:
         if _TEST_REFUSE == "open":
             raise OSError(errno.EINVAL, "Invalid argument")
@@ -78,11 +83,14 @@ def write_direct(tmp_dir: str, frame: memoryview, size: int) -> str | None:
         try:
             if _TEST_REFUSE == "write":
                 raise OSError(errno.EINVAL, "Invalid argument")
-            write_all(fd, frame)
+            with turn if turn is not None else nullcontext():
+                write_all(fd, frame)
         except OSError as e:
             if e.errno == errno.EINVAL:
                 raise _Refused() from None
             raise
+        if written is not None:
+            written()
         os.ftruncate(fd, size)
         return True
 

@@ -438,3 +438,73 @@ def test_a_save_hashes_and_writes_as_many_chunks_at_once_as_the_staging_buffer_h
         out = {k: np.zeros_like(v) for k, v in state.items()}
         s.restore(r, out)
         assert all(np.array_equal(out[k], state[k]) for k in state)
+
+
+def test_direct_chunk_writes_go_to_the_disk_one_at_a_time(store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four staged chunks, but one O_DIRECT write in flight at a time: concurrent writes share the
+    device and finish together, freeing every slot at once while the disk then idles."""
+    from snapstore import _direct_io
+    real, inside, peak, lock = _direct_io.write_all, [0], [0], threading.Lock()
+
+    def counted(fd: int, piece: Any) -> None:
+        with lock:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+        try:
+            threading.Event().wait(0.02)  # a slow disk: room for a second write to start, if allowed
+            real(fd, piece)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(_direct_io, "write_all", counted)
+    state = _big_state(256, 10)
+    with _open_big(store_dir) as s:
+        r = s.save(list(range(256)), state)
+        assert s._chunker.direct and peak[0] == 1, peak[0]
+        out = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+
+
+def test_a_written_chunk_frees_its_slot_before_its_fsync(store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the first chunk file's fsync is held, the save goes on copying every later chunk into
+    the staging slots: a slot is free once its O_DIRECT write returned (on the old code the first
+    slot stayed taken through the fsync, and the save stopped after the slots' worth of copies)."""
+    import os
+
+    from snapstore import _chunker
+    real_fsync, real_copy = os.fsync, _chunker._copy
+    held, copies, first, by_copies = threading.Event(), [0], [True], [False]
+    lock = threading.Lock()
+
+    def fsync(fd: int) -> None:
+        with lock:  # the first fsync of a chunk's temp file (tmp/w-...), on a pool thread
+            hold = first[0] and os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("w-")
+            first[0] = first[0] and not hold
+        if hold:
+            held.wait(20)
+        real_fsync(fd)
+
+    def copy(*a: Any) -> None:
+        real_copy(*a)
+        with lock:
+            copies[0] += 1
+            if copies[0] == 5 and not held.is_set():
+                by_copies[0] = True  # every chunk copied while the first fsync was held
+                held.set()
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(_chunker, "_copy", copy)
+    state = _big_state(256, 11)  # 5 chunks of 4 MiB, 4 slots
+    with _open_big(store_dir) as s:
+        t = threading.Timer(5, held.set)  # the old code: stuck until this lets the fsync go
+        t.start()
+        try:
+            r = s.save(list(range(256)), state)
+        finally:
+            t.cancel()
+        assert by_copies[0] and copies[0] == 5
+        out = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
