@@ -5,7 +5,9 @@ buffer — and its content address (BLAKE3), checksum (XXH3) and file bytes all 
 private copy, so an engine thread that changes its buffer during a save can only spoil this
 save's own snapshot, never a chunk another snapshot deduplicates onto. The copy of chunk k+1
 (numpy, without the GIL) overlaps the hash, write and fsync of chunk k on a small thread pool, so
-memory stays bounded by the staging buffer and the disk stays busy.
+memory stays bounded by the staging buffer and the disk stays busy: O_DIRECT writes go one at a
+time (they would otherwise share the device and free every slot at once), and a slot is free again
+once its write returned, before the file's fsync.
 
 A source that lends its own private host memory (the torch adapter's page-locked staging halves:
 ``view``/``release`` of the reader protocol, see ``_buffers``) is hashed, compressed and written
