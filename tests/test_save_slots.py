@@ -26,8 +26,21 @@ def _state(n: int, seed: int) -> dict[str, np.ndarray]:
             "kv": rng.integers(0, 256, (n, 64 * 1024), dtype=np.uint8)}
 
 
+class _Reader:
+    """A part that is not a host buffer (``PartReader``): records the thread of every read."""
+
+    def __init__(self, arr: np.ndarray):
+        self.arr, self.nbytes, self.threads, self.reads = arr, arr.nbytes, set(), 0
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        self.threads.add(threading.get_ident())
+        self.reads += 1
+        out[:] = self.arr.reshape(-1).data[offset:offset + len(out)]
+
+
+@pytest.mark.parametrize("reader", [False, True], ids=["host", "reader"])
 def test_a_temp_file_gc_removes_after_its_direct_write_is_written_again(
-        store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        store_dir: str, monkeypatch: pytest.MonkeyPatch, reader: bool) -> None:
     """gc with no grace period removes a chunk's temp file after its O_DIRECT write returned (here:
     during its fsync), before its link. The save writes that chunk again and succeeds, as it did
     before slots were freed at the write (then the slot still held the bytes; once freed, main
@@ -54,9 +67,15 @@ def test_a_temp_file_gc_removes_after_its_direct_write_is_written_again(
     with _open_big(store_dir) as s:
         repo: Any = s._repo
         monkeypatch.setattr(os, "fsync", fsync)
-        r = s.save(list(range(256)), state)
+        parts: dict[str, Any] = dict(state)
+        if reader:
+            parts = {k: _Reader(v) for k, v in state.items()}
+        r = s.save(list(range(256)), parts)
         monkeypatch.setattr(os, "fsync", real_fsync)
         assert removed and s._chunker.direct  # the window was hit, on the O_DIRECT path
+        if reader:  # one chunk read again, on the saving thread only (docs/api.md, the reader contract)
+            assert sum(p.reads for p in parts.values()) == 5 + 1
+            assert set().union(*(p.threads for p in parts.values())) == {threading.get_ident()}
         out = {k: np.zeros_like(v) for k, v in state.items()}
         s.restore(s.match(list(range(256))) or r, out)
         assert all(np.array_equal(out[k], state[k]) for k in state)
