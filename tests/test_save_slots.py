@@ -30,7 +30,8 @@ class _Reader:
     """A part that is not a host buffer (``PartReader``): records the thread of every read."""
 
     def __init__(self, arr: np.ndarray):
-        self.arr, self.nbytes, self.threads, self.reads = arr, arr.nbytes, set(), 0
+        self.arr, self.nbytes, self.reads = arr, arr.nbytes, 0
+        self.threads: set[int] = set()
 
     def read_into(self, offset: int, out: memoryview) -> None:
         self.threads.add(threading.get_ident())
