@@ -67,6 +67,12 @@ def _hook(stage: str, chunker: Chunker, cid: bytes) -> None:
         hook(stage, chunker, cid)
 
 
+class _Lost(StoreIOError):
+    """A chunk's temp file vanished before its link (a gc run with no grace period) after its slot
+    was freed at its O_DIRECT write: the bytes are gone, so :meth:`Chunker.store` copies the chunk
+    from its source again (on its own thread: a pool thread waiting for a slot could deadlock)."""
+
+
 @dataclass(frozen=True)
 class ChunkRef:
     """A chunk as a snapshot references it, with what the chunks table needs."""
@@ -157,6 +163,16 @@ def _copy(source: Source, start: int, out: memoryview) -> None:
         source.copy_into(start, out)
 
 
+def _taken(fut: Future[ChunkRef], again: Callable[[], ChunkRef] | None) -> ChunkRef:
+    """A chunk job's result; a chunk whose bytes were lost with its temp file is published again."""
+    try:
+        return fut.result()
+    except _Lost:
+        if again is None:
+            raise
+        return again()
+
+
 def _vouched(path: str, row: ChunkRow) -> bool:
     """Does the file at ``path`` look like what the catalog row says (header and size)?"""
     try:
@@ -220,7 +236,8 @@ class Chunker:
 
         On an error, the files this call published that no catalog row references are removed.
         """
-        jobs: list[tuple[int, Future[ChunkRef]]] = []
+        # (piece index, its result, how to copy and publish the chunk again: None for lent memory)
+        jobs: list[tuple[int, Future[ChunkRef], Callable[[], ChunkRef] | None]] = []
         window = max(2, 2 * self._staging.slots)  # a chunk frees its slot once written, before its fsync
         results: list[list[ChunkRef]] = [[] for _ in pieces]
         # lend: hash and write from the source's own memory, unless this chunk goes raw with O_DIRECT
@@ -232,13 +249,13 @@ class Chunker:
                 for off in range(piece.start, piece.end, self.chunk_bytes):
                     end = min(off + self.chunk_bytes, piece.end)
                     if len(jobs) >= window:  # bound the chunks in flight (the slots bound the bytes held)
-                        i, fut = jobs.pop(0)
-                        results[i].append(fut.result())
+                        i, fut, again = jobs.pop(0)
+                        results[i].append(_taken(fut, again))
                     lent = piece.source.borrow(off, end - off) if lend else None
                     if lent is not None:
                         back = functools.partial(piece.source.give_back, off, end - off)
                         try:
-                            jobs.append((idx, self._pool.submit(self._one, lent, -1, pkey, back)))
+                            jobs.append((idx, self._pool.submit(self._one, lent, -1, pkey, back), None))
                         except BaseException:
                             back()
                             raise
@@ -247,16 +264,17 @@ class Chunker:
                     try:
                         view = mv[:end - off]
                         _copy(piece.source, off, view)
-                        jobs.append((idx, self._pool.submit(self._one, view, slot, pkey)))
+                        fut = self._pool.submit(self._one, view, slot, pkey)
                     except BaseException:
                         self._staging.release(slot)
                         raise
-            for i, fut in jobs:
-                results[i].append(fut.result())
+                    jobs.append((idx, fut, functools.partial(self._again, piece.source, off, end, pkey)))
+            for i, fut, again in jobs:
+                results[i].append(_taken(fut, again))
             jobs = []
             ok = True
         finally:
-            for i, fut in jobs:  # an error above: let in-flight work finish before buffers go away
+            for i, fut, _ in jobs:  # an error above: let in-flight work finish before buffers go away
                 try:
                     results[i].append(fut.result())
                 except BaseException:  # noqa: S110 - the first error is the one raised
@@ -273,6 +291,25 @@ class Chunker:
         fsync_dirs(dirs, self._pool)
         _hook("stored", self, b"")
         return results
+
+    def _again(self, source: Source, start: int, end: int, key: bytes) -> ChunkRef:
+        """Copy bytes [start, end) of ``source`` into a slot again and publish them, on the calling
+        (saving) thread: a chunk whose temp file was lost after its slot was freed (:class:`_Lost`).
+        The copy is hashed afresh, so a source changed meanwhile spoils only this save's snapshot."""
+        for attempt in range(2):
+            slot, mv = self._staging.acquire()
+            try:
+                view = mv[:end - start]
+                _copy(source, start, view)
+            except BaseException:
+                self._staging.release(slot)
+                raise
+            try:
+                return self._one(view, slot, key)  # gives the slot back
+            except _Lost:
+                if attempt == 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _state(self, cid: bytes) -> int:
         # a read transaction: retried while SQLite is busy, errors translated
@@ -317,10 +354,15 @@ class Chunker:
                     kept = settle(self._db, cid, tmp, path, stored, codec)
                 except StoreIOError as e:
                     # a gc run with no grace period may remove a temp file between write and link:
-                    # written again while this chunk's bytes are still held (not once its slot is free)
-                    if e.errno != errno.ENOENT or attempt == 2 or os.path.exists(tmp) or freed[0]:
+                    # written again while this chunk's bytes are still held; once its slot is free,
+                    # copied again from its source by store()
+                    if e.errno != errno.ENOENT or attempt == 2 or os.path.exists(tmp):
                         discard(tmp)
                         raise
+                    if freed[0]:
+                        lost = _Lost(e.errno, e.strerror or str(e))
+                        lost.filename = e.filename
+                        raise lost from None
                     continue
                 if kept is not None:
                     return ChunkRef(cid, len(raw), kept, -1, csum, False)

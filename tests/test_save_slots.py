@@ -1,0 +1,82 @@
+"""The save pipeline's staging slots, freed once a chunk's O_DIRECT write returned (before its
+fsync and link): what must still hold after that point, on real files and threads."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from support import store_factory
+
+import snapstore as ss
+
+MIB = 1 << 20
+BIG = ss.Layout(fixed={"run": ss.Fixed("uint8", (4 * MIB,))}, rows={"kv": ss.Rows("uint8", (64 * 1024,))})
+_open_big = store_factory(layout=BIG, chunk_bytes=4 * MIB, staging_bytes=16 * MIB,
+                          budget=ss.Budget(reserve_bytes=0, ram_bytes=0), check_rows=None)
+
+
+def _state(n: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"run": rng.integers(0, 256, 4 * MIB, dtype=np.uint8),
+            "kv": rng.integers(0, 256, (n, 64 * 1024), dtype=np.uint8)}
+
+
+class _Reader:
+    """A part that is not a host buffer (``PartReader``): records the thread of every read."""
+
+    def __init__(self, arr: np.ndarray):
+        self.arr, self.nbytes, self.reads = arr, arr.nbytes, 0
+        self.threads: set[int] = set()
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        self.threads.add(threading.get_ident())
+        self.reads += 1
+        out[:] = self.arr.reshape(-1).data[offset:offset + len(out)]
+
+
+@pytest.mark.parametrize("reader", [False, True], ids=["host", "reader"])
+def test_a_temp_file_gc_removes_after_its_direct_write_is_written_again(
+        store_dir: str, monkeypatch: pytest.MonkeyPatch, reader: bool) -> None:
+    """gc with no grace period removes a chunk's temp file after its O_DIRECT write returned (here:
+    during its fsync), before its link. The save writes that chunk again and succeeds, as it did
+    before slots were freed at the write (then the slot still held the bytes; once freed, main
+    raised the ENOENT out of save())."""
+    from snapstore._gc import temp_files
+
+    real_fsync = os.fsync
+    removed: list[str] = []
+    lock = threading.Lock()
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        with lock:
+            if removed or not os.path.basename(path).startswith("w-"):
+                return
+            # what gc(grace=0) removes at this moment: this chunk's temp file (and any other in flight)
+            for p in temp_files(repo, time.time(), 0):
+                if p == path:
+                    os.unlink(p)
+                    removed.append(p)
+
+    state = _state(256, 21)  # 5 chunks of 4 MiB, 4 slots
+    with _open_big(store_dir) as s:
+        repo: Any = s._repo
+        monkeypatch.setattr(os, "fsync", fsync)
+        parts: dict[str, Any] = dict(state)
+        if reader:
+            parts = {k: _Reader(v) for k, v in state.items()}
+        r = s.save(list(range(256)), parts)
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        assert removed and s._chunker.direct  # the window was hit, on the O_DIRECT path
+        if reader:  # one chunk read again, on the saving thread only (docs/api.md, the reader contract)
+            assert sum(p.reads for p in parts.values()) == 5 + 1
+            assert set().union(*(p.threads for p in parts.values())) == {threading.get_ident()}
+        out = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(s.match(list(range(256))) or r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
