@@ -127,27 +127,22 @@ class Txn(ChunkQueries):
         segment ``(blob, width, base_tokens, n_tokens)`` lets match() pass over a candidate whose
         last tokens differ (a sibling, a collision) without reading its chain.
         """
-        cols = "s.id, s.n_tokens, s.prefix_key, s.find_key, s.tokens, s.token_width, s.base_tokens"
-        of_identity = "s.identity_id = (SELECT id FROM identities WHERE key = ?) AND s.namespace = ?"
-        cond = "s.n_tokens <= ? AND s.last_used >= ? AND s.state = 1 AND s.matchable = 1"
+        sql = ("SELECT id, n_tokens, prefix_key, find_key, tokens, token_width, base_tokens FROM snapshots "
+               "WHERE identity_id = "
+               "(SELECT id FROM identities WHERE key = ?) AND namespace = ? AND find_key IN {keys} "
+               "AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1")
         hi = min(len(keys), max_tokens // BLOCK + 1) if max_tokens >= 0 else 0
         batch_size = _FIRST_BATCH
         while hi > 0:
             lo = max(0, hi - batch_size)
             batch_size = _ANCHOR_BATCH
             batch = np.ascontiguousarray(keys[lo:hi], dtype=np.int64)
-            if _CARRAY is not None:
-                # the batch bound as one array that drives the index probes (a join: IN built a temp
-                # index of the keys first, ~20% of a miss's statements)
-                sql = (f"SELECT {cols} FROM carray(?) AS k CROSS JOIN snapshots AS s ON {of_identity} "
-                       f"AND s.find_key = k.value WHERE {cond}")
-                args: tuple[Any, ...] = (_CARRAY(batch), identity_key, namespace, max_tokens, not_before)
+            if _CARRAY is not None:  # the batch bound as one array: no statement text of 500 "?"s to bind
+                marks, bound = "carray(?)", [_CARRAY(batch)]
             else:
-                sql = (f"SELECT {cols} FROM snapshots AS s WHERE {of_identity} "
-                       f"AND s.find_key IN ({','.join('?' * len(batch))}) AND {cond}")
-                args = (identity_key, namespace, *batch.tolist(), max_tokens, not_before)
-            rows: list[Any] = self._c.execute(sql, args).fetchall()
-            rows = list({r[0]: r for r in rows}.values())  # a key twice in the batch (a collision) joins twice
+                marks, bound = "(" + ",".join("?" * len(batch)) + ")", batch.tolist()
+            rows: list[Any] = self._c.execute(
+                sql.format(keys=marks), (identity_key, namespace, *bound, max_tokens, not_before)).fetchall()
             # n_tokens DESC, id DESC, put here rather than by an ORDER BY: its temp B-tree copied every
             # row's blob once more, half of a hit's first statement (a sorter reads every row first too)
             rows.sort(key=lambda r: (r[1], r[0]), reverse=True)
