@@ -177,8 +177,9 @@ class Txn(ChunkQueries):
 
     def chain_segments(self, sid: int, start: int = 0) -> Iterator[tuple[int, Segment]]:
         """``(level, (blob, width, base_tokens, n_tokens))`` of the snapshot's chain from level
-        ``start`` up (0 the snapshot, 1 its parent, ...), leaf first, read lazily: what match()
-        compares as it streams, without reading whole rows (``chain``).
+        ``start`` up (0 the snapshot, 1 its parent, ...), leaf first, read lazily, without reading
+        whole rows (``chain``); match() walks the same chain with the compare done in SQL
+        (:meth:`chain_links`).
 
         Lazily, because holding a chain's blobs at once costs more than reading them: 50 fresh
         10 KiB blobs alive together fault in fresh pages on every call (~4x the read, measured);
