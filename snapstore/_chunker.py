@@ -132,10 +132,15 @@ class StagingBuffer:
         with self._cv:
             while not self._free:
                 self._cv.wait()
+            if self._buf is None:  # allocated on first use, before a slot is taken: a failure loses none
+                try:
+                    buf = np.empty(self._count * self._stride + ALIGN, dtype=np.uint8)
+                except MemoryError:
+                    raise StoreIOError(errno.ENOMEM, f"cannot allocate the {self._count * self.slot_bytes >> 20} MiB "
+                                       "staging buffer: free memory, or lower staging_bytes "
+                                       "($SNAPSTORE_STAGING_MIB)") from None
+                self._buf, self._base = buf, -buf.ctypes.data % ALIGN
             i = self._free.pop()
-            if self._buf is None:
-                self._buf = np.empty(self._count * self._stride + ALIGN, dtype=np.uint8)
-                self._base = -self._buf.ctypes.data % ALIGN
             start = self._base + i * self._stride + HEADER_SIZE
             return i, self._buf.data[start:start + self.slot_bytes]
 

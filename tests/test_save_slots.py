@@ -80,3 +80,50 @@ def test_a_temp_file_gc_removes_after_its_direct_write_is_written_again(
         out = {k: np.zeros_like(v) for k, v in state.items()}
         s.restore(s.match(list(range(256))) or r, out)
         assert all(np.array_equal(out[k], state[k]) for k in state)
+
+
+_NO_MEMORY_CHILD = r"""
+import resource, sys, threading, numpy as np, snapstore as ss
+lay = ss.Layout(fixed={"run": ss.Fixed("uint8", (1 << 20,))}, rows={"kv": ss.Rows("uint8", (4096,))})
+s = ss.Store.open(sys.argv[1], identity=ss.Identity(build="t", pack="p"), layout=lay, chunk_bytes=4 << 20,
+                  staging_bytes=64 << 20, budget=ss.Budget(reserve_bytes=0, ram_bytes=0))
+rng = np.random.default_rng(1)
+state = {"run": rng.integers(0, 256, 1 << 20, dtype=np.uint8), "kv": rng.integers(0, 256, (2048, 4096), dtype=np.uint8)}
+vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:"))
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+errors = []
+for attempt in range(6):  # more failed saves than the staging buffer has slots
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (48 << 20), hard))  # no room for 64 MiB of staging
+    try:
+        s.save(list(range(2048)), state)
+        errors.append("saved")
+    except BaseException as e:
+        errors.append(type(e).__name__ + ":" + str(getattr(e, "errno", "")))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+print("ERRORS", ",".join(errors), flush=True)
+done = []
+t = threading.Thread(target=lambda: done.append(s.save(list(range(2048)), state)), daemon=True)
+t.start()
+t.join(30)
+print("SAVED" if done and done[0].ok else "HUNG", flush=True)
+if done:
+    out = {k: np.zeros_like(v) for k, v in state.items()}
+    s.restore(done[0], out)
+    print("EXACT" if all(np.array_equal(out[k], state[k]) for k in state) else "WRONG", flush=True)
+"""
+
+
+def test_a_staging_buffer_that_cannot_be_allocated_fails_the_save_clearly_and_loses_no_slot(tmp_path: Any) -> None:
+    """A save whose staging buffer cannot be allocated (a real address-space limit, in a child)
+    raises StoreIOError(ENOMEM) with what to do, again and again, and takes no slot: once memory is
+    back the next save runs (the old code raised a bare MemoryError and lost a slot each time, so
+    after as many failures as slots every later save waited for a slot forever)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _NO_MEMORY_CHILD, str(tmp_path / "s")], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    lines = dict(line.split(" ", 1) if " " in line else (line, "") for line in r.stdout.splitlines())
+    assert "ERRORS" in lines, r.stdout + r.stderr
+    assert lines["ERRORS"].split(",") == ["StoreIOError:12"] * 6, lines["ERRORS"]
+    assert "SAVED" in lines and "EXACT" in lines, r.stdout + r.stderr
