@@ -54,6 +54,13 @@ def _carray() -> Any:
 _CARRAY: Any = _carray()
 
 
+# The walk from snapshot ?1 up its parents: ch(x, lvl), lvl 0 the snapshot itself; bounded by its
+# recorded depth (and 100000), so a damaged parent cycle cannot loop. One text for every chain query.
+_WALK = ("WITH RECURSIVE ch(x, lvl) AS (SELECT ?1, 0 UNION ALL "
+         "SELECT s.parent_id, ch.lvl + 1 FROM snapshots s JOIN ch ON s.id = ch.x "
+         "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?1), 100000))")
+
+
 class Txn(ChunkQueries):
     """One open transaction on the catalog: its queries, and the chunk ids it freed (``freed``)."""
 
@@ -163,11 +170,8 @@ class Txn(ChunkQueries):
     def chain(self, sid: int) -> list[SnapRow]:
         """The snapshot and its ancestors, root first."""
         rows = self._c.execute(
-            f"WITH RECURSIVE ch(x, lvl) AS (SELECT ?, 0 UNION ALL "
-            f"SELECT s.parent_id, ch.lvl + 1 FROM snapshots s JOIN ch ON s.id = ch.x "
-            f"WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?), 100000)) "
-            f"SELECT {SNAP_COLS} FROM snapshots JOIN ch ON snapshots.id = ch.x ORDER BY ch.lvl DESC",
-            (sid, sid)).fetchall()
+            f"{_WALK} SELECT {SNAP_COLS} FROM snapshots JOIN ch ON snapshots.id = ch.x ORDER BY ch.lvl DESC",
+            (sid,)).fetchall()
         return [snap_row(r[:N_SNAP]) for r in rows]
 
     def chain_tokens(self, sid: int) -> list[Segment]:
@@ -186,11 +190,8 @@ class Txn(ChunkQueries):
         streamed, each blob's memory is reused by the next. Leaf first: the walk's queue is read in
         FIFO order and CROSS JOIN keeps it the outer loop, so no ORDER BY sorts (copies) the blobs."""
         cur = self._c.execute(
-            "WITH RECURSIVE ch(x, lvl) AS (SELECT ?, 0 UNION ALL "
-            "SELECT s.parent_id, ch.lvl + 1 FROM snapshots s JOIN ch ON s.id = ch.x "
-            "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?), 100000)) "
-            "SELECT ch.lvl, s.tokens, s.token_width, s.base_tokens, s.n_tokens FROM ch CROSS JOIN snapshots s "
-            "ON s.id = ch.x WHERE ch.lvl >= ?", (sid, sid, start))
+            f"{_WALK} SELECT ch.lvl, s.tokens, s.token_width, s.base_tokens, s.n_tokens FROM ch CROSS JOIN "
+            "snapshots s ON s.id = ch.x WHERE ch.lvl >= ?2", (sid, start))
         for lvl, b, w, base, n in cur:
             yield int(lvl), (bytes(b), int(w), int(base), int(n))
 
@@ -204,10 +205,7 @@ class Txn(ChunkQueries):
         blob)``: ``same`` is None where ``blob`` is given. (Measured: docs/benchmarks.md, "match()
         fifth pass".)"""
         cur = self._c.execute(
-            "WITH RECURSIVE ch(x, lvl) AS (SELECT ?1, 0 UNION ALL "
-            "SELECT s.parent_id, ch.lvl + 1 FROM snapshots s JOIN ch ON s.id = ch.x "
-            "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?1), 100000)) "
-            "SELECT ch.lvl, s.token_width, s.base_tokens, s.n_tokens, "
+            f"{_WALK} SELECT ch.lvl, s.token_width, s.base_tokens, s.n_tokens, "
             "length(s.tokens), "
             "CASE WHEN s.token_width = ?3 THEN s.tokens = substr(?4, s.base_tokens * ?3 + 1, length(s.tokens)) END, "
             "CASE WHEN s.token_width = ?3 THEN NULL ELSE s.tokens END "
