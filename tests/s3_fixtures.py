@@ -146,6 +146,9 @@ class SeaweedCluster:
             "volume", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={vdir}", "-max=64",
             f"-mserver=127.0.0.1:{self.m_port}.{self.m_grpc}", f"-port={port}", f"-port.grpc={grpc}",
             "-preStopSeconds=0",
+            # SeaweedFS marks every volume read-only below 1% free disk by default: on a large,
+            # shared disk that is gigabytes, and every PUT then fails; the tests write megabytes
+            "-minFreeSpace=64MiB",
         ])
 
     def stop_volume(self, i: int) -> None:
