@@ -3,11 +3,13 @@
 Every chunk is first copied into a slot of the store's staging buffer — one read of the engine's
 buffer — and its content address (BLAKE3), checksum (XXH3) and file bytes all come from that
 private copy, so an engine thread that changes its buffer during a save can only spoil this
-save's own snapshot, never a chunk another snapshot deduplicates onto. The copy of chunk k+1
-(numpy, without the GIL) overlaps the hash, write and fsync of chunk k on a small thread pool, so
-memory stays bounded by the staging buffer and the disk stays busy: O_DIRECT writes go one at a
-time (they would otherwise share the device and free every slot at once), and a slot is free again
-once its write returned, before the file's fsync.
+save's own snapshot, never a chunk another snapshot deduplicates onto. Chunks of host memory are
+copied on a small thread pool, each piece hashed from the copy while it is still in cache
+(:func:`copy_addressed`: one pass over memory), so the copies and hashes of several chunks overlap
+each other's writes and fsyncs; memory stays bounded by the staging buffer and the disk stays busy:
+O_DIRECT writes go one at a time (they would otherwise share the device and free every slot at
+once), and a slot is free again once its write returned, before the file's fsync. An engine's
+reader (``read_into``) is only ever called from the saving thread.
 
 A source that lends its own private host memory (the torch adapter's page-locked staging halves:
 ``view``/``release`` of the reader protocol, see ``_buffers``) is hashed, compressed and written
@@ -44,6 +46,7 @@ from ._chunkfile import (
     checksum,
     chunk_id,
     compress_stream,
+    copy_addressed,
     header_at,
     header_matches,
 )
@@ -268,8 +271,11 @@ class Chunker:
                     slot, mv = self._staging.acquire()
                     try:
                         view = mv[:end - off]
-                        _copy(piece.source, off, view)
-                        fut = self._pool.submit(self._one, view, slot, pkey)
+                        if piece.source.zero_copy:  # copied and hashed in one pass, on the pool
+                            fut = self._pool.submit(self._staged, piece.source.view(off, end), view, slot, pkey)
+                        else:  # an engine's reader is called from the saving thread only
+                            _copy(piece.source, off, view)
+                            fut = self._pool.submit(self._one, view, slot, pkey)
                     except BaseException:
                         self._staging.release(slot)
                         raise
@@ -320,7 +326,18 @@ class Chunker:
         # a read transaction: retried while SQLite is busy, errors translated
         return self._db.read(lambda c: c.chunk_state(cid))
 
-    def _one(self, raw: memoryview, slot: int, key: bytes, done: Callable[[], None] | None = None) -> ChunkRef:
+    def _staged(self, src: memoryview, raw: memoryview, slot: int, key: bytes) -> ChunkRef:
+        """Copy a chunk of host memory into staging slot ``slot`` (``raw``), hashing it on the way,
+        then publish it as :meth:`_one` does (which gives the slot back, also on an error)."""
+        try:
+            ids = copy_addressed(src, raw, key)
+        except BaseException:
+            self._staging.release(slot)
+            raise
+        return self._one(raw, slot, key, ids=ids)
+
+    def _one(self, raw: memoryview, slot: int, key: bytes, done: Callable[[], None] | None = None,
+             ids: tuple[bytes, bytes] | None = None) -> ChunkRef:
         """Address, checksum and publish one chunk from its private copy: staging slot ``slot``, or
         (slot -1) memory a source lent, handed back by ``done``. A slot written with O_DIRECT is
         given back as soon as its bytes are on their way to the disk, before the file's fsync (which
@@ -336,8 +353,7 @@ class Chunker:
                     self._staging.release(slot)
 
         try:
-            cid = chunk_id(raw, key)
-            csum = checksum(raw)
+            cid, csum = ids if ids is not None else (chunk_id(raw, key), checksum(raw))
             _hook("hashed", self, cid)
             path = self._blob_path(cid)
             state = self._state(cid)

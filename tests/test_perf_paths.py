@@ -474,7 +474,7 @@ def test_a_written_chunk_frees_its_slot_before_its_fsync(store_dir: str, monkeyp
     import os
 
     from snapstore import _chunker
-    real_fsync, real_copy = os.fsync, _chunker._copy
+    real_fsync, real_copy = os.fsync, _chunker.copy_addressed
     held, copies, first, by_copies = threading.Event(), [0], [True], [False]
     lock = threading.Lock()
 
@@ -486,16 +486,17 @@ def test_a_written_chunk_frees_its_slot_before_its_fsync(store_dir: str, monkeyp
             held.wait(20)
         real_fsync(fd)
 
-    def copy(*a: Any) -> None:
-        real_copy(*a)
+    def copy(*a: Any) -> tuple[bytes, bytes]:
+        ids = real_copy(*a)  # a host-memory chunk's copy into its slot (hashed on the way)
         with lock:
             copies[0] += 1
             if copies[0] == 5 and not held.is_set():
                 by_copies[0] = True  # every chunk copied while the first fsync was held
                 held.set()
+        return ids
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(_chunker, "_copy", copy)
+    monkeypatch.setattr(_chunker, "copy_addressed", copy)
     state = _big_state(256, 11)  # 5 chunks of 4 MiB, 4 slots
     with _open_big(store_dir) as s:
         t = threading.Timer(5, held.set)  # the old code: stuck until this lets the fsync go
