@@ -509,3 +509,64 @@ def test_a_written_chunk_frees_its_slot_before_its_fsync(store_dir: str, monkeyp
         out = {k: np.zeros_like(v) for k, v in state.items()}
         s.restore(r, out)
         assert all(np.array_equal(out[k], state[k]) for k in state)
+
+
+def test_read_ahead_lanes_run_each_lane_in_order_and_lanes_at_once() -> None:
+    """Jobs of one lane run on one thread in order, and a later lane's first job runs while an
+    earlier lane's job is still in flight (a cold restore keeps two files' reads going)."""
+    from snapstore._read_ahead import ReadAhead
+    lanes = [0, 0, 0, 1, 1, 1]
+    ran: list[tuple[int, int]] = []
+    second_started = threading.Event()
+    lock = threading.Lock()
+
+    def work(j: int) -> None:
+        with lock:
+            ran.append((j, threading.get_ident()))
+        if j == 3:
+            second_started.set()
+        if j == 0:  # lane 0 waits until lane 1 is running: only true when lanes overlap
+            assert second_started.wait(10), "lane 1 never started while lane 0 was reading"
+
+    r = ReadAhead(len(lanes), work, depth=4, threads=2, lanes=lanes)
+    try:
+        for j in range(len(lanes)):
+            r.wait(j)
+            r.done()
+    finally:
+        r.stop()
+    by_lane: dict[int, set[int]] = {}
+    for j, tid in ran:
+        by_lane.setdefault(lanes[j], set()).add(tid)
+    assert all(len(t) == 1 for t in by_lane.values()) and by_lane[0] != by_lane[1]
+    for lane in (0, 1):
+        order = [j for j, _ in ran if lanes[j] == lane]
+        assert order == sorted(order)
+
+
+def test_buffered_restore_reads_each_chunk_file_on_one_thread_and_two_files_at_once(
+        store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big buffered restore reads every chunk file's pieces on one reader thread (its readahead
+    stays sequential) and uses two reader threads (the old code read everything on one)."""
+    from snapstore import _restore
+    real = _restore.read_exact
+    seen: dict[int, set[int]] = {}
+    reads, lock = [0], threading.Lock()
+
+    def spy(fd: int, out: Any, offset: int) -> None:
+        with lock:
+            seen.setdefault(fd, set()).add(threading.get_ident())
+            reads[0] += 1
+        real(fd, out, offset)
+
+    monkeypatch.setattr(_restore, "read_exact", spy)
+    monkeypatch.setattr(_restore, "_PIECE", MIB)  # 4 pieces per 4 MiB chunk file
+    state = _big_state(256, 5)  # 5 chunk files
+    with _open_big(store_dir, direct_reads=False) as s:
+        r = s.save(list(range(256)), state)
+        out = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+    assert len(seen) >= 5 and reads[0] >= 4 * len(seen)
+    assert all(len(tids) == 1 for tids in seen.values()), seen
+    assert len(set().union(*seen.values())) == 2
