@@ -800,9 +800,12 @@ def section_match(args: argparse.Namespace, work: str) -> None:
             "quarantine probe": med_us(c.quarantined_users),
             "candidate's token segments read, all held (chain_tokens)": med_us(lambda: c.chain_tokens(hit_sid)),
             "candidate's tokens compared (prompt encoded once, memcmp)": med_us(lambda: spells_prefix(segs, query)),
-            "candidate's chain walked, links compared in SQL (what match() does)": med_us(
+            "candidate's chain walked, links compared in SQL one by one (the exact check)": med_us(
                 lambda: spells_chain(segs[-1], c.chain_links(hit_sid, 1, segs[-1][1], memoryview(
                     enc.width(segs[-1][1]))[:segs[-1][2] * segs[-1][1]]), query, enc)),
+            "candidate's chain checked in one aggregate statement (what a hit does)": med_us(
+                lambda: c.chain_spells(hit_sid, segs[-1][1], memoryview(
+                    enc.width(segs[-1][1]))[:segs[-1][2] * segs[-1][1]], enc.narrow())),
             "the hit's row read": med_us(lambda: c.snapshot(hit_sid)),
         }
         plan = [r for r in conn.execute(

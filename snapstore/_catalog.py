@@ -213,6 +213,26 @@ class Txn(ChunkQueries):
         for lvl, w, base, n, nbytes, same, blob in cur:  # tokens is a BLOB NOT NULL of a STRICT table
             yield int(lvl), int(w), int(base), int(n), int(nbytes), None if same is None else bool(same), blob
 
+    def chain_spells(self, sid: int, width: int, prompt: memoryview, narrow: int) -> bool:
+        """The fast path of :meth:`chain_links` + :func:`._tokens.spells_chain`, in one aggregate
+        statement: True when every ancestor link of ``sid`` has ``width``, a well-formed blob, ends
+        where the link below it starts and equals ``prompt`` (the prompt in that width) at its offset,
+        fits int32 where ``width`` is 4 (``narrow``: how many leading prompt tokens do), and the
+        chain reaches token 0. False means "not shown here": the caller runs the exact streaming
+        check, which also says why (a mismatch, another width, a malformed blob). No Python object
+        per link: ~45% of the chain check (docs/benchmarks.md, "Issue 12, fifth session")."""
+        row = self._c.execute(
+            "WITH RECURSIVE ch(x, lvl, want) AS (SELECT parent_id, 1, base_tokens FROM snapshots WHERE id = ?1 "
+            "UNION ALL SELECT s.parent_id, ch.lvl + 1, s.base_tokens FROM snapshots s JOIN ch ON s.id = ch.x "
+            "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?1), 100000)) "
+            "SELECT count(*), total(s.token_width = ?2 AND length(s.tokens) = ?2 * (s.n_tokens - s.base_tokens) "
+            "AND s.n_tokens = ch.want AND s.base_tokens <= s.n_tokens "
+            "AND (?2 = 8 OR s.n_tokens <= ?4 OR s.n_tokens <= s.base_tokens) "
+            "AND s.tokens = substr(?3, s.base_tokens * ?2 + 1, length(s.tokens))), min(s.base_tokens) "
+            "FROM ch JOIN snapshots s ON s.id = ch.x", (sid, width, prompt, narrow)).fetchone()
+        links, good, low = row if row is not None else (0, 0, None)  # an aggregate always has its one row
+        return bool(links) and int(good) == int(links) and low == 0
+
     def insert_snapshot(self, **v: Any) -> int:
         """Insert one snapshot row; its find key is derived here from its parent's (never passed in)."""
         v["find_key"] = self.derive_find_key(v["parent_id"], v["base_tokens"], v["n_tokens"], v["token_width"],

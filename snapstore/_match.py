@@ -41,8 +41,10 @@ def longest_prefix(c: Txn, identity_key: str, ns: str, arr: np.ndarray, skip: se
             continue  # excluded, or its own last tokens differ (a sibling, a find-key collision)
         if own[2]:  # the links below its own segment, compared in SQL against the prompt in its width
             w = own[1]
-            if not spells_chain(own, c.chain_links(sid, 1, w, memoryview(encoded.width(w))[:own[2] * w]), arr,
-                                encoded):
+            below = memoryview(encoded.width(w))[:own[2] * w]
+            # one aggregate statement shows the usual case; anything else takes the exact link-by-link check
+            if not c.chain_spells(sid, w, below, encoded.narrow()) and not spells_chain(
+                    own, c.chain_links(sid, 1, w, below), arr, encoded):
                 continue  # the tokens below its own segment differ: the stored blobs decide, not the key
         broken = c.quarantined_users() if broken is None else broken
         if broken and needs_quarantined(c.chain(sid), broken, leaf=True):

@@ -129,6 +129,12 @@ class Encoded:
             self._by_width[width] = mine
         return mine
 
+    def narrow(self) -> int:
+        """How many leading tokens of the prompt an int32 blob can hold (all, unless one is >= 2**31)."""
+        if self.wide is None:
+            self.wide = bool(len(self.arr)) and int(self.arr.max()) >= 2**31
+        return int(np.argmax(self.arr >= 2**31)) if self.wide else len(self.arr)
+
     def fits(self, width: int, pos: int, n: int) -> bool:
         """Can a blob of ``width`` hold the prompt's tokens ``[pos, n)``?"""
         if width == 8 or n <= pos:

@@ -203,13 +203,14 @@ def test_two_encoded_prompts_on_one_thread_never_share_a_buffer() -> None:
 def test_candidates_whose_own_tokens_differ_cost_no_chain_read(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every snapshot shorter than a block shares the empty prefix's key, and siblings ending in one
     block share theirs: each is a candidate, passed over on its own segment (read with it), never
-    by reading its chain — and the one that matches reads its chain once."""
+    by reading its chain — and the one that matches reads its chain once (one statement)."""
     from snapstore import _catalog
 
     reads: list[int] = []
-    orig = _catalog.Txn.chain_links
-    monkeypatch.setattr(_catalog.Txn, "chain_links",
-                        lambda self, sid, *a: reads.append(sid) or orig(self, sid, *a))
+    for name in ("chain_spells", "chain_links"):  # the one-statement check, and the exact one behind it
+        orig = getattr(_catalog.Txn, name)
+        monkeypatch.setattr(_catalog.Txn, name,
+                            lambda self, sid, *a, orig=orig: reads.append(sid) or orig(self, sid, *a))
     rng = np.random.default_rng(8)
     with _open(os.path.join(tmp_path, "s")) as s:
         for _ in range(30):

@@ -198,3 +198,63 @@ def test_a_prompt_token_past_int32_never_matches_an_int32_link_it_wraps_to(tmp_p
         assert s.match(toks[:3000]) is None  # (the keys are forced: the true prompt finds nothing)
         _set_key(s, leaf.snapshot_id, int(find_keys(as_token_array(toks))[3000 // BLOCK]))
         assert s.match(toks).snapshot_id == leaf.snapshot_id
+
+
+def test_the_one_statement_chain_check_never_says_yes_where_the_exact_check_says_no(tmp_path: str) -> None:
+    """``Txn.chain_spells`` (match()'s fast path, one aggregate statement) over random chains mixing
+    int32 and int64 links and prompts changed in one token (by one, or by 2**32, which an int32
+    compare sees wrapped): a yes is always the exact check's yes, and on a chain of one width it
+    answers exactly as the exact check does (the fast path is what the usual hit takes)."""
+    rng = np.random.default_rng(31)
+    agreed = mixed = 0
+    with open_store(os.path.join(tmp_path, "s"), layout=TINY) as s:
+        for case in range(14):
+            n = int(rng.integers(600, 4000))
+            toks = rng.integers(0, 150_000, n)
+            cuts = sorted({n, *rng.integers(1, n, int(rng.integers(2, 6))).tolist()})
+            for b in cuts:
+                if case % 2 and rng.random() < 0.3:  # an int64 link: a token the int32 width cannot hold
+                    toks[int(rng.integers(max(0, b - 50), b))] = 2**40 + case
+            leaf = None
+            for b in cuts:
+                leaf = _save(s, toks[:b], parent=leaf if leaf is not None else None)
+            sid = leaf.snapshot_id
+            segs = s._repo.db.read(lambda c, sid=sid: c.chain_tokens(sid))
+            one_width = len({w for _, w, _, _ in segs}) == 1
+            variants = [toks.astype("<u8")]
+            for _ in range(6):
+                v = toks.astype("<u8")
+                v[int(rng.integers(0, segs[-1][2]))] += 1 if rng.random() < 0.5 else 2**32
+                variants.append(v)
+            for q in variants:
+                enc = _tokens.Encoded(q)
+                if not _tokens.spells_segment(segs[-1], q, enc):
+                    continue
+                w = segs[-1][1]
+                below = memoryview(enc.width(w))[:segs[-1][2] * w]
+                fast = s._repo.db.read(lambda c, enc=enc, w=w, below=below: c.chain_spells(sid, w, below, enc.narrow()))
+                exact = _tokens.spells_prefix(segs, q)
+                assert exact or not fast, case
+                if one_width:
+                    assert fast == exact, case
+                    agreed += 1
+                else:
+                    mixed += 1
+    assert agreed > 30 and mixed > 5
+
+
+def test_the_one_statement_chain_check_leaves_a_malformed_link_to_the_exact_check(tmp_path: str) -> None:
+    """An ancestor whose token blob is cut short: the fast path says no, and match() still reports
+    the chain as corrupt through the exact check (as before the fast path existed)."""
+    toks = np.arange(3000, dtype=np.int64) % 50_000
+    with open_store(os.path.join(tmp_path, "s"), layout=TINY) as s:
+        root = _save(s, toks[:1000])
+        leaf = _save(s, toks[:3000])
+        assert s.match(toks).snapshot_id == leaf.snapshot_id
+        s._repo.db.write(lambda c: c.execute("UPDATE snapshots SET tokens = substr(tokens, 1, 40) WHERE id = ?",
+                                             (root.snapshot_id,)))
+        enc = _tokens.Encoded(toks.astype("<u8"))
+        below = memoryview(enc.width(4))[:1000 * 4]
+        assert not s._repo.db.read(lambda c: c.chain_spells(leaf.snapshot_id, 4, below, enc.narrow()))
+        with pytest.raises(ss.CorruptionError):
+            s.match(toks)
