@@ -150,10 +150,13 @@ class Method:
     """save() writes the state durably; load() restores it into w.dst; files() = what load reads."""
 
     def __init__(self, name: str, save: Callable[[], Any], load: Callable[[], Any], files: Callable[[], list[str]],
-                 close: Callable[[], Any] | None = None, after: Callable[[], Any] | None = None):
+                 close: Callable[[], Any] | None = None, after: Callable[[], Any] | None = None,
+                 before: Callable[[], Any] | None = None):
         self.name, self.save, self.load, self.files = name, save, load, files
         self.close = close or (lambda: None)
         self.after = after or (lambda: None)  # after each restore, off the clock (RAM-tier admission drain)
+        # before each save, off the clock: open a fresh store or cache (an engine opens it once, not per save)
+        self.before = before or (lambda: None)
 
 
 def methods(w: Work, work: str) -> list[Method]:
@@ -172,14 +175,15 @@ def methods(w: Work, work: str) -> list[Method]:
         sdir = os.path.join(work, f"{w.name}-{label.replace(' ', '_')}")
         box: dict[str, Any] = {}
 
-        def save() -> None:
+        def before() -> None:
             shutil.rmtree(sdir, ignore_errors=True)
             if "s" in box:
                 box.pop("s").close()
-            s = Store.open(sdir, identity=ident, layout=w.layout, direct_io=direct,
-                           budget=Budget(ram_bytes=ram, disk_bytes=64 * GIB, reserve_bytes=256 * MIB))
-            box["s"] = s
-            res = s.save(w.tokens, w.src_parts, parent=None)
+            box["s"] = Store.open(sdir, identity=ident, layout=w.layout, direct_io=direct,
+                                  budget=Budget(ram_bytes=ram, disk_bytes=64 * GIB, reserve_bytes=256 * MIB))
+
+        def save() -> None:
+            res = box["s"].save(w.tokens, w.src_parts, parent=None)
             assert res.ok, res
             box["id"] = res.snapshot_id
 
@@ -195,7 +199,7 @@ def methods(w: Work, work: str) -> list[Method]:
                 box.pop("s").close()
             shutil.rmtree(sdir, ignore_errors=True)
 
-        return Method(f"snapstore {label}", save, load, lambda: blob_files(sdir), close, after)
+        return Method(f"snapstore {label}", save, load, lambda: blob_files(sdir), close, after, before)
 
     out.append(store_method("defaults", None, None))
     out.append(store_method("RAM tier off", 0, None))
@@ -252,12 +256,14 @@ def methods(w: Work, work: str) -> list[Method]:
         def dc_files() -> list[str]:
             return [os.path.join(r, f) for r, _, fs in os.walk(ddir) for f in fs]
 
-        def dc_save() -> None:
+        def dc_open() -> None:
             shutil.rmtree(ddir, ignore_errors=True)
             if "c" in box2:
                 box2.pop("c").close()
-            c = diskcache.Cache(ddir)  # LlamaDiskCache: diskcache.Cache(cache_dir), pickle (highest protocol)
-            box2["c"] = c
+            box2["c"] = diskcache.Cache(ddir)  # LlamaDiskCache: diskcache.Cache(cache_dir), pickle (highest protocol)
+
+        def dc_save() -> None:
+            c = box2["c"]
             t0 = time.perf_counter()
             # Llama.save_state(): llama_state_get_data into a buffer, then one bytes copy of it
             state = LlamaState(w.tokens.copy(), w.tokens_n, w.src.tobytes(), w.nbytes, 1234)
@@ -277,7 +283,7 @@ def methods(w: Work, work: str) -> list[Method]:
                 box2.pop("c").close()
             shutil.rmtree(ddir, ignore_errors=True)
 
-        m = Method("diskcache+pickle", dc_save, dc_load, dc_files, dc_close)
+        m = Method("diskcache+pickle", dc_save, dc_load, dc_files, dc_close, before=dc_open)
         m.box = box2  # type: ignore[attr-defined]
         out.append(m)
     return out
@@ -296,6 +302,7 @@ def run_workload(w: Work, work: str, reps: int) -> dict[str, Any]:
             for m in (ms if r % 2 == 0 else ms[::-1]):  # alternate the order against drift
                 gc.collect()
                 tm = t[m.name]
+                m.before()
                 tm["save"].append(timed(m.save))
                 if hasattr(m, "box"):
                     tm["set"].append(m.box["set"])
