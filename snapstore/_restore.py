@@ -3,9 +3,10 @@
 Phase 1 opens the chunk files and checks each header against the catalog (an open descriptor
 keeps the bytes readable even if a concurrent eviction unlinks the file), so a snapshot that
 vanished is reported before anything is written. Phase 2 reads each chunk straight into the
-destination when it is raw and the destination is contiguous (a reader thread reads chunk k+1
-while this thread checks chunk k), else through the staging buffer (zstd payloads decode piece by
-piece from the file: no chunk-sized temporaries), and checks every chunk's XXH3-128 as it lands.
+destination when it is raw and the destination is contiguous (two reader threads, each reading
+whole files in order, run ahead while this thread checks chunk k), else through the staging
+buffer (zstd payloads decode piece by piece from the file: no chunk-sized temporaries), and checks
+every chunk's XXH3-128 as it lands.
 With direct reads on (``DirectReads``), runs of raw chunks whose pages are not cached go to
 :mod:`._restore_direct` instead (O_DIRECT, several pieces in flight); the others stay on this path.
 
@@ -274,8 +275,8 @@ def _file_lanes(fds: list[int]) -> list[int]:
 def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ram: RamTier | None,
             touched: bool, damage: Damage, blob_path: Callable[[bytes], str]) -> bool:
     """Write ``opened`` chunks through the page cache, in order (the caller closes their files); returns touched."""
-    # Raw chunks with a contiguous destination are read in place by a reader thread while this
-    # thread checks the previous one (preadv releases the GIL); everything else goes in order here.
+    # Raw chunks with a contiguous destination are read in place by reader threads (a lane per file)
+    # while this thread checks the previous one (preadv releases the GIL); the rest goes in order here.
     targets: list[memoryview | list[memoryview] | None] = []
     pieces: list[range] = []  # per item: its jobs
     jobs: list[tuple[int, memoryview | list[memoryview], int]] = []
