@@ -222,7 +222,9 @@ class Txn(ChunkQueries):
         check, which also says why (a mismatch, another width, a malformed blob). No Python object
         per link: ~45% of the chain check (docs/benchmarks.md, "Issue 12, fifth session")."""
         row = self._c.execute(
+            # the start row takes _WALK's bound too (a depth below 0 gives the exact check no links)
             "WITH RECURSIVE ch(x, lvl, want) AS (SELECT parent_id, 1, base_tokens FROM snapshots WHERE id = ?1 "
+            "AND 0 <= min(depth, 100000) "
             "UNION ALL SELECT s.parent_id, ch.lvl + 1, s.base_tokens FROM snapshots s JOIN ch ON s.id = ch.x "
             "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?1), 100000)) "
             "SELECT count(*), total(s.token_width = ?2 AND length(s.tokens) = ?2 * (s.n_tokens - s.base_tokens) "

@@ -257,8 +257,9 @@ class Chunker:
                 for off in range(piece.start, piece.end, self.chunk_bytes):
                     end = min(off + self.chunk_bytes, piece.end)
                     if len(jobs) >= window:  # bound the chunks in flight (the slots bound the bytes held)
-                        i, fut, again = jobs.pop(0)
+                        i, fut, again = jobs[0]  # still listed while awaited: an interrupt waits for it below
                         results[i].append(_taken(fut, again))
+                        jobs.pop(0)
                     lent = piece.source.borrow(off, end - off) if lend else None
                     if lent is not None:
                         back = functools.partial(piece.source.give_back, off, end - off)
@@ -280,9 +281,10 @@ class Chunker:
                         self._staging.release(slot)
                         raise
                     jobs.append((idx, fut, functools.partial(self._again, piece.source, off, end, pkey)))
-            for i, fut, again in jobs:
+            while jobs:
+                i, fut, again = jobs[0]
                 results[i].append(_taken(fut, again))
-            jobs = []
+                jobs.pop(0)
             ok = True
         finally:
             for i, fut, _ in jobs:  # an error above: let in-flight work finish before buffers go away

@@ -262,6 +262,15 @@ def _stream_window(plan: RestorePlan, opened: list[_Opened], staging: StagingBuf
     return touched
 
 
+def _stopped(reader: ReadAhead | None, touched: bool) -> bool:
+    """Stop the reader threads (none writes into the destination any more), then say whether the
+    destination may have been written: read after the stop, so no read can begin in between."""
+    if reader is None:
+        return touched
+    reader.stop()
+    return touched or reader.started
+
+
 def _file_lanes(fds: list[int]) -> list[int]:
     """A reader lane per job: consecutive jobs of one file share one, the next file takes the next."""
     lanes, lane = [], -1
@@ -361,13 +370,11 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                 good = False
                 reason = str(e)
             except OSError as e:
-                touched = touched or (reader is not None and reader.started)
-                raise read_failed(plan, cid, e, touched) from None
+                raise read_failed(plan, cid, e, _stopped(reader, touched)) from None
             else:
                 reason = "checksum mismatch"
             if not good:
-                touched = touched or (reader is not None and reader.started)
-                raise corrupt(plan, cid, fd, reason, touched, damage, ram)
+                raise corrupt(plan, cid, fd, reason, _stopped(reader, touched), damage, ram)
             if ram is not None:  # admitted off this thread, from the file (see _ramtier)
                 ram.offer(cid, blob_path(cid), n, item.chunk.checksum)
     finally:

@@ -258,3 +258,17 @@ def test_the_one_statement_chain_check_leaves_a_malformed_link_to_the_exact_chec
         assert not s._repo.db.read(lambda c: c.chain_spells(leaf.snapshot_id, 4, below, enc.narrow()))
         with pytest.raises(ss.CorruptionError):
             s.match(toks)
+
+
+def test_the_one_statement_chain_check_walks_no_link_the_exact_check_would_not(tmp_path: str) -> None:
+    """A leaf whose depth reads below 0 (a damaged row): the exact walk gives it no links, so it
+    does not spell the prompt and the root serves; the fast path must not walk its chain either."""
+    toks = np.arange(3000, dtype=np.int64) % 50_000
+    with open_store(os.path.join(tmp_path, "s"), layout=TINY) as s:
+        root = _save(s, toks[:1000])
+        leaf = _save(s, toks[:3000])
+        s._repo.db.write(lambda c: c.execute("UPDATE snapshots SET depth = -1 WHERE id = ?", (leaf.snapshot_id,)))
+        enc = _tokens.Encoded(toks.astype("<u8"))
+        below = memoryview(enc.width(4))[:1000 * 4]
+        assert not s._repo.db.read(lambda c: c.chain_spells(leaf.snapshot_id, 4, below, enc.narrow()))
+        assert s.match(toks).snapshot_id == root.snapshot_id

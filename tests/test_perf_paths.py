@@ -570,3 +570,53 @@ def test_buffered_restore_reads_each_chunk_file_on_one_thread_and_two_files_at_o
     assert len(seen) >= 5 and reads[0] >= 4 * len(seen)
     assert all(len(tids) == 1 for tids in seen.values()), seen
     assert len(set().union(*seen.values())) == 2
+
+
+def test_a_failed_restore_says_touched_for_any_read_its_reader_threads_began(
+        store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first chunk (zstd, through staging) is corrupt and no reader thread has begun yet; one
+    could begin between the error and the readers' stop. The error's ``touched`` is taken after the
+    stop, so it is False exactly when the destination is as it was (the old code read it before:
+    a read that began in between wrote the destination under ``touched=False``)."""
+    from snapstore import _restore
+    from snapstore._read_ahead import ReadAhead
+    gate, began = threading.Event(), threading.Event()
+    real_read, real_corrupt = _restore.read_exact, _restore.corrupt
+
+    class Late(ReadAhead):  # reader threads that begin only once the error is being built
+        def _run(self, lane: int) -> None:
+            gate.wait(1.0)
+            super()._run(lane)
+
+    def read(*a: Any) -> None:
+        began.set()
+        real_read(*a)
+
+    def corrupt(*a: Any) -> Any:
+        gate.set()
+        began.wait(0.5)  # the old code: a reader's read lands now, under the touched flag already taken
+        return real_corrupt(*a)
+
+    lay = ss.Layout(fixed={"a": ss.Fixed("uint8", (1 * MIB,))}, rows={"kv": ss.Rows("uint8", (64 * 1024,))})
+    src = {"a": np.zeros(1 * MIB, dtype=np.uint8),  # compresses: a zstd chunk, read through staging
+           "kv": np.random.default_rng(3).integers(0, 256, (256, 64 * 1024), dtype=np.uint8)}  # raw chunks
+    with ss.Store.open(store_dir, identity=IDENT, layout=lay, chunk_bytes=4 * MIB, staging_bytes=16 * MIB,
+                       codec="zstd", budget=ss.Budget(reserve_bytes=0, ram_bytes=0)) as s:
+        r = s.save(list(range(256)), src)
+        zstd_ids = [row[0] for row in s._repo.db.read(lambda c: c.execute(
+            "SELECT c.id FROM chunks c WHERE c.codec != 0").fetchall())]
+        assert len(zstd_ids) == 1
+        path = s._repo.blob_path(bytes(zstd_ids[0]))
+        with open(path, "r+b") as f:  # a flipped byte in the zstd payload
+            f.seek(80)
+            b = f.read(1)
+            f.seek(80)
+            f.write(bytes([b[0] ^ 0xFF]))
+        monkeypatch.setattr(_restore, "ReadAhead", Late)
+        monkeypatch.setattr(_restore, "read_exact", read)
+        monkeypatch.setattr(_restore, "corrupt", corrupt)
+        out = {"a": np.full(1 * MIB, 7, dtype=np.uint8), "kv": np.full((256, 64 * 1024), 7, dtype=np.uint8)}
+        with pytest.raises(ss.RestoreError) as e:
+            s.restore(r, out)
+        written = not (np.all(out["a"] == 7) and np.all(out["kv"] == 7))
+        assert e.value.touched == written, (e.value.touched, written)

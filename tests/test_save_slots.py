@@ -127,3 +127,53 @@ def test_a_staging_buffer_that_cannot_be_allocated_fails_the_save_clearly_and_lo
     assert "ERRORS" in lines, r.stdout + r.stderr
     assert lines["ERRORS"].split(",") == ["StoreIOError:12"] * 6, lines["ERRORS"]
     assert "SAVED" in lines and "EXACT" in lines, r.stdout + r.stderr
+
+
+def test_an_interrupted_save_returns_only_once_no_chunk_job_is_left_running(
+        store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupt (KeyboardInterrupt) while the save awaits the oldest chunk of a full window: it
+    reaches the caller only once that chunk's job is done too, so nothing of the save still reads
+    the engine's buffer or writes a slot after save() has raised (the old code had already taken the
+    awaited job off its list and left it running)."""
+    from snapstore import _chunker
+    go, lock = threading.Event(), threading.Lock()
+    running, hashed = [0], [0]
+    real_one, real_taken = _chunker.Chunker._one, _chunker._taken
+
+    def one(self: Any, *a: Any, **k: Any) -> Any:
+        with lock:
+            running[0] += 1
+        try:
+            return real_one(self, *a, **k)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    def hook(stage: str, chunker: Any, cid: bytes) -> None:
+        if stage == "hashed":
+            with lock:
+                hashed[0] += 1
+                first = hashed[0] == 1
+            if first:
+                go.wait(5)  # the first chunk's job stays in flight
+
+    def taken(*a: Any) -> Any:
+        threading.Timer(0.3, go.set).start()
+        monkeypatch.setattr(_chunker, "_taken", real_taken)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_chunker.Chunker, "_one", one)
+    monkeypatch.setattr(_chunker, "_TEST_HOOK", hook)
+    monkeypatch.setattr(_chunker, "_taken", taken)
+    state = _state(640, 4)  # 11 chunks of 4 MiB: more than the window of 8 (4 slots)
+    with _open_big(store_dir) as s:
+        with pytest.raises(KeyboardInterrupt):
+            s.save(list(range(640)), state)
+        with lock:
+            assert running[0] == 0, "a chunk job of the interrupted save was still running"
+        go.set()
+        monkeypatch.setattr(_chunker, "_TEST_HOOK", None)
+        r = s.save(list(range(640)), state)  # the store is usable and the next save exact
+        out = {k: np.zeros_like(v) for k, v in state.items()}
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
