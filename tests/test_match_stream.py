@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tracemalloc
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -145,39 +146,48 @@ def test_candidates_of_one_statement_come_longest_first(tmp_path: str) -> None:
         assert order == want
 
 
+def _random_chains(s: ss.Store, rng: np.random.Generator, cases: int, wide: Callable[[int], bool]) -> Iterator[
+        tuple[int, int, list[_tokens.Segment], np.ndarray, _tokens.Encoded]]:
+    """Random delta chains (int64 links where ``wide(case)`` and a coin say so) and prompts changed
+    in one token below the leaf's own segment (by one, or by 2**32, which an int32 compare sees
+    wrapped): ``(case, leaf id, the chain's segments, prompt, its Encoded)`` for every prompt whose
+    own segment the leaf spells."""
+    for case in range(cases):
+        n = int(rng.integers(600, 4000))
+        toks = rng.integers(0, 150_000, n)
+        cuts = sorted({n, *rng.integers(1, n, int(rng.integers(2, 6))).tolist()})
+        for b in cuts:
+            if wide(case) and rng.random() < 0.3:  # an int64 link: a token the int32 width cannot hold
+                toks[int(rng.integers(max(0, b - 50), b))] = 2**40 + case
+        leaf = None
+        for b in cuts:
+            leaf = _save(s, toks[:b], parent=leaf if leaf is not None else None)
+        assert leaf is not None
+        sid = leaf.snapshot_id
+        segs = s._repo.db.read(lambda c, sid=sid: c.chain_tokens(sid))
+        variants = [toks.astype("<u8")]
+        for _ in range(6):
+            v = toks.astype("<u8")
+            v[int(rng.integers(0, segs[-1][2]))] += 1 if rng.random() < 0.5 else 2**32
+            variants.append(v)
+        for q in variants:
+            enc = _tokens.Encoded(q)
+            if _tokens.spells_segment(segs[-1], q, enc):
+                yield case, sid, segs, q, enc
+
+
 def test_links_compared_in_sql_answer_as_their_blobs_do(tmp_path: str) -> None:
     """chain_links compares links of the bound width inside SQLite and hands back the blobs of the
     others: over random chains mixing int32 and int64 links, and prompts changed in one token (by
     one, or by 2**32, which an int32 compare would see wrapped), the answer is the whole-chain check's."""
-    rng = np.random.default_rng(21)
     checked = 0
     with open_store(os.path.join(tmp_path, "s"), layout=TINY) as s:
-        for case in range(12):
-            n = int(rng.integers(600, 4000))
-            toks = rng.integers(0, 150_000, n)
-            cuts = sorted({n, *rng.integers(1, n, int(rng.integers(2, 6))).tolist()})
-            for b in cuts:
-                if rng.random() < 0.3:  # an int64 link: a token the int32 width cannot hold
-                    toks[int(rng.integers(max(0, b - 50), b))] = 2**40 + case
-            leaf = None
-            for b in cuts:
-                leaf = _save(s, toks[:b], parent=leaf if leaf is not None else None)
-            sid = leaf.snapshot_id
-            segs = s._repo.db.read(lambda c, sid=sid: c.chain_tokens(sid))
-            variants = [toks.astype("<u8")]
-            for _ in range(6):
-                v = toks.astype("<u8")
-                v[int(rng.integers(0, segs[-1][2]))] += 1 if rng.random() < 0.5 else 2**32
-                variants.append(v)
-            for q in variants:
-                enc = _tokens.Encoded(q)
-                if not _tokens.spells_segment(segs[-1], q, enc):
-                    continue
-                w = segs[-1][1]
-                got = s._repo.db.read(lambda c, q=q, enc=enc, w=w: _tokens.spells_chain(
-                    segs[-1], c.chain_links(sid, 1, w, memoryview(enc.width(w))[:segs[-1][2] * w]), q, enc))
-                assert got == _tokens.spells_prefix(segs, q), case
-                checked += 1
+        for case, sid, segs, q, enc in _random_chains(s, np.random.default_rng(21), 12, lambda case: True):
+            w = segs[-1][1]
+            got = s._repo.db.read(lambda c, q=q, enc=enc, w=w, sid=sid, segs=segs: _tokens.spells_chain(
+                segs[-1], c.chain_links(sid, 1, w, memoryview(enc.width(w))[:segs[-1][2] * w]), q, enc))
+            assert got == _tokens.spells_prefix(segs, q), case
+            checked += 1
     assert checked > 50
 
 
@@ -205,41 +215,20 @@ def test_the_one_statement_chain_check_never_says_yes_where_the_exact_check_says
     int32 and int64 links and prompts changed in one token (by one, or by 2**32, which an int32
     compare sees wrapped): a yes is always the exact check's yes, and on a chain of one width it
     answers exactly as the exact check does (the fast path is what the usual hit takes)."""
-    rng = np.random.default_rng(31)
     agreed = mixed = 0
     with open_store(os.path.join(tmp_path, "s"), layout=TINY) as s:
-        for case in range(14):
-            n = int(rng.integers(600, 4000))
-            toks = rng.integers(0, 150_000, n)
-            cuts = sorted({n, *rng.integers(1, n, int(rng.integers(2, 6))).tolist()})
-            for b in cuts:
-                if case % 2 and rng.random() < 0.3:  # an int64 link: a token the int32 width cannot hold
-                    toks[int(rng.integers(max(0, b - 50), b))] = 2**40 + case
-            leaf = None
-            for b in cuts:
-                leaf = _save(s, toks[:b], parent=leaf if leaf is not None else None)
-            sid = leaf.snapshot_id
-            segs = s._repo.db.read(lambda c, sid=sid: c.chain_tokens(sid))
-            one_width = len({w for _, w, _, _ in segs}) == 1
-            variants = [toks.astype("<u8")]
-            for _ in range(6):
-                v = toks.astype("<u8")
-                v[int(rng.integers(0, segs[-1][2]))] += 1 if rng.random() < 0.5 else 2**32
-                variants.append(v)
-            for q in variants:
-                enc = _tokens.Encoded(q)
-                if not _tokens.spells_segment(segs[-1], q, enc):
-                    continue
-                w = segs[-1][1]
-                below = memoryview(enc.width(w))[:segs[-1][2] * w]
-                fast = s._repo.db.read(lambda c, enc=enc, w=w, below=below: c.chain_spells(sid, w, below, enc.narrow()))
-                exact = _tokens.spells_prefix(segs, q)
-                assert exact or not fast, case
-                if one_width:
-                    assert fast == exact, case
-                    agreed += 1
-                else:
-                    mixed += 1
+        for case, sid, segs, q, enc in _random_chains(s, np.random.default_rng(31), 14, lambda case: case % 2 == 1):
+            w = segs[-1][1]
+            below = memoryview(enc.width(w))[:segs[-1][2] * w]
+            fast = s._repo.db.read(lambda c, enc=enc, w=w, below=below, sid=sid: c.chain_spells(
+                sid, w, below, enc.narrow()))
+            exact = _tokens.spells_prefix(segs, q)
+            assert exact or not fast, case
+            if len({width for _, width, _, _ in segs}) == 1:
+                assert fast == exact, case
+                agreed += 1
+            else:
+                mixed += 1
     assert agreed > 30 and mixed > 5
 
 
