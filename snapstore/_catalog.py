@@ -54,10 +54,11 @@ def _carray() -> Any:
 _CARRAY: Any = _carray()
 
 
-# The walk from snapshot ?1 up its parents: ch(x, lvl), lvl 0 the snapshot itself; bounded by its
-# recorded depth (and 100000), so a damaged parent cycle cannot loop. One text for every chain query.
-_WALK = ("WITH RECURSIVE ch(x, lvl) AS (SELECT ?1, 0 UNION ALL "
-         "SELECT s.parent_id, ch.lvl + 1 FROM snapshots s JOIN ch ON s.id = ch.x "
+# The walk from snapshot ?1 up its parents: ch(x, lvl, want), lvl 0 the snapshot itself, ``want``
+# the base_tokens of the row below (where a link must end; NULL at lvl 0); bounded by its recorded
+# depth (and 100000), so a damaged parent cycle cannot loop. One text for every chain query.
+_WALK = ("WITH RECURSIVE ch(x, lvl, want) AS (SELECT ?1, 0, NULL UNION ALL "
+         "SELECT s.parent_id, ch.lvl + 1, s.base_tokens FROM snapshots s JOIN ch ON s.id = ch.x "
          "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?1), 100000))")
 
 
@@ -221,17 +222,13 @@ class Txn(ChunkQueries):
         chain reaches token 0. False means "not shown here": the caller runs the exact streaming
         check, which also says why (a mismatch, another width, a malformed blob). No Python object
         per link: ~45% of the chain check (docs/benchmarks.md, "Issue 12, fifth session")."""
-        row = self._c.execute(
-            # the start row takes _WALK's bound too (a depth below 0 gives the exact check no links)
-            "WITH RECURSIVE ch(x, lvl, want) AS (SELECT parent_id, 1, base_tokens FROM snapshots WHERE id = ?1 "
-            "AND 0 <= min(depth, 100000) "
-            "UNION ALL SELECT s.parent_id, ch.lvl + 1, s.base_tokens FROM snapshots s JOIN ch ON s.id = ch.x "
-            "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?1), 100000)) "
-            "SELECT count(*), total(s.token_width = ?2 AND length(s.tokens) = ?2 * (s.n_tokens - s.base_tokens) "
+        row = self._c.execute(  # the same walk as the exact check's (_WALK), so the same links
+            f"{_WALK} SELECT count(*), total(s.token_width = ?2 "
+            "AND length(s.tokens) = ?2 * (s.n_tokens - s.base_tokens) "
             "AND s.n_tokens = ch.want AND s.base_tokens <= s.n_tokens "
             "AND (?2 = 8 OR s.n_tokens <= ?4 OR s.n_tokens <= s.base_tokens) "
             "AND s.tokens = substr(?3, s.base_tokens * ?2 + 1, length(s.tokens))), min(s.base_tokens) "
-            "FROM ch JOIN snapshots s ON s.id = ch.x", (sid, width, prompt, narrow)).fetchone()
+            "FROM ch JOIN snapshots s ON s.id = ch.x WHERE ch.lvl >= 1", (sid, width, prompt, narrow)).fetchone()
         links, good, low = row if row is not None else (0, 0, None)  # an aggregate always has its one row
         return bool(links) and int(good) == int(links) and low == 0
 

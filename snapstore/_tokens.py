@@ -108,12 +108,12 @@ class Encoded:
     on a loaded machine. An Encoded takes the buffer out while it lives (a second one meanwhile
     gets a new buffer: nothing can overwrite a prompt being compared) and gives it back when dropped."""
 
-    __slots__ = ("_by_width", "arr", "wide")
+    __slots__ = ("_by_width", "_narrow", "arr")
 
     def __init__(self, arr: np.ndarray):
         self.arr = arr
         self._by_width: dict[int, bytearray] = {}
-        self.wide: bool | None = None  # has a token >= 2**31, which no int32 blob holds (the cast wraps it)
+        self._narrow: int | None = None  # see narrow(): found once, however many candidates ask
 
     def width(self, width: int) -> bytearray:
         """The prompt as int32 or int64 LE bytes (valid tokens are < 2**63: the same numbers), possibly
@@ -130,18 +130,18 @@ class Encoded:
         return mine
 
     def narrow(self) -> int:
-        """How many leading tokens of the prompt an int32 blob can hold (all, unless one is >= 2**31)."""
-        if self.wide is None:
-            self.wide = bool(len(self.arr)) and int(self.arr.max()) >= 2**31
-        return int(np.argmax(self.arr >= 2**31)) if self.wide else len(self.arr)
+        """How many leading tokens of the prompt an int32 blob can hold: all, unless one is >= 2**31,
+        which no int32 blob holds (the cast wraps it)."""
+        if self._narrow is None:
+            wide = bool(len(self.arr)) and int(self.arr.max()) >= 2**31
+            self._narrow = int(np.argmax(self.arr >= 2**31)) if wide else len(self.arr)
+        return self._narrow
 
     def fits(self, width: int, pos: int, n: int) -> bool:
         """Can a blob of ``width`` hold the prompt's tokens ``[pos, n)``?"""
         if width == 8 or n <= pos:
             return True
-        if self.wide is None:
-            self.wide = bool(len(self.arr)) and int(self.arr.max()) >= 2**31
-        return not self.wide or int(self.arr[pos:n].max()) < 2**31
+        return self.narrow() == len(self.arr) or int(self.arr[pos:n].max()) < 2**31
 
     def __del__(self) -> None:
         for width, buf in self._by_width.items():
