@@ -11,7 +11,15 @@ arguments, takes what may change under it, and queues the save for one writer th
   host buffer (a device tensor's reader, a strided array), are copied before the call returns,
   under a bounded budget (``async_copy_bytes`` / ``SNAPSTORE_ASYNC_COPY_MIB``, default 1024 MiB).
   When the budget is full the call waits for earlier saves to finish rather than exceed it; a save
-  whose copies alone exceed the whole budget waits for the queue to empty and runs synchronously.
+  whose copies alone exceed the whole budget waits for the queue to empty and runs synchronously;
+- the tokens (small), the row counts and the parent's id are taken at the call: nothing else of
+  the caller's is read later (an engine reuses its token array for the next request at once).
+
+The writer thread holds a Store only while it has a save of it to run: a Store dropped unclosed
+is collected (its owner lock freed) once its queue is empty, and its writer thread then ends. A
+failed save's error carries its traceback as text, a note (its frames would hold the Store).
+In a forked child the parent's saves and writer thread are not there (:mod:`._forks`): the child's
+copies of their handles refuse to wait.
 
 Errors (I/O, a full disk, a lost race) surface on the handle; argument errors raise at once.
 ``Store.flush()`` and ``Store.close()`` wait for every queued save. A crash loses only saves whose
@@ -20,7 +28,11 @@ handle had not completed: a completed handle's snapshot is as durable as a ``wai
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
+import traceback
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -30,7 +42,9 @@ import numpy as np
 
 from ._config import MIB, env_int
 from ._errors import ConfigError, StateError
+from ._forks import track
 from ._layout import Fixed
+from ._refs import snapshot_id
 from ._results import SaveResult
 from ._save import validate_parts
 from ._tokens import as_token_array
@@ -60,21 +74,32 @@ class SaveHandle:
     def __init__(self, copied_bytes: int, future: Future[SaveResult] | None = None):
         self.copied_bytes = copied_bytes
         self._future: Future[SaveResult] = future if future is not None else Future()
+        self._forked = False
+        track(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._forked = True  # the save, its writer thread and its future's waiters are the parent's
+
+    def _settled(self) -> Future[SaveResult]:
+        if self._forked:
+            raise StateError("this save was queued before a fork(); only the process that queued it can "
+                             "wait for it (save again from a Store opened in this process)")
+        return self._future
 
     def done(self) -> bool:
         """True once the save finished (durable and in the catalog, skipped, or failed)."""
-        return self._future.done()
+        return self._settled().done()
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """The SaveResult, waiting up to ``timeout`` seconds (TimeoutError); raises the save's error."""
-        return self._future.result(timeout)
+        return self._settled().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (None when it succeeded), waiting like :meth:`result`."""
-        return self._future.exception(timeout)
+        return self._settled().exception(timeout)
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "in flight"
+        state = "forked copy" if self._forked else "done" if self.done() else "in flight"
         return f"<SaveHandle {state}, {self.copied_bytes} bytes copied>"
 
 
@@ -89,21 +114,34 @@ class AsyncSaver:
         self._running = 0
         self._closed = False
         self._thread: threading.Thread | None = None
+        track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """The parent's queued and running saves and its writer thread are not in a forked child."""
+        self._cv = threading.Condition()  # a parent thread may have held the old one
+        self._queue.clear()
+        self._running = self.used = 0
+        self._thread = None
 
     # -- the calling thread ----------------------------------------------------------------------
     def submit(self, store: Store, tokens: Any, parts: Mapping[str, Any], rows: Any,
                kwargs: dict[str, Any]) -> SaveHandle:
         """Check, copy what may change, queue; returns the handle (see the module docstring)."""
-        arr = as_token_array(tokens)
+        arr = np.array(as_token_array(tokens), dtype="<u8")  # always a copy: the writer reads it later
         if len(arr) == 0:
             store._save(arr, parts, rows, **kwargs)  # raises the same InvalidInputError a sync save does
+        parent = kwargs.get("parent")
+        if parent is not None and not isinstance(parent, str):
+            kwargs = {**kwargs, "parent": snapshot_id(parent)}  # an int, checked now
         sources, row_counts = validate_parts(store.layout, parts, rows, len(arr))
         need = sum(src.nbytes for name, src in sources.items()
                    if isinstance(store.layout.parts[name], Fixed) or not src.zero_copy)
         if need > self.budget:
             # larger than the whole budget: after the queue, on this thread (the engine waits)
             self.flush()
-            return SaveHandle(0, _done(lambda: store._save(arr, parts, rows, **kwargs)))
+            done: Future[SaveResult] = Future()
+            _settle(done, functools.partial(store._save, arr, parts, rows, **kwargs))
+            return SaveHandle(0, done)
         self._reserve(need)
         try:
             private: dict[str, Any] = {}
@@ -120,9 +158,8 @@ class AsyncSaver:
         frozen = {name: row_counts[name] for name in row_counts}
         future: Future[SaveResult] = Future()
 
-        def run() -> SaveResult:
-            return store._save(arr, private, frozen, **kwargs)
-
+        # not a closure: a frame keeps its function, a closure its variables, an error its frames
+        run = functools.partial(store._save, arr, private, frozen, **kwargs)
         with self._cv:
             if self._closed:
                 self.used -= need
@@ -132,6 +169,8 @@ class AsyncSaver:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="snapstore-save", daemon=True)
                 self._thread.start()
+                # the thread holds the store only through queued jobs: once it is dropped, stop the thread
+                weakref.finalize(store, self._stop).atexit = False
             self._cv.notify_all()
         return SaveHandle(need, future)
 
@@ -160,15 +199,19 @@ class AsyncSaver:
                 self._running += 1
             try:
                 if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(run())
-                    except BaseException as e:  # surfaces on the handle
-                        future.set_exception(e)
+                    _settle(future, run)
             finally:
+                del run, future  # the job holds the Store: nothing of it may wait here with the thread
                 with self._cv:
                     self._running -= 1
                     self.used -= need
                     self._cv.notify_all()
+
+    def _stop(self) -> None:
+        """The store was dropped unclosed (its queue is empty): let the writer thread end."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
 
     def pending(self) -> int:
         """Saves queued or running."""
@@ -190,11 +233,25 @@ class AsyncSaver:
             thread.join()
 
 
-def _done(fn: Callable[[], SaveResult]) -> Future[SaveResult]:
-    """A future already completed with ``fn()``'s result or error."""
-    future: Future[SaveResult] = Future()
+def _settle(future: Future[SaveResult], fn: Callable[[], SaveResult]) -> None:
+    """Complete ``future`` with ``fn()``'s result or error. The error keeps its traceback as text (a
+    note), not as frames: their variables, functions and callers would keep the Store (or its owner
+    lock) alive for as long as the caller keeps the handle."""
+    outer = sys.exc_info()[1]  # an error the caller is handling: its own, left as it is
     try:
         future.set_result(fn())
-    except BaseException as e:
+    except BaseException as e:  # surfaces on the handle
+        del fn
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        seen: set[int] = {id(outer)} if outer is not None else set()
+        todo: list[BaseException | None] = [e]
+        while todo:  # the error and the errors it was raised from or while handling
+            err = todo.pop()
+            if err is not None and id(err) not in seen:
+                seen.add(id(err))
+                err.__traceback__ = None
+                todo += [err.__cause__, err.__context__]
+        add_note = getattr(e, "add_note", None)  # Python 3.11+
+        if add_note is not None:
+            add_note("where the save failed (" + threading.current_thread().name + "):\n" + text.rstrip())
         future.set_exception(e)
-    return future

@@ -24,6 +24,7 @@ import apsw.bestpractice
 from ._catalog import ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, Txn
 from ._config import env_int
 from ._errors import CorruptionError, StateError, StoreFormatError, StoreIOError
+from ._forks import track
 
 __all__ = ["APPLICATION_ID", "MIN_SQLITE", "ChunkRow", "Conn", "Database", "OwnerRow", "PartKind", "PartRow",
            "SnapRow", "SnapState", "Txn"]
@@ -136,6 +137,7 @@ class Database:
         self._all: weakref.WeakSet[_Held] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
+        track(self)  # a forked child gets a fresh _lock (a parent thread may have held it)
         mib = env_int("SNAPSTORE_SQLITE_MMAP_MIB")  # 0: read through the page cache only (pread)
         self._mmap_bytes = (DEFAULT_MMAP_MIB if mib is None else mib) * (1 << 20)
 
@@ -210,6 +212,9 @@ class Database:
                     c.close()
                 raise translate(e) from None
         raise StoreIOError(16, "the store database stayed locked by another process for too long")
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         """Close every connection this object opened (all threads)."""

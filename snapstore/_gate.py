@@ -3,17 +3,23 @@ waits for the ones already running, and a second close() returns once the first 
 
 Calls nest on one thread (a public call made inside another, e.g. restore() planning through
 describe()): only the outermost counts, so a call never waits for itself.
+
+In a process forked from the opener's, the gate is the child's copy (:mod:`._forks`): it refuses
+every call (the threads, locks and SQLite connections behind them are the parent's) and counts
+none of the parent's calls in flight, so the child's close() returns at once.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from ._errors import StateError
+from ._forks import track
 
 __all__ = ["CallGate", "Gated", "operation"]
 
@@ -30,22 +36,41 @@ class CallGate:
         self._active = 0
         self._shut = False  # close() has finished
         self._inside = threading.local()  # depth of public calls on this thread (nested calls pass)
+        self._opener = os.getpid()
+        self.forked = False  # the copy a forked child inherited: every call refused, close() releases it
+        track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """Only the forking thread came along: its own call, if it was inside one, is the one in
+        flight; a close() a parent thread had begun is the parent's (the child's close() runs anew)."""
+        self._cond = threading.Condition()  # a parent thread may have held the old one
+        self._active = 1 if self.depth else 0
+        self.closed = self._shut
+        self.forked = True
 
     @property
     def depth(self) -> int:
         """How many public calls of this store the current thread is inside."""
         return int(getattr(self._inside, "depth", 0))
 
+    def _refuse_forked(self) -> None:
+        if self.forked:
+            raise StateError(f"this Store was opened by process {self._opener} before a fork(); a forked "
+                             "process cannot use it (its threads, locks and SQLite connections are the "
+                             "parent's): open a Store in this process with Store.open(), and close() this copy")
+
     def check(self) -> None:
-        """StateError once close() has begun (for calls close() need not wait for)."""
+        """StateError once close() has begun, or in a forked child (for calls close() need not wait for)."""
+        self._refuse_forked()
         if self.closed:
             raise StateError("the store is closed; open it again with Store.open()")
 
     @contextmanager
     def call(self) -> Iterator[None]:
-        """Count a public call in flight; StateError once close() has begun."""
+        """Count a public call in flight; StateError once close() has begun, or in a forked child."""
         depth = self.depth
         if depth == 0:
+            self._refuse_forked()
             with self._cond:
                 if self.closed:
                     raise StateError("the store is closed (or closing); open it again with Store.open()")

@@ -206,7 +206,8 @@ def _abandon(lock: _LockFile, stop: threading.Event) -> None:
 
     The file stays (its row does too): a free lock reads as a dead owner, and gc removes both.
     """
-    stop.set()
+    if not lock.inherited:  # in a forked child the event is the parent's thread's (its lock may be held)
+        stop.set()
     with _live_lock:
         if _held.get(lock.id) is lock:
             del _held[lock.id]
@@ -304,10 +305,13 @@ class Owner:
             os.close(fd)  # the new lock is in place before the old one goes
 
     def stop(self) -> None:
-        """Stop renewing (before the owner's row is deleted, so no renewal re-creates it)."""
+        """Stop renewing (before the owner's row is deleted, so no renewal re-creates it). In a
+        forked child there is nothing to stop: the thread (and the event's lock) are the parent's."""
+        if self.inherited:
+            return
         self._stop.set()
         t = self._thread
-        if t is not None and t is not threading.current_thread() and not self.inherited:
+        if t is not None and t is not threading.current_thread():
             t.join()
 
     def retire(self, c: Conn) -> None:

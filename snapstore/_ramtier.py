@@ -37,6 +37,7 @@ from ._chunkfile import (
     read_exact,
 )
 from ._errors import CorruptionError
+from ._forks import track
 
 __all__ = ["RamTier"]
 
@@ -66,6 +67,15 @@ class RamTier:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._active = 0  # restores in flight: admission waits while there are any
+        track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child: fresh locks; the parent's offers, admission thread and restores are not here."""
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._queue.clear()
+        self._queued.clear()
+        self._busy, self._thread, self._active = False, None, 0
 
     @contextlib.contextmanager
     def restoring(self) -> Iterator[None]:

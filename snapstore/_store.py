@@ -163,7 +163,7 @@ class Store:
             if self._lease_owner is not None:
                 self._lease_owner.release()
                 reap_lock_files(self._repo.root, dead_owners)
-            if self._pool is not None:
+            if self._pool is not None and not self._gate.forked:  # a forked child's: the parent's threads
                 self._pool.shutdown(wait=True)
             if self._ram is not None:
                 self._ram.clear()
@@ -417,7 +417,8 @@ class Store:
 
         Safe against other threads: calls that start after close() began raise StateError; calls
         already running finish first (close waits for them). Idempotent; a second close() (from
-        any thread) returns once the first has finished.
+        any thread) returns once the first has finished. In a process forked from the opener's it
+        returns at once and releases only that process's copies (docs/api.md).
         """
         if self._gate.depth:
             raise StateError("close() was called from inside a call on this same store (a part source "
@@ -429,11 +430,9 @@ class Store:
         owner = self._lease_owner
         assert owner is not None  # set by open(); a Store is only handed out open
         try:
-            if self._remote is not None:
-                try:
-                    self._remote.close()  # finishes the queued uploads first
-                finally:
-                    self._remote = None
+            remote, self._remote = self._remote, None
+            if remote is not None and not self._gate.forked:  # in a forked child: the parent's threads, sockets
+                remote.close()  # finishes the queued uploads first
             owner.stop()  # no renewal may re-register the row this transaction deletes
             if not owner.inherited:  # a forked child's copy: the parent's captures and row stay
                 dead_owners = self._write(lambda t: retire(t, owner, root=self._repo.root, lease=self.pending_lease))
