@@ -13,8 +13,10 @@ With direct reads on (``DirectReads``), runs of raw chunks whose pages are not c
 At most ``_MAX_OPEN`` chunk files are open at once, whatever the plan's size, and the process's
 open-file limit is never touched: a larger plan has every header checked first (open, check,
 close), then streams in windows of that many files, each window opened and re-checked before
-its first byte is written. Damage found on the way (a missing file, a bad header, a checksum
-that does not match) is reported in ``damage`` for :func:`quarantine`.
+its first byte is written. Damage found on the way (a missing file, something other than a
+regular file at the path — opened without blocking, :func:`._chunkfile.open_chunk` — a bad header,
+a checksum that does not match) is reported in ``damage`` for :func:`quarantine`, which condemns
+only what is still damaged when it re-checks under the write lock.
 
 No posix_fadvise(WILLNEED): on this kernel it fills the page cache with 4 KiB folios and made
 both cold and later warm reads slower than plain readahead.
