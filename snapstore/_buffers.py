@@ -17,7 +17,9 @@ a chunk is not copied once more between that memory and the core's staging slot:
   follows every buffer handed out.
 
 Any non-snapstore exception a reader raises is a :class:`SourceError` (nothing was saved); a
-writer's is a ``RestoreError(touched=True)``.
+writer's is a ``RestoreError(touched=True)``. Memory a writer hands out (``views``, ``buffer_for``)
+may be any writable C-contiguous buffer (memoryview, numpy array, bytearray); anything else is a
+:class:`DestinationError`, touched only if the restore had written before.
 """
 
 from __future__ import annotations
@@ -137,15 +139,39 @@ class Sink:
         if views is None:
             return None
         n = end - start
-        out: list[memoryview] | None = self._writer_call(f"views({start}, {n})", lambda: views(start, n))
+        what = f"views({start}, {n})"
+        got: Any = self._writer_call(what, lambda: views(start, n))
+        if got is None:
+            return None
+        if isinstance(got, (str, bytes)) or not hasattr(got, "__iter__"):
+            raise DestinationError(f"part {self.name!r}: the destination's {what} returned a {type(got).__name__}, "
+                                   "not a list of writable host buffers; return None to be written through "
+                                   "write_from; nothing was written by this call")
+        out = [self._host_bytes(what, v) for v in got]
         # the chunk is read and checked in these views: any other extent would leave bytes unwritten
         # (or blame a good chunk), so the destination's mistake is its own error, before a byte is read
-        if out is not None and (sum(len(v) for v in out) != n or any(v.readonly for v in out)):
-            raise RestoreError(f"part {self.name!r}: the destination's views({start}, {n}) returned "
-                               f"{sum(len(v) for v in out)} bytes{' (some read-only)' * any(v.readonly for v in out)}"
-                               f", not {n} writable ones; return None to be written through write_from",
-                               touched=True)
+        if sum(len(v) for v in out) != n:
+            raise DestinationError(f"part {self.name!r}: the destination's {what} returned "
+                                   f"{sum(len(v) for v in out)} bytes, not {n}; return None to be written "
+                                   "through write_from; nothing was written by this call")
         return out
+
+    def _host_bytes(self, what: str, obj: object) -> memoryview:
+        """A buffer the writer returned (memoryview, numpy array, bytearray: any writable C-contiguous
+        buffer) as flat writable bytes; DestinationError (touched=False: the caller adds what it wrote
+        before) when it is not one, so a wrong type is the destination's error, never a bare one."""
+        try:
+            mv = memoryview(obj)  # type: ignore[arg-type]
+        except TypeError:
+            raise DestinationError(f"part {self.name!r}: the destination's {what} returned a {type(obj).__name__}, "
+                                   "not a buffer; return writable host memory (memoryview, numpy array, bytearray) "
+                                   "or None; nothing was written by this call") from None
+        if mv.readonly or not mv.c_contiguous:
+            raise DestinationError(f"part {self.name!r}: the destination's {what} returned "
+                                   f"{'read-only' if mv.readonly else 'non-contiguous'} memory "
+                                   f"({type(obj).__name__}); return writable C-contiguous host memory or None; "
+                                   "nothing was written by this call")
+        return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
     def _writer_call(self, what: str, fn: Callable[[], T]) -> T:
         """Run a call into the engine's writer; any failure is a RestoreError(touched=True)."""
@@ -166,11 +192,18 @@ class Sink:
         lend = getattr(self.writer, "buffer_for", None)
         if lend is None or not callable(getattr(self.writer, "commit", None)):
             return None
-        out: memoryview | None = self._writer_call(f"buffer_for({start}, {n})", lambda: lend(start, n))
-        if out is not None and (len(out) != n or out.readonly):
+        what = f"buffer_for({start}, {n})"
+        got: Any = self._writer_call(what, lambda: lend(start, n))
+        if got is None:
+            return None
+        try:  # lent: discard() follows every refusal
+            out = self._host_bytes(what, got)
+            if len(out) != n:
+                raise DestinationError(f"part {self.name!r}: the destination's {what} returned {len(out)} bytes, "
+                                       f"not {n}; nothing was written by this call")
+        except DestinationError:
             self.discard(start, n)
-            raise RestoreError(f"part {self.name!r}: the destination's buffer_for({start}, {n}) returned "
-                               f"{len(out)} {'read-only ' if out.readonly else ''}bytes", touched=True)
+            raise
         return out
 
     def commit(self, start: int, n: int) -> None:

@@ -7,8 +7,11 @@ every restore) and an XXH3-64 of itself.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -31,6 +34,7 @@ __all__ = [
     "scope_key",
     "checksum",
     "checksum_stream",
+    "chunk_damage",
     "compress_stream",
     "decode_fd",
     "decode_payload",
@@ -38,7 +42,9 @@ __all__ = [
     "header_at",
     "header_matches",
     "is_hex_id",
+    "open_chunk",
     "parse_header",
+    "recheck",
 ]
 
 MAGIC = b"SNAPCHK\x00"
@@ -197,11 +203,78 @@ def header_matches(head: ChunkHeader, raw_len: int, csum: bytes, file_size: int 
             and (file_size is None or file_size == HEADER_SIZE + head.payload_len))
 
 
-def header_at(path: str) -> tuple[ChunkHeader, int]:
-    """Parse the header of the chunk file at ``path`` (never through a symlink); (header, file size)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def open_chunk(path: str) -> tuple[int, os.stat_result]:
+    """Open the chunk file at ``path`` for reading: the one open of every chunk read (restore, RAM
+    tier, header checks, verify, publish). Never through a symlink and never blocking: a FIFO,
+    socket, device or directory at a chunk path is damage (CorruptionError), not a hang. Returns
+    the descriptor (reads block as usual again) and its fstat; FileNotFoundError when it is missing."""
     try:
-        return parse_header(os.pread(fd, HEADER_SIZE, 0)), os.fstat(fd).st_size
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptionError("the chunk path is a symbolic link, not a regular file") from None
+        if e.errno == errno.ENXIO:
+            raise CorruptionError("the chunk path is a socket, not a regular file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device",
+                    stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(st.st_mode), "special")
+            raise CorruptionError(f"the chunk path is {kind}, not a regular file")
+        fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # a regular file: reads block as usual (O_NONBLOCK off)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def header_at(path: str) -> tuple[ChunkHeader, int]:
+    """Parse the header of the chunk file at ``path`` (:func:`open_chunk`); (header, file size)."""
+    fd, st = open_chunk(path)
+    try:
+        return parse_header(os.pread(fd, HEADER_SIZE, 0)), st.st_size
+    finally:
+        os.close(fd)
+
+
+def recheck(fd: int, head: ChunkHeader) -> str | None:
+    """Read the chunk open as ``fd`` (its header ``head`` already checked) again into private memory
+    and check it: None when its bytes match the header's checksum, else what is wrong. Raw chunks
+    are checked piece by piece; OSError propagates (a failed read confirms nothing)."""
+    try:
+        if head.codec != CODEC_RAW:  # compressed: decoded whole (rare; zstd is not the default)
+            out = np.empty(head.raw_len, dtype=np.uint8).data
+            decode_fd(head, fd, out)
+            return None if checksum(out) == head.checksum else "checksum mismatch"
+        h = checksum_stream()
+        buf = memoryview(bytearray(max(1, min(head.raw_len, _PIECE))))
+        for off in range(0, head.raw_len, len(buf)):
+            piece = buf[:min(len(buf), head.raw_len - off)]
+            read_exact(fd, piece, HEADER_SIZE + off)
+            h.update(piece)
+        return None if h.digest() == head.checksum else "checksum mismatch"
+    except CorruptionError as e:
+        return str(e)
+
+
+def chunk_damage(path: str, raw_len: int, csum: bytes) -> str | None:
+    """What is wrong with the chunk file at ``path`` *now*, against its catalog row (``raw_len``
+    bytes, checksum ``csum``): missing, not a regular file, a header that disagrees, bytes that fail
+    their checksum; None when it is intact. OSError when it cannot be read (nothing confirmed)."""
+    try:
+        fd, st = open_chunk(path)
+    except FileNotFoundError:
+        return "missing chunk file"
+    except CorruptionError as e:
+        return str(e)
+    try:
+        head = parse_header(os.pread(fd, HEADER_SIZE, 0))
+        if not header_matches(head, raw_len, csum, st.st_size):
+            return "header disagrees with the catalog"
+        return recheck(fd, head)
+    except CorruptionError as e:
+        return str(e)
     finally:
         os.close(fd)
 

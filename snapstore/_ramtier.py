@@ -33,6 +33,7 @@ from ._chunkfile import (
     checksum_stream,
     decode_fd,
     header_matches,
+    open_chunk,
     parse_header,
     read_exact,
 )
@@ -228,12 +229,12 @@ def _load(path: str, n: int, csum: bytes, pause: Callable[[], bool]) -> memoryvi
     the catalog describes (``n`` raw bytes with checksum ``csum``). ``pause()`` is called between
     pieces (it blocks while a restore runs); False from it abandons the load."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None  # evicted meanwhile
+        fd, st = open_chunk(path)  # never blocks: a FIFO at the path is damage, not a stuck admission thread
+    except (OSError, CorruptionError):
+        return None  # evicted meanwhile, or not a regular file
     try:
         head = parse_header(os.pread(fd, HEADER_SIZE, 0))
-        if not header_matches(head, n, csum, os.fstat(fd).st_size):
+        if not header_matches(head, n, csum, st.st_size):
             return None
         out = np.empty(n, dtype=np.uint8).data
         if head.codec != CODEC_RAW:  # compressed: decoded whole (rare; zstd is not the default)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._chunkfile import CODEC_RAW, HEADER_SIZE, checksum, decode_payload, header_matches, parse_header
+from ._chunkfile import CODEC_RAW, HEADER_SIZE, checksum, decode_payload, header_matches, open_chunk, parse_header
 from ._db import Conn, SnapRow
 from ._errors import CorruptionError, RemoteError
 from ._identity import Identity
@@ -153,7 +153,7 @@ class Publisher:
     def _read_local(self, e: ChunkEntry) -> bytes:
         """The local chunk file's bytes, checked against its catalog row (never publish damage)."""
         try:
-            fd = os.open(self._repo.blob_path(e.id), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd, _ = open_chunk(self._repo.blob_path(e.id))
         except (OSError, CorruptionError):
             raise _Gone() from None
         try:

@@ -13,8 +13,10 @@ With direct reads on (``DirectReads``), runs of raw chunks whose pages are not c
 At most ``_MAX_OPEN`` chunk files are open at once, whatever the plan's size, and the process's
 open-file limit is never touched: a larger plan has every header checked first (open, check,
 close), then streams in windows of that many files, each window opened and re-checked before
-its first byte is written. Damage found on the way (a missing file, a bad header, a checksum
-that does not match) is reported in ``damage`` for :func:`quarantine`.
+its first byte is written. Damage found on the way (a missing file, something other than a
+regular file at the path — opened without blocking, :func:`._chunkfile.open_chunk` — a bad header,
+a checksum that does not match) is reported in ``damage`` for :func:`quarantine`, which condemns
+only what is still damaged when it re-checks under the write lock.
 
 No posix_fadvise(WILLNEED): on this kernel it fills the page cache with 4 KiB folios and made
 both cold and later warm reads slower than plain readahead.
@@ -34,14 +36,16 @@ from ._chunkfile import (
     ChunkHeader,
     checksum,
     checksum_stream,
+    chunk_damage,
     decode_fd,
     header_matches,
+    open_chunk,
     parse_header,
     read_exact,
 )
 from ._db import Conn, Database
 from ._direct_io import DirectReads, resident
-from ._errors import CorruptChunkError, CorruptionError, SnapshotUnavailableError
+from ._errors import CorruptChunkError, CorruptionError, RestoreError, SnapshotUnavailableError
 from ._plan import PlanItem, RestorePlan
 from ._ramtier import RamTier
 from ._read_ahead import ReadAhead
@@ -82,18 +86,22 @@ def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[byt
                 raise SnapshotUnavailableError(f"snapshot {sid}: {e}; {outcome(touched)}",
                                                touched=touched, snapshot_id=sid) from None
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd, st = open_chunk(path)
             except FileNotFoundError:
-                damage.append((cid, None))  # quarantined if its row is still there (not an eviction)
+                damage.append(cid)  # quarantined if its row is still there (not an eviction)
                 raise SnapshotUnavailableError(
                     f"snapshot {sid}: chunk {cid.hex()} is gone (evicted or deleted); {outcome(touched)}",
                     touched=touched, snapshot_id=sid) from None
+            except CorruptionError as e:  # a FIFO, socket, device or link at the chunk path: damage, no hang
+                damage.append(cid)
+                raise CorruptChunkError(f"snapshot {sid}: chunk {cid.hex()} is damaged ({e}); {outcome(touched)}",
+                                        touched=touched, snapshot_id=sid) from None
             except OSError as e:
                 raise SnapshotUnavailableError(
                     f"snapshot {sid}: cannot open chunk {cid.hex()}: {e.strerror}; {outcome(touched)}",
                     touched=touched, snapshot_id=sid) from None
             try:
-                head = _check_header(plan, item, fd, touched, damage)
+                head = _check_header(plan, item, fd, st, touched, damage)
             except BaseException:
                 os.close(fd)
                 raise
@@ -110,23 +118,19 @@ def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[byt
     return opened
 
 
-def _check_header(plan: RestorePlan, item: PlanItem, fd: int, touched: bool, damage: Damage) -> ChunkHeader:
-    """The header of an open chunk file, checked against its catalog row."""
+def _check_header(plan: RestorePlan, item: PlanItem, fd: int, st: os.stat_result, touched: bool,
+                  damage: Damage) -> ChunkHeader:
+    """The header of an open chunk file (``st``: its fstat), checked against its catalog row."""
     cid, sid = item.chunk.id, plan.snapshot_id
-    try:
-        st = os.fstat(fd)
-    except OSError as e:
-        raise SnapshotUnavailableError(f"snapshot {sid}: cannot stat chunk {cid.hex()}: {e.strerror}; "
-                                       f"{outcome(touched)}", touched=touched, snapshot_id=sid) from None
     try:
         head = parse_header(os.pread(fd, HEADER_SIZE, 0))
     except (CorruptionError, OSError) as e:
         if isinstance(e, CorruptionError):
-            damage.append((cid, (st.st_dev, st.st_ino)))
+            damage.append(cid)
         raise CorruptChunkError(f"snapshot {sid}: chunk {cid.hex()} is damaged ({e}); {outcome(touched)}",
                                 touched=touched, snapshot_id=sid) from None
     if not header_matches(head, item.chunk.raw_len, item.chunk.checksum, st.st_size):
-        damage.append((cid, (st.st_dev, st.st_ino)))
+        damage.append(cid)
         raise CorruptChunkError(
             f"snapshot {sid}: chunk {cid.hex()} does not match the catalog "
             f"(size {st.st_size}, header says {HEADER_SIZE + head.payload_len}); {outcome(touched)}",
@@ -151,28 +155,27 @@ def _windows(items: list[PlanItem]) -> list[list[PlanItem]]:
 
 
 def quarantine(db: Database, blob_path: Callable[[bytes], str], damage: Damage) -> int:
-    """Quarantine the chunks a restore found damaged, re-checked under the write lock; returns how many.
+    """Quarantine the chunks a restore found damaged that are damaged *now*; returns how many.
 
-    A chunk whose row is gone (evicted meanwhile) is left alone, and so is one whose file was
-    replaced since the restore opened it (a save healed it: another inode is at the address).
+    Under the write lock (no save can heal or republish meanwhile), each chunk's current file is
+    checked again against its current row, bytes included (:func:`._chunkfile.chunk_damage`): a
+    chunk whose row is gone (evicted) is left alone, and so is one whose file is intact now — a
+    save healed it, or the snapshot was deleted and saved again (whatever inode its file got), or
+    the first read was the one at fault. A file that cannot be read now confirms nothing either.
     """
     now = time.time()
 
     def run(c: Conn) -> int:
         n = 0
-        for cid, seen in dict(damage).items():
+        for cid in dict.fromkeys(damage):
             row = c.chunk(cid)
             if row is None or row.quarantined is not None:
                 continue
             try:
-                st = os.stat(blob_path(cid), follow_symlinks=False)
-                here: tuple[int, int] | None = (st.st_dev, st.st_ino)
-            except FileNotFoundError:
-                here = None
+                if chunk_damage(blob_path(cid), row.raw_len, row.checksum) is None:
+                    continue  # intact now: nothing to condemn
             except (OSError, CorruptionError):
-                continue
-            if here is not None and here != seen:
-                continue  # missing then but present now, or another file now: republished meanwhile
+                continue  # unreadable now, or no valid path: a later restore finds it again
             n += c.quarantine_chunk(cid, now)
         return n
 
@@ -246,7 +249,11 @@ def _stream_window(plan: RestorePlan, opened: list[_Opened], staging: StagingBuf
     cold: dict[int, bool] = {}
     runs: list[tuple[bool, list[_Opened], list[DirectItem]]] = []
     for entry in opened:
-        targets = _cold_targets(entry, reads, cold)
+        try:
+            targets = _cold_targets(entry, reads, cold)
+        except RestoreError as e:  # the writer's views() refused: written only if earlier runs wrote
+            e.touched = e.touched or touched
+            raise
         if not runs or runs[-1][0] != (targets is not None):
             runs.append((targets is not None, [], []))
         runs[-1][1].append(entry)
@@ -289,6 +296,95 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
     targets: list[memoryview | list[memoryview] | None] = []
     pieces: list[range] = []  # per item: its jobs
     jobs: list[tuple[int, memoryview | list[memoryview], int]] = []
+    try:
+        _in_place(opened, targets, pieces, jobs)
+    except RestoreError as e:  # the writer's views() refused: nothing of this run was read yet
+        e.touched = e.touched or touched
+        raise
+    big = len(jobs) > 1 and sum(len(t) if isinstance(t, memoryview) else sum(map(len, t))
+                                for _, t, _ in jobs) >= _PIPELINE_MIN
+    reader = ReadAhead(len(jobs), lambda j: read_exact(*jobs[j]), depth=_DEPTH, threads=_THREADS,
+                       lanes=_file_lanes([fd for fd, _, _ in jobs])) if big else None
+    try:
+        for k, (item, fd, head, data) in enumerate(opened):
+            cid, n = item.chunk.id, item.chunk.raw_len
+            if data is not None:
+                touched = True
+                item.sink.write(item.offset + item.skip, memoryview(data)[item.skip:])
+                continue
+            assert head is not None
+            target = targets[k]
+            in_place = True  # checked in the destination's memory (in place, or a buffer it lent)
+            try:
+                if target is not None:
+                    touched = True
+                    h = checksum_stream()
+                    for j in pieces[k]:
+                        _, piece, offset = jobs[j]
+                        if reader is not None:
+                            try:
+                                reader.wait(j)
+                            finally:
+                                reader.done()
+                        else:
+                            read_exact(fd, piece, offset)
+                        for p in ([piece] if isinstance(piece, memoryview) else piece):
+                            h.update(p)
+                    good = h.digest() == item.chunk.checksum
+                # a lent buffer is committed whole: not for the chunk that straddles rows_from (staged below)
+                elif not item.skip and (lent := item.sink.buffer(item.offset, n)) is not None:
+                    committed = False
+                    try:
+                        decode_fd(head, fd, lent)
+                        good = checksum(lent) == item.chunk.checksum
+                        if good:
+                            touched = True
+                            item.sink.commit(item.offset, n)
+                            committed = True
+                    finally:
+                        if not committed:
+                            item.sink.discard(item.offset, n)
+                else:
+                    in_place = False
+                    slot, buf = staging.acquire()
+                    try:
+                        out = buf[:n] if n <= len(buf) else memoryview(bytearray(n))
+                        decode_fd(head, fd, out)  # raw: read; zstd: decompressed piece by piece
+                        good = checksum(out) == item.chunk.checksum
+                        if good:
+                            touched = True
+                            item.sink.write(item.offset + item.skip, out[item.skip:])  # rows_from
+                            if ram is not None:
+                                ram.offer(cid, blob_path(cid), n, item.chunk.checksum)
+                    finally:
+                        staging.release(slot)
+                    if good:
+                        continue
+            except CorruptionError as e:  # the file itself (short, does not decode): no re-check
+                good, in_place = False, False
+                reason = str(e)
+            except OSError as e:
+                raise read_failed(plan, cid, e, _stopped(reader, touched)) from None
+            except RestoreError as e:  # the writer refused or failed: touched if anything was written
+                e.touched = e.touched or _stopped(reader, touched)
+                raise
+            else:
+                reason = "checksum mismatch"
+            if not good:
+                raise corrupt(plan, cid, fd, reason, _stopped(reader, touched), damage, ram,
+                              head if in_place else None)
+            if ram is not None:  # admitted off this thread, from the file (see _ramtier)
+                ram.offer(cid, blob_path(cid), n, item.chunk.checksum)
+    finally:
+        if reader is not None:
+            reader.stop()  # before the descriptors close, and before an error reaches the caller
+    return touched
+
+
+def _in_place(opened: list[_Opened], targets: list[memoryview | list[memoryview] | None], pieces: list[range],
+              jobs: list[tuple[int, memoryview | list[memoryview], int]]) -> None:
+    """Per item of ``opened``: where it is read in place (``targets``: its destination view or the
+    writer's segments, None: not in place) and its read jobs (``pieces``: indices into ``jobs``)."""
     for item, fd, head, data in opened:
         target: memoryview | list[memoryview] | None = None
         first = len(jobs)
@@ -310,74 +406,3 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                     target = segs
         targets.append(target)
         pieces.append(range(first, len(jobs)))
-    big = len(jobs) > 1 and sum(len(t) if isinstance(t, memoryview) else sum(map(len, t))
-                                for _, t, _ in jobs) >= _PIPELINE_MIN
-    reader = ReadAhead(len(jobs), lambda j: read_exact(*jobs[j]), depth=_DEPTH, threads=_THREADS,
-                       lanes=_file_lanes([fd for fd, _, _ in jobs])) if big else None
-    try:
-        for k, (item, fd, head, data) in enumerate(opened):
-            cid, n = item.chunk.id, item.chunk.raw_len
-            if data is not None:
-                touched = True
-                item.sink.write(item.offset + item.skip, memoryview(data)[item.skip:])
-                continue
-            assert head is not None
-            target = targets[k]
-            try:
-                if target is not None:
-                    touched = True
-                    h = checksum_stream()
-                    for j in pieces[k]:
-                        _, piece, offset = jobs[j]
-                        if reader is not None:
-                            try:
-                                reader.wait(j)
-                            finally:
-                                reader.done()
-                        else:
-                            read_exact(fd, piece, offset)
-                        for p in ([piece] if isinstance(piece, memoryview) else piece):
-                            h.update(p)
-                    good = h.digest() == item.chunk.checksum
-                elif (lent := item.sink.buffer(item.offset, n)) is not None:
-                    committed = False
-                    try:
-                        decode_fd(head, fd, lent)
-                        good = checksum(lent) == item.chunk.checksum
-                        if good:
-                            touched = True
-                            item.sink.commit(item.offset, n)
-                            committed = True
-                    finally:
-                        if not committed:
-                            item.sink.discard(item.offset, n)
-                else:
-                    slot, buf = staging.acquire()
-                    try:
-                        out = buf[:n] if n <= len(buf) else memoryview(bytearray(n))
-                        decode_fd(head, fd, out)  # raw: read; zstd: decompressed piece by piece
-                        good = checksum(out) == item.chunk.checksum
-                        if good:
-                            touched = True
-                            item.sink.write(item.offset + item.skip, out[item.skip:])  # rows_from
-                            if ram is not None:
-                                ram.offer(cid, blob_path(cid), n, item.chunk.checksum)
-                    finally:
-                        staging.release(slot)
-                    if good:
-                        continue
-            except CorruptionError as e:
-                good = False
-                reason = str(e)
-            except OSError as e:
-                raise read_failed(plan, cid, e, _stopped(reader, touched)) from None
-            else:
-                reason = "checksum mismatch"
-            if not good:
-                raise corrupt(plan, cid, fd, reason, _stopped(reader, touched), damage, ram)
-            if ram is not None:  # admitted off this thread, from the file (see _ramtier)
-                ram.offer(cid, blob_path(cid), n, item.chunk.checksum)
-    finally:
-        if reader is not None:
-            reader.stop()  # before the descriptors close, and before an error reaches the caller
-    return touched

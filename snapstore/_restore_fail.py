@@ -1,22 +1,24 @@
 """How a restore reports a chunk it could not use: one copy for the buffered and the direct paths.
 
-A chunk whose bytes do not check out is recorded in ``damage`` (its file's device and inode, for
-``_restore.quarantine``), dropped from the RAM tier, and raised as CorruptChunkError; a read the
-operating system failed is a RestoreError. Both say whether the destination was written.
+A chunk whose bytes do not check out is recorded in ``damage`` (for ``_restore.quarantine``, which
+re-checks its current bytes before it condemns it), dropped from the RAM tier, and raised as
+CorruptChunkError; a read the operating system failed is a RestoreError. A chunk that was checked
+in the destination's own memory is first re-read into private memory: when that copy is intact,
+the destination changed the bytes (a DestinationError), and the chunk is left alone. Every error
+says whether the destination was written.
 """
 
 from __future__ import annotations
 
-import os
-
-from ._errors import CorruptChunkError, RestoreError
+from ._chunkfile import ChunkHeader, recheck
+from ._errors import CorruptChunkError, DestinationError, RestoreError
 from ._plan import RestorePlan
 from ._ramtier import RamTier
 
 __all__ = ["Damage", "corrupt", "outcome", "read_failed"]
 
-# (chunk id, (st_dev, st_ino) of the damaged file, or None when the file was missing)
-Damage = list[tuple[bytes, "tuple[int, int] | None"]]
+# ids of the chunks a restore found damaged or missing: candidates, re-checked before quarantine
+Damage = list[bytes]
 
 
 def outcome(touched: bool) -> str:
@@ -25,15 +27,27 @@ def outcome(touched: bool) -> str:
 
 
 def corrupt(plan: RestorePlan, cid: bytes, fd: int, reason: str, touched: bool, damage: Damage,
-            ram: RamTier | None) -> CorruptChunkError:
-    """The error for chunk ``cid`` (open as ``fd``) found damaged, its damage recorded."""
+            ram: RamTier | None, in_place: ChunkHeader | None = None) -> RestoreError:
+    """The error for chunk ``cid`` (open as ``fd``) found damaged, its damage recorded.
+
+    ``in_place``: the chunk's header when its checksum was taken from the destination's memory (read
+    in place, or into a buffer the writer lent); the file is re-read into private memory first, and
+    when that copy checks out the destination changed the bytes: a DestinationError, no damage."""
+    if in_place is not None:
+        try:
+            again = recheck(fd, in_place)
+        except OSError as e:
+            again = f"read error: {e.strerror}"
+        if again is None:
+            return DestinationError(
+                f"snapshot {plan.snapshot_id}: chunk {cid.hex()} read into the destination's memory failed its "
+                f"checksum ({reason}), yet the same file read into private memory is intact: the destination "
+                "changed those bytes while they were restored (a block table that names one block twice, or "
+                "another thread writing the destination); the chunk is kept; " + outcome(True),
+                touched=True, snapshot_id=plan.snapshot_id)
     if ram is not None:
         ram.discard(cid)
-    try:
-        st = os.fstat(fd)
-        damage.append((cid, (st.st_dev, st.st_ino)))
-    except OSError:
-        pass
+    damage.append(cid)
     return CorruptChunkError(f"snapshot {plan.snapshot_id}: chunk {cid.hex()} is corrupt ({reason}); "
                              + outcome(touched), touched=touched, snapshot_id=plan.snapshot_id)
 

@@ -6,9 +6,7 @@ files goes through the repository's write path (rows first, files after commit).
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -16,7 +14,16 @@ from typing import Any
 import blake3
 
 from ._catalog import Txn
-from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum, decode_payload, header_matches, parse_header, read_exact
+from ._chunkfile import (
+    HEADER_SIZE,
+    ChunkHeader,
+    checksum,
+    decode_payload,
+    header_matches,
+    open_chunk,
+    parse_header,
+    read_exact,
+)
 from ._config import pending_lease as resolve_lease
 from ._errors import CorruptionError
 from ._gc import Progress, collect_orphans, temp_files
@@ -78,15 +85,14 @@ def _check_chunk(repo: Repo, cid: bytes, raw_len: int, stored_len: int, csum: by
     except CorruptionError as e:
         return str(e)
     try:  # open first, then look at what was opened: no window between the checks and the read
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd, st = open_chunk(path)
     except FileNotFoundError:
         return "missing chunk file"
+    except CorruptionError as e:
+        return str(e)
     except OSError as e:
-        return "not a regular file (a symlink?)" if e.errno == errno.ELOOP else f"cannot open: {e.strerror}"
+        return f"cannot open: {e.strerror}"
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return "not a regular file"
         if st.st_size != stored_len:
             return f"size {st.st_size}, catalog says {stored_len}"
         head: ChunkHeader = parse_header(os.pread(fd, HEADER_SIZE, 0))

@@ -341,22 +341,21 @@ def test_ram_tier_never_serves_a_quarantined_chunk(store_dir: str) -> None:
 
 
 def test_quarantine_skips_a_file_healed_since_the_restore_read_it(store_dir: str) -> None:
+    """quarantine() re-checks each chunk's current bytes: a file intact now (healed, republished) stays."""
     from snapstore._restore import quarantine
     state = make_state(LAYOUT, 100, 2)
     with open_store(store_dir) as s:
         r = s.save(list(range(100)), state)
         cid = chunk_ids(s, r.snapshot_id)[0]
         path = s._repo.blob_path(cid)
-        st = os.stat(path)
-        stale = [(cid, (st.st_dev, st.st_ino))]
         data = open(path, "rb").read()
-        with open(path + ".new", "wb") as f:  # made before the old inode is freed: never the same number
+        with open(path + ".new", "wb") as f:
             f.write(data)
-        os.replace(path + ".new", path)  # another inode now: as if a save had republished it
-        assert quarantine(s._repo.db, s._repo.blob_path, stale) == 0
+        os.replace(path + ".new", path)  # another inode now, the same bytes: as if a save had republished it
+        assert quarantine(s._repo.db, s._repo.blob_path, [cid]) == 0
         assert s.stats().quarantined == 0
-        now = os.stat(path)
-        assert quarantine(s._repo.db, s._repo.blob_path, [(cid, (now.st_dev, now.st_ino))]) == 1
+        _damage_one(s, r.snapshot_id)  # damaged now: condemned
+        assert quarantine(s._repo.db, s._repo.blob_path, [cid]) == 1
 
 
 # -- item 11: retried saves, file descriptors, zstd memory ----------------------------------------
