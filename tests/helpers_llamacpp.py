@@ -169,7 +169,8 @@ class LlamaServer:
     """The real llama-server (xllamacpp, in process) on 127.0.0.1, with slot save/restore enabled."""
 
     def __init__(self, model: str, slot_dir: str, *, n_ctx: int = 8192, n_parallel: int = 1,
-                 n_ubatch: int = 512, tweak: Callable[[Any], None] | None = None) -> None:
+                 n_ubatch: int = 512, tweak: Callable[[Any], None] | None = None, port: int | None = None,
+                 params: dict[str, Any] | None = None) -> None:
         import xllamacpp as xlc
 
         p = xlc.CommonParams()
@@ -190,9 +191,11 @@ class LlamaServer:
         p.kv_unified = False
         p.cache_ram_mib = 0  # no host-RAM prompt cache: a restart really is a restart
         p.verbosity = -1
+        for k, v in (params or {}).items():  # settings by name (JSON-able, so a ServerProcess takes them too)
+            setattr(p, k, v)
         if tweak is not None:
             tweak(p)  # a test's own settings (flash attention, K/V types, ...)
-        self.port = free_port()
+        self.port = port or free_port()
         p.port = self.port
         p.hostnames = ["127.0.0.1"]
         self.url = f"http://127.0.0.1:{self.port}"

@@ -23,8 +23,9 @@ import numpy as np
 
 from .._config import Budget
 from .._errors import InvalidInputError, SnapstoreError
-from ._identity import build_of_server
-from ._slotfile import SlotFile, SlotFormatError
+from ._identity import BUILD_ENV, build_warning
+from ._served import Refusal, Served, identify, model_of, request_unkeyable, served_now
+from ._slotfile import SlotFile, SlotFormatError, decode
 from ._slotstore import ImportResult, SlotStore, export_snapshot
 from ._upstream import JsonObject, LlamaServer, UpstreamError
 
@@ -55,6 +56,8 @@ class Plan:
     session: str | None = None
     restored: int = 0
     done: bool = False
+    generation: int | None = None  # the identity it was planned under (None: nothing restored or saved)
+    served: str = ""  # the server's signature then (_served.Served.signature)
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -80,29 +83,101 @@ class LlamaBridge:
     attention model from the slot. ``release(plan)`` frees the slot (always call it).
     """
 
-    def __init__(self, upstream: str, slot_save_path: str, model: str, *, store_dir: str | None = None,
+    def __init__(self, upstream: str, slot_save_path: str, model: str | None = None, *, store_dir: str | None = None,
                  build: str | None = None, budget: Budget | None = None, events: BridgeEvents | None = None,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, keep_stale: bool = False) -> None:
         self.server = LlamaServer(upstream, slot_save_path, timeout)
         self.upstream = self.server.upstream
         self.slot_dir = slot_save_path
         self.timeout = timeout
         self.events = events or BridgeEvents()
-        self.build = build or os.environ.get("SNAPSTORE_LLAMA_BUILD") or build_of_server(self.upstream)
-        self.slots = SlotStore(store_dir, model, self.build, budget=budget, drop_stale=True)
+        served = served_now(self.server, model)
+        self._build_given = build or os.environ.get(BUILD_ENV) or None
+        self.build = self._build_given or served.build or "unspecified"
+        self.build_warning = build_warning(served.build, self._build_given)
+        self.model_hint, self._hint_path = model, served.model_path if model else None
+        self.slots = SlotStore(store_dir, model_of(served, model, self._hint_path), self.build, budget=budget,
+                               drop_stale=not keep_stale)
         self.hybrid = self.slots.model.shape.hybrid
-        props = self.server.get("/props")
-        self.n_slots = int(props.get("total_slots") or 1)
+        self.n_slots = served.n_slots
+        self._served: Served | None = None  # what the identity was last taken for
+        self._refusal: Refusal | None = None  # why nothing may be persisted now (None: persisting)
+        self._ident_lock = threading.Lock()
         self._known: list[list[int]] = [[] for _ in range(self.n_slots)]
         self._locks = [threading.Lock() for _ in range(self.n_slots)]
         self._pick = threading.Lock()
 
     def start(self) -> None:
-        """Open the store now (drops stale identities): a one-token capture in slot 0 tells the constants."""
+        """Take the identity (the K/V probe runs in slot 0 and puts its content back) and open the store."""
+        if self.build_warning:
+            log.warning("%s", self.build_warning)
         with self._locks[0]:
-            bos = self.server.post("/tokenize", {"content": "", "add_special": True}).get("tokens") or [1]
-            sf = self._capture(0, [int(t) for t in bos[:1]])
-            self.slots.open_for(sf)
+            self._current_identity(0)
+
+    # -- identity ------------------------------------------------------------------------------
+    @property
+    def refusal_reason(self) -> str | None:
+        """Why nothing is persisted now (``_served.Refusal.reason``), or None."""
+        return None if self._refusal is None else self._refusal.reason
+
+    def _skip(self, reason: str) -> None:
+        if self.events.on_skip:
+            self.events.on_skip(reason)
+
+    def _current_identity(self, slot: int) -> tuple[int, Served] | None:
+        """The identity generation that holds now and the server's state: a cheap look at what it
+        serves (/props, /lora-adapters); on any change the identity is taken again, its probe in
+        ``slot`` (held by the caller). None: something that changes the numbers cannot be seen."""
+        served = served_now(self.server, self.model_hint)
+        with self._ident_lock:
+            if self._served is None or served.signature != self._served.signature:
+                self._reidentify(served, slot)
+            if self._refusal is not None:
+                return None
+            return self.slots.generation, served
+
+    def _reidentify(self, served: Served, slot: int) -> None:
+        first = self._served is None
+        self._served, self._refusal = served, None
+        self._known = [[] for _ in range(self.n_slots)]  # another process or setting: nothing known holds
+        try:
+            model, sf, runtime = identify(self.server, served, slot, model_hint=self.model_hint,
+                                          hint_path=self._hint_path,
+                                          decode_with=lambda m: lambda b: decode(b, m.shape, what=f"slot {slot}"))
+        except Refusal as e:
+            self._refusal = e
+            log.warning("llama-server at %s: %s", self.upstream, e)
+            return
+        except BaseException:
+            self._served = None  # not taken: the next request tries again
+            raise
+        build = self._build_given or served.build or "unspecified"
+        changed = self.slots.switch(model, build, runtime.to_extra())
+        self.slots.open_for(sf)
+        self.build, self.hybrid = build, model.shape.hybrid
+        if changed and not first:
+            log.warning("llama-server at %s now serves %s (%s, build %s): switched to its identity; state of the "
+                        "previous one is never restored into it", self.upstream, model.path, model.pack, build)
+
+    def _unchanged(self, plan: Plan) -> bool:
+        """True when the server still serves what ``plan`` was planned under (a look after reading a slot
+        or restoring one: a restart in between is caught)."""
+        return plan.generation is not None and served_now(self.server, self.model_hint).signature == plan.served
+
+    def _admit(self, plan: Plan, body: Mapping[str, Any]) -> bool:
+        """Whether ``plan`` may restore and save: the identity holds and the request adds nothing unkeyed."""
+        now = self._current_identity(plan.slot)
+        if now is None:
+            assert self._refusal is not None
+            self._skip(self._refusal.reason)
+            return False
+        reason = request_unkeyable(body, now[1])
+        if reason is not None:
+            log.info("slot %d: %s carries inputs the identity cannot key; not restored or saved", plan.slot, reason)
+            self._skip(reason)
+            return False
+        plan.generation, plan.served = now[0], now[1].signature
+        return True
 
     def close(self) -> None:
         """Close the store."""
@@ -166,7 +241,7 @@ class LlamaBridge:
         plan = Plan(slot=slot, body={**body, "id_slot": slot, "cache_prompt": True}, tokens=tokens,
                     system_end=system_end, session=session)
         try:
-            if len(tokens) >= 2:
+            if len(tokens) >= 2 and self._admit(plan, body):
                 self._maybe_restore(plan)
                 if self.hybrid:
                     self._hybrid_captures(plan)
@@ -189,7 +264,7 @@ class LlamaBridge:
 
     def _maybe_restore(self, plan: Plan) -> None:
         have = self._slot_reuse(plan.slot, plan.tokens)
-        m = self.slots.match(plan.tokens[:-1])  # leave the server at least one token to read
+        m = self.slots.match(plan.tokens[:-1], plan.generation)  # leave the server at least one token to read
         if m is None or m.n_tokens <= have:
             if m is None and self.events.on_miss:
                 self.events.on_miss()
@@ -197,8 +272,14 @@ class LlamaBridge:
                      "miss" if m is None else f"has {m.n_tokens}", have, len(plan.tokens))
             return
         t0 = time.perf_counter()
-        data = self.slots.export_bytes(m, session=plan.session)
+        data = self.slots.export_bytes(m, session=plan.session, generation=plan.generation)
         self.server.restore_slot(plan.slot, data, m.n_tokens)
+        if not self._unchanged(plan):  # restarted or changed between the look and the restore: undo it
+            self.server.post(f"/slots/{plan.slot}?action=erase", {})
+            self._known[plan.slot], plan.generation = [], None
+            log.warning("slot %d: llama-server changed while restoring; the slot was erased", plan.slot)
+            self._skip("identity_changed")
+            return
         self._known[plan.slot] = list(plan.tokens[: m.n_tokens])
         dt = time.perf_counter() - t0
         plan.restored = m.n_tokens
@@ -218,9 +299,13 @@ class LlamaBridge:
         out.append((upto, plan.session))
         return out
 
-    def _store(self, sf: SlotFile, n: int, session: str | None, what: str) -> None:
+    def _store(self, sf: SlotFile, n: int, session: str | None, what: str, plan: Plan) -> None:
+        if not self._unchanged(plan):  # the slot was read from another server process or setting
+            log.info("slot save skipped at %d tokens (%s): llama-server changed since the request", n, what)
+            self._skip("identity_changed")
+            return
         t0 = time.perf_counter()
-        res = self.slots.save(sf, n, session=session)
+        res = self.slots.save(sf, n, session=session, generation=plan.generation)
         dt = time.perf_counter() - t0
         if res.skipped:
             log.info("slot save skipped at %d tokens (%s): %s", n, what, res.skipped)
@@ -245,14 +330,14 @@ class LlamaBridge:
             if sf.tokens.tolist() != list(plan.tokens[:n]):
                 log.warning("slot %d: capture holds other tokens than the prompt; not saved", plan.slot)
                 continue
-            self._store(sf, n, session, what)
+            self._store(sf, n, session, what, plan)
 
     def after(self, plan: Plan, ok: bool = True) -> None:
         """After the upstream response: save the attention model's boundaries from the slot."""
         if plan.done:
             return
         plan.done = True
-        if not ok or len(plan.tokens) < 2:
+        if not ok or len(plan.tokens) < 2 or plan.generation is None:
             return
         try:
             if self.hybrid:
@@ -269,7 +354,7 @@ class LlamaBridge:
                     if self.events.on_skip:
                         self.events.on_skip("already_stored")
                     continue
-                self._store(sf, n, session, what)
+                self._store(sf, n, session, what, plan)
         except (SnapstoreError, SlotFormatError, InvalidInputError) as e:
             log.warning("slot %d: save skipped: %s", plan.slot, e)
             if self.events.on_skip:
