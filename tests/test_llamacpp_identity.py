@@ -136,6 +136,44 @@ def test_runtime_setting_is_part_of_the_identity(models, tmp_path):
     assert got_plain[0] == want_plain[0] and got_plain[1] >= SYSTEM_END  # restored from the first run's store
 
 
+def test_lora_scale_change_and_request_lora_are_not_served_foreign_state(models, tmp_path):
+    """A LoRA adapter's scale changed at run time (POST /lora-adapters, no restart): a miss and the
+    base model's output; a request with its own adapter scales: declined (nothing restored or saved)."""
+    slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
+    lora = h.write_lora(str(tmp_path / "lora.gguf"))
+    want = _reference(models["a"], slots, "the cache question")  # scale 0: the base model's numbers
+    with h.server_process(models["a"], slots, loras=[(lora, 1.0)]) as srv:
+        bridge = LlamaBridge(srv.url, slots, models["a"], store_dir=store, build=BUILD, keep_stale=True)
+        bridge.start()
+        with h.proxy(bridge) as (url, _):
+            _chat(url, "hello world")
+            _chat(url, "hello world", system=h.text_of(50, seed=9))
+            _saved(url, 4)  # state computed with the adapter at scale 1
+            srv.post("/lora-adapters", [{"id": 0, "scale": 0.0}])  # type: ignore[arg-type]
+            hits = _metric(url, "snapstore_llama_hits_total")
+            got = _chat(url, "the cache question")
+            assert got == want and _metric(url, "snapstore_llama_hits_total") == hits
+            _saved(url, 6)
+            msgs = [{"role": "system", "content": SYS}, {"role": "user", "content": "the cache question"}]
+            r = h.post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 8, "temperature": 0,
+                                                     "lora": [{"id": 0, "scale": 1.0}]})
+            assert _metric(url, 'snapstore_llama_skipped_saves_total{reason="request_lora"}') == 1
+            assert _metric(url, "snapstore_llama_hits_total") == hits and r["timings"]["cache_n"] < SYSTEM_END
+        bridge.close()
+
+
+def test_the_start_up_probe_leaves_the_slot_as_it_was(models, tmp_path):
+    slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
+    prompt = h.text_of(40, 2)
+    with h.server_process(models["a"], slots) as srv:
+        first = srv.post("/completion", {"prompt": prompt, "n_predict": 0, "cache_prompt": True, "id_slot": 0})
+        bridge = LlamaBridge(srv.url, slots, models["a"], store_dir=store, build=BUILD)
+        bridge.start()  # the K/V probe runs in slot 0, then puts its content back
+        bridge.close()
+        again = srv.post("/completion", {"prompt": prompt, "n_predict": 0, "cache_prompt": True, "id_slot": 0})
+    assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1  # all but the token it must re-read
+
+
 def test_keep_stale_keeps_a_rebuilt_engines_snapshots(models, tmp_path):
     slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
     model = models["a"]

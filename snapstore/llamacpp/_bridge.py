@@ -143,7 +143,8 @@ class LlamaBridge:
         try:
             model, sf, runtime = identify(self.server, served, slot, model_hint=self.model_hint,
                                           hint_path=self._hint_path,
-                                          decode_with=lambda m: lambda b: decode(b, m.shape, what=f"slot {slot}"))
+                                          decode_with=lambda m: lambda b: decode(b, m.shape, what=f"slot {slot}"),
+                                          put_back=first)
         except Refusal as e:
             self._refusal = e
             log.warning("llama-server at %s: %s", self.upstream, e)

@@ -134,11 +134,12 @@ def _kv_hash(sf: SlotFile) -> str:
     return h.hexdigest()
 
 
-def _probe(server: LlamaServer, slot: int, decode: Callable[[bytes], SlotFile]) -> tuple[SlotFile, str]:
+def _probe(server: LlamaServer, slot: int, decode: Callable[[bytes], SlotFile], put_back: bool
+           ) -> tuple[SlotFile, str]:
     """Evaluate the probe freshly (``cache_prompt`` off: one batch, nothing reused) and hash its K/V, twice;
-    the slot's own content is put back afterwards (or the slot erased if it held none)."""
+    then the slot's own content is put back (``put_back``) or the slot is erased."""
     toks = server.tokenize(_PROBE_TEXT)[:PROBE_TOKENS]
-    before = server.save_slot(slot)
+    before = server.save_slot(slot) if put_back else b""
     try:
         hashes = []
         for _ in range(2):
@@ -172,14 +173,17 @@ def _put_back(server: LlamaServer, slot: int, data: bytes, decode: Callable[[byt
 
 
 def identify(server: LlamaServer, served: Served, slot: int, *, model_hint: str | None, hint_path: str | None,
-             decode_with: Callable[[ModelInfo], Callable[[bytes], SlotFile]]) -> tuple[ModelInfo, SlotFile, Runtime]:
+             decode_with: Callable[[ModelInfo], Callable[[bytes], SlotFile]], put_back: bool = True
+             ) -> tuple[ModelInfo, SlotFile, Runtime]:
     """The model, a probe slot file (its constants) and the runtime the server computes with now.
 
-    Runs the probe in ``slot`` (the caller holds it); raises ``Refusal`` for what cannot be seen.
+    Runs the probe in ``slot`` (the caller holds it), then puts the slot's content back, or erases
+    the slot (``put_back=False``: after a change its content was computed under the previous
+    identity, and llama-server would reuse it); raises ``Refusal`` for what cannot be seen.
     """
     model = model_of(served, model_hint, hint_path)
     lora = _lora_of(served)
-    sf, kv = _probe(server, slot, decode_with(model))
+    sf, kv = _probe(server, slot, decode_with(model), put_back)
     return model, sf, Runtime(kv_probe=kv, lora=lora)
 
 
