@@ -101,6 +101,36 @@ def test_model_swap_behind_the_proxy_never_restores_foreign_state(models, tmp_pa
     assert again[0] == want[0] and again[1] >= SYSTEM_END  # B's own state restores under B's identity
 
 
+def test_a_model_it_cannot_read_is_refused_not_guessed(models, tmp_path):
+    """Upstream restarted with a model file the proxy cannot read (gone after loading): nothing is
+    restored or saved, and each declined request is counted."""
+    slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
+    gone = str(tmp_path / "gone.gguf")
+    shutil.copyfile(models["b"], gone)
+    want = _reference(models["b"], slots, "the cache question")
+    port = h.free_port()
+    srv = h.ServerProcess(models["a"], slots, port=port)
+    try:
+        bridge = LlamaBridge(srv.url, slots, models["a"], store_dir=store, build=BUILD)
+        bridge.start()
+        with h.proxy(bridge) as (url, _):
+            _chat(url, "hello world")
+            _chat(url, "hello world", system=h.text_of(50, seed=9))
+            _saved(url, 4)
+            srv.close()
+            srv = h.ServerProcess(gone, slots, port=port)
+            os.unlink(gone)  # the server keeps it mapped; the proxy cannot hash it
+            got = _chat(url, "the cache question")
+            refused = _metric(url, 'snapstore_llama_skipped_saves_total{reason="model_unseen"}')
+            hits = _metric(url, "snapstore_llama_hits_total")
+        reason = getattr(bridge, "refusal_reason", None)
+        bridge.close()
+    finally:
+        srv.close()
+    assert got == want and hits == 0  # B's own output: nothing of A restored into it
+    assert reason == "model_unseen" and refused == 1  # refused, and counted
+
+
 def test_runtime_setting_is_part_of_the_identity(models, tmp_path):
     """The same GGUF served with another --rope-freq-base (not reported by /props): a miss, both for
     a new proxy and for a running one whose upstream restarts; the same settings again: a hit."""

@@ -52,10 +52,16 @@ restores it) are saved. Everything else is passed through untouched, streaming i
 llama-server must run with --slot-save-path DIR (the same DIR here) and --slots.
 The proxy serves Prometheus metrics at /metrics and logs one line per restore/save decision.
 
+Before every restore and save it looks at what the server serves now (/props, /lora-adapters, the
+model file): another model, build, process or adapter scale and it takes the identity again (the
+weights' SHA-256, the adapters', and a K/V probe that tells RoPE/YaRN/control-vector settings the
+server does not report), so state of one is never restored into another. What it cannot see makes
+it restore and save nothing (logged, counted in /metrics).
+
 examples:
   llama-server -m model.gguf --slot-save-path /var/lib/llama/slots --slots --port 8080 &
   snapstore llama-proxy --upstream http://127.0.0.1:8080 --slot-save-path /var/lib/llama/slots \\
-      --model model.gguf --listen 127.0.0.1:8081 --disk-mib 20480
+      --listen 127.0.0.1:8081 --disk-mib 20480
 """
 
 
