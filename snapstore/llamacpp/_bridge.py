@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,11 +22,12 @@ import numpy as np
 
 from .._config import Budget
 from .._errors import InvalidInputError, SnapstoreError
-from ._identity import BUILD_ENV, build_warning
-from ._served import Refusal, Served, identify, model_of, request_unkeyable, served_now
-from ._slotfile import SlotFile, SlotFormatError, decode
+from ._identity import ModelInfo
+from ._served import request_unkeyable
+from ._slotfile import SlotFile, SlotFormatError
 from ._slotstore import ImportResult, SlotStore, export_snapshot
 from ._upstream import JsonObject, LlamaServer, UpstreamError
+from ._watch import IdentityWatch
 
 # ImportResult and export_snapshot lived here before the split: kept importable from here
 __all__ = ["BridgeEvents", "ImportResult", "LlamaBridge", "Plan", "SlotStore", "UpstreamError", "export_snapshot"]
@@ -91,86 +91,50 @@ class LlamaBridge:
         self.slot_dir = slot_save_path
         self.timeout = timeout
         self.events = events or BridgeEvents()
-        served = served_now(self.server, model)
-        self._build_given = build or os.environ.get(BUILD_ENV) or None
-        self.build = self._build_given or served.build or "unspecified"
-        self.build_warning = build_warning(served.build, self._build_given)
-        self.model_hint, self._hint_path = model, served.model_path if model else None
-        self.slots = SlotStore(store_dir, model_of(served, model, self._hint_path), self.build, budget=budget,
+        self.watch = IdentityWatch(self.server, model, build)  # what the server serves now (_watch)
+        self.slots = SlotStore(store_dir, self.watch.model, self.watch.build, budget=budget,
                                drop_stale=not keep_stale)
         self.hybrid = self.slots.model.shape.hybrid
-        self.n_slots = served.n_slots
-        self._served: Served | None = None  # what the identity was last taken for
-        self._refusal: Refusal | None = None  # why nothing may be persisted now (None: persisting)
-        self._ident_lock = threading.Lock()
+        self.n_slots = self.watch.n_slots
         self._known: list[list[int]] = [[] for _ in range(self.n_slots)]
         self._locks = [threading.Lock() for _ in range(self.n_slots)]
         self._pick = threading.Lock()
 
     def start(self) -> None:
         """Take the identity (the K/V probe runs in slot 0 and puts its content back) and open the store."""
-        if self.build_warning:
-            log.warning("%s", self.build_warning)
+        if self.watch.build_warning:
+            log.warning("%s", self.watch.build_warning)
         with self._locks[0]:
-            self._current_identity(0)
+            self.watch.current(self.slots, 0, self._forget)
 
-    # -- identity ------------------------------------------------------------------------------
+    # -- identity (_watch) ---------------------------------------------------------------------
     @property
     def refusal_reason(self) -> str | None:
         """Why nothing is persisted now (``_served.Refusal.reason``), or None."""
-        return None if self._refusal is None else self._refusal.reason
+        return None if self.watch.refusal is None else self.watch.refusal.reason
+
+    @property
+    def build(self) -> str:
+        """The build the identity is keyed under now."""
+        return self.watch.build
 
     def _skip(self, reason: str) -> None:
         if self.events.on_skip:
             self.events.on_skip(reason)
 
-    def _current_identity(self, slot: int) -> tuple[int, Served] | None:
-        """The identity generation that holds now and the server's state: a cheap look at what it
-        serves (/props, /lora-adapters); on any change the identity is taken again, its probe in
-        ``slot`` (held by the caller). None: something that changes the numbers cannot be seen."""
-        served = served_now(self.server, self.model_hint)
-        with self._ident_lock:
-            if self._served is None or served.signature != self._served.signature:
-                self._reidentify(served, slot)
-            if self._refusal is not None:
-                return None
-            return self.slots.generation, served
-
-    def _reidentify(self, served: Served, slot: int) -> None:
-        first = self._served is None
-        self._served, self._refusal = served, None
-        self._known = [[] for _ in range(self.n_slots)]  # another process or setting: nothing known holds
-        try:
-            model, sf, runtime = identify(self.server, served, slot, model_hint=self.model_hint,
-                                          hint_path=self._hint_path,
-                                          decode_with=lambda m: lambda b: decode(b, m.shape, what=f"slot {slot}"),
-                                          put_back=first)
-        except Refusal as e:
-            self._refusal = e
-            log.warning("llama-server at %s: %s", self.upstream, e)
-            return
-        except BaseException:
-            self._served = None  # not taken: the next request tries again
-            raise
-        build = self._build_given or served.build or "unspecified"
-        changed = self.slots.switch(model, build, runtime.to_extra())
-        self.slots.open_for(sf)
-        self.build, self.hybrid = build, model.shape.hybrid
-        if changed and not first:
-            log.warning("llama-server at %s now serves %s (%s, build %s): switched to its identity; state of the "
-                        "previous one is never restored into it", self.upstream, model.path, model.pack, build)
+    def _forget(self, model: ModelInfo) -> None:
+        """The server changed: nothing known of its slots holds, and the model may be another."""
+        self._known = [[] for _ in range(self.n_slots)]
+        self.hybrid = model.shape.hybrid
 
     def _unchanged(self, plan: Plan) -> bool:
-        """True when the server still serves what ``plan`` was planned under (a look after reading a slot
-        or restoring one: a restart in between is caught)."""
-        return plan.generation is not None and served_now(self.server, self.model_hint).signature == plan.served
+        return self.watch.unchanged(plan.generation, plan.served)
 
     def _admit(self, plan: Plan, body: Mapping[str, Any]) -> bool:
         """Whether ``plan`` may restore and save: the identity holds and the request adds nothing unkeyed."""
-        now = self._current_identity(plan.slot)
+        now = self.watch.current(self.slots, plan.slot, self._forget)
         if now is None:
-            assert self._refusal is not None
-            self._skip(self._refusal.reason)
+            self._skip(self.refusal_reason or "refused")
             return False
         reason = request_unkeyable(body, now[1])
         if reason is not None:
@@ -338,7 +302,10 @@ class LlamaBridge:
         if plan.done:
             return
         plan.done = True
-        if not ok or len(plan.tokens) < 2 or plan.generation is None:
+        if plan.generation is None:  # declined or refused: what the slot holds now is not known here
+            self._known[plan.slot] = []
+            return
+        if not ok or len(plan.tokens) < 2:
             return
         try:
             if self.hybrid:

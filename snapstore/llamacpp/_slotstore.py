@@ -23,6 +23,7 @@ from .._refs import SnapshotRef
 from .._results import Match, SaveResult
 from .._store import Store
 from ._identity import ModelInfo, identity_for, model_info
+from ._served import unseen_runtime
 from ._slotfile import SlotFile, decode, encode
 from ._slotparts import SlotProto, empty_parts, from_parts, layout_for, to_parts
 
@@ -103,8 +104,6 @@ class SlotStore:
     def __init__(self, path: str | None, model: str | ModelInfo, build: str, *, budget: Budget | None = None,
                  drop_stale: bool = False, check_rows: bool | None = None,
                  runtime: Mapping[str, str] | None = None) -> None:
-        from ._served import unseen_runtime
-
         self.path = path
         self.model = model if isinstance(model, ModelInfo) else model_info(model)
         self.build = build
