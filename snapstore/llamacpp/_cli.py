@@ -186,7 +186,8 @@ def _server_slotstore(args: argparse.Namespace, ctx: CliContext) -> Any:
     if warning:
         ctx.note(f"snapstore: warning: {warning}")
     _, _, runtime = identify(server, served, 0, model_hint=args.model, hint_path=served.model_path,
-                             decode_with=lambda m: lambda b: decode(b, m.shape, what="the K/V probe"))
+                             decode_with=lambda m: lambda b: decode(b, m.shape, what="the K/V probe"),
+                             keep_slot=lambda m, r: True)  # the server's own slot 0, as it was
     return SlotStore(_root(args, create=True), mine, env or served.build or "unspecified", runtime=runtime.to_extra())
 
 

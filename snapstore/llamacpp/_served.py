@@ -134,23 +134,17 @@ def _kv_hash(sf: SlotFile) -> str:
     return h.hexdigest()
 
 
-def _probe(server: LlamaServer, slot: int, decode: Callable[[bytes], SlotFile], put_back: bool
-           ) -> tuple[SlotFile, str]:
-    """Evaluate the probe freshly (``cache_prompt`` off: one batch, nothing reused) and hash its K/V, twice;
-    then the slot's own content is put back (``put_back``) or the slot is erased."""
+def _probe(server: LlamaServer, slot: int, decode: Callable[[bytes], SlotFile]) -> tuple[SlotFile, str]:
+    """Evaluate the probe freshly (``cache_prompt`` off: one batch, nothing reused) and hash its K/V, twice."""
     toks = server.tokenize(_PROBE_TEXT)[:PROBE_TOKENS]
-    before = server.save_slot(slot) if put_back else b""
-    try:
-        hashes = []
-        for _ in range(2):
-            server.post("/completion", {"prompt": toks, "n_predict": 0, "id_slot": slot, "cache_prompt": False,
-                                        "stream": False})
-            sf = decode(server.save_slot(slot))
-            if sf.tokens.tolist() != toks:
-                raise Refusal("kv_unseen", f"the K/V probe in slot {slot} came back with {sf.n_tokens} other tokens")
-            hashes.append(_kv_hash(sf))
-    finally:
-        _put_back(server, slot, before, decode)
+    hashes = []
+    for _ in range(2):
+        server.post("/completion", {"prompt": toks, "n_predict": 0, "id_slot": slot, "cache_prompt": False,
+                                    "stream": False})
+        sf = decode(server.save_slot(slot))
+        if sf.tokens.tolist() != toks:
+            raise Refusal("kv_unseen", f"the K/V probe in slot {slot} came back with {sf.n_tokens} other tokens")
+        hashes.append(_kv_hash(sf))
     if hashes[0] != hashes[1]:
         raise Refusal("kv_unstable", "llama-server computed different K/V for the same probe twice (a "
                       "nondeterministic backend): a restored prefix would not equal a recomputed one, so nothing "
@@ -158,7 +152,8 @@ def _probe(server: LlamaServer, slot: int, decode: Callable[[bytes], SlotFile], 
     return sf, hashes[0]
 
 
-def _put_back(server: LlamaServer, slot: int, data: bytes, decode: Callable[[bytes], SlotFile]) -> None:
+def _settle(server: LlamaServer, slot: int, data: bytes, decode: Callable[[bytes], SlotFile]) -> None:
+    """Put the slot's earlier content ``data`` back, or erase the slot (no content, or not to be kept)."""
     try:
         n = decode(data).n_tokens if len(data) > 64 else 0
     except SnapstoreError:
@@ -173,18 +168,27 @@ def _put_back(server: LlamaServer, slot: int, data: bytes, decode: Callable[[byt
 
 
 def identify(server: LlamaServer, served: Served, slot: int, *, model_hint: str | None, hint_path: str | None,
-             decode_with: Callable[[ModelInfo], Callable[[bytes], SlotFile]], put_back: bool = True
-             ) -> tuple[ModelInfo, SlotFile, Runtime]:
+             decode_with: Callable[[ModelInfo], Callable[[bytes], SlotFile]],
+             keep_slot: Callable[[ModelInfo, Runtime], bool]) -> tuple[ModelInfo, SlotFile, Runtime]:
     """The model, a probe slot file (its constants) and the runtime the server computes with now.
 
-    Runs the probe in ``slot`` (the caller holds it), then puts the slot's content back, or erases
-    the slot (``put_back=False``: after a change its content was computed under the previous
-    identity, and llama-server would reuse it); raises ``Refusal`` for what cannot be seen.
+    Runs the probe in ``slot`` (the caller holds it), then puts the slot's earlier content back when
+    ``keep_slot(model, runtime)`` says it was computed under this identity, else erases the slot
+    (llama-server would reuse state of the previous identity); raises ``Refusal`` for what cannot
+    be seen (the slot erased).
     """
     model = model_of(served, model_hint, hint_path)
     lora = _lora_of(served)
-    sf, kv = _probe(server, slot, decode_with(model), put_back)
-    return model, sf, Runtime(kv_probe=kv, lora=lora)
+    decode = decode_with(model)
+    before = server.save_slot(slot)
+    keep = False
+    try:
+        sf, kv = _probe(server, slot, decode)
+        runtime = Runtime(kv_probe=kv, lora=lora)
+        keep = keep_slot(model, runtime)
+        return model, sf, runtime
+    finally:
+        _settle(server, slot, before if keep else b"", decode)
 
 
 def _scales(adapters: Any) -> list[tuple[str, str]] | None:

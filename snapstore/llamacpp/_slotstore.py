@@ -120,9 +120,7 @@ class SlotStore:
         """Serve ``model``/``build``/``runtime`` from now on; True when that is another identity (the
         current store is closed, the next file opens the new one, and the generation moves on)."""
         with self._lock:
-            same = (model.sha256, model.shape, build, dict(runtime)) == \
-                (self.model.sha256, self.model.shape, self.build, self.runtime)
-            if same:
+            if self.is_current(model, build, runtime):
                 return False
             old, self.store, self.proto = self.store, None, None
             self.model, self.build, self.runtime = model, build, dict(runtime)
@@ -130,6 +128,11 @@ class SlotStore:
         if old is not None:
             old.close()  # calls already running on it finish first; later ones raise StateError
         return True
+
+    def is_current(self, model: ModelInfo, build: str, runtime: Mapping[str, str]) -> bool:
+        """True when ``model``/``build``/``runtime`` is the identity this store serves now."""
+        return (model.sha256, model.shape, build, dict(runtime)) == \
+            (self.model.sha256, self.model.shape, self.build, self.runtime)
 
     def _check(self, generation: int | None) -> None:
         if generation is not None and generation != self.generation:

@@ -57,11 +57,12 @@ class IdentityWatch:
         first = self._served is None
         self._served, self.refusal = served, None
         on_change(slots.model)
-        try:
+        build = self.build_given or served.build or "unspecified"
+        try:  # the probe slot's content is kept at start and when the identity did not change
             model, sf, runtime = identify(self.server, served, slot, model_hint=self.model_hint,
                                           hint_path=self.hint_path,
                                           decode_with=lambda m: lambda b: decode(b, m.shape, what=f"slot {slot}"),
-                                          put_back=first)
+                                          keep_slot=lambda m, r: first or slots.is_current(m, build, r.to_extra()))
         except Refusal as e:
             self.refusal = e
             log.warning("llama-server at %s: %s", self.server.upstream, e)
@@ -69,7 +70,7 @@ class IdentityWatch:
         except BaseException:
             self._served = None  # not taken: the next request tries again
             raise
-        self.build = self.build_given or served.build or "unspecified"
+        self.build = build
         changed = slots.switch(model, self.build, runtime.to_extra())
         slots.open_for(sf)
         on_change(model)
