@@ -145,6 +145,25 @@ def write_lfm2(path: str, *, n_embd: int = 64, n_head: int = 4, n_head_kv: int =
     return path
 
 
+def write_lora(path: str, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
+               rank: int = 4, seed: int = 3) -> str:
+    """A random LoRA adapter GGUF for ``write_llama``'s model: low-rank deltas on every layer's K and V."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(rank))
+    kv = n_head_kv * (n_embd // n_head)
+    for i in range(n_layer):
+        for t in ("attn_k", "attn_v"):
+            w.add_tensor(f"blk.{i}.{t}.weight.lora_a", _t(rng, rank, n_embd))
+            w.add_tensor(f"blk.{i}.{t}.weight.lora_b", _t(rng, kv, rank))
+    _finish(w)
+    return path
+
+
 def _finish(w: Any) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -169,7 +188,8 @@ class LlamaServer:
     """The real llama-server (xllamacpp, in process) on 127.0.0.1, with slot save/restore enabled."""
 
     def __init__(self, model: str, slot_dir: str, *, n_ctx: int = 8192, n_parallel: int = 1,
-                 n_ubatch: int = 512, tweak: Callable[[Any], None] | None = None) -> None:
+                 n_ubatch: int = 512, tweak: Callable[[Any], None] | None = None, port: int | None = None,
+                 params: dict[str, Any] | None = None, loras: list[tuple[str, float]] | None = None) -> None:
         import xllamacpp as xlc
 
         p = xlc.CommonParams()
@@ -190,9 +210,17 @@ class LlamaServer:
         p.kv_unified = False
         p.cache_ram_mib = 0  # no host-RAM prompt cache: a restart really is a restart
         p.verbosity = -1
+        adapters = []
+        for path, scale in loras or []:  # LoRA adapters (--lora), each at its scale
+            a = xlc.CommonAdapterLoraInfo()
+            a.path, a.scale = path, scale
+            adapters.append(a)
+        p.lora_adapters = adapters
+        for k, v in (params or {}).items():  # settings by name (JSON-able, so a ServerProcess takes them too)
+            setattr(p, k, v)
         if tweak is not None:
             tweak(p)  # a test's own settings (flash attention, K/V types, ...)
-        self.port = free_port()
+        self.port = port or free_port()
         p.port = self.port
         p.hostnames = ["127.0.0.1"]
         self.url = f"http://127.0.0.1:{self.port}"

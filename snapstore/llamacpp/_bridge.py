@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,10 +22,12 @@ import numpy as np
 
 from .._config import Budget
 from .._errors import InvalidInputError, SnapstoreError
-from ._identity import build_of_server
+from ._identity import ModelInfo
+from ._served import request_unkeyable
 from ._slotfile import SlotFile, SlotFormatError
 from ._slotstore import ImportResult, SlotStore, export_snapshot
 from ._upstream import JsonObject, LlamaServer, UpstreamError
+from ._watch import IdentityWatch
 
 # ImportResult and export_snapshot lived here before the split: kept importable from here
 __all__ = ["BridgeEvents", "ImportResult", "LlamaBridge", "Plan", "SlotStore", "UpstreamError", "export_snapshot"]
@@ -55,6 +56,8 @@ class Plan:
     session: str | None = None
     restored: int = 0
     done: bool = False
+    generation: int | None = None  # the identity it was planned under (None: nothing restored or saved)
+    served: str = ""  # the server's signature then (_served.Served.signature)
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -80,29 +83,66 @@ class LlamaBridge:
     attention model from the slot. ``release(plan)`` frees the slot (always call it).
     """
 
-    def __init__(self, upstream: str, slot_save_path: str, model: str, *, store_dir: str | None = None,
+    def __init__(self, upstream: str, slot_save_path: str, model: str | None = None, *, store_dir: str | None = None,
                  build: str | None = None, budget: Budget | None = None, events: BridgeEvents | None = None,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, keep_stale: bool = False) -> None:
         self.server = LlamaServer(upstream, slot_save_path, timeout)
         self.upstream = self.server.upstream
         self.slot_dir = slot_save_path
         self.timeout = timeout
         self.events = events or BridgeEvents()
-        self.build = build or os.environ.get("SNAPSTORE_LLAMA_BUILD") or build_of_server(self.upstream)
-        self.slots = SlotStore(store_dir, model, self.build, budget=budget, drop_stale=True)
+        self.watch = IdentityWatch(self.server, model, build)  # what the server serves now (_watch)
+        self.slots = SlotStore(store_dir, self.watch.model, self.watch.build, budget=budget,
+                               drop_stale=not keep_stale)
         self.hybrid = self.slots.model.shape.hybrid
-        props = self.server.get("/props")
-        self.n_slots = int(props.get("total_slots") or 1)
+        self.n_slots = self.watch.n_slots
         self._known: list[list[int]] = [[] for _ in range(self.n_slots)]
         self._locks = [threading.Lock() for _ in range(self.n_slots)]
         self._pick = threading.Lock()
 
     def start(self) -> None:
-        """Open the store now (drops stale identities): a one-token capture in slot 0 tells the constants."""
+        """Take the identity (the K/V probe runs in slot 0 and puts its content back) and open the store."""
+        if self.watch.build_warning:
+            log.warning("%s", self.watch.build_warning)
         with self._locks[0]:
-            bos = self.server.post("/tokenize", {"content": "", "add_special": True}).get("tokens") or [1]
-            sf = self._capture(0, [int(t) for t in bos[:1]])
-            self.slots.open_for(sf)
+            self.watch.current(self.slots, 0, self._forget)
+
+    # -- identity (_watch) ---------------------------------------------------------------------
+    @property
+    def refusal_reason(self) -> str | None:
+        """Why nothing is persisted now (``_served.Refusal.reason``), or None."""
+        return None if self.watch.refusal is None else self.watch.refusal.reason
+
+    @property
+    def build(self) -> str:
+        """The build the identity is keyed under now."""
+        return self.watch.build
+
+    def _skip(self, reason: str) -> None:
+        if self.events.on_skip:
+            self.events.on_skip(reason)
+
+    def _forget(self, model: ModelInfo) -> None:
+        """The server changed: nothing known of its slots holds, and the model may be another."""
+        self._known = [[] for _ in range(self.n_slots)]
+        self.hybrid = model.shape.hybrid
+
+    def _unchanged(self, plan: Plan) -> bool:
+        return self.watch.unchanged(plan.generation, plan.served)
+
+    def _admit(self, plan: Plan, body: Mapping[str, Any]) -> bool:
+        """Whether ``plan`` may restore and save: the identity holds and the request adds nothing unkeyed."""
+        now = self.watch.current(self.slots, plan.slot, self._forget)
+        if now is None:
+            self._skip(self.refusal_reason or "refused")
+            return False
+        reason = request_unkeyable(body, now[1])
+        if reason is not None:
+            log.info("slot %d: %s carries inputs the identity cannot key; not restored or saved", plan.slot, reason)
+            self._skip(reason)
+            return False
+        plan.generation, plan.served = now[0], now[1].signature
+        return True
 
     def close(self) -> None:
         """Close the store."""
@@ -166,7 +206,7 @@ class LlamaBridge:
         plan = Plan(slot=slot, body={**body, "id_slot": slot, "cache_prompt": True}, tokens=tokens,
                     system_end=system_end, session=session)
         try:
-            if len(tokens) >= 2:
+            if len(tokens) >= 2 and self._admit(plan, body):
                 self._maybe_restore(plan)
                 if self.hybrid:
                     self._hybrid_captures(plan)
@@ -189,7 +229,7 @@ class LlamaBridge:
 
     def _maybe_restore(self, plan: Plan) -> None:
         have = self._slot_reuse(plan.slot, plan.tokens)
-        m = self.slots.match(plan.tokens[:-1])  # leave the server at least one token to read
+        m = self.slots.match(plan.tokens[:-1], plan.generation)  # leave the server at least one token to read
         if m is None or m.n_tokens <= have:
             if m is None and self.events.on_miss:
                 self.events.on_miss()
@@ -197,8 +237,14 @@ class LlamaBridge:
                      "miss" if m is None else f"has {m.n_tokens}", have, len(plan.tokens))
             return
         t0 = time.perf_counter()
-        data = self.slots.export_bytes(m, session=plan.session)
+        data = self.slots.export_bytes(m, session=plan.session, generation=plan.generation)
         self.server.restore_slot(plan.slot, data, m.n_tokens)
+        if not self._unchanged(plan):  # restarted or changed between the look and the restore: undo it
+            self.server.post(f"/slots/{plan.slot}?action=erase", {})
+            self._known[plan.slot], plan.generation = [], None
+            log.warning("slot %d: llama-server changed while restoring; the slot was erased", plan.slot)
+            self._skip("identity_changed")
+            return
         self._known[plan.slot] = list(plan.tokens[: m.n_tokens])
         dt = time.perf_counter() - t0
         plan.restored = m.n_tokens
@@ -218,9 +264,13 @@ class LlamaBridge:
         out.append((upto, plan.session))
         return out
 
-    def _store(self, sf: SlotFile, n: int, session: str | None, what: str) -> None:
+    def _store(self, sf: SlotFile, n: int, session: str | None, what: str, plan: Plan) -> None:
+        if not self._unchanged(plan):  # the slot was read from another server process or setting
+            log.info("slot save skipped at %d tokens (%s): llama-server changed since the request", n, what)
+            self._skip("identity_changed")
+            return
         t0 = time.perf_counter()
-        res = self.slots.save(sf, n, session=session)
+        res = self.slots.save(sf, n, session=session, generation=plan.generation)
         dt = time.perf_counter() - t0
         if res.skipped:
             log.info("slot save skipped at %d tokens (%s): %s", n, what, res.skipped)
@@ -245,13 +295,16 @@ class LlamaBridge:
             if sf.tokens.tolist() != list(plan.tokens[:n]):
                 log.warning("slot %d: capture holds other tokens than the prompt; not saved", plan.slot)
                 continue
-            self._store(sf, n, session, what)
+            self._store(sf, n, session, what, plan)
 
     def after(self, plan: Plan, ok: bool = True) -> None:
         """After the upstream response: save the attention model's boundaries from the slot."""
         if plan.done:
             return
         plan.done = True
+        if plan.generation is None:  # declined or refused: what the slot holds now is not known here
+            self._known[plan.slot] = []
+            return
         if not ok or len(plan.tokens) < 2:
             return
         try:
@@ -269,7 +322,7 @@ class LlamaBridge:
                     if self.events.on_skip:
                         self.events.on_skip("already_stored")
                     continue
-                self._store(sf, n, session, what)
+                self._store(sf, n, session, what, plan)
         except (SnapstoreError, SlotFormatError, InvalidInputError) as e:
             log.warning("slot %d: save skipped: %s", plan.slot, e)
             if self.events.on_skip:

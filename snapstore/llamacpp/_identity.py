@@ -1,18 +1,18 @@
-"""What makes a llama-server slot reusable: the GGUF (SHA-256 and cache shape) and the build.
+"""What makes a llama-server slot reusable: the GGUF (SHA-256 and cache shape), the build, the runtime.
 
 The store identity of a slot is ``build`` (the llama.cpp build), ``pack`` (``sha256:`` of the GGUF
-file), ``kv`` (K/V types) and the slot's constants as extra keys: state version, streams,
-transposed V / flash attention, unified K/V, every layer's types and row sizes. A slot file of
-another model or build has another identity, so it is never matched.
+file), ``kv`` (K/V types) and as extra keys the slot's constants (state version, streams,
+transposed V / flash attention, unified K/V, every layer's types and row sizes) and the runtime
+the server computes with (``_served``: LoRA adapters and scales, the K/V probe). A slot file of
+another model, build or runtime setting has another identity, so it is never matched.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
-import urllib.request
+from collections.abc import Mapping
 from typing import Any
 
 from .._errors import ConfigError, InvalidInputError
@@ -20,7 +20,8 @@ from .._identity import Identity
 from ._slotfile import GGML_TYPES, ModelShape
 from ._slotparts import SlotProto
 
-__all__ = ["BUILD_ENV", "ModelInfo", "build_of_server", "identity_for", "model_info"]
+__all__ = ["BUILD_ENV", "UNKNOWN_BUILDS", "ModelInfo", "build_warning", "file_sha256", "identity_for",
+           "model_info"]
 
 BUILD_ENV = "SNAPSTORE_LLAMA_BUILD"
 _HASHES: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: hashed once per process
@@ -43,7 +44,8 @@ class ModelInfo:
         return f"sha256:{self.sha256}"
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """SHA-256 hex of a file, hashed once per process for one (path, size, mtime)."""
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
     with _LOCK:
@@ -108,24 +110,27 @@ def model_info(path: str) -> ModelInfo:
     else:
         attn, rec = tuple(range(n_layer)), ()
     widths = tuple((int(per_layer[i]) * int(hd_k), int(per_layer[i]) * int(hd_v)) for i in attn)
-    return ModelInfo(path, _sha256(path), ModelShape(arch, n_layer, attn, rec, widths, rec_w))
+    return ModelInfo(path, file_sha256(path), ModelShape(arch, n_layer, attn, rec, widths, rec_w))
 
 
-def build_of_server(url: str, timeout: float = 10.0) -> str:
-    """The build a running llama-server reports (``/props`` build_info)."""
-    with urllib.request.urlopen(url.rstrip("/") + "/props", timeout=timeout) as r:  # noqa: S310 - operator URL
-        props = json.loads(r.read())
-    build = props.get("build_info")
-    if not isinstance(build, str) or not build:
-        raise ConfigError(f"{url}/props reports no build_info; pass --build")
-    return build
+UNKNOWN_BUILDS = ("", "b0-unknown", "unknown")  # what builds without version info report as build_info
 
 
-def identity_for(model: ModelInfo, build: str, proto: SlotProto) -> Identity:
-    """The store identity of slots of ``model`` written by ``build`` with constants ``proto``."""
+def build_warning(reported: str, given: str | None) -> str | None:
+    """The start-up warning when the build cannot be determined (no --build and no real build_info)."""
+    if given or reported not in UNKNOWN_BUILDS:
+        return None
+    return (f"llama-server reports build_info {reported!r}, which does not tell its build; snapshots are keyed "
+            f"under it (the K/V probe still tells builds whose numbers differ): pass --build B or set "
+            f"${BUILD_ENV} to key them by the build")
+
+
+def identity_for(model: ModelInfo, build: str, proto: SlotProto, runtime: Mapping[str, str]) -> Identity:
+    """The store identity of slots of ``model`` written by ``build`` with constants ``proto`` and the
+    runtime settings ``runtime`` (``_served.Runtime.to_extra``)."""
     if not build:
         raise ConfigError(f"the llama.cpp build is unknown: pass --build, set ${BUILD_ENV}, or give --upstream")
     kv = ",".join(sorted({GGML_TYPES[t[0]][0] for t in proto.kv})) + "/" + \
         ",".join(sorted({GGML_TYPES[t[2]][0] for t in proto.kv}))
-    extra: dict[str, Any] = {"engine": "llama.cpp", "arch": model.shape.arch, **proto.to_extra()}
+    extra: dict[str, Any] = {"engine": "llama.cpp", "arch": model.shape.arch, **proto.to_extra(), **runtime}
     return Identity(build=build, pack=model.pack, kv=kv, mtp=False, extra=extra)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ._bridge import CHAT_PATHS, COMPLETION_PATHS, LlamaBridge, Plan
@@ -108,10 +109,11 @@ def _after(bridge: LlamaBridge, plan: Plan, ok: bool) -> None:
         bridge.release(plan)
 
 
-def run_proxy(bridge: LlamaBridge, host: str, port: int) -> None:
-    """Serve until interrupted (SIGINT/SIGTERM)."""
+def run_proxy(bridge: LlamaBridge, host: str, port: int, on_listen: Callable[[], None] | None = None) -> None:
+    """Serve until interrupted (SIGINT/SIGTERM); ``on_listen`` runs once the port is bound."""
     from aiohttp import web
 
     metrics = BridgeMetrics()
     bridge.events = metrics.events()
-    web.run_app(make_app(bridge, metrics), host=host, port=port, print=None, access_log=None)
+    web.run_app(make_app(bridge, metrics), host=host, port=port, access_log=None,
+                print=None if on_listen is None else lambda _banner: on_listen())

@@ -2,27 +2,32 @@
 
 Import stores a slot file as a delta over its deepest stored prefix; export restores a snapshot
 into fresh buffers and encodes the slot file llama-server restores. The store identity pins the
-slot's constants (``_slotparts.SlotProto``), so a file of another model, build or cache setting is
-never matched. No HTTP here: ``LlamaBridge`` (``_bridge``) drives a running server with this.
+slot's constants (``_slotparts.SlotProto``) and the server's runtime settings (``_served.Runtime``),
+so a file of another model, build, cache or runtime setting is never matched. ``switch`` moves it
+to what the server serves now. No HTTP here: ``LlamaBridge`` (``_bridge``) drives a server with this.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._config import Budget
-from .._errors import IdentityError, NotFoundError
+from .._errors import IdentityError, NotFoundError, StateError
 from .._identity import Identity
 from .._refs import SnapshotRef
 from .._results import Match, SaveResult
 from .._store import Store
 from ._identity import ModelInfo, identity_for, model_info
+from ._served import unseen_runtime
 from ._slotfile import SlotFile, decode, encode
 from ._slotparts import SlotProto, empty_parts, from_parts, layout_for, to_parts
+
+log = logging.getLogger("snapstore.llamacpp")
 
 __all__ = ["ImportResult", "SlotStore", "export_snapshot"]
 
@@ -89,43 +94,78 @@ class SlotStore:
     """Slot files of one model (GGUF) and llama.cpp build <-> snapshots in one store directory.
 
     The store identity also pins the slot's constants (state version, types, streams, V layout),
-    so it is opened on the first file; ``drop_stale`` then drops every other identity (a proxy's
-    default at start), never on a plain import.
+    so it is opened on the first file; ``drop_stale`` then applies the store's stale rule (a
+    proxy's default at start), never on a plain import. ``runtime`` is the server's runtime part of
+    the identity (``_served``); without it (a file without its server) the identity says "unseen",
+    which no proxy's identity does. ``generation`` counts ``switch``es: a save or restore planned
+    under another generation is refused, so state computed under one identity never lands in another.
     """
 
     def __init__(self, path: str | None, model: str | ModelInfo, build: str, *, budget: Budget | None = None,
-                 drop_stale: bool = False, check_rows: bool | None = None) -> None:
+                 drop_stale: bool = False, check_rows: bool | None = None,
+                 runtime: Mapping[str, str] | None = None) -> None:
         self.path = path
         self.model = model if isinstance(model, ModelInfo) else model_info(model)
         self.build = build
+        self.runtime = dict(runtime if runtime is not None else unseen_runtime().to_extra())
         self.budget = budget
         self.drop_stale = drop_stale
         self.check_rows = check_rows
         self.store: Store | None = None
         self.proto: SlotProto | None = None
+        self.generation = 0
         self._lock = threading.Lock()
+
+    def switch(self, model: ModelInfo, build: str, runtime: Mapping[str, str]) -> bool:
+        """Serve ``model``/``build``/``runtime`` from now on; True when that is another identity (the
+        current store is closed, the next file opens the new one, and the generation moves on)."""
+        with self._lock:
+            if self.is_current(model, build, runtime):
+                return False
+            old, self.store, self.proto = self.store, None, None
+            self.model, self.build, self.runtime = model, build, dict(runtime)
+            self.generation += 1
+        if old is not None:
+            old.close()  # calls already running on it finish first; later ones raise StateError
+        return True
+
+    def is_current(self, model: ModelInfo, build: str, runtime: Mapping[str, str]) -> bool:
+        """True when ``model``/``build``/``runtime`` is the identity this store serves now."""
+        return (model.sha256, model.shape, build, dict(runtime)) == \
+            (self.model.sha256, self.model.shape, self.build, self.runtime)
+
+    def _check(self, generation: int | None) -> None:
+        if generation is not None and generation != self.generation:
+            raise StateError(f"the server's identity changed since this request was planned (generation "
+                             f"{generation}, now {self.generation}); its state is not stored or restored")
 
     def decode(self, data: bytes, what: str = "slot file") -> SlotFile:
         """Parse a slot file of this model (refuses any other layout)."""
         return decode(data, self.model.shape, what=what)
 
-    def open_for(self, sf: SlotFile) -> Store:
-        """The store for ``sf``'s constants (opened once; a file with other constants is refused)."""
+    def open_for(self, sf: SlotFile, generation: int | None = None) -> Store:
+        """The store for ``sf``'s constants (opened once; a file with other constants is refused);
+        ``generation``: refuse unless the identity is still the one of that generation."""
         proto = SlotProto.of(sf, self.model.shape)
         with self._lock:
+            self._check(generation)
             if self.store is None:
-                ident = identity_for(self.model, self.build, proto)
+                ident = identity_for(self.model, self.build, proto, self.runtime)
                 self.store = Store.open(self.path, identity=ident, layout=layout_for(proto), budget=self.budget,
                                         drop_stale=self.drop_stale, check_rows=self.check_rows)
                 self.proto = proto
+                log.info("store %s: identity %s (model %s, build %s, K/V probe %s)", self.store.path, ident.key,
+                         self.model.pack, self.build, self.runtime.get("kv_probe", "")[:16])
             elif proto != self.proto:
                 raise IdentityError("this slot file was written with other cache settings (types, streams, "
                                     "flash attention or state version) than the store was opened for")
             return self.store
 
-    def save(self, sf: SlotFile, n: int | None = None, *, session: str | None = None) -> SaveResult:
-        """Store the first ``n`` tokens of ``sf`` (all by default) as a delta over its deepest stored prefix."""
-        store = self.open_for(sf)
+    def save(self, sf: SlotFile, n: int | None = None, *, session: str | None = None,
+             generation: int | None = None) -> SaveResult:
+        """Store the first ``n`` tokens of ``sf`` (all by default) as a delta over its deepest stored prefix;
+        ``generation``: the identity generation ``sf`` was read under (refused if it moved on)."""
+        store = self.open_for(sf, generation)
         n = sf.n_tokens if n is None else n
         parts = to_parts(sf, self.model.shape, n)
         return store.save(sf.tokens[:n], parts, session=session, parent="auto")
@@ -136,16 +176,23 @@ class SlotStore:
         res = self.save(sf, session=session)
         return ImportResult(res, sf.n_tokens, len(data), sf.n_checkpoints)
 
-    def export_bytes(self, ref: SnapshotRef, *, session: str | None = None) -> bytes:
+    def export_bytes(self, ref: SnapshotRef, *, session: str | None = None, generation: int | None = None) -> bytes:
         """The slot file of a snapshot (a Match, SaveResult or id) of this store; ``session``: the
         conversation restoring it (its own snapshots stay supersedable, Store.restore)."""
-        if self.store is None or self.proto is None:
+        with self._lock:
+            self._check(generation)
+            store, proto = self.store, self.proto
+        if store is None or proto is None:
             raise NotFoundError("nothing stored yet for this model and build")
-        return _export(self.store, ref, self.proto, session)
+        return _export(store, ref, proto, session)
 
-    def match(self, tokens: Sequence[int]) -> Match | None:
-        """The longest stored prefix of ``tokens``, or None."""
-        return None if self.store is None else self.store.match(list(tokens))
+    def match(self, tokens: Sequence[int], generation: int | None = None) -> Match | None:
+        """The longest stored prefix of ``tokens``, or None (also when the identity left ``generation``)."""
+        with self._lock:
+            store = self.store
+            if generation is not None and generation != self.generation:
+                return None
+        return None if store is None else store.match(list(tokens))
 
     def close(self) -> None:
         """Close the store."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._errors import SnapstoreError, StoreIOError
 
-__all__ = ["JsonObject", "LlamaServer", "UpstreamError"]
+__all__ = ["JsonObject", "LlamaServer", "UpstreamError", "unreachable"]
 
 JsonObject = dict[str, Any]
 """A JSON object as llama-server sends and takes it (request bodies, responses)."""
@@ -25,6 +25,21 @@ JsonObject = dict[str, Any]
 
 class UpstreamError(SnapstoreError):
     """llama-server refused or failed a control request (tokenize, slot save/restore, ...)."""
+
+
+def _for(what: str) -> str:
+    return f" ({what})" if what else ""
+
+
+def unreachable(url: str, doing: str, e: BaseException) -> str:
+    """The message for a server that could not be reached: its URL, what was asked, and why in words."""
+    reason = getattr(e, "reason", e)  # URLError wraps the socket error
+    if isinstance(reason, OSError) and reason.strerror:
+        why = reason.strerror.lower()
+    else:
+        why = str(reason) or type(reason).__name__
+    return (f"cannot reach llama-server at {url} ({doing}): {why}; is it running there, and is --upstream "
+            "its address?")
 
 
 class LlamaServer:
@@ -37,14 +52,21 @@ class LlamaServer:
         self._seq_lock = threading.Lock()
         self._seq = 0
 
-    def get(self, path: str) -> JsonObject:
-        """GET ``path``'s JSON; UpstreamError when the server cannot be reached or answers garbage."""
+    def get(self, path: str, what: str = "") -> JsonObject:
+        """GET ``path``'s JSON (``what`` says what it asks for); UpstreamError when the server cannot be
+        reached or answers garbage."""
         try:
             with urllib.request.urlopen(self.upstream + path, timeout=self.timeout) as r:  # noqa: S310
                 out: JsonObject = json.loads(r.read())
                 return out
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise UpstreamError(f"llama-server GET {path}: {e}") from None
+        except urllib.error.HTTPError as e:
+            raise UpstreamError(f"llama-server at {self.upstream} answered GET {path}{_for(what)} with HTTP "
+                                f"{e.code}: {e.read()[:300].decode(errors='replace')}") from None
+        except ValueError as e:
+            raise UpstreamError(f"llama-server at {self.upstream} answered GET {path}{_for(what)} with no JSON: "
+                                f"{e}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise UpstreamError(unreachable(self.upstream, f"GET {path}{_for(what)}", e)) from None
 
     def post(self, path: str, body: Mapping[str, Any]) -> JsonObject:
         """POST ``body`` as JSON to ``path``; UpstreamError (with the server's words) when it fails."""
@@ -57,8 +79,10 @@ class LlamaServer:
         except urllib.error.HTTPError as e:
             detail = e.read()[:300].decode(errors="replace")
             raise UpstreamError(f"llama-server POST {path}: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise UpstreamError(f"llama-server POST {path}: {e}") from None
+        except ValueError as e:
+            raise UpstreamError(f"llama-server at {self.upstream} answered POST {path} with no JSON: {e}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise UpstreamError(unreachable(self.upstream, f"POST {path}", e)) from None
 
     def tokenize(self, text: str) -> list[int]:
         """The server's tokens of ``text`` (special tokens added and parsed, as a prompt is)."""
