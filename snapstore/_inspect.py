@@ -6,13 +6,13 @@ Every snapshot description, the library's and inspect's, is built by :func:`snap
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from ._catalog import ChunkRow, PartKind, PartRow, SnapRow, SnapState, Txn
+from ._catalog_rows import identity_fields
 from ._chunkfile import CODEC_NAMES
-from ._errors import InvalidInputError, NotFoundError
+from ._errors import InvalidInputError, NotFoundError, StoreFormatError
 from ._inspect_report import (
     ChainLink,
     ChunkEntry,
@@ -105,12 +105,11 @@ def snapshot_entry(c: Txn, s: SnapRow, keys: dict[int, str], kids: dict[int, lis
         referenced_bytes=referenced)
 
 
-def _identity_fields(canonical: str) -> dict[str, Any]:
+def _identity_fields(ident_id: int, canonical: str) -> dict[str, Any]:
     try:
-        fields = json.loads(canonical)
-    except ValueError:
-        return {"unparsable": canonical}
-    return fields if isinstance(fields, dict) else {"value": fields}
+        return identity_fields(canonical, f"catalog row identities({ident_id}) column canonical")
+    except StoreFormatError as e:
+        return {"unparsable": str(e)}  # inspect shows the damage and goes on (verify reports it too)
 
 
 def inspect_store(c: Txn, root: str) -> StoreReport:
@@ -133,7 +132,8 @@ def inspect_store(c: Txn, root: str) -> StoreReport:
             if s.parent_id is None or s.parent_id not in ids:
                 bucket.append(s.id)
         identities.append(IdentityEntry(
-            key=key, fields=_identity_fields(canonical), created=created, last_open=last_open, snapshots=len(mine),
+            key=key, fields=_identity_fields(ident_id, canonical), created=created, last_open=last_open,
+            snapshots=len(mine),
             namespaces=[NamespaceEntry(namespace=ns or None, snapshots=sum(1 for s in mine if s.namespace == ns),
                                        roots=sorted(r)) for ns, r in sorted(roots.items())]))
     st = stats_of(c, 0, 0)

@@ -35,7 +35,7 @@ from ._gc import GcReport
 from ._identity import Identity
 from ._inspect import snapshot_infos, stats_of
 from ._layout import Layout
-from ._lifecycle import new_outside_use
+from ._lifecycle import log_drops, new_outside_use
 from ._liveness import reap_lock_files
 from ._match import best_match
 from ._owner import Owner
@@ -149,9 +149,11 @@ class Store:
                             write=self._write, access=self._access, count=self._ledger.count,
                             check_rows=self.check_rows)
         now = time.time()  # housekeeping: dead owners' captures, stale identities, expired snapshots
-        dead = self._write(lambda t: housekeep(t, root=repo.root, lease=self.pending_lease, now=now,
-                                               identity_key=self.identity.key, drop_stale=drop_stale,
-                                               ttl=self.budget.ttl))
+        dead, dropped = self._write(lambda t: housekeep(t, root=repo.root, lease=self.pending_lease, now=now,
+                                                        identity_key=self.identity.key, drop_stale=drop_stale,
+                                                        ttl=self.budget.ttl))
+        log_drops(dropped, f"stale at the open of {self.identity.key} (the same model; Store.open(drop_stale=False) "
+                           "keeps them)")
         reap_lock_files(repo.root, dead)
         from ._remote_tier import open_remote  # imported on demand: obstore only where remote= is used
         self._remote = open_remote(remote, repo, self.identity, owner, self._ledger.count, remote_wait)
