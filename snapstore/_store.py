@@ -35,6 +35,7 @@ from ._gc import GcReport
 from ._identity import Identity
 from ._inspect import snapshot_infos, stats_of
 from ._layout import Layout
+from ._layout_fit import LayoutFit
 from ._lifecycle import log_drops, new_outside_use
 from ._liveness import reap_lock_files
 from ._match import best_match
@@ -71,6 +72,7 @@ class Store:
         self._repo = repo
         self.identity = identity
         self.layout = layout
+        self._fit = LayoutFit(layout)  # what match() may serve: snapshots that restore into this layout
         self.budget = budget
         self.chunk_bytes = options.chunk_bytes
         self.codec = CODECS[options.codec]
@@ -285,7 +287,7 @@ class Store:
         if len(arr) == 0:
             return None
         not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
-        found = self._repo.db.read(lambda c: best_match(c, self.layout, self.identity.key, ns, arr, skip,
+        found = self._repo.db.read(lambda c: best_match(c, self._fit, self.identity.key, ns, arr, skip,
                                                         not_before))
         if self._remote is not None:  # the shared tier, when it may hold something longer
             far = self._remote.lookup(arr, ns, found[1] if found is not None else 0)
