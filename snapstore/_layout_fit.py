@@ -7,8 +7,8 @@ store's layout — a part it needs saved with another dtype, shape or row granul
 part missing — must never be what match() returns: it would fail every restore and hide the
 shorter snapshot that does restore. A save records its parts' specs as one 16-byte key
 (``snapshots.layout_key``, schema v9); the answer for a key is the restore plan's own rule
-(:func:`._plan.parts_fit`), computed from one snapshot's part rows the first time the key is met
-and remembered (a key names the specs exactly, so the answer never changes). Optional components
+(:func:`._plan.parts_fit`), computed from one snapshot's part rows the first time a layout meets
+the key and remembered (both keys name specs exactly, so the answer never changes). Optional components
 stay optional: a snapshot without the ``draft`` parts fits a layout that has them (it restores
 with ``missing_components``), and one with parts the layout lacks fits too (they are not read).
 """
@@ -26,9 +26,9 @@ from ._layout import Fixed, Layout
 from ._plan import parts_fit
 from ._prefix_match import granularity
 
-__all__ = ["LayoutFit", "layout_key", "saved_layout_key"]
+__all__ = ["fits", "layout_key", "saved_layout_key"]
 
-_REMEMBERED = 4096  # distinct layout keys remembered per store (a store meets a handful)
+_REMEMBERED = 4096  # answers remembered (a process meets a handful of layouts)
 
 
 def layout_key(specs: Iterable[tuple[str, int, str, Sequence[int], int | None]]) -> bytes:
@@ -50,24 +50,23 @@ def saved_layout_key(layout: Layout, names: Iterable[str]) -> bytes:
     return layout_key(out)
 
 
-class LayoutFit:
-    """One store's answers: does a snapshot of this layout key restore into ``layout``?"""
+# (opener layout key, saved layout key) -> fits: answers never change (both keys name specs
+# exactly), so every store of the process shares them
+_known: dict[tuple[bytes, bytes], bool] = {}
+_lock = threading.Lock()
 
-    def __init__(self, layout: Layout) -> None:
-        self.layout = layout
-        self._known: dict[bytes, bool] = {}
-        self._lock = threading.Lock()
 
-    def fits(self, c: Txn, sid: int, key: bytes | None) -> bool:
-        """Whether snapshot ``sid`` (of layout key ``key``; None: not recorded) restores into the layout."""
-        if key is not None:
-            known = self._known.get(key)
-            if known is not None:
-                return known
-        ok = parts_fit(c.parts(sid), self.layout)
-        if key is not None:
-            with self._lock:
-                if len(self._known) >= _REMEMBERED:
-                    self._known.clear()
-                self._known[key] = ok
-        return ok
+def fits(c: Txn, layout: Layout, sid: int, key: bytes | None) -> bool:
+    """Whether snapshot ``sid`` (of layout key ``key``; None: not recorded) restores into ``layout``."""
+    pair = (layout.key, key) if key is not None else None
+    if pair is not None:
+        known = _known.get(pair)
+        if known is not None:
+            return known
+    ok = parts_fit(c.parts(sid), layout)
+    if pair is not None:
+        with _lock:
+            if len(_known) >= _REMEMBERED:
+                _known.clear()
+            _known[pair] = ok
+    return ok

@@ -14,7 +14,8 @@ import numpy as np
 
 from ._catalog import SnapRow, Txn
 from ._find_keys import find_keys
-from ._layout_fit import LayoutFit
+from ._layout import Layout
+from ._layout_fit import fits
 from ._prefix_match import find_prefix
 from ._save import needs_quarantined
 from ._tokens import Encoded, decode_tokens, spells_chain, spells_segment
@@ -28,11 +29,11 @@ def tokens_of(chain: list[SnapRow]) -> np.ndarray:
     return np.concatenate(segs) if segs else np.zeros(0, dtype="<u8")
 
 
-def longest_prefix(c: Txn, fit: LayoutFit, identity_key: str, ns: str, arr: np.ndarray, skip: set[int],
+def longest_prefix(c: Txn, layout: Layout, identity_key: str, ns: str, arr: np.ndarray, skip: set[int],
                    not_before: float) -> SnapRow | None:
     """The longest restorable committed snapshot whose tokens are ``arr[:n]``, or None.
 
-    ``fit``: the store's layout (a snapshot that cannot restore into it is passed over); ``skip``:
+    ``layout``: the store's (a snapshot that cannot restore into it is passed over); ``skip``:
     ids passed over; ``not_before``: snapshots last used earlier have expired (TTL).
     """
     keys = find_keys(arr)
@@ -51,24 +52,24 @@ def longest_prefix(c: Txn, fit: LayoutFit, identity_key: str, ns: str, arr: np.n
         broken = c.quarantined_users() if broken is None else broken
         if broken and needs_quarantined(c.chain(sid), broken, leaf=True):
             continue  # it cannot restore until a save heals its chunk: the next-longest serves
-        if not fit.fits(c, sid, lkey):
+        if not fits(c, layout, sid, lkey):
             continue  # saved under another layout that this one cannot restore: the next-longest serves
         return c.snapshot(sid)
     return None
 
 
-def best_match(c: Txn, fit: LayoutFit, identity_key: str, ns: str, arr: np.ndarray, skip: set[int],
+def best_match(c: Txn, layout: Layout, identity_key: str, ns: str, arr: np.ndarray, skip: set[int],
                not_before: float) -> tuple[SnapRow, int] | None:
     """``(snapshot, tokens it serves)``: the longest exact prefix (:func:`longest_prefix`), or, for a
     layout with ``tokens_per_row``, rows [0, k) of any snapshot sharing a longer block-aligned
     prefix with ``arr`` (:mod:`._prefix_match`); None on a miss."""
-    hit = longest_prefix(c, fit, identity_key, ns, arr, skip, not_before)
+    hit = longest_prefix(c, layout, identity_key, ns, arr, skip, not_before)
     exact = (hit, hit.n_tokens) if hit is not None else None
     broken: dict[int, bool] | None = None
 
     def usable(snap: SnapRow, k: int) -> bool:
         nonlocal broken
-        if snap.id in skip or snap.last_used < not_before or not fit.fits(c, snap.id, snap.layout_key):
+        if snap.id in skip or snap.last_used < not_before or not fits(c, layout, snap.id, snap.layout_key):
             return False
         chain = c.chain(snap.id)
         broken = c.quarantined_users() if broken is None else broken
@@ -76,5 +77,5 @@ def best_match(c: Txn, fit: LayoutFit, identity_key: str, ns: str, arr: np.ndarr
             return False
         return bool(np.array_equal(tokens_of(chain)[:k], arr[:k]))
 
-    more = find_prefix(c, fit.layout, identity_key, ns, arr, exact[1] if exact else 0, usable)
+    more = find_prefix(c, layout, identity_key, ns, arr, exact[1] if exact else 0, usable)
     return (more.snap, more.n_tokens) if more is not None else exact

@@ -35,7 +35,6 @@ from ._gc import GcReport
 from ._identity import Identity
 from ._inspect import snapshot_infos, stats_of
 from ._layout import Layout
-from ._layout_fit import LayoutFit
 from ._lifecycle import log_drops, new_outside_use
 from ._liveness import reap_lock_files
 from ._match import best_match
@@ -72,7 +71,6 @@ class Store:
         self._repo = repo
         self.identity = identity
         self.layout = layout
-        self._fit = LayoutFit(layout)  # what match() may serve: snapshots that restore into this layout
         self.budget = budget
         self.chunk_bytes = options.chunk_bytes
         self.codec = CODECS[options.codec]
@@ -150,12 +148,10 @@ class Store:
         self._run = SaveRun(stages=stages, chunker=self._chunker, capacity=self._capacity, db=repo.db,
                             write=self._write, access=self._access, count=self._ledger.count,
                             check_rows=self.check_rows)
-        now = time.time()  # housekeeping: dead owners' captures, stale identities, expired snapshots
-        dead, dropped = self._write(lambda t: housekeep(t, root=repo.root, lease=self.pending_lease, now=now,
-                                                        identity_key=self.identity.key, drop_stale=drop_stale,
-                                                        ttl=self.budget.ttl))
-        log_drops(dropped, f"stale at the open of {self.identity.key} (the same model; Store.open(drop_stale=False) "
-                           "keeps them)")
+        dead, dropped = self._write(lambda t: housekeep(  # dead owners' captures, stale identities, expired ones
+            t, root=repo.root, lease=self.pending_lease, now=time.time(), identity_key=self.identity.key,
+            drop_stale=drop_stale, ttl=self.budget.ttl))
+        log_drops(dropped, "stale at this open (the same model; Store.open(drop_stale=False) keeps them)")
         reap_lock_files(repo.root, dead)
         from ._remote_tier import open_remote  # imported on demand: obstore only where remote= is used
         self._remote = open_remote(remote, repo, self.identity, owner, self._ledger.count, remote_wait)
@@ -287,7 +283,7 @@ class Store:
         if len(arr) == 0:
             return None
         not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
-        found = self._repo.db.read(lambda c: best_match(c, self._fit, self.identity.key, ns, arr, skip,
+        found = self._repo.db.read(lambda c: best_match(c, self.layout, self.identity.key, ns, arr, skip,
                                                         not_before))
         if self._remote is not None:  # the shared tier, when it may hold something longer
             far = self._remote.lookup(arr, ns, found[1] if found is not None else 0)
