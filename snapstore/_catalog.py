@@ -354,11 +354,12 @@ class Txn(ChunkQueries):
             "SELECT id FROM snapshots WHERE parent_id = ? AND session IS NOT ?", (sid, session))]
 
     def session_prefixes(self, identity_id: int, namespace: str, session: str,
-                         below_tokens: int, exclude: int) -> list[SnapRow]:
+                         up_to_tokens: int, exclude: int) -> list[SnapRow]:
+        """Committed matchable snapshots of the session with at most ``up_to_tokens`` tokens, but ``exclude``."""
         return [snap_row(r) for r in self._c.execute(
             f"SELECT {SNAP_COLS} FROM snapshots WHERE identity_id = ? AND namespace = ? AND session = ? "
-            "AND state = 1 AND matchable = 1 AND n_tokens < ? AND id != ?",
-            (identity_id, namespace, session, below_tokens, exclude))]
+            "AND state = 1 AND matchable = 1 AND n_tokens <= ? AND id != ?",
+            (identity_id, namespace, session, up_to_tokens, exclude))]
 
     def lru_leaves(self, exclude: Iterable[int], limit: int = 64) -> list[SnapRow]:
         """Committed snapshots without children, least recently used first."""

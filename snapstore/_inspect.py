@@ -25,6 +25,7 @@ from ._inspect_report import (
     Totals,
 )
 from ._results import SnapshotInfo, Stats
+from ._save import needs_quarantined
 
 __all__ = ["FORMAT", "inspect_snapshot", "inspect_store", "resolve_identity", "snapshot_entry", "snapshot_info",
            "snapshot_infos", "stats_of"]
@@ -55,15 +56,21 @@ def stats_of(c: Txn, disk_budget: int, ram_used: int) -> Stats:
 
 def snapshot_info(t: Txn, s: SnapRow, identity: str, pinned: bool, parts: list[PartRow] | None = None
                   ) -> SnapshotInfo:
-    """The one description of a snapshot (Store.snapshots() lists these; inspect extends them)."""
+    """The one description of a snapshot (Store.snapshots() lists these; inspect extends them).
+
+    ``matchable`` is what match() would do: committed, not superseded, and not waiting for a save
+    to heal a quarantined chunk it (or its chain) reads (``quarantined``)."""
     parts = t.parts(s.id) if parts is None else parts
+    broken = t.quarantined_users()  # one probe of a partial index; empty in a healthy store
+    quarantined = bool(broken) and needs_quarantined(t.chain(s.id), broken, leaf=True)
     return SnapshotInfo(
         snapshot_id=s.id, identity=identity, namespace=s.namespace or None, parent_id=s.parent_id,
         n_tokens=s.n_tokens, depth=s.depth, session=s.session, pending=s.state == SnapState.PENDING,
-        matchable=bool(s.matchable), pinned=pinned, created=s.created, last_used=s.last_used, hits=s.hits,
+        matchable=bool(s.matchable) and not quarantined, pinned=pinned, created=s.created, last_used=s.last_used,
+        hits=s.hits,
         logical_bytes=s.logical_bytes, segment_bytes=sum(p.nbytes for p in parts),
         rows={p.name: p.row_end for p in parts if p.kind == PartKind.ROWS},
-        components=sorted({p.component for p in parts if p.component is not None}))
+        components=sorted({p.component for p in parts if p.component is not None}), quarantined=quarantined)
 
 
 def snapshot_infos(t: Txn, identity_key: str) -> list[SnapshotInfo]:

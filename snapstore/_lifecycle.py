@@ -86,7 +86,9 @@ def used_elsewhere(t: Txn, old: SnapRow, path: set[int]) -> bool:
 
 
 def supersede(t: Txn, new: SnapRow, index: TokenIndex) -> int:
-    """In the new snapshot's session, retire older committed snapshots it strictly extends.
+    """In the new snapshot's session, retire older committed snapshots it extends: strictly, or
+    with the very same tokens (the same prompt saved again with other bytes; two matchable
+    snapshots of one prompt would only compete for the budget — the newer one serves).
 
     A retired snapshot stops being matched and loses its fixed parts; if it still carries a
     chain (it is the new one's ancestor, or another branch's), its row segments stay. One that
