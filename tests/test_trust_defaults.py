@@ -12,9 +12,11 @@ import sys
 import time
 from typing import Any
 
+import apsw
 import numpy as np
 import pytest
 from support import IDENT, LAYOUT, empty_like_state, make_state, open_store, part_hashes
+from support.catalogs import UNDO_LAYOUT_KEYS
 
 import snapstore as ss
 from snapstore._cli import main
@@ -157,6 +159,24 @@ def test_match_never_serves_a_snapshot_of_another_layout(store_dir: str, recorde
     finally:
         a.close()
         w.close()
+
+
+def test_a_v8_catalog_reads_read_only_and_migrates_on_open(store_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with open_store(store_dir) as s:
+        st = make_state(LAYOUT, 40, seed=14)
+        sid = s.save(toks(40), st).snapshot_id
+    c = apsw.Connection(os.path.join(store_dir, "snapstore.db"))
+    c.execute(UNDO_LAYOUT_KEYS + "PRAGMA user_version = 8")
+    c.close()
+    assert _cli(capsys, "--dir", store_dir, "--json", "inspect")[0] == 0  # read-only: the compat view
+    with open_store(store_dir) as s:  # migrated: the old snapshot has no key and still matches
+        assert s._repo.db.read(lambda t: t.snapshot(sid)).layout_key is None
+        m = s.match(toks(50))
+        assert m is not None and m.snapshot_id == sid
+        dest = empty_like_state(st)
+        s.restore(m, into=dest)
+        assert _same(dest, st, 40)
+        assert s.save(toks(50), make_state(LAYOUT, 50, seed=15)).ok
 
 
 def test_a_snapshot_without_the_optional_draft_still_matches_and_restores(store_dir: str) -> None:
