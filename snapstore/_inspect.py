@@ -54,14 +54,15 @@ def stats_of(c: Txn, disk_budget: int, ram_used: int) -> Stats:
         remote={k[7:]: v for k, v in sorted(counters.items()) if k.startswith("remote_")})
 
 
-def snapshot_info(t: Txn, s: SnapRow, identity: str, pinned: bool, parts: list[PartRow] | None = None
-                  ) -> SnapshotInfo:
+def snapshot_info(t: Txn, s: SnapRow, identity: str, pinned: bool, parts: list[PartRow] | None = None,
+                  broken: dict[int, bool] | None = None) -> SnapshotInfo:
     """The one description of a snapshot (Store.snapshots() lists these; inspect extends them).
 
     ``matchable`` is what match() would do: committed, not superseded, and not waiting for a save
-    to heal a quarantined chunk it (or its chain) reads (``quarantined``)."""
+    to heal a quarantined chunk it (or its chain) reads (``quarantined``). ``broken``:
+    Txn.quarantined_users() when the caller lists many (read here otherwise)."""
     parts = t.parts(s.id) if parts is None else parts
-    broken = t.quarantined_users()  # one probe of a partial index; empty in a healthy store
+    broken = t.quarantined_users() if broken is None else broken  # one probe; empty in a healthy store
     quarantined = bool(broken) and needs_quarantined(t.chain(s.id), broken, leaf=True)
     return SnapshotInfo(
         snapshot_id=s.id, identity=identity, namespace=s.namespace or None, parent_id=s.parent_id,
@@ -78,11 +79,12 @@ def snapshot_infos(t: Txn, identity_key: str) -> list[SnapshotInfo]:
     iid = t.identity_id(identity_key)  # by key, in this transaction: never a reused id
     if iid is None:
         return []
-    return [snapshot_info(t, s, identity_key, t.has_children(s.id)) for s in t.snapshots(iid)]
+    broken = t.quarantined_users()
+    return [snapshot_info(t, s, identity_key, t.has_children(s.id), broken=broken) for s in t.snapshots(iid)]
 
 
 def snapshot_entry(c: Txn, s: SnapRow, keys: dict[int, str], kids: dict[int, list[int]],
-                   with_chunks: bool = False) -> SnapshotEntry:
+                   with_chunks: bool = False, broken: dict[int, bool] | None = None) -> SnapshotEntry:
     """inspect's entry for one snapshot: its :func:`snapshot_info` plus parts, chunks and bytes."""
     parts = c.parts(s.id)
     counts: dict[bytes, int] = {}
@@ -105,7 +107,7 @@ def snapshot_entry(c: Txn, s: SnapRow, keys: dict[int, str], kids: dict[int, lis
             chunk_count=len(chunks), chunks=listed))
     # exclusive: every reference to the chunk is this snapshot's own (dropping it frees the chunk)
     return SnapshotEntry(
-        info=snapshot_info(c, s, keys.get(s.identity_id) or "", bool(kids.get(s.id)), parts),
+        info=snapshot_info(c, s, keys.get(s.identity_id) or "", bool(kids.get(s.id)), parts, broken),
         children=sorted(kids.get(s.id, [])), base_tokens=s.base_tokens, parts=part_list,
         stored_bytes=sum(ch.stored_len for ch in rows_by_chunk.values()),
         exclusive_bytes=sum(ch.stored_len for cid, ch in rows_by_chunk.items() if ch.refs <= counts[cid]),
@@ -129,7 +131,8 @@ def inspect_store(c: Txn, root: str) -> StoreReport:
         if s.parent_id is not None:
             kids.setdefault(s.parent_id, []).append(s.id)
     ids = {s.id for s in snaps}
-    entries = [snapshot_entry(c, s, keys, kids) for s in snaps]
+    broken = c.quarantined_users()
+    entries = [snapshot_entry(c, s, keys, kids, broken=broken) for s in snaps]
     identities = []
     for ident_id, key, canonical, created, last_open in idents:
         mine = [s for s in snaps if s.identity_id == ident_id]
