@@ -172,14 +172,16 @@ class IdentityDrop:
     fields: dict[str, Any]
     snapshots: tuple[int, ...]
     freed_bytes: int
+    row_kept: bool = False  # a live process's pending capture kept the identity (and its chain)
 
     def line(self, why: str) -> str:
         """The one log line of this drop."""
         f = self.fields
         what = (f"build={f.get('build')} pack={f.get('pack')} kv={f.get('kv')} mtp={f.get('mtp')} "
                 f"extra={f.get('extra')}" if "pack" in f else "fields unreadable")
+        kept = "; a live process's pending capture and its chain stay" if self.row_kept else ""
         return (f"snapstore: dropped identity {self.key} ({what}): {len(self.snapshots)} snapshots, "
-                f"{self.freed_bytes} bytes stored; {why}")
+                f"{self.freed_bytes} bytes stored{kept}; {why}")
 
 
 def _fields(ident_id: int, canonical: str) -> dict[str, Any]:
@@ -195,7 +197,7 @@ def drop_identities(t: Txn, doomed: Callable[[str, dict[str, Any]], bool], live:
     A live owner's pending capture stays, and with it the chain it extends (its ancestors keep a
     child); such an identity's row stays too. Counts the snapshots dropped as "stale_dropped".
     No chunk file is read (invariant 7). Returns one :class:`IdentityDrop` per identity that lost
-    snapshots (or its row), for the caller to log once the transaction commits (:func:`log_drops`).
+    snapshots or its row, for the caller to log once the transaction commits (:func:`log_drops`).
     """
     drops: list[IdentityDrop] = []
     for ident_id, key, canonical, *_ in t.identities():
@@ -211,7 +213,9 @@ def drop_identities(t: Txn, doomed: Callable[[str, dict[str, Any]], bool], live:
                 t.delete_snapshot(snap.id)
                 gone.append(snap.id)
         t.delete_identity(ident_id)  # only once it holds no snapshot
-        drops.append(IdentityDrop(key, fields, tuple(gone), before - t.stored_bytes()))
+        kept = t.identity_key(ident_id) is not None
+        if gone or not kept:
+            drops.append(IdentityDrop(key, fields, tuple(gone), before - t.stored_bytes(), kept))
     count = sum(len(d.snapshots) for d in drops)
     if count:
         t.add_counter("stale_dropped", count)

@@ -117,6 +117,21 @@ def test_an_open_keeps_another_models_snapshots_and_drops_its_own_stale_ones(
         assert b.match(toks(30, 7)) is not None
 
 
+def test_a_live_capture_of_a_stale_identity_stays_and_the_log_says_so(
+        store_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    old = open_store(store_dir, identity=ss.Identity(build="eng-0", pack=IDENT.pack))
+    try:
+        assert old.save(toks(30, 500), make_state(LAYOUT, 30, seed=16)).ok  # committed: stale, dropped
+        p = old.save(toks(60), make_state(LAYOUT, 60, seed=17), commit=False)  # a live process's capture
+        with caplog.at_level(logging.INFO, logger="snapstore"), open_store(store_dir) as s:
+            assert s.stats().stale_dropped == 1
+        lines = [r.getMessage() for r in caplog.records if "dropped identity" in r.getMessage()]
+        assert len(lines) == 1 and "1 snapshots" in lines[0] and "pending capture and its chain stay" in lines[0]
+        assert old.commit(p).ok
+    finally:
+        old.close()
+
+
 def test_gc_keep_identity_applies_the_same_staleness_rule(store_dir: str) -> None:
     a_id = ss.Identity(build="eng-1", pack="sha256:p1")
     b_id = ss.Identity(build="eng-1", pack="sha256:p2")
