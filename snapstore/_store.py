@@ -101,8 +101,8 @@ class Store:
              async_copy_bytes: int | None = None, direct_reads: bool | None = None) -> Store:
         """Open (creating if needed) the store at ``path`` for ``identity``.
 
-        path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove every
-        snapshot of other identities now (one transaction, no chunk-file scan). chunk_bytes
+        path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove this model's
+        stale identities' snapshots now (same pack; never another model's; logged). chunk_bytes
         (``SNAPSTORE_CHUNK_MIB``, 16 MiB), codec (``SNAPSTORE_CODEC``: raw | zstd | zstd-shuffle2;
         raw), staging_bytes (``SNAPSTORE_STAGING_MIB``, 64 MiB), check_rows
         (``SNAPSTORE_CHECK_ROWS=1``: verify the rows a delta vouches for against the parent chain),
