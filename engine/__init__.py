@@ -7,6 +7,9 @@ caches. See docs/engine.md. The core package never imports torch; this package d
 
 from __future__ import annotations
 
+from . import _deps  # noqa: F401  (first: without torch, an error that says what to install)
+
+# isort: split
 from ._adapter import TorchAdapter, layout_of, part_sink, part_source
 from ._dtypes import canonical, dtype_name, fixed_spec, rows_spec, torch_dtype
 from ._paged import TorchPagedRows

@@ -120,10 +120,12 @@ class Txn(ChunkQueries):
         return [snap_row(r) for r in cur]
 
     def match_candidates(self, identity_key: str, namespace: str, keys: np.ndarray,
-                         max_tokens: int, not_before: float) -> Iterator[tuple[int, int, bytes, Segment]]:
-        """(id, n_tokens, prefix_key, own token segment) of committed matchable snapshots of the identity *key* whose
-        find key (:mod:`._find_keys`) is ``keys[n_tokens // BLOCK]``, deepest first, read lazily
-        (callers stop at a hit). ``keys``: a prompt's find keys, int64 (:func:`._find_keys.find_keys`).
+                         max_tokens: int, not_before: float
+                         ) -> Iterator[tuple[int, int, bytes, Segment, bytes | None]]:
+        """(id, n_tokens, prefix_key, own token segment, layout key) of committed matchable snapshots
+        of the identity *key* whose find key (:mod:`._find_keys`) is ``keys[n_tokens // BLOCK]``,
+        deepest first, read lazily (callers stop at a hit). ``keys``: a prompt's find keys, int64
+        (:func:`._find_keys.find_keys`).
 
         The identity is resolved by key inside the statement, so a row id that has come to name
         another identity can never select its snapshots. ``keys[i]`` names the prefixes of
@@ -133,9 +135,10 @@ class Txn(ChunkQueries):
         SQLite's bound-variable limit. A row whose key equals the prompt's key at another block
         (a 64-bit collision) is not yielded there: it would break the deepest-first order. The own
         segment ``(blob, width, base_tokens, n_tokens)`` lets match() pass over a candidate whose
-        last tokens differ (a sibling, a collision) without reading its chain.
+        last tokens differ (a sibling, a collision) without reading its chain; the layout key
+        (:mod:`._layout_fit`) whether its parts restore into the caller's layout.
         """
-        sql = ("SELECT id, n_tokens, prefix_key, find_key, tokens, token_width, base_tokens FROM snapshots "
+        sql = ("SELECT id, n_tokens, prefix_key, find_key, tokens, token_width, base_tokens, layout_key FROM snapshots "
                "WHERE identity_id = "
                "(SELECT id FROM identities WHERE key = ?) AND namespace = ? AND find_key IN {keys} "
                "AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1")
@@ -154,10 +157,11 @@ class Txn(ChunkQueries):
             # n_tokens DESC, id DESC, put here rather than by an ORDER BY: its temp B-tree copied every
             # row's blob once more, half of a hit's first statement (a sorter reads every row first too)
             rows.sort(key=lambda r: (r[1], r[0]), reverse=True)
-            for sid, n, pkey, fk, blob, width, base in rows:
+            for sid, n, pkey, fk, blob, width, base, lkey in rows:
                 b = int(n) // BLOCK
                 if lo <= b < hi and fk == int(keys[b]):
-                    yield int(sid), int(n), bytes(pkey), (bytes(blob), int(width), int(base), int(n))
+                    yield (int(sid), int(n), bytes(pkey), (bytes(blob), int(width), int(base), int(n)),
+                           None if lkey is None else bytes(lkey))
             hi = lo
 
     def same_content(self, identity_id: int, namespace: str, prefix_key: bytes,
@@ -236,12 +240,13 @@ class Txn(ChunkQueries):
         """Insert one snapshot row; its find key is derived here from its parent's (never passed in)."""
         v["find_key"] = self.derive_find_key(v["parent_id"], v["base_tokens"], v["n_tokens"], v["token_width"],
                                              v["tokens"])
+        v.setdefault("layout_key", None)  # schema v9: the saver names its parts' layout (_layout_fit)
         self._c.execute(
             "INSERT INTO snapshots(identity_id, namespace, parent_id, depth, n_tokens, base_tokens, "
             "token_width, tokens, anchor, prefix_key, content_key, session, state, owner, matchable, "
-            "created, last_used, hits, logical_bytes, find_key) VALUES (:identity_id, :namespace, :parent_id, "
-            ":depth, :n_tokens, :base_tokens, :token_width, :tokens, :anchor, :prefix_key, :content_key, "
-            ":session, :state, :owner, 1, :now, :now, 0, :logical_bytes, :find_key)", v)
+            "created, last_used, hits, logical_bytes, find_key, layout_key) VALUES (:identity_id, :namespace, "
+            ":parent_id, :depth, :n_tokens, :base_tokens, :token_width, :tokens, :anchor, :prefix_key, :content_key, "
+            ":session, :state, :owner, 1, :now, :now, 0, :logical_bytes, :find_key, :layout_key)", v)
         return int(self._c.last_insert_rowid())
 
     # -- find keys (schema v8, see _find_keys.py) --------------------------------------------
@@ -349,11 +354,12 @@ class Txn(ChunkQueries):
             "SELECT id FROM snapshots WHERE parent_id = ? AND session IS NOT ?", (sid, session))]
 
     def session_prefixes(self, identity_id: int, namespace: str, session: str,
-                         below_tokens: int, exclude: int) -> list[SnapRow]:
+                         up_to_tokens: int, exclude: int) -> list[SnapRow]:
+        """Committed matchable snapshots of the session with at most ``up_to_tokens`` tokens, but ``exclude``."""
         return [snap_row(r) for r in self._c.execute(
             f"SELECT {SNAP_COLS} FROM snapshots WHERE identity_id = ? AND namespace = ? AND session = ? "
-            "AND state = 1 AND matchable = 1 AND n_tokens < ? AND id != ?",
-            (identity_id, namespace, session, below_tokens, exclude))]
+            "AND state = 1 AND matchable = 1 AND n_tokens <= ? AND id != ?",
+            (identity_id, namespace, session, up_to_tokens, exclude))]
 
     def lru_leaves(self, exclude: Iterable[int], limit: int = 64) -> list[SnapRow]:
         """Committed snapshots without children, least recently used first."""

@@ -83,7 +83,8 @@ _LEASE_HELP = ("the lease of pending captures whose owner token has the old (sch
 _GC_HELP = """\
 Removes, in one transaction: pending captures of dead owners (lock free, or lease expired; see
 docs/format.md "Owners and liveness"), snapshots of a stale identity
-(--drop-identity, or every identity but --keep-identity), snapshots unused for --ttl seconds,
+(--drop-identity: that one; --keep-identity: the other identities of its model, the same pack —
+never another model's), snapshots unused for --ttl seconds,
 and least-recently-used leaves until the store fits --disk-mib / --max-entries (the library's
 own eviction: a snapshot with children is never evicted). Then chunk files nothing references
 and temp files, when older than --grace seconds (safe beside an engine that is writing).
@@ -95,7 +96,7 @@ Defaults: --disk-mib $SNAPSTORE_DISK_MIB, --max-entries $SNAPSTORE_MAX_ENTRIES,
 examples:
   snapstore gc --dry-run
   snapstore gc --disk-mib 20480 --ttl 604800
-  snapstore gc --keep-identity id-3f9c0d...   # drop every other engine build's snapshots
+  snapstore gc --keep-identity id-3f9c0d...   # drop this model's other builds' snapshots
 """
 
 _STATS_HELP = """\
@@ -181,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="remove snapshots unused for S seconds; 0: none (default $SNAPSTORE_TTL)")
     who = pg.add_mutually_exclusive_group()
     who.add_argument("--drop-identity", metavar="KEY", help="remove every snapshot of this identity")
-    who.add_argument("--keep-identity", metavar="KEY", help="remove every snapshot of every other identity")
+    who.add_argument("--keep-identity", metavar="KEY",
+                     help="remove the snapshots of every other identity of the same model (pack)")
     pg.add_argument("--grace", type=_nonneg_float, default=3600.0, metavar="S",
                     help="only remove orphan chunk files and temp files older than S seconds (default 3600)")
     pg.add_argument("--pending-lease", type=_nonneg_float, metavar="S", help=_LEASE_HELP)

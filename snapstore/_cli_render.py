@@ -44,7 +44,9 @@ def _snap_line(d: dict[str, Any], now: float) -> str:
     flags = []
     if d["pending"]:
         flags.append("pending")
-    if not d["matchable"]:
+    if d["quarantined"]:
+        flags.append("quarantined (not matched until a save heals it)")
+    elif not d["matchable"]:
         flags.append("superseded")
     if d["pinned"]:
         flags.append("pinned")
@@ -113,7 +115,8 @@ def inspect_one(doc: dict[str, Any], out: CliContext) -> None:
     out.line(f"snapshot #{d['id']}  identity {d['identity']}  namespace "
              f"{d['namespace'] if d['namespace'] is not None else '(default)'}  session {d['session']}")
     state = "pending" if d["pending"] else "committed"
-    state += ", matchable" if d["matchable"] else ", superseded (a chain link only)"
+    state += (", matchable" if d["matchable"] else ", quarantined: reads a damaged chunk, not matched until a save "
+              "of the same state heals it" if d["quarantined"] else ", superseded (a chain link only)")
     if d["pinned"]:
         state += ", pinned (has children: " + ", ".join(f"#{k}" for k in d["children"]) + ")"
     out.line(f"  tokens {d['n_tokens']} (this segment {d['base_tokens']}..{d['n_tokens']}), depth {d['depth']}, "
@@ -141,6 +144,14 @@ def inspect_one(doc: dict[str, Any], out: CliContext) -> None:
 
 def _ids(ids: Sequence[int]) -> str:
     return ", ".join(f"#{i}" for i in ids) if ids else "none"
+
+
+def _checked(deep: bool) -> str:
+    """What a verify of this kind looked at, for its verdict line."""
+    if deep:
+        return "deep: SQLite integrity, chains, accounting, and every chunk re-read and re-hashed"
+    return ("quick: SQLite integrity, chains, accounting, and each chunk file's presence, size and header; "
+            "chunk contents were not read: `snapstore verify --deep` re-hashes them")
 
 
 def verify(doc: dict[str, Any], out: CliContext, repair: bool) -> None:
@@ -175,7 +186,7 @@ def verify(doc: dict[str, Any], out: CliContext, repair: bool) -> None:
     if doc["status"] == "clean":
         if doc["removed_files"]:
             out.line(f"  removed {len(doc['removed_files'])} orphan/temp files older than the grace period")
-        out.line("CLEAN: no damage found")
+        out.line(f"CLEAN: no damage found ({_checked(doc['deep'])})")
     elif doc["status"] == "repaired":
         out.line(f"REPAIRED: removed {len(doc['removed_snapshots'])} snapshots ({_ids(doc['removed_snapshots'])})"
                  + (f", pruned chain links {_ids(doc['pruned_snapshots'])}" if doc["pruned_snapshots"] else "")
@@ -234,6 +245,9 @@ def stats(root: str, d: dict[str, Any], out: CliContext) -> None:
         ("expired", str(d["expired"])),
         ("abandoned", str(d["abandoned"])),
         ("stale dropped", str(d["stale_dropped"])),
+        ("quarantined", f"{d['quarantined']} chunks now (damage a restore found; a save of the same state heals, "
+                        "`snapstore verify --repair` drops)"),
+        ("healed", f"{d['healed']} chunks republished by a save"),
         ("skipped saves", ", ".join(f"{k}={v}" for k, v in sorted(d["skipped"].items())) or "0"),
         ("stored", f"{human_bytes(d['stored_bytes'])} in {d['chunks']} chunks "
                    f"(disk budget {human_bytes(d['disk_budget'])})"),

@@ -94,7 +94,7 @@ _COMPAT_VIEWS: dict[int, list[str]] = {
         "key BLOB NOT NULL, PRIMARY KEY (snapshot_id, n_tokens))"],
     7: ["CREATE TEMP VIEW parts AS SELECT *, NULL AS tokens_per_row FROM main.parts"],
 }
-_COMPAT_SNAPSHOT_COLS: dict[int, str] = {4: "0 AS shared", 8: "NULL AS find_key"}
+_COMPAT_SNAPSHOT_COLS: dict[int, str] = {4: "0 AS shared", 8: "NULL AS find_key", 9: "NULL AS layout_key"}
 
 
 def _compat_views(c: Raw) -> None:

@@ -22,7 +22,16 @@ from ._config import pending_lease as resolve_lease
 from ._db import rolled_back
 from ._db_copy import catalog_copy
 from ._errors import CorruptionError
-from ._lifecycle import drop_dead_pending, drop_identities, evict_until, expire, over_budget
+from ._lifecycle import (
+    IdentityDrop,
+    drop_dead_pending,
+    drop_identities,
+    drop_stale,
+    evict_until,
+    expire,
+    log_drops,
+    over_budget,
+)
 from ._liveness import Liveness, reap_lock_files
 from ._publish import TEMP_PREFIX
 from ._repo import Repo
@@ -151,10 +160,14 @@ def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_r
     ``dry_run`` plans on an in-memory copy of the catalog and writes nothing. Dead pending
     captures are judged by the one liveness rule (:mod:`snapstore._owner`); ``pending_lease``
     (default ``$SNAPSTORE_PENDING_LEASE_S``, else 300 s) applies to owners of the old token form.
+    ``drop_identity``: drop that identity (any model); ``keep_identity``: drop the identities the
+    one staleness rule calls stale for it (:func:`._lifecycle.drop_stale`: the same model under
+    another build, kv mode, draft setting or extra keys; other models' snapshots stay).
     """
     report = GcReport(dry_run=dry_run)
     lease = resolve_lease(pending_lease)
     owners_left: list[str] = []
+    dropped: list[IdentityDrop] = []
     if budget is not None:
         b = budget.resolved()
         disk_bytes, max_entries = b.disk_bytes, b.max_entries
@@ -168,11 +181,15 @@ def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_r
         report.dead_pending.extend(gone)
         report.removed_snapshots.extend(gone + pruned)
         owners_left[:] = list(t.owners())
-        if drop_identity is not None or keep_identity is not None:
-            stale = drop_identities(t, lambda key: (drop_identity is not None and key == drop_identity) or (
-                keep_identity is not None and key != keep_identity), live)
-            report.stale.extend(stale)
-            report.removed_snapshots.extend(stale)
+        drops: list[IdentityDrop] = []
+        if drop_identity is not None:  # asked for by name: that identity, whatever its model
+            drops += drop_identities(t, lambda key, _fields: key == drop_identity, live)
+        if keep_identity is not None:  # the one staleness rule: the keeper's model's other identities
+            drops += drop_stale(t, keep_identity, live)
+        dropped[:] = drops
+        for d in drops:
+            report.stale.extend(d.snapshots)
+            report.removed_snapshots.extend(d.snapshots)
         if ttl:
             old = expire(t, now - ttl)
             report.expired.extend(old)
@@ -191,6 +208,7 @@ def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_r
             mem.close()
     else:
         freed = repo.db.write_collect(txn)[1]  # unlinked below, with progress, a batch at a time
+        log_drops(dropped, "gc " + ("--drop-identity" if drop_identity is not None else "--keep-identity"))
     freed = list(dict.fromkeys(freed))
     for bucket in (report.removed_snapshots, report.dead_pending, report.stale, report.expired, report.evicted):
         bucket[:] = sorted(set(bucket))

@@ -6,13 +6,13 @@ Every snapshot description, the library's and inspect's, is built by :func:`snap
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from ._catalog import ChunkRow, PartKind, PartRow, SnapRow, SnapState, Txn
+from ._catalog_rows import identity_fields
 from ._chunkfile import CODEC_NAMES
-from ._errors import InvalidInputError, NotFoundError
+from ._errors import InvalidInputError, NotFoundError, StoreFormatError
 from ._inspect_report import (
     ChainLink,
     ChunkEntry,
@@ -25,6 +25,7 @@ from ._inspect_report import (
     Totals,
 )
 from ._results import SnapshotInfo, Stats
+from ._save import needs_quarantined
 
 __all__ = ["FORMAT", "inspect_snapshot", "inspect_store", "resolve_identity", "snapshot_entry", "snapshot_info",
            "snapshot_infos", "stats_of"]
@@ -53,17 +54,24 @@ def stats_of(c: Txn, disk_budget: int, ram_used: int) -> Stats:
         remote={k[7:]: v for k, v in sorted(counters.items()) if k.startswith("remote_")})
 
 
-def snapshot_info(t: Txn, s: SnapRow, identity: str, pinned: bool, parts: list[PartRow] | None = None
-                  ) -> SnapshotInfo:
-    """The one description of a snapshot (Store.snapshots() lists these; inspect extends them)."""
+def snapshot_info(t: Txn, s: SnapRow, identity: str, pinned: bool, parts: list[PartRow] | None = None,
+                  broken: dict[int, bool] | None = None) -> SnapshotInfo:
+    """The one description of a snapshot (Store.snapshots() lists these; inspect extends them).
+
+    ``matchable`` is what match() would do: committed, not superseded, and not waiting for a save
+    to heal a quarantined chunk it (or its chain) reads (``quarantined``). ``broken``:
+    Txn.quarantined_users() when the caller lists many (read here otherwise)."""
     parts = t.parts(s.id) if parts is None else parts
+    broken = t.quarantined_users() if broken is None else broken  # one probe; empty in a healthy store
+    quarantined = bool(broken) and needs_quarantined(t.chain(s.id), broken, leaf=True)
     return SnapshotInfo(
         snapshot_id=s.id, identity=identity, namespace=s.namespace or None, parent_id=s.parent_id,
         n_tokens=s.n_tokens, depth=s.depth, session=s.session, pending=s.state == SnapState.PENDING,
-        matchable=bool(s.matchable), pinned=pinned, created=s.created, last_used=s.last_used, hits=s.hits,
+        matchable=bool(s.matchable) and not quarantined, pinned=pinned, created=s.created, last_used=s.last_used,
+        hits=s.hits,
         logical_bytes=s.logical_bytes, segment_bytes=sum(p.nbytes for p in parts),
         rows={p.name: p.row_end for p in parts if p.kind == PartKind.ROWS},
-        components=sorted({p.component for p in parts if p.component is not None}))
+        components=sorted({p.component for p in parts if p.component is not None}), quarantined=quarantined)
 
 
 def snapshot_infos(t: Txn, identity_key: str) -> list[SnapshotInfo]:
@@ -71,11 +79,12 @@ def snapshot_infos(t: Txn, identity_key: str) -> list[SnapshotInfo]:
     iid = t.identity_id(identity_key)  # by key, in this transaction: never a reused id
     if iid is None:
         return []
-    return [snapshot_info(t, s, identity_key, t.has_children(s.id)) for s in t.snapshots(iid)]
+    broken = t.quarantined_users()
+    return [snapshot_info(t, s, identity_key, t.has_children(s.id), broken=broken) for s in t.snapshots(iid)]
 
 
 def snapshot_entry(c: Txn, s: SnapRow, keys: dict[int, str], kids: dict[int, list[int]],
-                   with_chunks: bool = False) -> SnapshotEntry:
+                   with_chunks: bool = False, broken: dict[int, bool] | None = None) -> SnapshotEntry:
     """inspect's entry for one snapshot: its :func:`snapshot_info` plus parts, chunks and bytes."""
     parts = c.parts(s.id)
     counts: dict[bytes, int] = {}
@@ -98,19 +107,18 @@ def snapshot_entry(c: Txn, s: SnapRow, keys: dict[int, str], kids: dict[int, lis
             chunk_count=len(chunks), chunks=listed))
     # exclusive: every reference to the chunk is this snapshot's own (dropping it frees the chunk)
     return SnapshotEntry(
-        info=snapshot_info(c, s, keys.get(s.identity_id) or "", bool(kids.get(s.id)), parts),
+        info=snapshot_info(c, s, keys.get(s.identity_id) or "", bool(kids.get(s.id)), parts, broken),
         children=sorted(kids.get(s.id, [])), base_tokens=s.base_tokens, parts=part_list,
         stored_bytes=sum(ch.stored_len for ch in rows_by_chunk.values()),
         exclusive_bytes=sum(ch.stored_len for cid, ch in rows_by_chunk.items() if ch.refs <= counts[cid]),
         referenced_bytes=referenced)
 
 
-def _identity_fields(canonical: str) -> dict[str, Any]:
+def _identity_fields(ident_id: int, canonical: str) -> dict[str, Any]:
     try:
-        fields = json.loads(canonical)
-    except ValueError:
-        return {"unparsable": canonical}
-    return fields if isinstance(fields, dict) else {"value": fields}
+        return identity_fields(canonical, f"catalog row identities({ident_id}) column canonical")
+    except StoreFormatError as e:
+        return {"unparsable": str(e)}  # inspect shows the damage and goes on (verify reports it too)
 
 
 def inspect_store(c: Txn, root: str) -> StoreReport:
@@ -123,7 +131,8 @@ def inspect_store(c: Txn, root: str) -> StoreReport:
         if s.parent_id is not None:
             kids.setdefault(s.parent_id, []).append(s.id)
     ids = {s.id for s in snaps}
-    entries = [snapshot_entry(c, s, keys, kids) for s in snaps]
+    broken = c.quarantined_users()
+    entries = [snapshot_entry(c, s, keys, kids, broken=broken) for s in snaps]
     identities = []
     for ident_id, key, canonical, created, last_open in idents:
         mine = [s for s in snaps if s.identity_id == ident_id]
@@ -133,7 +142,8 @@ def inspect_store(c: Txn, root: str) -> StoreReport:
             if s.parent_id is None or s.parent_id not in ids:
                 bucket.append(s.id)
         identities.append(IdentityEntry(
-            key=key, fields=_identity_fields(canonical), created=created, last_open=last_open, snapshots=len(mine),
+            key=key, fields=_identity_fields(ident_id, canonical), created=created, last_open=last_open,
+            snapshots=len(mine),
             namespaces=[NamespaceEntry(namespace=ns or None, snapshots=sum(1 for s in mine if s.namespace == ns),
                                        roots=sorted(r)) for ns, r in sorted(roots.items())]))
     st = stats_of(c, 0, 0)

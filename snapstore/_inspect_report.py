@@ -83,7 +83,7 @@ class SnapshotEntry:
             "parts": [p.to_dict() for p in self.parts] if detail else [p.name for p in self.parts],
             "logical_bytes": i.logical_bytes, "segment_bytes": i.segment_bytes,
             "stored_bytes": self.stored_bytes, "exclusive_bytes": self.exclusive_bytes,
-            "pinned": i.pinned, "pending": i.pending, "matchable": i.matchable,
+            "pinned": i.pinned, "pending": i.pending, "matchable": i.matchable, "quarantined": i.quarantined,
             "session": i.session, "created": i.created, "last_used": i.last_used, "hits": i.hits,
         }
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import blake3
 
 from ._errors import LayoutError
 from ._identity import canonical_json
@@ -168,3 +171,8 @@ class Layout:
     def canonical(self) -> str:
         """Canonical JSON of the layout."""
         return canonical_json(self.to_dict())
+
+    @functools.cached_property
+    def key(self) -> bytes:
+        """16 bytes naming the layout exactly (BLAKE3 of :attr:`canonical`), computed once."""
+        return blake3.blake3(b"snapstore layout|" + self.canonical.encode()).digest(16)

@@ -1,7 +1,8 @@
 """Lifecycle policy inside one write transaction: one copy of each rule, whoever applies it.
 
 Open-time housekeeping, :meth:`Store.close` and ``gc`` call the same functions, with their
-differences as arguments: drop dead pending captures, drop other identities, expire, evict;
+differences as arguments: drop dead pending captures, drop stale identities (:func:`drop_stale`:
+the one staleness rule of invariant 7), expire, evict;
 plus delete, supersede (with the session rule: what another session uses is detached, not
 dropped) and the pruning of chain links. Each bumps its own counter. Chunk rows
 they remove are recorded on the transaction (:attr:`Txn.freed`); the repository's write path
@@ -10,14 +11,21 @@ unlinks the files after the commit (:meth:`snapstore._repo.Repo.write`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from ._catalog import SnapRow, SnapState, Txn
+from ._catalog_rows import identity_fields
+from ._errors import StoreFormatError
 from ._liveness import Liveness
 from ._tokens import TokenIndex
 
-__all__ = ["drop_dead_pending", "drop_identities", "drop_leaf", "drop_subtree", "evict_until", "expire",
-           "new_outside_use", "over_budget", "supersede", "used_elsewhere"]
+__all__ = ["IdentityDrop", "drop_dead_pending", "drop_identities", "drop_leaf", "drop_stale", "drop_subtree",
+           "evict_until", "expire", "log_drops", "new_outside_use", "over_budget", "supersede", "used_elsewhere"]
+
+log = logging.getLogger("snapstore")
 
 
 def over_budget(t: Txn, disk_bytes: int | None, max_entries: int | None) -> str | None:
@@ -78,7 +86,9 @@ def used_elsewhere(t: Txn, old: SnapRow, path: set[int]) -> bool:
 
 
 def supersede(t: Txn, new: SnapRow, index: TokenIndex) -> int:
-    """In the new snapshot's session, retire older committed snapshots it strictly extends.
+    """In the new snapshot's session, retire older committed snapshots it extends: strictly, or
+    with the very same tokens (the same prompt saved again with other bytes; two matchable
+    snapshots of one prompt would only compete for the budget — the newer one serves).
 
     A retired snapshot stops being matched and loses its fixed parts; if it still carries a
     chain (it is the new one's ancestor, or another branch's), its row segments stay. One that
@@ -154,17 +164,48 @@ def drop_dead_pending(t: Txn, live: Liveness) -> tuple[list[int], list[int], lis
     return gone, pruned, dead
 
 
-def drop_identities(t: Txn, doomed: Callable[[str], bool], live: Liveness) -> list[int]:
-    """Drop the snapshots of every identity whose key is ``doomed``, deepest first, and its row.
+@dataclass(frozen=True, slots=True)
+class IdentityDrop:
+    """What dropping one identity removed: its key and fields, its snapshots, the stored bytes freed."""
+
+    key: str
+    fields: dict[str, Any]
+    snapshots: tuple[int, ...]
+    freed_bytes: int
+    row_kept: bool = False  # a live process's pending capture kept the identity (and its chain)
+
+    def line(self, why: str) -> str:
+        """The one log line of this drop."""
+        f = self.fields
+        what = (f"build={f.get('build')} pack={f.get('pack')} kv={f.get('kv')} mtp={f.get('mtp')} "
+                f"extra={f.get('extra')}" if "pack" in f else "fields unreadable")
+        kept = "; a live process's pending capture and its chain stay" if self.row_kept else ""
+        return (f"snapstore: dropped identity {self.key} ({what}): {len(self.snapshots)} snapshots, "
+                f"{self.freed_bytes} bytes stored{kept}; {why}")
+
+
+def _fields(ident_id: int, canonical: str) -> dict[str, Any]:
+    try:
+        return identity_fields(canonical, f"catalog row identities({ident_id}) column canonical")
+    except StoreFormatError:
+        return {}  # unreadable: no rule can tell whose model it is
+
+
+def drop_identities(t: Txn, doomed: Callable[[str, dict[str, Any]], bool], live: Liveness) -> list[IdentityDrop]:
+    """Drop the snapshots of every identity ``doomed(key, fields)`` names, deepest first, and its row.
 
     A live owner's pending capture stays, and with it the chain it extends (its ancestors keep a
-    child); such an identity's row stays too. Counts the drops as "stale_dropped". No chunk file
-    is read (invariant 7).
+    child); such an identity's row stays too. Counts the snapshots dropped as "stale_dropped".
+    No chunk file is read (invariant 7). Returns one :class:`IdentityDrop` per identity that lost
+    snapshots or its row, for the caller to log once the transaction commits (:func:`log_drops`).
     """
-    gone: list[int] = []
-    for ident_id, key, *_ in t.identities():
-        if not doomed(key):
+    drops: list[IdentityDrop] = []
+    for ident_id, key, canonical, *_ in t.identities():
+        fields = _fields(ident_id, canonical)
+        if not doomed(key, fields):
             continue
+        before = t.stored_bytes()
+        gone: list[int] = []
         for snap in sorted(t.snapshots(ident_id), key=lambda s: -s.depth):
             if snap.state == SnapState.PENDING and live.alive(snap.owner, snap.created):
                 continue
@@ -172,9 +213,32 @@ def drop_identities(t: Txn, doomed: Callable[[str], bool], live: Liveness) -> li
                 t.delete_snapshot(snap.id)
                 gone.append(snap.id)
         t.delete_identity(ident_id)  # only once it holds no snapshot
-    if gone:
-        t.add_counter("stale_dropped", len(gone))
-    return gone
+        kept = t.identity_key(ident_id) is not None
+        if gone or not kept:
+            drops.append(IdentityDrop(key, fields, tuple(gone), before - t.stored_bytes(), kept))
+    count = sum(len(d.snapshots) for d in drops)
+    if count:
+        t.add_counter("stale_dropped", count)
+    return drops
+
+
+def drop_stale(t: Txn, keep: str, live: Liveness) -> list[IdentityDrop]:
+    """The staleness rule (invariant 7), for the identity *key* ``keep``: drop every other identity
+    of the same model (the same ``pack``: a rebuilt engine, another kv mode or draft setting or
+    extra keys). Another model's identities are another program's and stay (the budget's LRU
+    evicts their snapshots like any); so does one whose fields cannot be read. Open-time
+    housekeeping (``drop_stale=True``) and ``gc --keep-identity`` both apply this one function.
+    ``keep`` not in the catalog: nothing is provably stale, nothing is dropped."""
+    pack = next((_fields(i, canonical).get("pack") for i, key, canonical, *_ in t.identities() if key == keep), None)
+    if not isinstance(pack, str):
+        return []
+    return drop_identities(t, lambda key, fields: key != keep and fields.get("pack") == pack, live)
+
+
+def log_drops(drops: Iterable[IdentityDrop], why: str) -> None:
+    """Log each committed identity drop, one line each (``snapstore`` logger, WARNING: data went)."""
+    for d in drops:
+        log.warning(d.line(why))
 
 
 def expire(t: Txn, before: float) -> list[int]:

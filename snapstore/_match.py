@@ -4,7 +4,8 @@ The find-key index (:mod:`._find_keys`: one cheap integer per 256-token block of
 deepest 32 first, the rest only on no hit) narrows the candidates; each candidate's chain of stored
 token blobs, compared with the prompt encoded once, decides — the only check trusted, since a find
 key may collide. A snapshot that would read a quarantined chunk is passed over, so the
-next-longest prefix serves until a save heals the chunk.
+next-longest prefix serves until a save heals the chunk; so is one whose parts cannot restore into
+the store's layout (:mod:`._layout_fit`: one identity may hold snapshots of two layouts).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 from ._catalog import SnapRow, Txn
 from ._find_keys import find_keys
 from ._layout import Layout
+from ._layout_fit import fits
 from ._prefix_match import find_prefix
 from ._save import needs_quarantined
 from ._tokens import Encoded, decode_tokens, spells_chain, spells_segment
@@ -27,16 +29,17 @@ def tokens_of(chain: list[SnapRow]) -> np.ndarray:
     return np.concatenate(segs) if segs else np.zeros(0, dtype="<u8")
 
 
-def longest_prefix(c: Txn, identity_key: str, ns: str, arr: np.ndarray, skip: set[int],
+def longest_prefix(c: Txn, layout: Layout, identity_key: str, ns: str, arr: np.ndarray, skip: set[int],
                    not_before: float) -> SnapRow | None:
     """The longest restorable committed snapshot whose tokens are ``arr[:n]``, or None.
 
-    ``skip``: ids passed over; ``not_before``: snapshots last used earlier have expired (TTL).
+    ``layout``: the store's (a snapshot that cannot restore into it is passed over); ``skip``:
+    ids passed over; ``not_before``: snapshots last used earlier have expired (TTL).
     """
     keys = find_keys(arr)
     encoded = Encoded(arr)  # the prompt in each stored token width, encoded once for every candidate
     broken: dict[int, bool] | None = None  # read once a candidate's tokens are a prefix
-    for sid, _n, _key, own in c.match_candidates(identity_key, ns, keys, len(arr), not_before):
+    for sid, _n, _key, own, lkey in c.match_candidates(identity_key, ns, keys, len(arr), not_before):
         if sid in skip or not spells_segment(own, arr, encoded):
             continue  # excluded, or its own last tokens differ (a sibling, a find-key collision)
         if own[2]:  # the links below its own segment, compared in SQL against the prompt in its width
@@ -49,6 +52,8 @@ def longest_prefix(c: Txn, identity_key: str, ns: str, arr: np.ndarray, skip: se
         broken = c.quarantined_users() if broken is None else broken
         if broken and needs_quarantined(c.chain(sid), broken, leaf=True):
             continue  # it cannot restore until a save heals its chunk: the next-longest serves
+        if not fits(c, layout, sid, lkey):
+            continue  # saved under another layout that this one cannot restore: the next-longest serves
         return c.snapshot(sid)
     return None
 
@@ -58,13 +63,13 @@ def best_match(c: Txn, layout: Layout, identity_key: str, ns: str, arr: np.ndarr
     """``(snapshot, tokens it serves)``: the longest exact prefix (:func:`longest_prefix`), or, for a
     layout with ``tokens_per_row``, rows [0, k) of any snapshot sharing a longer block-aligned
     prefix with ``arr`` (:mod:`._prefix_match`); None on a miss."""
-    hit = longest_prefix(c, identity_key, ns, arr, skip, not_before)
+    hit = longest_prefix(c, layout, identity_key, ns, arr, skip, not_before)
     exact = (hit, hit.n_tokens) if hit is not None else None
     broken: dict[int, bool] | None = None
 
     def usable(snap: SnapRow, k: int) -> bool:
         nonlocal broken
-        if snap.id in skip or snap.last_used < not_before:
+        if snap.id in skip or snap.last_used < not_before or not fits(c, layout, snap.id, snap.layout_key):
             return False
         chain = c.chain(snap.id)
         broken = c.quarantined_users() if broken is None else broken

@@ -7,7 +7,7 @@ dtype/shape/size right. Only a plan that passes all of this is streamed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,7 +17,7 @@ from ._errors import CorruptChunkError, DestinationError, SnapshotUnavailableErr
 from ._layout import Fixed, Layout, PartSpec, Rows
 from ._prefix_match import ClippedSink, granularity, granularity_fits
 
-__all__ = ["PlanItem", "PlanSource", "RestorePlan", "build_plan"]
+__all__ = ["PlanItem", "PlanSource", "RestorePlan", "build_plan", "parts_fit"]
 
 
 class PlanSource(Protocol):
@@ -60,6 +60,24 @@ def _spec_matches(p: PartRow, spec: PartSpec) -> bool:
     if isinstance(spec, Fixed):
         return p.kind == 0 and p.dtype == spec.dtype and tuple(p.shape) == spec.shape
     return p.kind == 1 and p.dtype == spec.dtype and tuple(p.shape) == spec.row_shape
+
+
+def parts_fit(parts: Iterable[PartRow], layout: Layout) -> bool:
+    """Would :func:`build_plan` accept a snapshot whose own parts are ``parts`` into ``layout``, every
+    component asked for? Each part the layout names is present with its dtype, shape and row
+    granularity, or belongs to an optional component (then it restores as missing); parts the
+    layout does not name are not read. match() serves only snapshots that fit (:mod:`._layout_fit`).
+    A delta's ancestors hold the same row specs (a save takes a parent only if they agree)."""
+    have = {p.name: p for p in parts}
+    for name, spec in layout.parts.items():
+        p = have.get(name)
+        if p is None:
+            if spec.component is None:
+                return False
+            continue
+        if not _spec_matches(p, spec) or not granularity_fits(p, layout):
+            return False
+    return True
 
 
 def _chunks(c: PlanSource, sid: int, part: PartRow) -> list[ChunkRow]:

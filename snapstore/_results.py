@@ -105,6 +105,8 @@ class SnapshotInfo:
     segment_bytes: int
     rows: dict[str, int] = field(default_factory=dict)
     components: list[str] = field(default_factory=list)
+    # it (or its chain) reads a quarantined chunk: not matched (``matchable`` False) until a save heals it
+    quarantined: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""

@@ -25,6 +25,7 @@ from ._chunkfile import HEADER_SIZE, checksum, header_at, header_matches, scope_
 from ._errors import CorruptionError, InvalidInputError, LayoutError
 from ._find_keys import find_keys
 from ._layout import Fixed, Layout, Rows
+from ._layout_fit import saved_layout_key
 from ._lifecycle import evict_until, new_outside_use, supersede
 from ._prefix_match import content_tag, granularity, granularity_fits, record_prefixes
 from ._refs import snapshot_id
@@ -177,7 +178,7 @@ class Saver:
                 raise InvalidInputError(f"parent must be 'auto', None or a snapshot id, got {parent!r}")
             broken = t.quarantined_users()
             keys = find_keys(index.tokens)  # candidates by find key; the BLAKE3 prefix key below decides
-            for sid, cn, key, _own in list(t.match_candidates(self.identity_key, ns, keys, n - 1, 0.0)):
+            for sid, cn, key, _own, _lk in list(t.match_candidates(self.identity_key, ns, keys, n - 1, 0.0)):
                 if key != index.prefix_key(cn):
                     continue
                 if broken and needs_quarantined(t.chain(sid), broken, leaf=False):
@@ -295,7 +296,8 @@ class Saver:
             token_width=width, tokens=tokens_blob, anchor=index.anchor(n), prefix_key=index.prefix_key(n),
             content_key=content_key, session=session,
             state=SnapState.COMMITTED if commit else SnapState.PENDING,
-            owner=None if commit else self.owner, now=now, logical_bytes=plan.logical_bytes)
+            owner=None if commit else self.owner, now=now, logical_bytes=plan.logical_bytes,
+            layout_key=saved_layout_key(self.layout, [name for name, _r0, _r1 in plan.segments]))
         specs = self.layout.parts
         for (name, r0, r1), rs in zip(plan.segments, refs):
             spec = specs[name]

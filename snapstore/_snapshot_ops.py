@@ -12,7 +12,8 @@ from ._access import Access
 from ._capacity import Capacity
 from ._catalog import SnapRow, SnapState, Txn
 from ._errors import StateError
-from ._lifecycle import drop_dead_pending, drop_identities, drop_subtree, evict_until, expire, supersede
+from ._lifecycle import IdentityDrop, drop_dead_pending, drop_subtree, evict_until, expire, supersede
+from ._lifecycle import drop_stale as stale
 from ._liveness import Liveness
 from ._match import tokens_of
 from ._owner import Owner
@@ -24,16 +25,16 @@ __all__ = ["abandon_capture", "commit_capture", "delete_subtree", "drop_capture"
 
 
 def housekeep(t: Txn, *, root: str, lease: float, now: float, identity_key: str, drop_stale: bool,
-              ttl: float | None) -> list[str]:
-    """At open: drop pending captures of dead owners, other identities (``drop_stale``), expired
-    snapshots (``ttl``). Returns the dead owners whose lock files may go after the commit."""
+              ttl: float | None) -> tuple[list[str], list[IdentityDrop]]:
+    """At open: drop pending captures of dead owners, this model's stale identities (``drop_stale``:
+    :func:`._lifecycle.drop_stale`), expired snapshots (``ttl``). Returns the dead owners whose lock
+    files may go after the commit, and the identities dropped (logged after it: :func:`log_drops`)."""
     live = Liveness(root, t, lease, now)
     _, _, dead = drop_dead_pending(t, live)
-    if drop_stale:
-        drop_identities(t, lambda key: key != identity_key, live)
+    drops = stale(t, identity_key, live) if drop_stale else []
     if ttl:
         expire(t, now - ttl)
-    return dead
+    return dead, drops
 
 
 def retire(t: Txn, owner: Owner, *, root: str, lease: float) -> list[str]:

@@ -35,7 +35,7 @@ from ._gc import GcReport
 from ._identity import Identity
 from ._inspect import snapshot_infos, stats_of
 from ._layout import Layout
-from ._lifecycle import new_outside_use
+from ._lifecycle import log_drops, new_outside_use
 from ._liveness import reap_lock_files
 from ._match import best_match
 from ._owner import Owner
@@ -101,8 +101,8 @@ class Store:
              async_copy_bytes: int | None = None, direct_reads: bool | None = None) -> Store:
         """Open (creating if needed) the store at ``path`` for ``identity``.
 
-        path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove every
-        snapshot of other identities now (one transaction, no chunk-file scan). chunk_bytes
+        path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove this model's
+        stale identities' snapshots now (same pack; never another model's; logged). chunk_bytes
         (``SNAPSTORE_CHUNK_MIB``, 16 MiB), codec (``SNAPSTORE_CODEC``: raw | zstd | zstd-shuffle2;
         raw), staging_bytes (``SNAPSTORE_STAGING_MIB``, 64 MiB), check_rows
         (``SNAPSTORE_CHECK_ROWS=1``: verify the rows a delta vouches for against the parent chain),
@@ -148,10 +148,10 @@ class Store:
         self._run = SaveRun(stages=stages, chunker=self._chunker, capacity=self._capacity, db=repo.db,
                             write=self._write, access=self._access, count=self._ledger.count,
                             check_rows=self.check_rows)
-        now = time.time()  # housekeeping: dead owners' captures, stale identities, expired snapshots
-        dead = self._write(lambda t: housekeep(t, root=repo.root, lease=self.pending_lease, now=now,
-                                               identity_key=self.identity.key, drop_stale=drop_stale,
-                                               ttl=self.budget.ttl))
+        dead, dropped = self._write(lambda t: housekeep(  # dead owners' captures, stale identities, expired ones
+            t, root=repo.root, lease=self.pending_lease, now=time.time(), identity_key=self.identity.key,
+            drop_stale=drop_stale, ttl=self.budget.ttl))
+        log_drops(dropped, "stale at this open (the same model; Store.open(drop_stale=False) keeps them)")
         reap_lock_files(repo.root, dead)
         from ._remote_tier import open_remote  # imported on demand: obstore only where remote= is used
         self._remote = open_remote(remote, repo, self.identity, owner, self._ledger.count, remote_wait)

@@ -47,10 +47,15 @@ def as_token_array(tokens: Any, *, what: str = "tokens", borrow: bool = False) -
     ``borrow``: the caller reads the tokens only during its call (match()), so an int64 array is
     used in place, reinterpreted as uint64 once checked non-negative, not copied (a fresh copy of
     a 128K-token prompt costs more in page faults than the rest of a match)."""
-    if isinstance(tokens, (str, bytes, bytearray)):
-        raise InvalidInputError(f"{what} must be a sequence of non-negative ints, got {type(tokens).__name__}")
+    if tokens is None or isinstance(tokens, (str, bytes, bytearray, int, float, np.generic)):
+        raise InvalidInputError(f"{what} must be a sequence of non-negative ints (a list, a tuple or a "
+                                f"one-dimensional integer array), got {type(tokens).__name__} {tokens!r:.60}")
     try:
         arr = np.asarray(tokens)
+        if arr.dtype.kind == "f" and not isinstance(tokens, np.ndarray):
+            # Python ints numpy could not put in one integer dtype (one >= 2**63 beside a small one, or a
+            # negative one) came out as float64: look at them as the ints they are
+            arr = np.asarray(tokens, dtype=object)
     except (ValueError, TypeError, OverflowError) as e:
         raise InvalidInputError(f"{what} must be a sequence of non-negative ints: {e}") from None
     if arr.ndim != 1:
@@ -64,18 +69,24 @@ def as_token_array(tokens: Any, *, what: str = "tokens", borrow: bool = False) -
             ok = False
         if not ok:
             raise InvalidInputError(f"{what} must contain only ints")
-        if any(int(t) < 0 or int(t) > _MAX_TOKEN for t in arr):
-            raise InvalidInputError(f"{what} must be in [0, 2**63); a token is out of range")
+        bad = next((i for i, t in enumerate(arr) if int(t) < 0 or int(t) > _MAX_TOKEN), None)
+        if bad is not None:
+            raise _out_of_range(what, arr, bad)
         return np.array([int(t) for t in arr], dtype="<u8")
     if arr.dtype.kind == "b" or arr.dtype.kind not in "iu":
         raise InvalidInputError(f"{what} must contain ints, got dtype {arr.dtype}")
     if arr.dtype.kind == "i" and int(arr.min()) < 0:
-        raise InvalidInputError(f"{what} must be non-negative; found {int(arr.min())}")
+        raise _out_of_range(what, arr, int(np.argmax(arr < 0)))
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _MAX_TOKEN:
-        raise InvalidInputError(f"{what} must be < 2**63")
+        raise _out_of_range(what, arr, int(np.argmax(arr > _MAX_TOKEN)))
     if borrow and arr.dtype == np.dtype("<i8"):
         return arr.view("<u8")  # the same bytes: every token is non-negative (checked above)
     return arr.astype("<u8", copy=False)
+
+
+def _out_of_range(what: str, arr: np.ndarray, i: int) -> InvalidInputError:
+    """The error for token ``i``, outside [0, 2**63): which one and its value."""
+    return InvalidInputError(f"{what} must be ints in [0, 2**63); {what}[{i}] = {int(arr[i])} is out of range")
 
 
 def encode_tokens(arr: np.ndarray) -> tuple[bytes, int]:

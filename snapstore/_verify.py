@@ -13,7 +13,7 @@ from typing import Any
 
 import blake3
 
-from ._catalog import Txn
+from ._catalog import PartRow, Txn
 from ._chunkfile import (
     HEADER_SIZE,
     ChunkHeader,
@@ -25,7 +25,7 @@ from ._chunkfile import (
     read_exact,
 )
 from ._config import pending_lease as resolve_lease
-from ._errors import CorruptionError
+from ._errors import CorruptionError, StoreFormatError
 from ._gc import Progress, collect_orphans, temp_files
 from ._lifecycle import drop_leaf
 from ._liveness import Liveness
@@ -129,7 +129,13 @@ def _structure(c: Txn, report: VerifyReport) -> dict[int, list[str]]:
 
     idents = {row[0] for row in c.identities()}
     snaps = {s.id: s for s in c.snapshots()}
-    parts = {sid: {p.name: p for p in c.parts(sid)} for sid in snaps}
+    parts: dict[int, dict[str, PartRow]] = {}
+    for sid in snaps:
+        try:
+            parts[sid] = {p.name: p for p in c.parts(sid)}
+        except StoreFormatError as e:  # a damaged catalog field: this snapshot's damage, not verify's end
+            flag(sid, str(e))
+            parts[sid] = {}
     for s in snaps.values():
         if s.identity_id not in idents:
             flag(s.id, f"its identity {s.identity_id} is missing")

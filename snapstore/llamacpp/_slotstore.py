@@ -9,13 +9,13 @@ to what the server serves now. No HTTP here: ``LlamaBridge`` (``_bridge``) drive
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._catalog_rows import identity_fields
 from .._config import Budget
 from .._errors import IdentityError, NotFoundError, StateError
 from .._identity import Identity
@@ -44,7 +44,8 @@ def _identity_extra_of(root: str, sid: int) -> Identity:
                 raise NotFoundError(f"no snapshot {sid} in {root}")
             for iid, _key, canonical, *_ in c.identities():
                 if iid == snap.identity_id:
-                    return Identity.from_dict(json.loads(canonical))
+                    where = f"catalog row identities({iid}) column canonical"
+                    return Identity.from_dict(identity_fields(canonical, where))
             raise NotFoundError(f"snapshot {sid} has no identity row")
         return repo.db.read(run)
     finally:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from snapstore._db import migrations_dir
 
-# Schema v8 (0008_find_keys.sql) taken out: no snapshots.find_key, the anchor index back.
-UNDO_FIND_KEYS = ("DROP INDEX snapshots_find; DROP INDEX snapshots_unkeyed; "
+# Schema v9 (0009_layout_keys.sql) taken out: no snapshots.layout_key.
+UNDO_LAYOUT_KEYS = "ALTER TABLE snapshots DROP COLUMN layout_key; "
+# Schema v8 (0008_find_keys.sql) taken out too: no snapshots.find_key, the anchor index back.
+UNDO_FIND_KEYS = (UNDO_LAYOUT_KEYS + "DROP INDEX snapshots_find; DROP INDEX snapshots_unkeyed; "
                   "ALTER TABLE snapshots DROP COLUMN find_key; "
                   "CREATE INDEX snapshots_match ON snapshots(identity_id, namespace, anchor); ")
 LATEST_SCHEMA = migrations_dir()[-1][0]  # the user_version a read-write open migrates to
