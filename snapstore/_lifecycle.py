@@ -224,15 +224,19 @@ def drop_identities(t: Txn, doomed: Callable[[str, dict[str, Any]], bool], live:
 
 def drop_stale(t: Txn, keep: str, live: Liveness) -> list[IdentityDrop]:
     """The staleness rule (invariant 7), for the identity *key* ``keep``: drop every other identity
-    of the same model (the same ``pack``: a rebuilt engine, another kv mode or draft setting or
-    extra keys). Another model's identities are another program's and stay (the budget's LRU
-    evicts their snapshots like any); so does one whose fields cannot be read. Open-time
-    housekeeping (``drop_stale=True``) and ``gc --keep-identity`` both apply this one function.
-    ``keep`` not in the catalog: nothing is provably stale, nothing is dropped."""
-    pack = next((_fields(i, canonical).get("pack") for i, key, canonical, *_ in t.identities() if key == keep), None)
-    if not isinstance(pack, str):
+    of the same model and configuration (the same ``pack`` and ``extra``: a rebuilt engine, another
+    kv mode or draft setting). Another model's identities are another program's and stay (the
+    budget's LRU evicts their snapshots like any), and so do the same model's under other ``extra``
+    keys (another program's runtime settings, LoRA, tenant configuration: they may be running now);
+    so does one whose fields cannot be read. Open-time housekeeping (``drop_stale=True``) and
+    ``gc --keep-identity`` both apply this one function. ``keep`` not in the catalog: nothing is
+    provably stale, nothing is dropped."""
+    mine = next((_fields(i, canonical) for i, key, canonical, *_ in t.identities() if key == keep), None)
+    if mine is None or not isinstance(mine.get("pack"), str):
         return []
-    return drop_identities(t, lambda key, fields: key != keep and fields.get("pack") == pack, live)
+    pack, extra = mine.get("pack"), mine.get("extra")
+    return drop_identities(
+        t, lambda key, fields: key != keep and fields.get("pack") == pack and fields.get("extra") == extra, live)
 
 
 def log_drops(drops: Iterable[IdentityDrop], why: str) -> None:

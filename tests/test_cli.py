@@ -367,7 +367,7 @@ def _dead_pending(d: str) -> None:
 
 def test_gc_dry_run_changes_no_byte_and_matches_the_real_run(store_dir: str) -> None:
     build_store(store_dir)
-    other = ss.Identity(build="old-build", pack="sha256:0123")
+    other = ss.Identity(build="old-build", pack="sha256:0123", extra=IDENT.extra)
     with open_store(store_dir, identity=other, drop_stale=False) as s:
         s.save([1, 2, 3], state_at(LAYOUT, 5, 3))
     _dead_pending(store_dir)

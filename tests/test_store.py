@@ -676,7 +676,7 @@ def test_dedup_does_not_depend_on_part_order(store: ss.Store) -> None:
 
 
 def test_drop_stale_spares_a_live_process_pending_capture(store_dir: str) -> None:
-    other = ss.Identity(build="other", pack=IDENT.pack)  # the same model, another build: stale
+    other = ss.Identity(build="other", pack=IDENT.pack, extra=IDENT.extra)  # the same model, another build: stale
     st_ = make_state(LAYOUT, 100, 33)
     with open_store(store_dir, identity=other) as live:
         committed = live.save(list(range(50)), st_)

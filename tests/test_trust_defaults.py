@@ -117,9 +117,30 @@ def test_an_open_keeps_another_models_snapshots_and_drops_its_own_stale_ones(
         assert b.match(toks(30, 7)) is not None
 
 
+def test_an_open_keeps_the_same_models_snapshots_under_other_extra_keys(store_dir: str) -> None:
+    """Two programs serving one model under other settings (runtime flags, adapters: ``extra``)
+    share the default location at once: neither open deletes the other's snapshots."""
+    rope_a = ss.Identity(build="eng-1", pack="sha256:p1", extra={"rope_freq_base": 10000})
+    rope_b = ss.Identity(build="eng-1", pack="sha256:p1", extra={"rope_freq_base": 50000})
+    st = make_state(LAYOUT, 40, seed=5)
+    with open_store(store_dir, identity=rope_a) as a:
+        assert a.save(toks(40), st).ok
+    with open_store(store_dir, identity=rope_b) as b:
+        assert b.stats().stale_dropped == 0
+        assert b.match(toks(40)) is None  # never another configuration's state
+        assert b.save(toks(30, 9), make_state(LAYOUT, 30, seed=6)).ok
+    with open_store(store_dir, identity=rope_a) as a:
+        assert a.stats().stale_dropped == 0 and a.match(toks(40)) is not None
+    rebuilt = ss.Identity(build="eng-2", pack="sha256:p1", extra={"rope_freq_base": 10000})
+    with open_store(store_dir, identity=rebuilt) as r:  # the same program rebuilt: its own go
+        assert r.stats().stale_dropped == 1
+    with open_store(store_dir, identity=rope_b, drop_stale=False) as b:  # the other settings' stay
+        assert b.match(toks(30, 9)) is not None
+
+
 def test_a_live_capture_of_a_stale_identity_stays_and_the_log_says_so(
         store_dir: str, caplog: pytest.LogCaptureFixture) -> None:
-    old = open_store(store_dir, identity=ss.Identity(build="eng-0", pack=IDENT.pack))
+    old = open_store(store_dir, identity=ss.Identity(build="eng-0", pack=IDENT.pack, extra=IDENT.extra))
     try:
         assert old.save(toks(30, 500), make_state(LAYOUT, 30, seed=16)).ok  # committed: stale, dropped
         p = old.save(toks(60), make_state(LAYOUT, 60, seed=17), commit=False)  # a live process's capture
