@@ -6,7 +6,6 @@ Shared by :class:`snapstore.Store` (an engine's view, bound to one identity) and
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from collections.abc import Callable, Iterable
@@ -53,12 +52,11 @@ class Repo:
             if not os.path.isfile(repo.db_path):
                 raise StoreFormatError(f"{repo.root} is not a snapstore store (no {DB_NAME})")
         if not readonly:
-            why = write_refusal(repo.root) if os.path.isdir(repo.root) else None
-            if why is not None:
-                raise StoreIOError(errno.EROFS if "read-only" in why else errno.EACCES,
-                                   f"cannot open the store at {repo.root} for writing: {why}; to read it, "
-                                   "open it with read_only=True (snapstore inspect, stats, verify and "
-                                   "gc --dry-run do so by themselves)")
+            refusal = write_refusal(repo.root) if os.path.isdir(repo.root) else None
+            if refusal is not None:
+                raise StoreIOError(refusal[0], f"cannot open the store at {repo.root} for writing: {refusal[1]}; "
+                                   "to read it, open it with read_only=True (snapstore inspect, stats, verify "
+                                   "and gc --dry-run do so by themselves)")
             if create:
                 repo._create_dirs()
         repo.db = repo._catalog().open()

@@ -46,17 +46,17 @@ def check_tree(root: str) -> None:
                                "be in its place, or move the store aside")
 
 
-def write_refusal(root: str) -> str | None:
-    """Why this process cannot write the existing store at ``root`` (None: it can, as far as can be told)."""
+def write_refusal(root: str) -> tuple[int, str] | None:
+    """Why this process cannot write the existing store at ``root``, as (errno, cause); None when
+    it can, as far as can be told before trying."""
     try:
         if os.statvfs(root).f_flag & os.ST_RDONLY:
-            return "its file system is mounted read-only"
+            return errno.EROFS, "its file system is mounted read-only"
     except OSError:
         return None  # the open reports what is wrong with the path itself
-    for name in ("", DB_NAME):
-        path = os.path.join(root, name) if name else root
+    for path in (root, os.path.join(root, DB_NAME)):
         if os.path.exists(path) and not os.access(path, os.W_OK):
-            return f"this user (uid {os.geteuid()}) has no write permission on {path}"
+            return errno.EACCES, f"this user (uid {os.geteuid()}) has no write permission on {path}"
     return None
 
 
