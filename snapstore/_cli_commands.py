@@ -17,7 +17,6 @@ from typing import Any
 from . import _cli_render as render
 from ._cli_context import EXIT_DAMAGE, EXIT_OK, FORMAT, CliContext, UsageError
 from ._config import MIB, Budget, default_dir, env_int
-from ._db_copy import release_wal
 from ._errors import CorruptionError
 from ._gc import gc
 from ._inspect import inspect_snapshot, inspect_store, resolve_identity, stats_of
@@ -43,7 +42,8 @@ def _open(root: str, *, readonly: bool, snapshot: bool = False) -> Iterator[Repo
     """Open the store: read-write, read-only (live reads), or a snapshot (a private in-memory copy of
     the catalog, taken without writing any byte of the store directory: inspect, stats, gc --dry-run).
 
-    A read-only session leaves no -wal/-shm files it created behind.
+    A read-only session writes nothing at all (no -wal, -shm or lock file), so it also reads a
+    store on read-only media or one this user may not write.
     """
     if snapshot:
         snap = SnapshotRepo.open(root)
@@ -52,15 +52,11 @@ def _open(root: str, *, readonly: bool, snapshot: bool = False) -> Iterator[Repo
         finally:
             snap.close()
         return
-    db_path = os.path.join(root, DB_NAME)
-    had_wal = os.path.exists(db_path + "-wal") or os.path.exists(db_path + "-shm")
     repo = Repo.open(root, readonly=readonly, create=False)
     try:
         yield repo
     finally:
         repo.close()
-        if readonly and not had_wal:
-            release_wal(db_path)
 
 
 # -- inspect ---------------------------------------------------------------------------------

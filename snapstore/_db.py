@@ -8,6 +8,7 @@ function gets a :class:`~snapstore._catalog.Txn` (the catalog queries, in ``_cat
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -23,6 +24,7 @@ import apsw.bestpractice
 
 from ._catalog import ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, Txn
 from ._config import env_int
+from ._db_readonly import FileState, file_state, read_only_error, readonly_source
 from ._errors import CorruptionError, StateError, StoreFormatError, StoreIOError
 from ._forks import track
 
@@ -112,10 +114,11 @@ class _Held:
     """One thread's connection; closing it when the thread's locals go keeps threads from leaking
     connections (a server with a thread per request)."""
 
-    __slots__ = ("__weakref__", "conn")
+    __slots__ = ("__weakref__", "conn", "state")
 
-    def __init__(self, conn: Raw):
+    def __init__(self, conn: Raw, state: FileState | None):
         self.conn = conn
+        self.state = state  # read as immutable: valid while the database file stays in this state
 
     def close(self) -> None:
         try:
@@ -128,7 +131,13 @@ class _Held:
 
 
 class Database:
-    """Thread-safe access to ``snapstore.db``: a connection per thread, retried transactions."""
+    """Thread-safe access to ``snapstore.db``: a connection per thread, retried transactions.
+
+    ``readonly``: nothing is ever written, not even SQLite's -wal/-shm (:func:`readonly_source`),
+    and a write transaction raises StateError.
+    """
+
+    _on_disk = True  # a private in-memory copy (snapstore._db_copy.MemDatabase) may be written
 
     def __init__(self, path: str, *, readonly: bool = False) -> None:
         self.path = path
@@ -175,21 +184,27 @@ class Database:
             return holder.conn
         if self._closed:
             raise StateError("the store is closed; open it again with Store.open()")
-        c = self._connect()
-        holder = _Held(c)
+        c, state = self._connect()
+        holder = _Held(c, state)
         self._local.held = holder  # thread-local: dropped, and the connection closed, when the thread ends
         with self._lock:
             self._all.add(holder)
         return c
 
-    def _connect(self) -> Raw:
-        """A new, configured connection; "database is locked" while setting it up (another
-        process holds the database exclusively, or is recovering it) is retried like a transaction."""
-        flags = apsw.SQLITE_OPEN_READONLY if self.readonly else apsw.SQLITE_OPEN_READWRITE
+    def _connect(self) -> tuple[Raw, FileState | None]:
+        """A new, configured connection (and, read as immutable, the file state it relies on);
+        "database is locked" while setting it up (another process holds the database exclusively,
+        or is recovering it) is retried like a transaction."""
+        flags = apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI if self.readonly else apsw.SQLITE_OPEN_READWRITE
         for attempt in range(_BUSY_RETRIES):
             c: Raw | None = None
+            state: FileState | None = None
             try:
-                c = apsw.Connection(self.path, flags=flags | apsw.SQLITE_OPEN_NOFOLLOW)
+                if self.readonly:
+                    uri, state = readonly_source(self.path)
+                else:
+                    uri = self.path
+                c = apsw.Connection(uri, flags=flags | apsw.SQLITE_OPEN_NOFOLLOW)
                 c.set_busy_timeout(_BUSY_TIMEOUT_MS)
                 if not self.readonly:
                     apsw.bestpractice.connection_wal(c)
@@ -202,7 +217,9 @@ class Database:
                 c.pragma("mmap_size", self._mmap_bytes)
                 if self.readonly:
                     _compat_views(c)
-                return c
+                return c, state
+            except FileNotFoundError:
+                raise StoreIOError(errno.ENOENT, f"{self.path} is gone (the store was moved or removed)") from None
             except apsw.BusyError:
                 if c is not None:
                     c.close()
@@ -215,6 +232,27 @@ class Database:
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
+
+    def _stale(self) -> bool:
+        """Whether this thread's immutable read connection no longer matches the file (a writer
+        came since it opened): closed then, so the next :meth:`conn` reads the store as it is now."""
+        holder: _Held | None = getattr(self._local, "held", None)
+        if holder is None or holder.state is None:
+            return False
+        try:
+            if file_state(self.path) == holder.state:
+                return False
+        except OSError:
+            pass
+        with self._lock:
+            self._all.discard(holder)
+        del self._local.held
+        holder.close()
+        return True
+
+    def _refuse_write(self) -> None:
+        if self.readonly and self._on_disk:
+            raise read_only_error(os.path.dirname(self.path), "be written")
 
     def close(self) -> None:
         """Close every connection this object opened (all threads)."""
@@ -239,6 +277,7 @@ class Database:
 
     def write_collect(self, fn: Callable[[Txn], T], *, durable: bool = True) -> tuple[T, list[bytes]]:
         """:meth:`write`, also returning the chunk ids the committed transaction freed."""
+        self._refuse_write()
         if durable:
             return self._transact(fn, "BEGIN IMMEDIATE")
         c = self.conn()
@@ -253,8 +292,10 @@ class Database:
 
         Never waits for another writer (busy timeout 0, no retries) and skips the WAL fsync:
         for bookkeeping a reader records on the way out (last use, hit counts), which must not
-        queue a restore behind a long write.
+        queue a restore behind a long write. Never runs on a read-only store.
         """
+        if self.readonly and self._on_disk:
+            return False, None
         c = self.conn()
         c.set_busy_timeout(0)
         c.pragma("synchronous", "NORMAL")
@@ -286,8 +327,9 @@ class Database:
         return self._transact(fn, "BEGIN")[0]
 
     def _transact(self, fn: Callable[[Txn], T], begin: str) -> tuple[T, list[bytes]]:
-        c = self.conn()
         for attempt in range(_BUSY_RETRIES):
+            self._stale()  # an immutable read connection a writer has overtaken: reopened first
+            c = self.conn()
             try:
                 c.execute(begin)
             except apsw.BusyError:
@@ -299,6 +341,8 @@ class Database:
                 t = Txn(c)  # a fresh one per attempt: a retried transaction frees only what it commits
                 result = fn(t)
                 c.execute("COMMIT")
+                if self._stale():
+                    continue  # the file changed under an immutable read: read it again, as it is now
                 return result, t.freed
             except apsw.BusyError:
                 self._rollback(c)

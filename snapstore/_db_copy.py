@@ -3,16 +3,15 @@ inspect, a read-only CLI session) may read or mutate without writing a byte of t
 
 from __future__ import annotations
 
-import os
 import time
-import urllib.parse
 
 import apsw
 
 from ._db import Database, Raw, translate
+from ._db_readonly import file_state, readonly_source
 from ._errors import StateError, StoreIOError
 
-__all__ = ["MemDatabase", "catalog_copy", "release_wal", "snapshot_catalog"]
+__all__ = ["MemDatabase", "catalog_copy", "snapshot_catalog"]
 
 
 def catalog_copy(src: Raw) -> Raw:
@@ -30,6 +29,8 @@ class MemDatabase(Database):
     Only :meth:`conn` differs: ``read``/``write`` and every query run unchanged against the copy,
     and nothing on disk is opened or written.
     """
+
+    _on_disk = False  # the private copy may be written (a dry run plans on it)
 
     def __init__(self, mem: Raw, path: str) -> None:
         super().__init__(path, readonly=True)
@@ -54,14 +55,13 @@ class MemDatabase(Database):
 
 
 def snapshot_catalog(db_path: str) -> Raw:
-    """A private in-memory copy of the catalog at ``db_path``, taken without writing a byte."""
-    had_shm = os.path.exists(db_path + "-shm")
-    had_any = had_shm or os.path.exists(db_path + "-wal")
-    uri = "file:" + urllib.parse.quote(db_path) + "?mode=ro" + ("&readonly_shm=1" if had_shm else "")
+    """A private in-memory copy of the catalog at ``db_path``, taken without writing a byte (the
+    read-only connection of :func:`readonly_source`: no -wal, -shm or lock file is ever created)."""
     last: BaseException | None = None
     for attempt in range(20):
         mem = apsw.Connection(":memory:")
         try:
+            uri, state = readonly_source(db_path)
             src = apsw.Connection(uri, flags=apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI
                                   | apsw.SQLITE_OPEN_NOFOLLOW)
             try:
@@ -70,6 +70,8 @@ def snapshot_catalog(db_path: str) -> Raw:
                     b.step(-1)
             finally:
                 src.close()
+            if state is not None and file_state(db_path) != state:
+                raise apsw.BusyError("a writer changed the catalog during an immutable read")
             mem.pragma("foreign_keys", True)
             return mem
         except (apsw.BusyError, apsw.ReadOnlyError, apsw.ProtocolError) as e:  # a writer raced the read
@@ -79,30 +81,7 @@ def snapshot_catalog(db_path: str) -> Raw:
         except apsw.Error as e:
             mem.close()
             raise translate(e) from None
-        finally:
-            if not had_any:
-                release_wal(db_path)
+        except BaseException:
+            mem.close()
+            raise
     raise StoreIOError(16, f"could not take a consistent copy of the catalog: {last}")
-
-
-def release_wal(db_path: str) -> None:
-    """Remove the -wal/-shm files a read-only session created, when no other process uses the store.
-
-    A read-only SQLite connection to a WAL database creates ``-wal`` and ``-shm`` but cannot remove
-    them. Opening and closing one read-write connection lets SQLite do it: the last connection to
-    close deletes them, and only when it gets the exclusive lock (no other process has the store
-    open). The database file is not written (the WAL is empty). Errors are ignored.
-    """
-    try:
-        c = apsw.Connection(db_path, flags=apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_NOFOLLOW)
-    except apsw.Error:
-        return
-    try:
-        c.pragma("user_version")
-    except apsw.Error:
-        pass
-    finally:
-        try:
-            c.close()
-        except apsw.Error:
-            pass

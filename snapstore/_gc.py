@@ -11,6 +11,7 @@ would remove, and nothing in the store directory is written.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,7 @@ from ._lifecycle import (
 from ._liveness import Liveness, reap_lock_files
 from ._publish import TEMP_PREFIX
 from ._repo import Repo
+from ._tree import list_dir, remove_in
 
 __all__ = ["GcReport", "Progress", "collect_orphans", "gc", "path_or_id", "temp_files"]
 
@@ -76,19 +78,18 @@ def path_or_id(repo: Repo, cid: bytes) -> str:
 
 # -- files -----------------------------------------------------------------------------------
 def temp_files(repo: Repo, now: float, grace: float) -> list[str]:
-    """Leftover temp files of interrupted writes, older than ``grace`` seconds."""
+    """Leftover temp files of interrupted writes, older than ``grace`` seconds (in the real tmp/
+    only: a link in its place lists nothing)."""
     out = []
-    try:
-        with os.scandir(repo.tmp) as it:
-            for e in it:
-                if e.name.startswith(TEMP_PREFIX) and e.is_file(follow_symlinks=False):
-                    try:
-                        if now - e.stat(follow_symlinks=False).st_mtime >= grace:
-                            out.append(e.path)
-                    except FileNotFoundError:
-                        continue
-    except FileNotFoundError:
-        pass
+    for name in list_dir(repo.root, "tmp"):
+        if name.startswith(TEMP_PREFIX):
+            path = os.path.join(repo.tmp, name)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= grace:
+                out.append(path)
     return sorted(out)
 
 
@@ -138,11 +139,9 @@ def collect_orphans(repo: Repo, grace: float, dry_run: bool, progress: Progress 
     freed = _unlink_chunks(repo, old, progress, 0, total)
     for t in temps:
         try:
-            size = os.stat(t, follow_symlinks=False).st_size
-            os.unlink(t)
-            freed += size
-        except FileNotFoundError:
-            pass
+            freed += remove_in(repo.root, ("tmp",), os.path.basename(t)) or 0  # never through a link
+        except OSError:
+            pass  # not removable now: the next gc tries again
         if progress is not None:
             progress(min(total, freed), total)
     return sorted(paths), temps, freed

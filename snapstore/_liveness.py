@@ -36,6 +36,7 @@ from ._owner import (
     kernel_id,
     owner_id,
 )
+from ._tree import list_dir, open_dir
 
 __all__ = ["Liveness", "reap_lock_files"]
 
@@ -157,51 +158,59 @@ def reap_lock_files(root: str, ids: Iterable[str] | None = None, registered: Ite
     (another host, or this host before a reboot) once it is a minute old, since its owner may be
     between its rename and its row. A ``.new`` file (an open that crashed before its rename) goes
     once it is a minute old. Anything that is not a regular file is left alone. Returns how many went."""
-    d = os.path.join(root, OWNERS_DIR)
     if ids is None:
         keep = set(registered)
-        try:
-            names = os.listdir(d)
-        except OSError:
-            return 0
         todo: list[tuple[str, str]] = []
-        for name in names:
+        for name in list_dir(root, OWNERS_DIR):  # a link in place of owners/ lists nothing
             for suffix in (_LOCK_SUFFIX, _NEW_SUFFIX):
                 oid = name[:-len(suffix)]
                 if name.endswith(suffix) and _HEX32.fullmatch(oid) and oid not in keep:
                     todo.append((oid, suffix))
     else:
         todo = [(oid, _LOCK_SUFFIX) for oid in ids if _HEX32.fullmatch(oid)]
+    todo = [(oid, suffix) for oid, suffix in todo if not _is_held_here(oid)]
+    if not todo:
+        return 0
+    try:
+        d = open_dir(root, OWNERS_DIR)  # every name below is opened and removed relative to it
+    except OSError:
+        return 0  # absent, or not a real directory: nothing in it is the store's to remove
+    try:
+        return _reap(d, todo, ids is None)
+    finally:
+        os.close(d)
+
+
+def _reap(d: int, todo: list[tuple[str, str]], listed: bool) -> int:
+    """:func:`reap_lock_files` over the owners/ directory open as ``d``."""
     kernel = kernel_id()
     n = 0
     now = time.time()
     for oid, suffix in todo:
-        if _is_held_here(oid):
-            continue
-        path = _lock_path(d, oid, suffix)
+        name = oid + suffix
         if suffix == _NEW_SUFFIX:
             try:
-                st = os.stat(path, follow_symlinks=False)
+                st = os.stat(name, dir_fd=d, follow_symlinks=False)
                 if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= _STALE_S:
-                    os.unlink(path)
+                    os.unlink(name, dir_fd=d)
                     n += 1
             except OSError:
                 pass
             continue
         try:
-            fd = _open_lock(path)
+            fd = _open_lock(name, dir_fd=d)
         except OSError:
             continue
         if fd is None:
             continue
         try:
             st = os.fstat(fd)
-            if _read_kernel(fd) != kernel and (ids is None and now - st.st_mtime < _STALE_S):
+            if _read_kernel(fd) != kernel and (listed and now - st.st_mtime < _STALE_S):
                 continue
             if _try_lock(fd):
-                cur = os.stat(path, follow_symlinks=False)
+                cur = os.stat(name, dir_fd=d, follow_symlinks=False)
                 if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
-                    os.unlink(path)  # while holding the lock: the owner is gone and its id never returns
+                    os.unlink(name, dir_fd=d)  # while holding the lock: the owner is gone and its id never returns
                     n += 1
         except OSError:
             pass

@@ -30,6 +30,7 @@ from ._catalog import Txn as Conn
 from ._db import Database
 from ._errors import SnapstoreError, StateError
 from ._publish import ensure_dir, io_error
+from ._tree import remove_in
 
 __all__ = ["OWNERS_DIR", "OWNER_PREFIX", "Owner", "kernel_id", "owner_id"]
 
@@ -141,10 +142,11 @@ def _read_kernel(fd: int) -> str:
         return ""
 
 
-def _open_lock(path: str) -> int | None:
-    """A read-only fd on the lock file at ``path``, or None when something else sits there (a FIFO
-    would block an open without O_NONBLOCK forever). Raises OSError when it cannot be opened."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+def _open_lock(path: str, dir_fd: int | None = None) -> int | None:
+    """A read-only fd on the lock file at ``path`` (relative to ``dir_fd`` if given), or None when
+    something else sits there (a FIFO would block an open without O_NONBLOCK forever). Raises
+    OSError when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
     try:
         if stat.S_ISREG(os.fstat(fd).st_mode):
             return fd
@@ -234,6 +236,7 @@ class Owner:
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self._db = db
+        self._root = root
         self._dir = os.path.join(root, OWNERS_DIR)
         ensure_dir(self._dir)
         self._path = _lock_path(self._dir, self.id)
@@ -295,10 +298,7 @@ class Owner:
                 return  # cannot tell: keep the lock we hold
             try:
                 ensure_dir(self._dir)
-                try:
-                    os.unlink(_lock_path(self._dir, self.id, _NEW_SUFFIX))  # ours alone: a crashed remake
-                except FileNotFoundError:
-                    pass
+                remove_in(self._root, (OWNERS_DIR,), self.id + _NEW_SUFFIX)  # ours alone: a crashed remake
                 self._lock.fd = _create_lock(self._dir, self.id, self.kernel)
             except (SnapstoreError, OSError):
                 return  # retried at the next renewal; meanwhile the lease speaks for this owner
@@ -340,7 +340,7 @@ class Owner:
             # with the row still there (a failed close), the file stays: a free lock reads as a
             # dead owner at once, where an absent file leaves the judgement to the lease
             if not self.inherited and self._row_gone():
-                os.unlink(self._path)
+                remove_in(self._root, (OWNERS_DIR,), os.path.basename(self._path))  # never through a link
         except OSError:
             pass  # a leftover file with a free lock reads as a dead owner; gc removes it
         finally:

@@ -72,7 +72,7 @@ def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: Stag
         if e.snapshot_id is None and sid is not None:
             e.snapshot_id = sid
         count("restore_errors")
-        if damage:
+        if damage and not repo.readonly:  # a read-only store reports damage, it cannot record it
             try:
                 quarantine(repo.db, repo.blob_path, damage)
             except (StoreIOError, CorruptionError):

@@ -14,12 +14,13 @@ from typing import TypeVar
 from ._chunkfile import is_hex_id
 from ._db import Database, Txn
 from ._db_copy import MemDatabase, snapshot_catalog
-from ._errors import ConfigError, CorruptionError, SnapstoreError, StoreFormatError
+from ._db_readonly import read_only_error
+from ._errors import ConfigError, CorruptionError, SnapstoreError, StoreFormatError, StoreIOError
 from ._publish import ensure_dir, fsync_dir, io_error
+from ._tree import DB_NAME, check_tree, list_dir, remove_in, write_refusal
 
-__all__ = ["Repo"]
+__all__ = ["DB_NAME", "Repo"]
 
-DB_NAME = "snapstore.db"
 _HEX2 = [f"{i:02x}" for i in range(256)]
 T = TypeVar("T")
 
@@ -39,15 +40,31 @@ class Repo:
 
     @classmethod
     def open(cls, root: str, *, readonly: bool = False, create: bool = True) -> Repo:
-        """Open the store directory at ``root`` (creating its directories and catalog if ``create``)."""
+        """Open the store directory at ``root`` (creating its directories and catalog if ``create``).
+
+        The one way a store is opened (the library, the CLI, read-only or not): its entries are
+        checked first (:func:`check_tree`: no link, nothing of the wrong kind), and a store that
+        cannot be written is refused unless ``readonly``, in one sentence saying why.
+        """
         repo = cls(root, readonly=readonly)
+        check_tree(repo.root)
         if readonly or not create:
             if not os.path.isfile(repo.db_path):
                 raise StoreFormatError(f"{repo.root} is not a snapstore store (no {DB_NAME})")
-        else:
-            repo._create_dirs()
-        repo.db.open()
+        if not readonly:
+            refusal = write_refusal(repo.root) if os.path.isdir(repo.root) else None
+            if refusal is not None:
+                raise StoreIOError(refusal[0], f"cannot open the store at {repo.root} for writing: {refusal[1]}; "
+                                   "to read it, open it with read_only=True (snapstore inspect, stats, verify "
+                                   "and gc --dry-run do so by themselves)")
+            if create:
+                repo._create_dirs()
+        repo.db = repo._catalog().open()
         return repo
+
+    def _catalog(self) -> Database:
+        """The catalog :meth:`open` opens: the database file itself."""
+        return self.db
 
     def _create_dirs(self) -> None:
         fresh = not os.path.exists(self.blobs)
@@ -66,6 +83,12 @@ class Repo:
                 fsync_dir(self.root)
             except OSError as e:
                 raise io_error(f"cannot fsync {self.root}", e) from None
+
+    def refuse_write(self, what: str) -> None:
+        """StateError when the store was opened read-only: called before a change begins (a save
+        publishes chunk files before its transaction), so nothing is written."""
+        if self.readonly:
+            raise read_only_error(self.root, what)
 
     def write(self, fn: Callable[[Txn], T], *, durable: bool = True, discard: Iterable[bytes] = (),
               committed: Callable[[], None] | None = None, deferred: Callable[[], None] | None = None) -> T:
@@ -102,7 +125,7 @@ class Repo:
         todo = list(dict.fromkeys(ids))
         done = 0
         for i in range(0, len(todo), batch):
-            done += 0 if self.readonly else _unlink_gone(self.db, self.blob_path, todo[i:i + batch])
+            done += 0 if self.readonly else _unlink_gone(self.db, self.remove_blob, todo[i:i + batch])
         return done
 
     def blob_path(self, cid: bytes) -> str:
@@ -125,17 +148,20 @@ class Repo:
             raise CorruptionError(f"{sub} is not a real directory (a symlink?); refusing to follow it")
         return os.path.join(sub, h)
 
+    def remove_blob(self, cid: bytes) -> int | None:
+        """Unlink chunk file ``cid`` through the real directories blobs/ and blobs/<xx> (never a link);
+        its size, or None when it is not there (or not a regular file). Only :meth:`sweep` calls it."""
+        if not isinstance(cid, bytes) or len(cid) != 32:
+            return None
+        h = cid.hex()
+        return remove_in(self.root, ("blobs", h[:2]), h)
+
     def blob_files(self) -> Iterable[tuple[bytes, str]]:
         """Every chunk-named file under blobs/ (other names are reported by verify, never followed)."""
         for sub in _HEX2:
-            d = os.path.join(self.blobs, sub)
-            try:
-                with os.scandir(d) as it:
-                    for e in it:
-                        if is_hex_id(e.name) and e.name.startswith(sub):
-                            yield bytes.fromhex(e.name), e.path
-            except FileNotFoundError:
-                continue
+            for name in list_dir(self.root, "blobs", sub):  # a link in place of blobs/<xx> lists nothing
+                if is_hex_id(name) and name.startswith(sub):
+                    yield bytes.fromhex(name), os.path.join(self.blobs, sub, name)
 
     def close(self) -> None:
         """Close the catalog."""
@@ -145,22 +171,23 @@ class Repo:
 class SnapshotRepo(Repo):
     """A store seen through a private in-memory copy of its catalog, taken without writing a byte.
 
-    The copy comes from one read transaction of a read-only connection; when the store has a
-    ``-shm`` file (an engine has it open, or one crashed) the connection uses ``readonly_shm`` so
-    that not even SQLite's shared-memory index is written, otherwise the ``-wal``/``-shm`` files
-    it had to create are removed again (:func:`release_wal`). Chunk files are read live.
+    The copy comes from one read transaction of a read-only connection that writes nothing, not
+    even SQLite's -wal/-shm (:func:`snapstore._db.readonly_source`). Chunk files are read live.
     """
 
     @classmethod
     def open(cls, root: str, *, readonly: bool = True, create: bool = False) -> SnapshotRepo:
         """Copy the catalog of the store at ``root`` into memory (never writing to the store)."""
-        path = os.path.join(os.path.abspath(os.fspath(root)), DB_NAME)
-        if not os.path.isfile(path):
-            raise StoreFormatError(f"{os.path.abspath(os.fspath(root))} is not a snapstore store (no {DB_NAME})")
-        return cls(root, readonly=True, db=MemDatabase(snapshot_catalog(path), path).open())
+        repo = super().open(root, readonly=True, create=False)
+        assert isinstance(repo, SnapshotRepo)
+        return repo
+
+    def _catalog(self) -> Database:
+        """A private in-memory copy of the catalog, taken without writing a byte."""
+        return MemDatabase(snapshot_catalog(self.db_path), self.db_path)
 
 
-def _unlink_gone(db: Database, blob_path: Callable[[bytes], str], ids: Iterable[bytes]) -> int:
+def _unlink_gone(db: Database, remove: Callable[[bytes], int | None], ids: Iterable[bytes]) -> int:
     """Unlink chunk files whose rows are gone, inside a write transaction (so no concurrent save
     can commit a reference to a file between the check and the unlink). Returns bytes freed."""
     todo = list(dict.fromkeys(ids))
@@ -172,14 +199,9 @@ def _unlink_gone(db: Database, blob_path: Callable[[bytes], str], ids: Iterable[
         for cid in todo:
             if t.chunk(cid) is None:
                 try:
-                    path = blob_path(cid)
-                except CorruptionError:
-                    continue  # never unlink through a planted symlink
-                try:
-                    freed += os.stat(path, follow_symlinks=False).st_size
-                    os.unlink(path)
+                    freed += remove(cid) or 0  # never through a link (blobs/ or blobs/<xx> replaced by one)
                 except OSError:
-                    pass  # already gone, or not removable now: an orphan for gc, never an error here
+                    pass  # not removable now: an orphan for gc, never an error here
         return freed
 
     return db.write(run)

@@ -11,7 +11,6 @@ unlinked after it commits) with the bookkeeping of :mod:`._bookkeeping`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -31,9 +30,7 @@ from ._config import Budget, StoreOptions, store_options
 from ._direct_io import DirectReads, direct_default, direct_reads_default
 from ._errors import ConfigError, StateError
 from ._gate import CallGate, operation
-from ._gc import GcReport
 from ._identity import Identity
-from ._inspect import snapshot_infos, stats_of
 from ._layout import Layout
 from ._lifecycle import log_drops, new_outside_use
 from ._liveness import reap_lock_files
@@ -45,22 +42,22 @@ from ._ramtier import RamTier
 from ._read import details_of, plan_of, stream_checked, wanted_components
 from ._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
 from ._repo import Repo
-from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
+from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult
 from ._save import Saver, Skip, count_of
 from ._save_run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
 from ._save_run import SaveRun, skipped
 from ._snapshot_ops import abandon_capture, commit_capture, delete_subtree, drop_capture, housekeep, retire
+from ._store_reports import StoreReports
 from ._tokens import TokensLike, as_token_array
 from ._turn import Turn
 from ._uploader import FlushResult, flush_all
-from ._verify import VerifyReport
 
 __all__ = ["Store"]
 
 T = TypeVar("T")
 
 
-class Store:
+class Store(StoreReports):
     """An open snapstore directory, bound to one identity and layout. Thread-safe.
 
     Open with :meth:`Store.open` (``__init__`` only assigns); see docs/api.md.
@@ -98,7 +95,7 @@ class Store:
              codec: str | None = None, staging_bytes: int | None = None,
              check_rows: bool | None = None, pending_lease: float | None = None, remote: str | None = None,
              remote_wait: bool | None = None, direct_io: bool | None = None,
-             async_copy_bytes: int | None = None, direct_reads: bool | None = None) -> Store:
+             async_copy_bytes: int | None = None, direct_reads: bool | None = None, read_only: bool = False) -> Store:
         """Open (creating if needed) the store at ``path`` for ``identity``.
 
         path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove this model's
@@ -113,6 +110,7 @@ class Store:
         (``SNAPSTORE_ASYNC_COPY_MIB``, 1024 MiB: what saves with ``wait=False`` may hold copied).
         remote (``SNAPSTORE_REMOTE``): ``s3://BUCKET/PREFIX``, a shared tier behind this local one;
         remote_wait (``SNAPSTORE_REMOTE_WAIT=1``): save() waits for the bucket (docs/engine.md).
+        read_only: read an existing store without writing a byte; every change raises StateError (docs/api.md).
         """
         if not isinstance(identity, Identity):
             raise ConfigError("Store.open needs identity=snapstore.Identity(...)")
@@ -123,10 +121,13 @@ class Store:
                                 check_rows=check_rows, pending_lease=pending_lease, codecs=CODECS)
         direct = direct_default(direct_io)  # a bad value is a ConfigError before anything is created
         copy, rd = copy_budget(async_copy_bytes), direct_reads_default(direct_reads)
-        repo = Repo.open(options.root)
+        if read_only and remote:
+            raise ConfigError("a read_only store cannot have a shared tier (remote=): fetching writes the local store")
+        repo = Repo.open(options.root, readonly=bool(read_only), create=not read_only)
         store = cls(repo, identity, layout, budget, options, direct_io=direct, async_copy_bytes=copy, direct_reads=rd)
         try:
-            store._start(drop_stale=drop_stale, remote=remote, remote_wait=remote_wait)
+            if not read_only:  # read-only: nothing to start (no owner, lease, housekeeping or writer threads)
+                store._start(drop_stale=drop_stale, remote=remote, remote_wait=remote_wait)
         except BaseException:
             store._teardown()
             raise
@@ -175,6 +176,11 @@ class Store:
         """The store directory."""
         return self._repo.root
 
+    @property
+    def read_only(self) -> bool:
+        """Whether this store was opened with ``read_only=True`` (it writes nothing)."""
+        return self._repo.readonly
+
     # -- helpers -----------------------------------------------------------------------------
     def _write(self, fn: Callable[[Txn], T], *, durable: bool = True, discard: Iterable[bytes] = (),
                committed: Callable[[], None] | None = None) -> T:
@@ -205,6 +211,7 @@ class Store:
         Returns a SaveResult; a save that does not fit the budget is skipped with a reason.
         ``wait=False``: returns a SaveHandle at once and writes in the background (docs/api.md).
         """
+        self._repo.refuse_write("save")  # before any chunk file is published
         if not wait:
             kw = {"session": session, "parent": parent, "commit": commit, "namespace": namespace}
             with self._gate.call():
@@ -373,38 +380,8 @@ class Store:
              parent: SnapshotRef | str | None = "auto") -> Turn:
         """A capture chain for one turn: ``with store.turn(session=...) as t: t.capture(tokens, parts)``."""
         self._gate.check()
+        self._repo.refuse_write("capture a turn")
         return Turn(self, session=session, namespace=namespace, parent=parent)
-
-    # -- inspection --------------------------------------------------------------------------
-    @operation
-    def snapshots(self) -> list[SnapshotInfo]:
-        """Every snapshot of this store's identity (all namespaces), oldest first."""
-        return self._repo.db.read(lambda t: snapshot_infos(t, self.identity.key))
-
-    @operation
-    def stats(self) -> Stats:
-        """Counters and totals (see docs/api.md)."""
-        self._write(lambda t: None, durable=False)
-        st = self._repo.db.read(lambda t: stats_of(t, self.budget.disk_bytes or 0, self._ram.used if self._ram else 0))
-        if self._remote is not None:  # the shared tier's live upload queue, next to its counters
-            st = dataclasses.replace(st, remote={**st.remote, **self._remote.uploads()})
-        return st
-
-    @operation
-    def verify(self, deep: bool = True) -> VerifyReport:
-        """Check the store (see snapstore verify); returns a VerifyReport."""
-        from ._verify import verify
-        report = verify(self._repo, deep=deep, pending_lease=self.pending_lease)
-        if self._ram is not None:
-            for cid in report.damaged_chunks:
-                self._ram.discard(cid)
-        return report
-
-    @operation
-    def gc(self, *, grace: float = 3600.0, dry_run: bool = False) -> GcReport:
-        """Collect orphan and temp files, dead pending captures, expired snapshots, over-budget leaves."""
-        from ._gc import gc
-        return gc(self._repo, budget=self.budget, grace=grace, dry_run=dry_run, pending_lease=self.pending_lease)
 
     def flush(self, timeout: float | None = None) -> FlushResult:
         """Wait for every save made with ``wait=False`` so far, then (with a shared tier) for their
@@ -428,11 +405,13 @@ class Store:
             return
         dead_owners: list[str] = []
         owner = self._lease_owner
-        assert owner is not None  # set by open(); a Store is only handed out open
+        assert owner is not None or self._repo.readonly  # set by open(); a Store is only handed out open
         try:
             remote, self._remote = self._remote, None
             if remote is not None and not self._gate.forked:  # in a forked child: the parent's threads, sockets
                 remote.close()  # finishes the queued uploads first
+            if owner is None:
+                return  # read-only: nothing was started, nothing to retire
             owner.stop()  # no renewal may re-register the row this transaction deletes
             if not owner.inherited:  # a forked child's copy: the parent's captures and row stay
                 dead_owners = self._write(lambda t: retire(t, owner, root=self._repo.root, lease=self.pending_lease))

@@ -16,7 +16,8 @@ import snapstore as ss
 from snapstore._gc import gc
 from snapstore._owner import OWNER_PREFIX
 
-OTHER = ss.Identity(build="other-build", pack=IDENT.pack, kv="f16", mtp=False, extra=IDENT.extra)  # the same model, rebuilt: stale
+# the same model, rebuilt: stale
+OTHER = ss.Identity(build="other-build", pack=IDENT.pack, kv="f16", mtp=False, extra=IDENT.extra)
 
 
 def _dead_token() -> str:

@@ -3,6 +3,7 @@ no cross-namespace leaks."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -16,7 +17,7 @@ import snapstore as ss
 from snapstore._repo import Repo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from support import LAYOUT, make_state, store_factory  # noqa: E402
+from support import IDENT, LAYOUT, make_state, store_factory  # noqa: E402
 
 PKG = os.path.dirname(os.path.abspath(ss.__file__))
 FORBIDDEN = [r"\bimport pickle\b", r"\bpickle\.", r"\bmarshal\b", r"(?<![\w.])eval\(", r"(?<![\w.])exec\(",
@@ -168,3 +169,72 @@ def test_namespaces_leak_no_matches(tmp_path: Any) -> None:
         assert c.parent_id is None  # parent="auto" never crosses a namespace
     finally:
         st.close()
+
+
+# -- issue 23 item 2: nothing is removed through a link in place of tmp/ or owners/ ----------------
+_LOCK_NAME = "0123456789abcdef0123456789abcdef.lock"
+
+
+def _bait(d: Any) -> list[str]:
+    """An outside directory holding what gc removes from a store: an old temp file, an owner lock
+    file nobody holds, a stale half-made lock file; returns their names."""
+    d.mkdir()
+    names = ["w-precious", _LOCK_NAME, "fedcba9876543210fedcba9876543210.new"]
+    for n in names:
+        (d / n).write_bytes(b"someone else's data")
+        os.utime(d / n, (1, 1))  # old: past every grace period
+    return names
+
+
+@pytest.mark.parametrize("entry", ["tmp", "owners"])
+def test_cli_and_library_gc_refuse_a_linked_store_dir(tmp_path: Any, entry: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from snapstore._cli import main
+    from snapstore._gc import gc
+
+    root = tmp_path / "s"
+    _open(str(root)).close()
+    outside = tmp_path / "outside"
+    names = _bait(outside)
+    (root / entry).rename(tmp_path / "was")
+    os.symlink(outside, root / entry)
+    code = main(["--dir", str(root), "--json", "gc", "--grace", "0"])
+    err = json.loads(capsys.readouterr().err)
+    assert code != 0 and f"{root / entry} is a symbolic link" in err["error"], err
+    with pytest.raises(ss.StoreFormatError, match="symbolic link"):
+        gc(Repo.open(str(root)), grace=0)
+    with pytest.raises(ss.StoreFormatError, match="symbolic link"):
+        _open(str(root))
+    for ro in (True, False):
+        with pytest.raises(ss.StoreFormatError, match=f"{entry} must be a real directory"):
+            ss.Store.open(str(root), identity=IDENT, layout=LAYOUT, read_only=ro)
+    assert sorted(os.listdir(outside)) == sorted(names)
+
+
+@pytest.mark.parametrize("entry", ["tmp", "owners"])
+def test_gc_removes_nothing_through_a_link_made_after_the_open(tmp_path: Any, entry: str) -> None:
+    """The open's check cannot see a link planted later: every removal goes through a directory
+    descriptor opened without following links, so the files it points at stay."""
+    st = _open(str(tmp_path / "s"))
+    try:
+        outside = tmp_path / "outside"
+        names = _bait(outside)
+        os.rename(os.path.join(st.path, entry), tmp_path / "was")
+        os.symlink(outside, os.path.join(st.path, entry))
+        rep = st.gc(grace=0)
+        assert rep.temp_files == []
+    finally:
+        st.close()
+    assert sorted(os.listdir(outside)) == sorted(names)
+
+
+def test_database_file_link_refused(tmp_path: Any) -> None:
+    root = tmp_path / "s"
+    _open(str(root)).close()
+    os.rename(root / "snapstore.db", tmp_path / "elsewhere.db")
+    os.symlink(tmp_path / "elsewhere.db", root / "snapstore.db")
+    with pytest.raises(ss.StoreFormatError, match="snapstore.db is a symbolic link"):
+        _open(str(root))
+    from snapstore._repo import SnapshotRepo
+    with pytest.raises(ss.StoreFormatError, match="snapstore.db is a symbolic link"):
+        SnapshotRepo.open(str(root))
