@@ -37,7 +37,7 @@ def _walk(model: torch.nn.Module) -> tuple[list[_TensorKey], tuple[Any, ...]]:
             for name, t in table.items():
                 if t is not None:
                     tensors.append((i, name, weakref.ref(t), _version(t), _ptr(t)))
-        if hasattr(m, "merged_adapters") and hasattr(m, "active_adapters"):
+        if _tuner(type(m)):
             adapters.append((i, *_adapter_state(m)))
     return tensors, tuple(adapters)
 
@@ -55,6 +55,18 @@ def _ptr(t: torch.Tensor) -> int:
         return int(t.data_ptr())
     except RuntimeError:  # a tensor subclass without one storage
         return 0
+
+
+_TUNERS: dict[type, bool] = {}
+
+
+def _tuner(cls: type) -> bool:
+    """Whether a module class is a PEFT tuner layer (its class declares the adapter state; checked once per
+    class: an instance ``hasattr`` on a torch module raises and catches per module)."""
+    known = _TUNERS.get(cls)
+    if known is None:
+        known = _TUNERS[cls] = hasattr(cls, "merged_adapters") and hasattr(cls, "active_adapters")
+    return known
 
 
 def _adapter_state(m: torch.nn.Module) -> tuple[Any, ...]:
