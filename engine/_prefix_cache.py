@@ -246,6 +246,7 @@ class PrefixCache:
         """input_ids as a (1, n) long tensor on the model's device; refuse a closed cache and what it cannot serve."""
         if self._closed:
             raise StateError("this PrefixCache is closed")
+        self.device = next(self.model.parameters()).device  # where the model is now (it may have moved)
         return check_call(self.model, self.device, input_ids, kw)
 
     def _bypass_reason(self, kw: dict[str, Any]) -> str | None:
@@ -288,7 +289,6 @@ class PrefixCache:
                                     **opts)
             old, self.adapter, self.store = self.store, adapter, adapter.store
             old.close()
-            self.device = next(self.model.parameters()).device
             if self._boundary is None:
                 self.boundary = default_boundary(self.store.layout)
             self._add(identity_changes=1)

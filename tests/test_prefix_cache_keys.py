@@ -97,6 +97,10 @@ def _new_parameter(model: Any) -> None:
     att.k_proj.weight = torch.nn.Parameter(att.k_proj.weight.detach() * 1.5)
 
 
+def _dtype(model: Any) -> None:
+    model.double()  # every tensor converted: new storages, another K/V dtype and layout
+
+
 def _buffer_in_place(model: Any) -> None:
     model.model.rotary_emb.inv_freq.mul_(1.1)  # a non-persistent buffer: not in the state dict
 
@@ -119,7 +123,7 @@ def _matmul_precision(model: Any) -> None:
 
 WEIGHTS: dict[str, Callable[[Any], None]] = {
     "load_state_dict": _noise, "optimizer_step": _sgd_step, "param_data_assigned": _data_assign,
-    "parameter_replaced": _new_parameter, "buffer_in_place": _buffer_in_place,
+    "parameter_replaced": _new_parameter, "buffer_in_place": _buffer_in_place, "dtype": _dtype,
 }
 SETTINGS: dict[str, Callable[[Any], None]] = {
     "attn_implementation": _attn_eager, "config_field": _config_field, "num_threads": _threads,
