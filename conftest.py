@@ -25,7 +25,7 @@ SLOW_MODULES = frozenset({
     "test_remote_fleet.py", "test_remote_stream.py", "test_remote_tee.py", "test_remote_tee_faults.py",
     "test_remote_granularity.py", "test_llamacpp_bridge.py", "test_llamacpp_identity.py", "test_vllm_connector.py",
     # model runtimes: transformers models built at test time
-    "test_engine_hf.py", "test_engine_hf_device.py", "test_prefix_cache.py",
+    "test_engine_hf.py", "test_engine_hf_device.py", "test_prefix_cache.py", "test_prefix_cache_keys.py",
     # many processes: the CLI as a subprocess per command, owners in other PID/UTS namespaces,
     # repair beside a resaving process, the GPU benchmark's child
     "test_cli.py", "test_owners.py", "test_repair.py", "test_bench_gpu.py",

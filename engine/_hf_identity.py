@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +24,7 @@ from ._dtypes import dtype_name
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["config_sha256", "identity", "weights_sha256"]
+__all__ = ["config_sha256", "identity", "tensors_sha256", "weights_sha256"]
 
 _KERNELS = ("fla", "mamba_ssm", "causal_conv1d")
 
@@ -38,14 +38,20 @@ def config_sha256(config: PretrainedConfig) -> str:
 
 @torch.no_grad()
 def weights_sha256(model: PreTrainedModel, chunk: int = 64 << 20) -> str:
-    """SHA-256 over every parameter and buffer (name, dtype, shape, C-order bytes).
+    """SHA-256 over every parameter and buffer of the state dict (name, dtype, shape, C-order bytes)."""
+    return tensors_sha256(sorted(model.state_dict().items()), chunk)
+
+
+@torch.no_grad()
+def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]], chunk: int = 64 << 20) -> str:
+    """SHA-256 over named tensors, in the order given (name, dtype, shape, C-order bytes).
 
     Contiguous CPU tensors are hashed in place; anything else (device, strided) is copied through
     one reused host buffer of ``chunk`` bytes (page-locked for CUDA), so memory stays bounded.
     """
     h = hashlib.sha256()
     buf: torch.Tensor | None = None
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in named:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         c = same_width(t.detach().resolve_conj().resolve_neg())
         if c.device.type == "cpu" and (c.dim() == 0 or c.is_contiguous()):

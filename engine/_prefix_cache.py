@@ -10,6 +10,11 @@ The cuts (``PrefixCache.split``) depend only on the prompt length, ``boundary`` 
 ``cache_prefix`` — never on what the store holds — so a hit and a miss read the prompt in the same
 pieces and return the same bytes: chunked prefill is not bitwise equal to one-shot prefill, but
 chunked prefill with the same chunks is. ``uncached_generate`` is that reference run (no store).
+
+The identity follows the model as it is at each call (:mod:`._prefix_watch`): a weight update,
+config change, adapter switch or numerics setting since the last call re-hashes and switches the
+store to the new identity. A call whose arguments are not all known to give ``model.generate``'s
+numbers through the store (``_prefix_generate.bypass_reason``) goes to ``model.generate`` unchanged.
 """
 
 from __future__ import annotations
@@ -43,11 +48,14 @@ from ._prefix_generate import (
     CachePrefix,
     Generated,
     PromptEnd,
+    _generator,
+    bypass_reason,
     check_call,
     generate_rest,
     positions,
     prefill,
 )
+from ._prefix_watch import Look
 from ._types import TokenIds
 
 if TYPE_CHECKING:
@@ -80,6 +88,8 @@ class PrefixCacheStats:
     skipped: int
     restore_fallbacks: int
     restore_seconds: float
+    bypassed: int
+    identity_changes: int
     store: Stats
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,8 +120,10 @@ class PrefixCache:
     :meth:`uncached_generate`; ``"longest"`` restores the longest stored prefix wherever it ends
     (more reuse; the output then equals ``uncached_generate`` with that position added to
     ``cache_prefix``). pack: the checkpoint's hash for the identity (default: SHA-256 of the
-    weights). store_options go to :func:`snapstore.engine.hf.open_store` (drop_stale, chunk_bytes,
-    codec, staging_bytes, check_rows, staging, extra). One ``generate`` at a time per instance.
+    weights; after a weight change is seen, the SHA-256 of the weights as they are then).
+    store_options go to :func:`snapstore.engine.hf.open_store` (drop_stale, chunk_bytes, codec,
+    staging_bytes, check_rows, staging, extra). One ``generate`` at a time per instance.
+    ``store`` and ``adapter`` are replaced when the identity changes.
     """
 
     def __init__(self, model: PreTrainedModel, path: str | os.PathLike[str] | None = None, *,
@@ -127,15 +139,23 @@ class PrefixCache:
             raise ConfigError("PrefixCache serves batch size 1; do not pass batch=")
         self.model = model
         self.device = next(model.parameters()).device
-        self.adapter: TorchAdapter = hf.open_store(
-            model, path, pack=pack or "sha256:" + hf.weights_sha256(model), budget=budget, **store_options)
+        self._seen = Look(model)  # what the identity is computed from, as it was when computed
+        self._pack = pack or "sha256:" + hf.weights_sha256(model)
+        self._extra = dict(store_options.pop("extra", None) or {})
+        self._budget, self._options = budget, store_options
+        extra = {**self._extra, **self._seen.identity_extra(model)}
+        self.adapter: TorchAdapter = hf.open_store(model, path, pack=self._pack, budget=budget, extra=extra,
+                                                   **store_options)
         self.store = self.adapter.store
+        self._boundary = boundary
         self.boundary = default_boundary(self.store.layout) if boundary is None else boundary
         self.resume = resume
         self._lock = threading.Lock()
         self._n: dict[str, float] = dict.fromkeys(
             ("calls", "hits", "misses", "prompt_tokens", "restored_tokens", "prefilled_tokens", "captures",
-             "committed", "abandoned", "skipped", "restore_fallbacks", "restore_seconds"), 0)
+             "committed", "abandoned", "skipped", "restore_fallbacks", "restore_seconds", "bypassed",
+             "identity_changes"), 0)
+        self._told: set[str] = set()
         self._closed = False
 
     # -- the split ------------------------------------------------------------------------------
@@ -168,6 +188,10 @@ class PrefixCache:
         tokens: list[int] = ids[0].tolist()
         n = len(tokens)
         cuts = self.split(n, cache_prefix)
+        why = self._bypass_reason(generate_kwargs)
+        if why is not None:
+            return self._bypass(ids, why, generate_kwargs)
+        self._follow()
         m, prompt_stored = self._lookup(tokens, cuts, namespace)
         cache, start, parent = None, 0, None
         if m is not None:
@@ -192,7 +216,12 @@ class PrefixCache:
             caps.drain()
             self._abandon(caps.results)
             raise
-        self._commit(caps.results)
+        if Look(self.model).same(self._seen):
+            self._commit(caps.results)
+        else:  # the model changed during the call (a callback, another thread): its captures may mix states
+            log.warning("prefix cache: the model changed during the call; its %d captures are dropped",
+                        len(caps.results))
+            self._abandon(caps.results)
         return out
 
     def uncached_generate(self, input_ids: TokenIds, *, cache_prefix: CachePrefix = None,
@@ -205,6 +234,9 @@ class PrefixCache:
         from transformers import DynamicCache
 
         ids = self._check(input_ids, generate_kwargs)
+        if self._bypass_reason(generate_kwargs) is not None:
+            out: Generated = _generator(self.model).generate(ids, **generate_kwargs)
+            return out
         cache = DynamicCache(config=self.model.config)
         prefill(self.model, ids, cache, 0, self.split(ids.shape[1], cache_prefix), None)
         return generate_rest(self.model, ids, cache, generate_kwargs, None)
@@ -214,7 +246,55 @@ class PrefixCache:
         """input_ids as a (1, n) long tensor on the model's device; refuse a closed cache and what it cannot serve."""
         if self._closed:
             raise StateError("this PrefixCache is closed")
+        self.device = next(self.model.parameters()).device  # where the model is now (it may have moved)
         return check_call(self.model, self.device, input_ids, kw)
+
+    def _bypass_reason(self, kw: dict[str, Any]) -> str | None:
+        """Why this call goes to model.generate unchanged (see ``bypass_reason``), or None."""
+        if self.model.training or any(m.training and isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+                                      for m in self.model.modules()):
+            return "the model is in training mode (dropout draws anew each forward); call model.eval()"
+        return bypass_reason(self.model, kw)
+
+    def _bypass(self, ids: torch.Tensor, why: str, kw: dict[str, Any]) -> Generated:
+        """``model.generate(ids, **kw)`` as called: nothing restored or saved (counted; logged once per reason)."""
+        self._add(calls=1, bypassed=1)
+        if why not in self._told:
+            self._told.add(why)
+            log.info("prefix cache: %s; calling model.generate directly (nothing restored or saved)", why)
+        out: Generated = _generator(self.model).generate(ids, **kw)
+        return out
+
+    def refresh(self) -> None:
+        """Re-hash the weights now and switch the identity if they changed: for a change no per-call
+        look sees (an in-place write through ``.data``, a NumPy or DLPack view of a weight)."""
+        if self._closed:
+            raise StateError("this PrefixCache is closed")
+        self._follow(rehash=True)
+
+    def _follow(self, rehash: bool = False) -> None:
+        """Before a call: if what the identity is computed from changed since, compute it again (re-hash
+        the weights if a tensor or adapter changed) and switch the store to it when it differs."""
+        from . import hf
+
+        now = Look(self.model)
+        if not rehash and now.same(self._seen):
+            return
+        if rehash or not now.same_tensors(self._seen) or now.adapters != self._seen.adapters:
+            self._pack = "sha256:" + hf.weights_sha256(self.model)  # the weights as they are now
+        extra = {**self._extra, **now.identity_extra(self.model)}
+        if hf.identity(self.model, pack=self._pack, extra=extra) != self.store.identity:
+            opts = {**self._options, "staging": self.adapter.staging}
+            adapter = hf.open_store(self.model, self.store.path, pack=self._pack, budget=self._budget, extra=extra,
+                                    **opts)
+            old, self.adapter, self.store = self.store, adapter, adapter.store
+            old.close()
+            if self._boundary is None:
+                self.boundary = default_boundary(self.store.layout)
+            self._add(identity_changes=1)
+            log.info("prefix cache: the model changed since the last call (weights, config, adapters or numerics); "
+                     "its identity is now %s", self.store.identity.key)
+        self._seen = now
 
     def _lookup(self, tokens: list[int], cuts: list[int], namespace: str | None) -> tuple[Match | None, bool]:
         """The snapshot to resume from (deepest at a cut, or the longest), and whether the whole prompt is stored."""

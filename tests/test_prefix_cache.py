@@ -327,10 +327,10 @@ def test_batch_and_beams_refused_with_a_snapstore_error(llama: Any, tmp_path: An
             assert isinstance(e.value, ss.SnapstoreError) and isinstance(e.value, NotImplementedError)
             assert "one sequence" in str(e.value)
         ids = tokens("llama", "x", 8)
-        bad: list[dict[str, Any]] = [{"past_key_values": object()}, {"use_cache": False},
-                                     {"attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])},
+        # a caller's cache, use_cache=False, embeddings: passed to model.generate (test_prefix_cache_keys.py)
+        bad: list[dict[str, Any]] = [{"attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])},
                                      {"cache_prefix": -3}, {"cache_prefix": "12"}, {"cache_prefix": [4, 2.5]},
-                                     {"session": ""}, {"inputs_embeds": torch.zeros(1, 8, 64)}]
+                                     {"session": ""}]
         for extra in bad:
             with pytest.raises(ss.InvalidInputError):
                 pc.generate(ids, max_new_tokens=2, **extra)
