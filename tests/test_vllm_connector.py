@@ -1,7 +1,10 @@
-"""The vLLM connector (issue 17) against a real vLLM (CPU build, its own venv) serving a tiny
+"""The vLLM connector (issues 17, 24) against a real vLLM (CPU build, its own venv) serving a tiny
 random Llama built at test time: K/V round-trips across processes with identical greedy output,
 block-granular prefixes, the local prefix cache and chunked prefill, a damaged chunk recomputed,
-a store that cannot open disabling the connector. Each vLLM process starts in 20-90 s: slow tier."""
+a store that cannot open disabling the connector; the key covers cache_salt and config overrides
+(and, checked against vLLM's own block hashes, LoRA and multimodal items); a failed load never
+saves what the blocks held; a sliding-window model is refused at start-up. Each vLLM process
+starts in 20-90 s: slow tier."""
 
 from __future__ import annotations
 
@@ -41,16 +44,19 @@ def model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def prompts() -> dict[str, list[int]]:
-    """A (300 tokens), B (300), and C sharing only A's first 5 blocks (then 100 other tokens)."""
+    """A (300 tokens), B (300), C sharing only A's first 5 blocks (then 100 other tokens), E = A's
+    first 9 blocks and 100 more tokens, F = E's first 12 blocks and 60 more."""
     rng = random.Random(1)
     a = [rng.randrange(4, 512) for _ in range(300)]
     b = [rng.randrange(4, 512) for _ in range(300)]
     c = a[:5 * BS] + [rng.randrange(4, 512) for _ in range(100)]
-    assert c[5 * BS] != a[5 * BS]
-    return {"A": a, "B": b, "C": c}
+    e = a[:9 * BS] + [rng.randrange(4, 512) for _ in range(100)]
+    f = e[:12 * BS] + [rng.randrange(4, 512) for _ in range(60)]
+    assert c[5 * BS] != a[5 * BS] and e[9 * BS] != a[9 * BS]
+    return {"A": a, "B": b, "C": c, "E": e, "F": f}
 
 
-def serve(model: str, tmp: Path, name: str, prompts: list[list[int]], **spec: Any) -> dict[str, Any]:
+def serve(model: str, tmp: Path, name: str, prompts: list[Any], **spec: Any) -> dict[str, Any]:
     """One vLLM process serving ``prompts`` in order; its results and its log."""
     out = tmp / f"{name}.json"
     spec_path = tmp / f"{name}.spec.json"
@@ -74,11 +80,19 @@ def snapstore_json(store: Path, *args: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def baseline(model: str, prompts: dict[str, list[int]], tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+def baseline_by_name(model: str, prompts: dict[str, list[int]],
+                     tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Greedy output of every prompt from a vLLM without any connector."""
+    names = sorted(prompts)
+    res = serve(model, tmp_path_factory.mktemp("base"), "base", [prompts[n] for n in names])
+    assert [r["num_cached_tokens"] for r in res["results"]] == [0] * len(names)
+    return {n: r["tokens"] for n, r in zip(names, res["results"])}
+
+
+@pytest.fixture(scope="session")
+def baseline(baseline_by_name: dict[str, list[int]]) -> list[list[int]]:
     """Greedy outputs of A, B, C from a vLLM without any connector."""
-    res = serve(model, tmp_path_factory.mktemp("base"), "base", [prompts["A"], prompts["B"], prompts["C"]])
-    assert [r["num_cached_tokens"] for r in res["results"]] == [0, 0, 0]
-    return [r["tokens"] for r in res["results"]]
+    return [baseline_by_name[n] for n in "ABC"]
 
 
 @pytest.fixture(scope="session")
@@ -155,3 +169,103 @@ def test_store_that_cannot_open_disables_the_connector(
     assert p["results"][0]["num_cached_tokens"] == 0
     lines = [ln for ln in p["log"].splitlines() if "snapstore connector disabled" in ln]
     assert len(lines) == 2 and any("scheduler side" in ln for ln in lines) and any("worker side" in ln for ln in lines)
+
+
+def _flip_root_chunks(store: Path) -> None:
+    """One flipped byte in each of the biggest chunks (A's and B's 256-token roots): every load
+    of A's or B's prefix fails at its first chunk."""
+    chunks = [p for p in (store / "blobs").rglob("*") if p.is_file()]
+    big = max(p.stat().st_size for p in chunks)
+    for p in chunks:
+        if p.stat().st_size == big:
+            raw = bytearray(p.read_bytes())
+            raw[len(raw) // 2] ^= 0x01
+            p.write_bytes(bytes(raw))
+
+
+def test_cache_salt_and_config_overrides_key_the_store(
+        model: str, prompts: dict[str, list[int]], baseline: list[list[int]], saved_store: Path,
+        tmp_path: Path) -> None:
+    """Issue 24 item 3: the store holds A (no salt). A with another tenant's cache_salt is not
+    offered it (vLLM's own prefix cache keys the salt too); A without salt still is. The same
+    weights under another RoPE base (``hf_overrides``, as a config.json change) are not offered
+    it either: the model config after overrides is in the identity."""
+    store = tmp_path / "store"
+    shutil.copytree(saved_store, store)
+    p2 = serve(model, tmp_path, "p2", [{"tokens": prompts["A"], "salt": "tenant-2"}, prompts["A"]],
+               connector="snapstore", extra={"path": str(store)})
+    assert [r["num_cached_tokens"] for r in p2["results"]] == [0, 288]
+    assert [r["tokens"] for r in p2["results"]] == [baseline[0], baseline[0]]
+    p3 = serve(model, tmp_path, "p3", [prompts["A"]], connector="snapstore", extra={"path": str(store)},
+               hf_overrides={"rope_theta": 5000.0})
+    assert p3["results"][0]["num_cached_tokens"] == 0
+    assert p3["stats"]["worker"]["loads"] == 0
+
+
+def test_keys_follow_vllms_own_block_hashes(vllm_python: Path, tmp_path: Path) -> None:
+    """Issue 24 items 3 and 5 against vLLM's classes, no model: for real ``Request`` objects that
+    differ in one input (LoRA adapter name/path/bytes, cache_salt, an image's hash or place),
+    wherever vLLM's block hashes differ the connector's key differs at or before that block (a
+    match never crosses it); prompt embeddings and a LoRA adapter that is no local directory are
+    declined; ``exact_layout`` accepts one full-attention group and names the sliding-window,
+    Mamba or second group it refuses."""
+    out = tmp_path / "keys.json"
+    proc = subprocess.run([str(vllm_python), str(DRIVER), "keys", str(out)], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(out.read_text())
+    assert found["violations"] == []
+    declined = found["declined"]
+    assert declined["embeds"] == "prompt embeddings" and "not a local directory" in declined["lora_remote"]
+    assert [n for n, why in declined.items() if why is not None] == ["embeds", "lora_remote"]
+    diff = found["first_diff"]
+    for other in ("lora_a", "lora_a_retrained", "lora_b", "salt_t1", "salt_t2"):  # every block differs
+        assert diff[f"plain|{other}"] == [0, 0], other
+    assert diff["salt_t1|salt_t2"] == [0, 0] and diff["lora_a|lora_b"] == [0, 0]
+    assert diff["lora_a|lora_a_other_id"] == [None, None]  # vLLM's int id is a handle, not an input
+    assert diff["plain|img_x_at_64"] == [4, 64] and diff["img_x_at_64|img_y_at_64"] == [4, 64]
+    assert diff["img_x_at_64|img_x_at_80"] == [4, 64] and diff["img_x_at_64|img_x_y"] == [9, 150]
+    layouts = found["layouts"]
+    assert layouts["full"] is None
+    assert "KV cache group 0" in layouts["sliding"] and "SlidingWindowSpec" in layouts["sliding"]
+    assert "KV cache group 1" in layouts["hybrid"] and "SlidingWindowSpec" in layouts["hybrid"]
+    assert "KV cache group 0" in layouts["mamba"] and "MambaSpec" in layouts["mamba"]
+    assert "no KV cache config" in layouts["none"]
+
+
+def test_failed_load_never_saves_what_the_blocks_held(
+        model: str, prompts: dict[str, list[int]], baseline_by_name: dict[str, list[int]], saved_store: Path,
+        tmp_path: Path) -> None:
+    """Issue 24 item 4: A's and B's root chunks are damaged, so B's and E's loads (A's 9 blocks)
+    fail; vLLM recomputes them. The step whose load failed must not save E's blocks (they held
+    B's K/V or nothing): the save is dropped and planned again once vLLM recomputed them, with no
+    parent. A later process serving F (E's 12 blocks and more) loads E's blocks and its output
+    equals the run without connector — before the fix it loaded the junk and answered otherwise."""
+    store = tmp_path / "store"
+    shutil.copytree(saved_store, store)
+    _flip_root_chunks(store)
+    p2 = serve(model, tmp_path, "p2", [prompts["B"], prompts["E"]], connector="snapstore",
+               extra={"path": str(store)})
+    assert [r["tokens"] for r in p2["results"]] == [baseline_by_name["B"], baseline_by_name["E"]]
+    p3 = serve(model, tmp_path, "p3", [prompts["F"]], connector="snapstore", extra={"path": str(store)})
+    assert p3["results"][0]["num_cached_tokens"] == 12 * BS
+    assert p3["stats"]["worker"]["load_errors"] == 0
+    assert p3["results"][0]["tokens"] == baseline_by_name["F"]
+    worker = p2["stats"]["worker"]
+    assert worker["load_errors"] == 2 and worker["saves_dropped"] >= 1 and worker["save_errors"] == 0
+
+
+def test_sliding_window_model_is_refused_at_start(
+        vllm_python: Path, prompts: dict[str, list[int]], tmp_path: Path) -> None:
+    """Issue 24 item 5: a model whose layers attend within a 64-token window (one sliding-window
+    KV cache group: vLLM frees blocks that leave the window) disables the connector at start-up
+    with a line naming the group; vLLM serves on and nothing is stored."""
+    swa = tmp_path / "swa"
+    subprocess.run([str(vllm_python), str(DRIVER), "build", str(swa), "--sliding-window", "64"], check=True,
+                   timeout=600, capture_output=True)
+    store = tmp_path / "store"
+    p = serve(str(swa), tmp_path, "p", [prompts["A"]], connector="snapstore", extra={"path": str(store)})
+    assert p["results"][0]["num_cached_tokens"] == 0
+    lines = [ln for ln in p["log"].splitlines() if "snapstore connector disabled" in ln]
+    assert len(lines) == 2 and all("KV cache group 0" in ln and "SlidingWindowSpec" in ln for ln in lines), lines
+    assert p["stats"]["worker"]["saves"] == 0

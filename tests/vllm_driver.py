@@ -3,11 +3,20 @@
 ``python vllm_driver.py build DIR`` writes a 2-layer random Llama (head size 32, the smallest the
 CPU attention backend takes) with a word-level tokenizer built locally: nothing is downloaded.
 
+``python vllm_driver.py build DIR --sliding-window N`` writes a tiny random Mistral whose layers
+all attend within a window of N tokens.
+
 ``python vllm_driver.py serve SPEC.json`` starts one vLLM (``LLM``), serves the prompts of the
 spec one after another (greedy) and writes, per prompt, the output token ids,
 ``num_cached_tokens`` and the seconds the request took (with ``max_tokens=1``: the time to first
 token) to the spec's ``out`` path as JSON, with the connector's counters. The spec says which
-connector (``snapstore``, ``example`` or none), the prefix cache and chunked prefill settings.
+connector (``snapstore``, ``example`` or none), the prefix cache and chunked prefill settings,
+``hf_overrides``; a prompt is a list of token ids or ``{"tokens": [...], "salt": "..."}``.
+
+``python vllm_driver.py keys OUT.json`` checks the connector's keys against vLLM's own classes
+without a model: real ``Request`` objects (LoRA, multimodal items, ``cache_salt``, prompt
+embeddings) hashed by vLLM's block hasher and keyed by the connector, and ``exact_layout`` on
+real KV cache configs; the findings go to OUT.json.
 """
 
 from __future__ import annotations
@@ -44,6 +53,23 @@ def build(path: str) -> None:
     fast.save_pretrained(path)
 
 
+def build_sliding(path: str, window: int) -> None:
+    """A tiny random Mistral (same sizes as :func:`build`) with a sliding window on every layer."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    build(path)  # the tokenizer (and a Llama, replaced below)
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=2, head_dim=32, sliding_window=window,
+                        max_position_embeddings=4096, tie_word_embeddings=False,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    for f in os.listdir(path):
+        if f.endswith((".safetensors", "config.json")) and "tokenizer" not in f:
+            os.remove(os.path.join(path, f))
+    MistralForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
+
+
 def serve(spec_path: str) -> None:
     """Serve the spec's prompts in order with one vLLM; write the results."""
     with open(spec_path) as f:
@@ -62,6 +88,8 @@ def serve(spec_path: str) -> None:
     kw: dict[str, Any] = {}
     if spec.get("chunked"):
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=int(spec["chunked"]))
+    if spec.get("hf_overrides"):
+        kw["hf_overrides"] = spec["hf_overrides"]
     llm = LLM(model=spec["model"], dtype="float32", block_size=spec.get("block_size", 32),
               enable_prefix_caching=bool(spec.get("prefix_cache", False)), max_model_len=4096,
               kv_transfer_config=kv, seed=0, kv_cache_memory_bytes=int(spec.get("kv_mib", 64)) << 20,
@@ -70,7 +98,9 @@ def serve(spec_path: str) -> None:
     results = []
     for prompt in spec["prompts"]:  # one at a time: a later prompt finds what an earlier one saved
         t0 = time.perf_counter()
-        o = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+        tp = TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else \
+            TokensPrompt(prompt_token_ids=prompt["tokens"], cache_salt=prompt["salt"])
+        o = llm.generate([tp], params, use_tqdm=False)[0]
         results.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": int(o.num_cached_tokens or 0),
                         "seconds": time.perf_counter() - t0})
     stats = _connector_stats()
@@ -85,9 +115,116 @@ def _connector_stats() -> Any:
     return getattr(mod, "LAST_STATS", None) if mod is not None else None
 
 
+def _requests(tmp: str) -> dict[str, Any]:
+    """Real vLLM requests that differ in one input each (same 200 token ids)."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    adapters = {}
+    for name, payload in (("a", b"adapter-a"), ("a2", b"adapter-a, retrained"), ("b", b"adapter-b")):
+        d = os.path.join(tmp, name)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "adapter_model.safetensors"), "wb") as f:
+            f.write(payload)
+        adapters[name] = d
+    ids = [4 + (i * 7) % 500 for i in range(200)]
+
+    def mm(ident: str, offset: int, length: int = 40) -> Any:
+        return MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                     mm_position=PlaceholderRange(offset=offset, length=length))
+
+    def req(name: str, **kw: Any) -> Any:
+        return Request(name, list(kw.pop("ids", ids)), SamplingParams(max_tokens=1), None, block_hasher=hasher, **kw)
+
+    return {
+        "plain": req("plain"),
+        "lora_a": req("lora_a", lora_request=LoRARequest("a", 1, adapters["a"])),
+        "lora_a_other_id": req("lora_a_other_id", lora_request=LoRARequest("a", 7, adapters["a"])),
+        "lora_a_retrained": req("lora_a_retrained", lora_request=LoRARequest("a", 1, adapters["a2"])),
+        "lora_b": req("lora_b", lora_request=LoRARequest("b", 2, adapters["b"])),
+        "salt_t1": req("salt_t1", cache_salt="t1"),
+        "salt_t2": req("salt_t2", cache_salt="t2"),
+        "img_x_at_64": req("img_x_at_64", mm_features=[mm("x", 64)]),
+        "img_y_at_64": req("img_y_at_64", mm_features=[mm("y", 64)]),
+        "img_x_at_80": req("img_x_at_80", mm_features=[mm("x", 80)]),
+        "img_x_y": req("img_x_y", mm_features=[mm("x", 64), mm("y", 150)]),
+        "embeds": req("embeds", ids=[0] * 200, prompt_embeds=torch.zeros(200, 8)),
+        "lora_remote": req("lora_remote", lora_request=LoRARequest("r", 3, "some-org/some-adapter")),
+    }
+
+
+def keys(out_path: str) -> None:
+    """The connector's request keys against vLLM's block hashes, and exact_layout on real configs."""
+    import tempfile
+
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    from snapstore.engine._vllm_key import request_key
+    from snapstore.engine.vllm import exact_layout
+
+    found: dict[str, Any] = {"declined": {}, "first_diff": {}, "violations": [], "layouts": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        reqs = _requests(tmp)
+        keyed = {name: request_key(r) for name, r in reqs.items()}
+    for name, k in keyed.items():
+        found["declined"][name] = k.declined
+    names = [n for n, k in keyed.items() if k.declined is None]
+    for a in names:
+        for b in names:
+            ha, hb = reqs[a].block_hashes, reqs[b].block_hashes
+            vllm_diff = next((j for j, (x, y) in enumerate(zip(ha, hb)) if x != y), None)
+            ka, kb = keyed[a], keyed[b]
+            ours = 0 if ka.namespace != kb.namespace else \
+                next((i for i, (x, y) in enumerate(zip(ka.tokens, kb.tokens)) if x != y), None)
+            found["first_diff"][f"{a}|{b}"] = [vllm_diff, ours]
+            # where vLLM's block j differs, a prefix match must stop at or before block j's start + 16
+            if vllm_diff is not None and (ours is None or ours > (vllm_diff + 1) * 16 - 1):
+                found["violations"].append([a, b, vllm_diff, ours])
+
+    def cfg(*groups: Any) -> Any:
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=list(groups))
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+    mamba = MambaSpec(block_size=16, shapes=((4,),), dtypes=(torch.float32,))
+    layouts = {"full": cfg(KVCacheGroupSpec(["l0", "l1"], full)),
+               "sliding": cfg(KVCacheGroupSpec(["l0", "l1"], swa)),
+               "hybrid": cfg(KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], swa)),
+               "mamba": cfg(KVCacheGroupSpec(["l0", "l1"], mamba)),
+               "none": None}
+    mc = type("MC", (), {"use_mla": False})()
+    for name, c in layouts.items():
+        try:
+            exact_layout(mc, c)
+            found["layouts"][name] = None
+        except Exception as e:  # the test reads the message
+            found["layouts"][name] = f"{type(e).__name__}: {e}"
+    with open(out_path, "w") as f:
+        json.dump(found, f)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if sys.argv[1] == "build":
-        build(sys.argv[2])
+        if len(sys.argv) > 3 and sys.argv[3] == "--sliding-window":
+            build_sliding(sys.argv[2], int(sys.argv[4]))
+        else:
+            build(sys.argv[2])
+    elif sys.argv[1] == "keys":
+        keys(sys.argv[2])
     else:
         serve(sys.argv[2])
