@@ -83,7 +83,7 @@ _LEASE_HELP = ("the lease of pending captures whose owner token has the old (sch
 _GC_HELP = """\
 Removes, in one transaction: pending captures of dead owners (lock free, or lease expired; see
 docs/format.md "Owners and liveness"), snapshots of a stale identity
-(--drop-identity: that one; --keep-identity: the other identities of its model, the same pack —
+(--drop-identity: that one; --keep-identity: the other identities of its model and extra keys, the same pack —
 never another model's), snapshots unused for --ttl seconds,
 and least-recently-used leaves until the store fits --disk-mib / --max-entries (the library's
 own eviction: a snapshot with children is never evicted). Then chunk files nothing references

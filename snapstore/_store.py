@@ -99,7 +99,7 @@ class Store(StoreReports):
         """Open (creating if needed) the store at ``path`` for ``identity``.
 
         path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove this model's
-        stale identities' snapshots now (same pack; never another model's; logged). chunk_bytes
+        stale identities' snapshots now (same pack and extra; never another model's; logged). chunk_bytes
         (``SNAPSTORE_CHUNK_MIB``, 16 MiB), codec (``SNAPSTORE_CODEC``: raw | zstd | zstd-shuffle2;
         raw), staging_bytes (``SNAPSTORE_STAGING_MIB``, 64 MiB), check_rows
         (``SNAPSTORE_CHECK_ROWS=1``: verify the rows a delta vouches for against the parent chain),
