@@ -15,12 +15,12 @@ with ``missing_components``), and one with parts the layout lacks fits too (they
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Sequence
 
 import blake3
 
 from ._catalog import Txn
+from ._forks import ProcessLock
 from ._identity import canonical_json
 from ._layout import Fixed, Layout
 from ._plan import parts_fit
@@ -53,7 +53,7 @@ def saved_layout_key(layout: Layout, names: Iterable[str]) -> bytes:
 # (opener layout key, saved layout key) -> fits: answers never change (both keys name specs
 # exactly), so every store of the process shares them
 _known: dict[tuple[bytes, bytes], bool] = {}
-_lock = threading.Lock()
+_lock = ProcessLock()  # fresh in a forked child (._forks)
 
 
 def fits(c: Txn, layout: Layout, sid: int, key: bytes | None) -> bool:
