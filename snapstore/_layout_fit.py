@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 import blake3
 
 from ._catalog import Txn
+from ._errors import StoreFormatError
 from ._forks import ProcessLock
 from ._identity import canonical_json
 from ._layout import Fixed, Layout
@@ -63,7 +64,10 @@ def fits(c: Txn, layout: Layout, sid: int, key: bytes | None) -> bool:
         known = _known.get(pair)
         if known is not None:
             return known
-    ok = parts_fit(c.parts(sid), layout)
+    try:
+        ok = parts_fit(c.parts(sid), layout)
+    except StoreFormatError:
+        return False  # a damaged part row cannot restore: passed over (verify reports it), never remembered
     if pair is not None:
         with _lock:
             if len(_known) >= _REMEMBERED:
