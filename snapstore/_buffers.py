@@ -159,13 +159,26 @@ class Sink:
     def _host_bytes(self, what: str, obj: object) -> memoryview:
         """A buffer the writer returned (memoryview, numpy array, bytearray: any writable C-contiguous
         buffer) as flat writable bytes; DestinationError (touched=False: the caller adds what it wrote
-        before) when it is not one, so a wrong type is the destination's error, never a bare one."""
+        before) when it is not one, so a wrong type is the destination's error, never a bare one.
+        A numpy array is taken as its bytes (any dtype: one numpy exports no buffer format for, such
+        as a bfloat16 extension type, too); memory of Python objects (object dtype) is refused."""
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:  # pointers to Python objects: writing bytes there corrupts the process
+                raise DestinationError(f"part {self.name!r}: the destination's {what} returned a numpy array of "
+                                       f"Python objects (dtype {obj.dtype}), not raw memory; return writable host "
+                                       "memory or None; nothing was written by this call")
+            if obj.flags.c_contiguous:
+                obj = obj.reshape(-1).view(np.uint8)
         try:
             mv = memoryview(obj)  # type: ignore[arg-type]
-        except TypeError:
+        except (TypeError, ValueError):  # ValueError: numpy refusing to export a dtype
             raise DestinationError(f"part {self.name!r}: the destination's {what} returned a {type(obj).__name__}, "
                                    "not a buffer; return writable host memory (memoryview, numpy array, bytearray) "
                                    "or None; nothing was written by this call") from None
+        if mv.format == "O" or isinstance(mv.obj, np.ndarray) and mv.obj.dtype.hasobject:
+            raise DestinationError(f"part {self.name!r}: the destination's {what} returned memory of Python "
+                                   "objects, not raw memory; return writable host memory or None; nothing was "
+                                   "written by this call")
         if mv.readonly or not mv.c_contiguous:
             raise DestinationError(f"part {self.name!r}: the destination's {what} returned "
                                    f"{'read-only' if mv.readonly else 'non-contiguous'} memory "

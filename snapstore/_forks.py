@@ -5,16 +5,18 @@ without the threads that held them: a lock a parent thread held stays held forev
 in flight never finishes. One hook, registered here once, gives each tracked structure its child
 state (fresh locks, nothing in flight, no threads of its own); the Store's copy is then inert — its
 calls refused, its close() releasing only the child's descriptors (docs/api.md, "Threads and
-processes").
+processes"). Process-wide locks (module level, shared by every Store) are :class:`ProcessLock`:
+a child that opens a Store of its own must not wait for a parent thread's hold either.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from typing import Protocol
 
-__all__ = ["ForkAware", "track"]
+__all__ = ["ForkAware", "ProcessLock", "track"]
 
 
 class ForkAware(Protocol):
@@ -30,6 +32,25 @@ _tracked: weakref.WeakSet[ForkAware] = weakref.WeakSet()
 def track(obj: ForkAware) -> None:
     """Reset ``obj`` in every process forked from this one while ``obj`` lives (held weakly)."""
     _tracked.add(obj)
+
+
+class ProcessLock:
+    """A module-level lock that a forked child gets fresh (a parent thread may have held it at the fork)."""
+
+    __slots__ = ("__weakref__", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        track(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 def _in_child() -> None:

@@ -15,12 +15,13 @@ with ``missing_components``), and one with parts the layout lacks fits too (they
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Sequence
 
 import blake3
 
 from ._catalog import Txn
+from ._errors import StoreFormatError
+from ._forks import ProcessLock
 from ._identity import canonical_json
 from ._layout import Fixed, Layout
 from ._plan import parts_fit
@@ -53,7 +54,7 @@ def saved_layout_key(layout: Layout, names: Iterable[str]) -> bytes:
 # (opener layout key, saved layout key) -> fits: answers never change (both keys name specs
 # exactly), so every store of the process shares them
 _known: dict[tuple[bytes, bytes], bool] = {}
-_lock = threading.Lock()
+_lock = ProcessLock()  # fresh in a forked child (._forks)
 
 
 def fits(c: Txn, layout: Layout, sid: int, key: bytes | None) -> bool:
@@ -63,7 +64,10 @@ def fits(c: Txn, layout: Layout, sid: int, key: bytes | None) -> bool:
         known = _known.get(pair)
         if known is not None:
             return known
-    ok = parts_fit(c.parts(sid), layout)
+    try:
+        ok = parts_fit(c.parts(sid), layout)
+    except StoreFormatError:
+        return False  # a damaged part row cannot restore: passed over (verify reports it), never remembered
     if pair is not None:
         with _lock:
             if len(_known) >= _REMEMBERED:

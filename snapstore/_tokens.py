@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import CorruptionError, InvalidInputError
+from ._forks import ProcessLock
 
 __all__ = ["BLOCK", "Encoded", "Segment", "TokenIndex", "TokensLike", "as_token_array", "decode_tokens",
            "encode_tokens", "Link", "spells_chain", "spells_prefix", "spells_segment"]
@@ -243,7 +244,7 @@ def spells_chain(own: Segment, links: Iterable[Link], arr: np.ndarray, encoded: 
 
 _CACHE_ENTRIES = 8  # sequences whose chains are kept (a 128K-token one: 1 MiB of tokens + 8 KiB)
 _cache: OrderedDict[bytes, tuple[np.ndarray, list[bytes]]] = OrderedDict()  # first block -> (tokens, chain)
-_cache_lock = threading.Lock()
+_cache_lock = ProcessLock()  # fresh in a forked child (._forks)
 
 
 def _reusable(tokens: np.ndarray) -> tuple[bytes, list[bytes]]:

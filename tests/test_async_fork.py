@@ -19,7 +19,7 @@ import pytest
 from support import LAYOUT, empty_like_state, make_state, open_store, part_hashes
 
 import snapstore as ss
-from snapstore import _chunker
+from snapstore import _chunker, _layout_fit, _tokens
 
 
 def toks(n: int, base: int = 1000) -> np.ndarray:
@@ -335,3 +335,28 @@ def test_forked_child_closes_while_a_parent_thread_is_inside_a_catalog_statement
         go.set()
         t.join(30)
     s.close()
+
+
+_MODULE_LOCKS: dict[str, Callable[[], Any]] = {
+    "layout fit answers": lambda: _layout_fit._lock,
+    "token chain cache": lambda: _tokens._cache_lock,
+}
+
+
+@pytest.mark.parametrize("what", sorted(_MODULE_LOCKS))
+def test_forked_child_opens_its_own_store_whatever_module_lock_a_parent_thread_held(store_dir: str,
+                                                                                      what: str) -> None:
+    """The child's way forward (a Store of its own) must not hang on a process-wide lock a parent
+    thread held at the fork: the layout-fit answers and the token chain cache are shared by every
+    Store of the process, and their locks stayed held forever in the child."""
+    st = make_state(LAYOUT, 300, seed=11)
+
+    def child() -> None:
+        _layout_fit._known.clear()  # the child's first match decides the layout fit again (under its lock)
+        with open_store(os.path.join(store_dir, "child")) as s:
+            r = s.save(toks(300), st)
+            m = s.match(toks(300))
+            assert m is not None and m.snapshot_id == r.snapshot_id
+
+    with _held_by_another_thread(_MODULE_LOCKS[what]()):
+        assert _fork(child, timeout=20) == 0

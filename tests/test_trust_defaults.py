@@ -72,6 +72,26 @@ def test_a_crafted_part_shape_is_a_store_format_error_naming_the_row(
     assert _cli(capsys, "--dir", store_dir, "verify")[0] == 0
 
 
+def test_match_passes_over_a_snapshot_whose_part_row_is_damaged(store_dir: str) -> None:
+    """match() decides whether a snapshot fits the layout from its part rows: a damaged row there
+    raised StoreFormatError out of every match() that reached it, instead of the next-longest
+    prefix serving (the snapshot cannot restore; verify reports its damage)."""
+    with open_store(store_dir) as s:
+        st = make_state(LAYOUT, 80, seed=3)
+        short = s.save(toks(40), {k: v[:40] if k in LAYOUT.rows else v for k, v in st.items()}, session="a")
+        long = s.save(toks(80), st, session="b", parent=None)
+        assert short.ok and long.ok
+        _set(s, "UPDATE parts SET shape = '[' || shape WHERE snapshot_id = ? AND name = 'attn.kv'",
+             (long.snapshot_id,))
+        _set(s, "UPDATE snapshots SET layout_key = NULL")  # the parts decide (a row saved before v9)
+        m = s.match(toks(80))
+        assert m is not None and m.snapshot_id == short.snapshot_id and m.n_tokens == 40
+        dest = empty_like_state(st)
+        s.restore(m, into=dest)
+        assert _same(dest, st, 40)
+        assert s.verify(deep=False).damaged_snapshots == [long.snapshot_id]
+
+
 def test_a_crafted_identity_row_neither_crashes_an_open_nor_inspect(
         store_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     other = ss.Identity(build="b2", pack="sha256:other-model")
