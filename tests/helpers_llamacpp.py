@@ -307,7 +307,7 @@ def proxy(bridge: Any) -> Iterator[tuple[str, Any]]:
     bridge.events = metrics.events()
     loop = asyncio.new_event_loop()
     port = free_port()
-    runner = web.AppRunner(make_app(bridge, metrics), access_log=None)
+    runner = web.AppRunner(make_app(bridge, metrics), access_log=None, handler_cancellation=True)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
     t = threading.Thread(target=loop.run_forever, daemon=True)

@@ -1,18 +1,25 @@
 """``LlamaBridge``: prefix persistence for a running llama-server, decided per request.
 
-It drives llama-server through its own HTTP API (``/tokenize``, ``/apply-template``,
-``/completion``, ``/slots``; ``_upstream``) so that a request first gets the longest stored prefix
-restored into its slot, and its boundaries — the end of the system prompt (shared by new chats)
-and the conversation's own prompt (under its session) — are saved through a ``SlotStore``
-(``_slotstore``). ``snapstore llama-proxy`` (``_proxy.py``) wraps it.
+It drives llama-server through its own HTTP API (``/tokenize``, ``/apply-template``, ``/slots``;
+``_upstream``) so that a request gets the longest stored prefix restored into a slot when no slot
+of the server already holds as much, and its boundaries — the end of the system prompt (shared by
+new chats) and the conversation's own prompt (under its session) — are saved through a
+``SlotStore`` (``_slotstore``). It adds to the server's own caches and never replaces them: a
+request it restores nothing for goes upstream unchanged (the server picks the slot, its host-RAM
+prompt cache included); a request that says ``cache_prompt: false`` is not touched at all. Saving
+copies the slot out (one server slot save) and stores it in the background (``_storer``), so the
+slot is free for the conversation's next request at once. ``snapstore llama-proxy``
+(``_proxy.py``) wraps it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,10 +29,11 @@ from typing import Any
 import numpy as np
 
 from .._config import Budget
-from .._errors import InvalidInputError, SnapstoreError
-from ._identity import build_of_server
-from ._slotfile import SlotFile, SlotFormatError
+from .._errors import ConfigError, InvalidInputError, SnapstoreError
+from ._probe import learn_constants
+from ._slotfile import TOKEN_NULL, SlotFile, SlotFormatError
 from ._slotstore import ImportResult, SlotStore, export_snapshot
+from ._storer import Storer
 from ._upstream import JsonObject, LlamaServer, UpstreamError
 
 # ImportResult and export_snapshot lived here before the split: kept importable from here
@@ -46,15 +54,34 @@ class BridgeEvents:
 
 @dataclass
 class Plan:
-    """One request's slot, prompt tokens and boundaries, from ``LlamaBridge.before``."""
+    """One request's prompt tokens and boundaries, from ``LlamaBridge.before``.
 
-    slot: int
+    ``slot`` is the slot the bridge put the request in (it restored into it, or the client named
+    it); None: the server picks, and ``after`` learns which from the response or ``/slots``.
+    """
+
     body: JsonObject
+    slot: int | None = None
     tokens: list[int] = field(default_factory=list)
     system_end: int = 0
     session: str | None = None
+    kind: str = "completion"  # what a save of the whole prompt is logged as: "completion prompt" / "conversation"
     restored: int = 0
     done: bool = False
+    reserved: bool = False
+    ticket: int = 0
+
+
+def _tokens_in(data: bytes) -> list[int]:
+    """The tokens a slot file holds (its token payload only; the state is checked when it is stored)."""
+    try:
+        _, _, n = struct.unpack_from("<III", data, 0)
+        words = np.frombuffer(data, "<i4", count=n, offset=12)
+    except (struct.error, ValueError):
+        return []
+    if len(words) >= 3 and int(words[0]) == TOKEN_NULL:
+        words = words[3:3 + int(words[2])]
+    return [int(t) for t in words]
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -74,38 +101,48 @@ SESSION_HEADER = "X-Snapstore-Session"
 class LlamaBridge:
     """Prefix persistence for a running llama-server, driven through its HTTP API.
 
-    ``before(path, body)`` picks a slot, restores the longest stored prefix into it when that
-    beats what the slot holds, and (hybrid models) captures exact boundaries; the caller then
-    sends ``plan.body`` upstream and calls ``after(plan)``, which saves the boundaries of an
-    attention model from the slot. ``release(plan)`` frees the slot (always call it).
+    ``before(path, body)`` restores the longest stored prefix into an idle slot when no slot holds
+    as much of the prompt (and, hybrid models, captures exact boundaries); the caller sends
+    ``plan.body`` upstream and calls ``after(plan, ok, served_slot)``, which copies the slot out and
+    hands the saving to the background. No call waits for another request: a slot the bridge
+    cannot have at once is simply not used.
     """
 
     def __init__(self, upstream: str, slot_save_path: str, model: str, *, store_dir: str | None = None,
                  build: str | None = None, budget: Budget | None = None, events: BridgeEvents | None = None,
-                 timeout: float = 600.0) -> None:
-        self.server = LlamaServer(upstream, slot_save_path, timeout)
+                 timeout: float = 600.0, api_key: str | None = None) -> None:
+        self.server = LlamaServer(upstream, slot_save_path, timeout, api_key)
         self.upstream = self.server.upstream
+        self.api_key = api_key
         self.slot_dir = slot_save_path
         self.timeout = timeout
         self.events = events or BridgeEvents()
-        self.build = build or os.environ.get("SNAPSTORE_LLAMA_BUILD") or build_of_server(self.upstream)
+        props = self.server.get("/props")
+        self.build = build or os.environ.get("SNAPSTORE_LLAMA_BUILD") or _build_info(props, self.upstream)
         self.slots = SlotStore(store_dir, model, self.build, budget=budget, drop_stale=True)
         self.hybrid = self.slots.model.shape.hybrid
-        props = self.server.get("/props")
         self.n_slots = int(props.get("total_slots") or 1)
-        self._known: list[list[int]] = [[] for _ in range(self.n_slots)]
-        self._locks = [threading.Lock() for _ in range(self.n_slots)]
+        self._known: list[list[int]] = [[] for _ in range(self.n_slots)]  # what each slot holds, as last seen
+        self._used = [0.0] * self.n_slots
+        self._reserved: set[int] = set()  # slots the bridge restored into, until their request is done
+        self._inflight: dict[int, list[int]] = {}  # prompts forwarded to a slot the server picks
+        self._tickets = itertools.count(1)
         self._pick = threading.Lock()
+        self.storer = Storer(self._store_job, on_drop=self._dropped)
 
     def start(self) -> None:
-        """Open the store now (drops stale identities): a one-token capture in slot 0 tells the constants."""
-        with self._locks[0]:
-            bos = self.server.post("/tokenize", {"content": "", "add_special": True}).get("tokens") or [1]
-            sf = self._capture(0, [int(t) for t in bos[:1]])
-            self.slots.open_for(sf)
+        """Open the store now (drops stale identities) with the slot layout learned without a task."""
+        bos = self.server.post("/tokenize", {"content": "", "add_special": True}).get("tokens") or [0]
+        learned = learn_constants(self.server, self.slots.model.shape, int(bos[0]))
+        self.slots.open_for(learned.sf)
+        if learned.adopted is not None:
+            self._known[learned.adopted] = learned.sf.tokens.tolist()
+        log.info("slot layout learned from %s", learned.how)
+        self.storer.start()
 
     def close(self) -> None:
-        """Close the store."""
+        """Finish the queued saves and close the store."""
+        self.storer.stop()
         self.slots.close()
 
     # -- prompts -------------------------------------------------------------------------------
@@ -138,71 +175,116 @@ class LlamaBridge:
         return [], 0, session
 
     # -- slots ---------------------------------------------------------------------------------
-    def _choose_slot(self, tokens: Sequence[int], wanted: Any) -> int:
-        if isinstance(wanted, int) and 0 <= wanted < self.n_slots:
-            self._locks[wanted].acquire()
-            return wanted
-        while True:
-            with self._pick:
-                order = sorted(range(self.n_slots), key=lambda s: -_lcp(self._known[s], tokens))
-                for s in order:
-                    if self._locks[s].acquire(blocking=False):
-                        return s
-            time.sleep(0.005)
-
-    def _capture(self, slot: int, tokens: list[int]) -> SlotFile:
-        """Evaluate exactly ``tokens`` into ``slot`` (no generation) and read the slot back."""
-        self.server.post("/completion", {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
-                                   "stream": False})
-        sf = self.slots.decode(self.server.save_slot(slot), what=f"slot {slot}")
-        self._known[slot] = sf.tokens.tolist()
-        return sf
-
-    # -- decisions -----------------------------------------------------------------------------
-    def before(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Plan:
-        """Choose the slot, restore the longest stored prefix that beats it, capture hybrid boundaries."""
-        tokens, system_end, session = self.prompt_of(path, body, headers)
-        slot = self._choose_slot(tokens, body.get("id_slot"))
-        plan = Plan(slot=slot, body={**body, "id_slot": slot, "cache_prompt": True}, tokens=tokens,
-                    system_end=system_end, session=session)
-        try:
-            if len(tokens) >= 2:
-                self._maybe_restore(plan)
-                if self.hybrid:
-                    self._hybrid_captures(plan)
-        except SnapstoreError as e:  # the request still goes through; it just reads more tokens
-            log.warning("slot %d: restore skipped: %s", slot, e)
-            self._known[slot] = []
-            if self.events.on_skip:
-                self.events.on_skip("restore_error")
-        except BaseException:
-            self.release(plan)
-            raise
-        return plan
-
     def _slot_reuse(self, slot: int, tokens: Sequence[int]) -> int:
-        known = self._known[slot]
+        return self._reuse(self._known[slot], tokens)
+
+    def _reuse(self, known: Sequence[int], tokens: Sequence[int]) -> int:
+        """Prompt tokens the server would not read again from a slot holding ``known``."""
         common = _lcp(known, tokens)
         if self.hybrid:  # recurrent state only continues from exactly the slot's end
             return common if common == len(known) and common < len(tokens) else 0
         return min(common, len(tokens) - 1)
 
-    def _maybe_restore(self, plan: Plan) -> None:
-        have = self._slot_reuse(plan.slot, plan.tokens)
-        m = self.slots.match(plan.tokens[:-1])  # leave the server at least one token to read
-        if m is None or m.n_tokens <= have:
-            if m is None and self.events.on_miss:
+    def _covered(self, tokens: Sequence[int]) -> int:
+        """The most of ``tokens`` any slot holds, or will once a request in flight is done."""
+        have = max((self._slot_reuse(s, tokens) for s in range(self.n_slots)), default=0)
+        return max([have, *(self._reuse(t, tokens) for t in self._inflight.values())])
+
+    def _reserve(self, tokens: Sequence[int], gain: int, wanted: Any) -> int | None:
+        """An idle slot to restore ``gain`` tokens into, reserved; None when a slot already covers as
+        much (the server picks that one) or no slot is free now (the server queues the request)."""
+        with self._pick:
+            if gain <= self._covered(tokens):
+                return None
+        idle = self.server.idle_slots()
+        with self._pick:
+            if gain <= self._covered(tokens):
+                return None
+            if isinstance(wanted, int):
+                cands = [wanted] if 0 <= wanted < self.n_slots else []
+            else:
+                cands = list(range(self.n_slots))
+            cands = [s for s in cands if s in idle and s not in self._reserved]
+            if not cands:
+                return None
+            # the slot whose loss costs least: the one nearest the prompt (it is superseded anyway), else LRU
+            slot = min(cands, key=lambda s: (-self._slot_reuse(s, tokens), self._used[s]))
+            self._reserved.add(slot)
+            self._used[slot] = time.monotonic()
+            return slot
+
+    def _unreserve(self, plan: Plan) -> None:
+        with self._pick:
+            if plan.reserved and plan.slot is not None:
+                self._reserved.discard(plan.slot)
+            plan.reserved = False
+            self._inflight.pop(plan.ticket, None)
+
+    def _capture(self, slot: int, tokens: list[int]) -> SlotFile:
+        """Evaluate exactly ``tokens`` into ``slot`` (no generation) and read the slot back."""
+        self.server.post("/completion", {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
+                                         "stream": False})
+        sf = self.slots.decode(self.server.save_slot(slot), what=f"slot {slot}")
+        self._known[slot] = sf.tokens.tolist()
+        return sf
+
+    # -- decisions -----------------------------------------------------------------------------
+    def before(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Plan | None:
+        """Restore the longest stored prefix into an idle slot when no slot holds as much (and capture
+        hybrid boundaries); None when the request asks the server not to cache its prompt."""
+        if body.get("cache_prompt") is False:
+            return None  # the client's word: no restore, no save, the request exactly as it came
+        tokens, system_end, session = self.prompt_of(path, body, headers)
+        plan = Plan(body=dict(body), tokens=tokens, system_end=system_end, session=session,
+                    kind="conversation" if path in CHAT_PATHS else "completion prompt")
+        wanted = body.get("id_slot")
+        if isinstance(wanted, int) and 0 <= wanted < self.n_slots:
+            plan.slot = wanted
+        try:
+            if len(tokens) >= 2:
+                self._maybe_restore(plan, wanted)
+                if self.hybrid and plan.slot is not None:
+                    self._hybrid_captures(plan)
+        except SnapstoreError as e:  # the request still goes through; it just reads more tokens
+            log.warning("slot %s: restore skipped: %s", plan.slot, e)
+            if plan.slot is not None:
+                self._known[plan.slot] = []
+            if self.events.on_skip:
+                self.events.on_skip("restore_error")
+        except BaseException:
+            self.release(plan)
+            raise
+        with self._pick:
+            plan.ticket = next(self._tickets)
+            if plan.slot is None:
+                self._inflight[plan.ticket] = tokens
+        return plan
+
+    def _maybe_restore(self, plan: Plan, wanted: Any) -> None:
+        m = self.slots.match(plan.tokens)  # an exact repeat too: the server reads its last token again
+        if self.hybrid and m is not None and m.n_tokens >= len(plan.tokens):
+            m = self.slots.match(plan.tokens[:-1])  # a recurrent state cannot give back its last token
+        if m is None:
+            if self.events.on_miss:
                 self.events.on_miss()
-            log.info("slot %d: no restore (store %s, slot reuses %d of %d)", plan.slot,
-                     "miss" if m is None else f"has {m.n_tokens}", have, len(plan.tokens))
+            log.info("no restore (store miss, %d prompt tokens)", len(plan.tokens))
             return
+        gain = min(m.n_tokens, len(plan.tokens) - 1)
+        slot = self._reserve(plan.tokens, gain, wanted)
+        if slot is None:
+            log.info("no restore (store has %d of %d prompt tokens; a slot holds as much, or none is idle)",
+                     m.n_tokens, len(plan.tokens))
+            return
+        plan.slot, plan.reserved = slot, True
+        plan.body["id_slot"] = slot  # the request must find what was restored for it
         t0 = time.perf_counter()
         data = self.slots.export_bytes(m, session=plan.session)
-        self.server.restore_slot(plan.slot, data, m.n_tokens)
-        self._known[plan.slot] = list(plan.tokens[: m.n_tokens])
+        self._known[slot] = []
+        self.server.restore_slot(slot, data, m.n_tokens)
+        self._known[slot] = list(plan.tokens[: m.n_tokens])
         dt = time.perf_counter() - t0
-        plan.restored = m.n_tokens
-        log.info("slot %d: restored %d of %d prompt tokens from snapshot %d (%d bytes, %.1f ms)", plan.slot,
+        plan.restored = gain
+        log.info("slot %d: restored %d of %d prompt tokens from snapshot %d (%d bytes, %.1f ms)", slot,
                  m.n_tokens, len(plan.tokens), m.snapshot_id, len(data), dt * 1e3)
         if self.events.on_restore:
             self.events.on_restore(m.n_tokens, dt, len(data))
@@ -211,11 +293,14 @@ class LlamaBridge:
         m = self.slots.match(tokens)
         return m is not None and m.n_tokens == len(tokens)
 
-    def _boundaries(self, plan: Plan, upto: int) -> list[tuple[int, str | None]]:
-        out: list[tuple[int, str | None]] = []
+    def _boundaries(self, plan: Plan, upto: int) -> list[tuple[int, str | None, str]]:
+        """(tokens, session, what) to save when the slot holds ``upto`` of the prompt."""
+        out: list[tuple[int, str | None, str]] = []
         if 0 < plan.system_end < upto:
-            out.append((plan.system_end, None))
-        out.append((upto, plan.session))
+            out.append((plan.system_end, None, "system prompt"))
+        if upto >= len(plan.tokens) - (1 if self.hybrid else 0):  # the whole prompt; never a part of it
+            label = plan.kind if plan.session is None else f"{plan.kind}, session {plan.session}"
+            out.append((upto, plan.session, label))
         return out
 
     def _store(self, sf: SlotFile, n: int, session: str | None, what: str) -> None:
@@ -234,8 +319,8 @@ class LlamaBridge:
 
     def _hybrid_captures(self, plan: Plan) -> None:
         # a recurrent state is only valid where it was taken: evaluate each boundary exactly
-        for n, session in self._boundaries(plan, len(plan.tokens) - 1):
-            what = "system prompt" if session is None and n == plan.system_end else "conversation"
+        assert plan.slot is not None
+        for n, session, what in self._boundaries(plan, len(plan.tokens) - 1):
             if self._stored(plan.tokens[:n]):
                 log.info("slot %d: %s boundary at %d already stored", plan.slot, what, n)
                 if self.events.on_skip:
@@ -247,36 +332,97 @@ class LlamaBridge:
                 continue
             self._store(sf, n, session, what)
 
-    def after(self, plan: Plan, ok: bool = True) -> None:
-        """After the upstream response: save the attention model's boundaries from the slot."""
+    def _candidates(self, plan: Plan, hint: int | None) -> list[int]:
+        """Slots that may hold ``plan``'s prompt: the one the bridge chose or the response named, else
+        the idle slots whose last task held at least the prompt's length, latest task first."""
+        if plan.slot is not None:
+            return [plan.slot]
+        if hint is not None and 0 <= hint < self.n_slots:
+            return [hint]
+        slots = self.server.get_any("/slots")
+        cands = [s for s in slots if isinstance(s, dict) and not s.get("is_processing")
+                 and int(s.get("n_prompt_tokens") or 0) >= len(plan.tokens)]
+        cands.sort(key=lambda s: -int(s.get("id_task") or 0))
+        return [int(s["id"]) for s in cands[:2]]
+
+    def _copy_out(self, plan: Plan, hint: int | None) -> tuple[int, bytes] | None:
+        """The slot holding the most of ``plan``'s prompt and its file (one server slot save each)."""
+        best: tuple[int, int, bytes] | None = None
+        for slot in self._candidates(plan, hint):
+            data = self.server.save_slot(slot)  # the copy: from here on the slot is the next request's
+            held = _tokens_in(data)
+            self._known[slot] = held
+            self._used[slot] = time.monotonic()
+            n = _lcp(held, plan.tokens)
+            if best is None or n > best[0]:
+                best = (n, slot, data)
+            if n >= len(plan.tokens):
+                break
+        return None if best is None else (best[1], best[2])
+
+    def after(self, plan: Plan, ok: bool = True, served_slot: int | None = None, cancelled: bool = False) -> None:
+        """After the upstream response: copy the slot out and queue its boundaries for storing.
+
+        ``served_slot``: the slot the response named (``id_slot``); ``cancelled``: the client left
+        before the end — then nothing is saved unless the server had read the whole prompt.
+        """
         if plan.done:
             return
         plan.done = True
-        if not ok or len(plan.tokens) < 2:
-            return
         try:
-            if self.hybrid:
-                self._known[plan.slot] = []  # generation moved it on; what exactly, only the server knows
+            if not (ok or cancelled) or len(plan.tokens) < 2:
                 return
-            sf = self.slots.decode(self.server.save_slot(plan.slot), what=f"slot {plan.slot}")
-            self._known[plan.slot] = sf.tokens.tolist()
+            if self.hybrid:
+                if plan.slot is not None:
+                    self._known[plan.slot] = []  # generation moved it on; what exactly, only the server knows
+                return
+            copied = self._copy_out(plan, served_slot)
+            if copied is None:
+                log.info("no save: no idle slot holds the request's prompt")
+                return
+            slot, data = copied
+        except (SnapstoreError, SlotFormatError, InvalidInputError) as e:
+            log.warning("slot %s: save skipped: %s", plan.slot, e)
+            if self.events.on_skip:
+                self.events.on_skip("save_error")
+            return
+        finally:
+            self.release(plan)
+        self.storer.put((plan, slot, data, cancelled))
+
+    def _store_job(self, job: tuple[Plan, int, bytes, bool]) -> None:
+        """Decode a copied slot and store the boundaries it holds (the storer's thread)."""
+        plan, slot, data, cancelled = job
+        try:
+            sf = self.slots.decode(data, what=f"slot {slot}")
             upto = _lcp(sf.tokens.tolist(), plan.tokens)
-            for n, session in self._boundaries(plan, upto):
-                what = "system prompt" if session is None else "conversation"
-                if n < 1:
-                    continue
+            if cancelled and upto < len(plan.tokens):
+                log.info("slot %d: request cancelled before its prompt was read (%d of %d): not saved", slot,
+                         upto, len(plan.tokens))
+                return
+            for n, session, what in self._boundaries(plan, upto):
                 if session is None and self._stored(plan.tokens[:n]):
                     if self.events.on_skip:
                         self.events.on_skip("already_stored")
                     continue
                 self._store(sf, n, session, what)
         except (SnapstoreError, SlotFormatError, InvalidInputError) as e:
-            log.warning("slot %d: save skipped: %s", plan.slot, e)
+            log.warning("slot %d: save skipped: %s", slot, e)
             if self.events.on_skip:
                 self.events.on_skip("save_error")
 
+    def _dropped(self, job: tuple[Plan, int, bytes, bool]) -> None:
+        log.warning("slot %d: save skipped: the background store is %d saves behind", job[1], Storer.DEPTH)
+        if self.events.on_skip:
+            self.events.on_skip("busy")
+
     def release(self, plan: Plan) -> None:
-        """Free the plan's slot for the next request."""
-        lock = self._locks[plan.slot]
-        if lock.locked():
-            lock.release()
+        """Free the plan's reservation (always call it; twice is harmless)."""
+        self._unreserve(plan)
+
+
+def _build_info(props: Mapping[str, Any], url: str) -> str:
+    build = props.get("build_info")
+    if not isinstance(build, str) or not build:
+        raise ConfigError(f"{url}/props reports no build_info; pass --build")
+    return build

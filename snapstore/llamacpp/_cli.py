@@ -77,6 +77,9 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     pp.add_argument("--build", metavar="B", help="llama.cpp build (default: $SNAPSTORE_LLAMA_BUILD, else /props)")
     pp.add_argument("--disk-mib", type=int, metavar="N", help="disk budget (default $SNAPSTORE_DISK_MIB)")
     pp.add_argument("--ram-mib", type=int, metavar="N", help="RAM tier budget (default $SNAPSTORE_RAM_MIB)")
+    pp.add_argument("--api-key", metavar="KEY", default=os.environ.get("LLAMA_API_KEY"),
+                    help="llama-server's --api-key (default $LLAMA_API_KEY): used for the proxy's own calls and "
+                         "required of clients here as there")
     pi.set_defaults(run=cmd_import_slot)
     pe.set_defaults(run=cmd_export_slot)
     pp.set_defaults(run=cmd_llama_proxy)
@@ -181,7 +184,7 @@ def cmd_llama_proxy(args: argparse.Namespace, ctx: CliContext) -> int:
     budget = Budget(disk_bytes=None if args.disk_mib is None else args.disk_mib * MIB,
                     ram_bytes=None if args.ram_mib is None else args.ram_mib * MIB)
     bridge = LlamaBridge(args.upstream, args.slot_save_path, args.model, store_dir=_root(args, create=True),
-                         build=args.build, budget=budget)
+                         build=args.build, budget=budget, api_key=args.api_key)
     bridge.start()
     try:
         run_proxy(bridge, host, int(port))

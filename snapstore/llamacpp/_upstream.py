@@ -30,26 +30,45 @@ class UpstreamError(SnapstoreError):
 class LlamaServer:
     """Control calls to one llama-server at ``upstream`` whose slot files live in ``slot_dir``."""
 
-    def __init__(self, upstream: str, slot_dir: str, timeout: float) -> None:
+    def __init__(self, upstream: str, slot_dir: str, timeout: float, api_key: str | None = None) -> None:
         self.upstream = upstream.rstrip("/")
         self.slot_dir = slot_dir
         self.timeout = timeout
+        # the key llama-server was started with (--api-key): sent on every control call
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._seq_lock = threading.Lock()
         self._seq = 0
 
     def get(self, path: str) -> JsonObject:
-        """GET ``path``'s JSON; UpstreamError when the server cannot be reached or answers garbage."""
+        """GET ``path``'s JSON object; UpstreamError when the server cannot be reached or answers garbage."""
+        out = self.get_any(path)
+        if not isinstance(out, dict):
+            raise UpstreamError(f"llama-server GET {path}: expected a JSON object, got {type(out).__name__}")
+        return out
+
+    def get_any(self, path: str) -> Any:
+        """GET ``path``'s JSON value (``/slots`` is a list)."""
+        req = urllib.request.Request(self.upstream + path, headers=self.auth)  # noqa: S310 - operator URL
         try:
-            with urllib.request.urlopen(self.upstream + path, timeout=self.timeout) as r:  # noqa: S310
-                out: JsonObject = json.loads(r.read())
-                return out
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:  # noqa: S310
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:300].decode(errors="replace")
+            raise UpstreamError(f"llama-server GET {self.upstream}{path}: HTTP {e.code}: {detail}") from None
         except (urllib.error.URLError, OSError, ValueError) as e:
-            raise UpstreamError(f"llama-server GET {path}: {e}") from None
+            raise UpstreamError(f"llama-server GET {self.upstream}{path}: {e}") from None
+
+    def idle_slots(self) -> set[int]:
+        """The slots that run no task now (``/slots`` is_processing), as the server reports them."""
+        slots = self.get_any("/slots")
+        if not isinstance(slots, list):
+            raise UpstreamError("llama-server GET /slots: expected a list (is it started with --slots?)")
+        return {int(s["id"]) for s in slots if isinstance(s, dict) and not s.get("is_processing")}
 
     def post(self, path: str, body: Mapping[str, Any]) -> JsonObject:
         """POST ``body`` as JSON to ``path``; UpstreamError (with the server's words) when it fails."""
         req = urllib.request.Request(self.upstream + path, data=json.dumps(body).encode(),  # noqa: S310
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **self.auth})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:  # noqa: S310
                 out: JsonObject = json.loads(r.read())
@@ -91,6 +110,10 @@ class LlamaServer:
                 os.unlink(path)
             except OSError:
                 pass
+
+    def erase_slot(self, slot: int) -> None:
+        """Empty ``slot``'s cache (``/slots/N?action=erase``)."""
+        self.post(f"/slots/{slot}?action=erase", {})
 
     def restore_slot(self, slot: int, data: bytes, n: int) -> None:
         """Load slot file bytes ``data`` of ``n`` tokens into ``slot``; UpstreamError if it restored other than n."""
