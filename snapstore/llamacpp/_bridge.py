@@ -69,7 +69,7 @@ class Plan:
     restored: int = 0
     done: bool = False
     reserved: bool = False
-    ticket: int = 0
+    ticket: int = 0  # 0: not yet open (before() gives it one); -1: released
 
 
 def _tokens_in(data: bytes) -> list[int]:
@@ -125,9 +125,11 @@ class LlamaBridge:
         self._known: list[list[int]] = [[] for _ in range(self.n_slots)]  # what each slot holds, as last seen
         self._used = [0.0] * self.n_slots
         self._reserved: set[int] = set()  # slots the bridge restored into, until their request is done
-        self._inflight: dict[int, list[int]] = {}  # prompts forwarded to a slot the server picks
+        self._answered: dict[int, list[int]] = {}  # prompts answered in a slot the server picked, not yet copied
         self._tickets = itertools.count(1)
         self._pick = threading.Lock()
+        self._settled = threading.Condition(self._pick)
+        self._open = 0  # plans given out and not yet released
         self.storer = Storer(self._store_job, on_drop=self._dropped)
 
     def start(self) -> None:
@@ -142,6 +144,7 @@ class LlamaBridge:
 
     def close(self) -> None:
         """Finish the queued saves and close the store."""
+        self.settle()
         self.storer.stop()
         self.slots.close()
 
@@ -186,9 +189,9 @@ class LlamaBridge:
         return min(common, len(tokens) - 1)
 
     def _covered(self, tokens: Sequence[int]) -> int:
-        """The most of ``tokens`` any slot holds, or will once a request in flight is done."""
+        """The most of ``tokens`` any slot holds, as last seen or as a request just answered left it."""
         have = max((self._slot_reuse(s, tokens) for s in range(self.n_slots)), default=0)
-        return max([have, *(self._reuse(t, tokens) for t in self._inflight.values())])
+        return max([have, *(self._reuse(t, tokens) for t in self._answered.values())])
 
     def _reserve(self, tokens: Sequence[int], gain: int, wanted: Any) -> int | None:
         """An idle slot to restore ``gain`` tokens into, reserved; None when a slot already covers as
@@ -218,7 +221,17 @@ class LlamaBridge:
             if plan.reserved and plan.slot is not None:
                 self._reserved.discard(plan.slot)
             plan.reserved = False
-            self._inflight.pop(plan.ticket, None)
+            self._answered.pop(plan.ticket, None)
+            if plan.ticket > 0:
+                self._open -= 1
+                self._settled.notify_all()
+            plan.ticket = -1
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait until every plan given out was released and its save stored (tests, shutdown)."""
+        with self._settled:
+            self._settled.wait_for(lambda: self._open == 0, timeout)
+        self.storer.drain(timeout)
 
     def _capture(self, slot: int, tokens: list[int]) -> SlotFile:
         """Evaluate exactly ``tokens`` into ``slot`` (no generation) and read the slot back."""
@@ -256,9 +269,15 @@ class LlamaBridge:
             raise
         with self._pick:
             plan.ticket = next(self._tickets)
-            if plan.slot is None:
-                self._inflight[plan.ticket] = tokens
+            self._open += 1
         return plan
+
+    def answered(self, plan: Plan) -> None:
+        """The response is about to end: until ``after`` has copied the slot out, count the prompt as
+        held by a slot (the conversation's next request, sent at once, then goes to that slot)."""
+        with self._pick:
+            if plan.ticket > 0:
+                self._answered[plan.ticket] = plan.tokens
 
     def _maybe_restore(self, plan: Plan, wanted: Any) -> None:
         m = self.slots.match(plan.tokens)  # an exact repeat too: the server reads its last token again
@@ -333,15 +352,17 @@ class LlamaBridge:
             self._store(sf, n, session, what)
 
     def _candidates(self, plan: Plan, hint: int | None) -> list[int]:
-        """Slots that may hold ``plan``'s prompt: the one the bridge chose or the response named, else
-        the idle slots whose last task held at least the prompt's length, latest task first."""
-        if plan.slot is not None:
-            return [plan.slot]
-        if hint is not None and 0 <= hint < self.n_slots:
-            return [hint]
-        slots = self.server.get_any("/slots")
-        cands = [s for s in slots if isinstance(s, dict) and not s.get("is_processing")
-                 and int(s.get("n_prompt_tokens") or 0) >= len(plan.tokens)]
+        """Idle slots that may hold ``plan``'s prompt: the one the bridge chose or the response named,
+        else those whose last task held at least the prompt's length, latest task first. A busy slot
+        is never asked: llama-server defers a slot save until the slot is free and re-queues deferred
+        tasks only as slots are released, so a save queued behind a busy slot can wait forever; a slot
+        busy again runs the conversation's next request, whose save covers this one."""
+        slots = [s for s in self.server.get_any("/slots") if isinstance(s, dict) and not s.get("is_processing")]
+        idle = {int(s["id"]) for s in slots}
+        known = plan.slot if plan.slot is not None else hint
+        if known is not None:
+            return [known] if known in idle else []
+        cands = [s for s in slots if int(s.get("n_prompt_tokens") or 0) >= len(plan.tokens)]
         cands.sort(key=lambda s: -int(s.get("id_task") or 0))
         return [int(s["id"]) for s in cands[:2]]
 
@@ -401,7 +422,7 @@ class LlamaBridge:
                          upto, len(plan.tokens))
                 return
             for n, session, what in self._boundaries(plan, upto):
-                if session is None and self._stored(plan.tokens[:n]):
+                if self._stored(plan.tokens[:n]):  # an exact repeat (or a shared system prompt): nothing new
                     if self.events.on_skip:
                         self.events.on_skip("already_stored")
                     continue

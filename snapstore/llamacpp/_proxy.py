@@ -64,13 +64,16 @@ class _SlotSniffer:
 
 def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
     """The aiohttp application: /metrics, and everything else passed through to the bridge's upstream."""
-    from aiohttp import ClientSession, ClientTimeout, web
+    from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
     client_key = web.AppKey("client", ClientSession)
     pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="snapstore-llama")
 
     async def on_startup(app: web.Application) -> None:
-        app[client_key] = ClientSession(timeout=ClientTimeout(total=None, sock_connect=30), auto_decompress=False,
+        # a fresh upstream connection per request: llama-server closes a kept-alive one after its
+        # Keep-Alive max or timeout, and a POST written into a connection it just closed would fail
+        app[client_key] = ClientSession(connector=TCPConnector(force_close=True),
+                                        timeout=ClientTimeout(total=None, sock_connect=30), auto_decompress=False,
                                         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
 
     async def on_cleanup(app: web.Application) -> None:
@@ -122,7 +125,7 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
         sniff = _SlotSniffer()
         status, cancelled = 599, False
         try:
-            resp, status = await _forward(request, body, sniff)
+            resp, status = await _forward(request, body, sniff, plan)
             return resp
         except (asyncio.CancelledError, ConnectionResetError):
             cancelled = True  # the client left: the upstream request was closed with it
@@ -131,7 +134,8 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
             if plan is not None:  # not awaited: a cancelled handler must not wait for the save
                 in_pool(_after, bridge, plan, status < 400 and not cancelled, sniff.slot, cancelled)
 
-    async def _forward(request: web.Request, body: bytes, sniff: _SlotSniffer) -> tuple[web.StreamResponse, int]:
+    async def _forward(request: web.Request, body: bytes, sniff: _SlotSniffer, plan: Plan | None
+                       ) -> tuple[web.StreamResponse, int]:
         client = request.app[client_key]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_REQUEST}
         url = bridge.upstream + request.rel_url.path_qs
@@ -147,6 +151,8 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
                 async for chunk in up.content.iter_any():
                     sniff.feed(chunk)
                     await out.write(chunk)
+                if plan is not None:
+                    bridge.answered(plan)  # before the client can see the end (no await in between)
                 await out.write_eof()
                 return out, up.status
             except BaseException:
