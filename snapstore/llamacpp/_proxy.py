@@ -70,9 +70,9 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
     pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="snapstore-llama")
 
     async def on_startup(app: web.Application) -> None:
-        # a fresh upstream connection per request: llama-server closes a kept-alive one after its
-        # Keep-Alive max or timeout, and a POST written into a connection it just closed would fail
-        app[client_key] = ClientSession(connector=TCPConnector(force_close=True),
+        # kept-alive upstream connections are dropped before llama-server's own Keep-Alive timeout
+        # (5 s by default) would close them under a request (_open retries that case once)
+        app[client_key] = ClientSession(connector=TCPConnector(keepalive_timeout=2.0),
                                         timeout=ClientTimeout(total=None, sock_connect=30), auto_decompress=False,
                                         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
 
@@ -139,25 +139,25 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
         client = request.app[client_key]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_REQUEST}
         url = bridge.upstream + request.rel_url.path_qs
-        async with client.request(request.method, url, headers=headers, data=body) as up:
-            try:
-                out = web.StreamResponse(status=up.status, reason=up.reason, headers=_response_headers(up.headers))
-                if up.headers.get("Connection", "").lower() == "close":
-                    out.force_close()
-                if "chunked" not in up.headers.get("Transfer-Encoding", "").lower() and \
-                        up.content_length is not None:
-                    out.content_length = up.content_length  # the server's framing: no chunking added
-                await out.prepare(request)
-                async for chunk in up.content.iter_any():
-                    sniff.feed(chunk)
-                    await out.write(chunk)
-                if plan is not None:
-                    bridge.answered(plan)  # before the client can see the end (no await in between)
-                await out.write_eof()
-                return out, up.status
-            except BaseException:
-                up.close()  # drop the upstream connection: llama-server cancels the task at once
-                raise
+        up = await _open(client, request.method, url, headers, body)
+        try:
+            out = web.StreamResponse(status=up.status, reason=up.reason, headers=_response_headers(up.headers))
+            if up.headers.get("Connection", "").lower() == "close":
+                out.force_close()
+            if "chunked" not in up.headers.get("Transfer-Encoding", "").lower() and up.content_length is not None:
+                out.content_length = up.content_length  # the server's framing: no chunking added
+            await out.prepare(request)
+            async for chunk in up.content.iter_any():
+                sniff.feed(chunk)
+                await out.write(chunk)
+            if plan is not None:
+                bridge.answered(plan)  # before the client can see the end (no await in between)
+            await out.write_eof()
+            up.release()
+            return out, up.status
+        except BaseException:
+            up.close()  # drop the upstream connection: llama-server cancels a streamed task at once
+            raise
 
     app = web.Application(client_max_size=1 << 30)
     app.on_startup.append(on_startup)
@@ -165,6 +165,18 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_route("*", "/{tail:.*}", passthrough)
     return app
+
+
+async def _open(client: Any, method: str, url: str, headers: Mapping[str, str], body: bytes) -> Any:
+    """The upstream response (headers read). A kept-alive connection the server closed meanwhile
+    fails before the request reached it: that one case is sent again, on a new connection."""
+    from aiohttp import ClientOSError, ServerDisconnectedError
+
+    try:
+        return await client.request(method, url, headers=headers, data=body)
+    except (ClientOSError, ServerDisconnectedError) as e:
+        log.info("upstream connection closed under %s %s (%s): sent again", method, url, e)
+        return await client.request(method, url, headers=headers, data=body)
 
 
 def _response_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
