@@ -319,6 +319,8 @@ def proxy(bridge: Any) -> Iterator[tuple[str, Any]]:
         loop.call_soon_threadsafe(loop.stop)
         t.join(30)
         loop.close()
+        if hasattr(bridge, "settle"):
+            bridge.settle()  # the background saves of every request answered
 
 
 if __name__ == "__main__":  # the body of ServerProcess: serve until stdin closes

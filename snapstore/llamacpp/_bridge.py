@@ -193,15 +193,16 @@ class LlamaBridge:
         have = max((self._slot_reuse(s, tokens) for s in range(self.n_slots)), default=0)
         return max([have, *(self._reuse(t, tokens) for t in self._answered.values())])
 
-    def _reserve(self, tokens: Sequence[int], gain: int, wanted: Any) -> int | None:
+    def _reserve(self, tokens: Sequence[int], gain: int, wanted: Any, *, need: bool = False) -> int | None:
         """An idle slot to restore ``gain`` tokens into, reserved; None when a slot already covers as
-        much (the server picks that one) or no slot is free now (the server queues the request)."""
+        much (the server picks that one; ``need``: a slot is wanted anyway) or no slot is free now
+        (the server queues the request)."""
         with self._pick:
-            if gain <= self._covered(tokens):
+            if not need and gain <= self._covered(tokens):
                 return None
         idle = self.server.idle_slots()
         with self._pick:
-            if gain <= self._covered(tokens):
+            if not need and gain <= self._covered(tokens):
                 return None
             if isinstance(wanted, int):
                 cands = [wanted] if 0 <= wanted < self.n_slots else []
@@ -256,8 +257,8 @@ class LlamaBridge:
         try:
             if len(tokens) >= 2:
                 self._maybe_restore(plan, wanted)
-                if self.hybrid and plan.slot is not None:
-                    self._hybrid_captures(plan)
+                if self.hybrid:
+                    self._hybrid_captures(plan, wanted)
         except SnapstoreError as e:  # the request still goes through; it just reads more tokens
             log.warning("slot %s: restore skipped: %s", plan.slot, e)
             if plan.slot is not None:
@@ -336,15 +337,25 @@ class LlamaBridge:
         if self.events.on_save:
             self.events.on_save(n, dt, res.stored_bytes)
 
-    def _hybrid_captures(self, plan: Plan) -> None:
-        # a recurrent state is only valid where it was taken: evaluate each boundary exactly
-        assert plan.slot is not None
+    def _hybrid_captures(self, plan: Plan, wanted: Any) -> None:
+        # a recurrent state is only valid where it was taken: evaluate each boundary exactly, in a
+        # slot of the proxy's choosing (an idle one; none idle: no capture this time)
+        todo = []
         for n, session, what in self._boundaries(plan, len(plan.tokens) - 1):
             if self._stored(plan.tokens[:n]):
-                log.info("slot %d: %s boundary at %d already stored", plan.slot, what, n)
+                log.info("%s boundary at %d already stored", what, n)
                 if self.events.on_skip:
                     self.events.on_skip("already_stored")
-                continue
+            else:
+                todo.append((n, session, what))
+        if todo and plan.slot is None:
+            slot = self._reserve(plan.tokens, 0, wanted, need=True)
+            if slot is None:
+                return
+            plan.slot, plan.reserved = slot, True
+            plan.body["id_slot"] = slot
+        for n, session, what in todo:
+            assert plan.slot is not None
             sf = self._capture(plan.slot, list(plan.tokens[:n]))
             if sf.tokens.tolist() != list(plan.tokens[:n]):
                 log.warning("slot %d: capture holds other tokens than the prompt; not saved", plan.slot)
