@@ -14,24 +14,22 @@ slot is free for the conversation's next request at once. ``snapstore llama-prox
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .._config import Budget
 from .._errors import ConfigError, InvalidInputError, SnapstoreError
 from ._probe import learn_constants
-from ._slotfile import TOKEN_NULL, SlotFile, SlotFormatError
+from ._prompt import CHAT_PATHS, prompt_of
+from ._prompt import lcp as _lcp
+from ._prompt import tokens_in as _tokens_in
+from ._slotfile import SlotFile, SlotFormatError
 from ._slotstore import ImportResult, SlotStore, export_snapshot
 from ._storer import Storer
 from ._upstream import JsonObject, LlamaServer, UpstreamError
@@ -70,32 +68,6 @@ class Plan:
     done: bool = False
     reserved: bool = False
     ticket: int = 0  # 0: not yet open (before() gives it one); -1: released
-
-
-def _tokens_in(data: bytes) -> list[int]:
-    """The tokens a slot file holds (its token payload only; the state is checked when it is stored)."""
-    try:
-        _, _, n = struct.unpack_from("<III", data, 0)
-        words = np.frombuffer(data, "<i4", count=n, offset=12)
-    except (struct.error, ValueError):
-        return []
-    if len(words) >= 3 and int(words[0]) == TOKEN_NULL:
-        words = words[3:3 + int(words[2])]
-    return [int(t) for t in words]
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x, y = np.asarray(a[:n]), np.asarray(b[:n])
-    diff = np.nonzero(x != y)[0]
-    return int(diff[0]) if len(diff) else n
-
-
-CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
-COMPLETION_PATHS = ("/completion", "/completions", "/v1/completions")
-SESSION_HEADER = "X-Snapstore-Session"
 
 
 class LlamaBridge:
@@ -148,34 +120,10 @@ class LlamaBridge:
         self.storer.stop()
         self.slots.close()
 
-    # -- prompts -------------------------------------------------------------------------------
     def prompt_of(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
                   ) -> tuple[list[int], int, str | None]:
         """Prompt tokens, the end of the system prompt / tool list (0: none), and the session key."""
-        session = (headers or {}).get(SESSION_HEADER) or None
-        if path in CHAT_PATHS:
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs:
-                return [], 0, session
-            full = self.server.tokenize(self.server.render(msgs, body))
-            head = [m for m in msgs if isinstance(m, dict) and m.get("role") in ("system", "developer")]
-            k = len(head)
-            if head and msgs[:k] == head or body.get("tools"):
-                sys_tokens = self.server.tokenize(self.server.render(msgs[:k], body))
-                system_end = _lcp(sys_tokens, full)
-            else:
-                system_end = 0
-            if session is None:
-                first_user = next((m for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None)
-                key = json.dumps([msgs[:k], first_user, body.get("tools")], sort_keys=True, default=str)
-                session = "chat:" + hashlib.sha256(key.encode()).hexdigest()[:24]
-            return full, system_end, session
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return [int(t) for t in prompt], 0, session
-        if isinstance(prompt, str):
-            return self.server.tokenize(prompt), 0, session
-        return [], 0, session
+        return prompt_of(self.server, path, body, headers)
 
     # -- slots ---------------------------------------------------------------------------------
     def _slot_reuse(self, slot: int, tokens: Sequence[int]) -> int:

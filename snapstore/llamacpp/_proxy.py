@@ -22,8 +22,9 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ._bridge import CHAT_PATHS, COMPLETION_PATHS, LlamaBridge, Plan
+from ._bridge import LlamaBridge, Plan
 from ._metrics import BridgeMetrics
+from ._prompt import CHAT_PATHS, COMPLETION_PATHS
 
 if TYPE_CHECKING:
     from multidict import CIMultiDict
