@@ -23,7 +23,8 @@ SLOW_MODULES = frozenset({
     # venv, ~20-90 s each); the slot-file codec tests (test_llamacpp_slotfile.py, a few seconds,
     # no server) stay fast
     "test_remote_fleet.py", "test_remote_stream.py", "test_remote_tee.py", "test_remote_tee_faults.py",
-    "test_remote_granularity.py", "test_llamacpp_bridge.py", "test_llamacpp_identity.py", "test_vllm_connector.py",
+    "test_remote_granularity.py", "test_llamacpp_bridge.py", "test_llamacpp_identity.py",
+    "test_llamacpp_passthrough.py", "test_llamacpp_load.py", "test_vllm_connector.py",
     # model runtimes: transformers models built at test time
     "test_engine_hf.py", "test_engine_hf_device.py", "test_prefix_cache.py", "test_prefix_cache_keys.py",
     # many processes: the CLI as a subprocess per command, owners in other PID/UTS namespaces,

@@ -335,7 +335,7 @@ def proxy(bridge: Any) -> Iterator[tuple[str, Any]]:
     bridge.events = metrics.events()
     loop = asyncio.new_event_loop()
     port = free_port()
-    runner = web.AppRunner(make_app(bridge, metrics), access_log=None)
+    runner = web.AppRunner(make_app(bridge, metrics), access_log=None, handler_cancellation=True)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
     t = threading.Thread(target=loop.run_forever, daemon=True)
@@ -347,6 +347,8 @@ def proxy(bridge: Any) -> Iterator[tuple[str, Any]]:
         loop.call_soon_threadsafe(loop.stop)
         t.join(30)
         loop.close()
+        if hasattr(bridge, "settle"):
+            bridge.settle()  # the background saves of every request answered
 
 
 if __name__ == "__main__":  # the body of ServerProcess: serve until stdin closes

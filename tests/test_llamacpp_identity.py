@@ -204,6 +204,31 @@ def test_the_start_up_probe_leaves_the_slot_as_it_was(models, tmp_path):
     assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1  # all but the token it must re-read
 
 
+def test_a_background_save_planned_under_an_older_identity_is_refused(models, tmp_path):
+    """The slot is copied out under the request's identity, the identity moves on before the
+    background store runs: the save is refused (identity_changed), nothing stored under the new one."""
+    from snapstore.llamacpp._bridge import BridgeEvents
+
+    slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
+    with h.server_process(models["a"], slots) as srv:
+        skipped: list[str] = []
+        bridge = LlamaBridge(srv.url, slots, models["a"], store_dir=store, build=BUILD,
+                             events=BridgeEvents(on_skip=skipped.append))
+        bridge.start()
+        try:
+            plan = bridge.before("/completion", {"prompt": h.text_of(40, 3), "n_predict": 0})
+            assert plan is not None and plan.generation == bridge.slots.generation
+            reply = srv.post("/completion", plan.body)
+            bridge.slots.switch(bridge.slots.model, "build-next", bridge.slots.runtime)  # the identity moves on
+            bridge.after(plan, True, reply.get("id_slot"))
+            bridge.release(plan)
+            bridge.settle()
+            assert "identity_changed" in skipped
+            assert bridge.slots.store is None  # nothing was stored (the new identity's store never opened)
+        finally:
+            bridge.close()
+
+
 def test_keep_stale_keeps_a_rebuilt_engines_snapshots(models, tmp_path):
     slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
     model = models["a"]

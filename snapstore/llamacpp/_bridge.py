@@ -1,31 +1,39 @@
 """``LlamaBridge``: prefix persistence for a running llama-server, decided per request.
 
-It drives llama-server through its own HTTP API (``/tokenize``, ``/apply-template``,
-``/completion``, ``/slots``; ``_upstream``) so that a request first gets the longest stored prefix
-restored into its slot, and its boundaries — the end of the system prompt (shared by new chats)
-and the conversation's own prompt (under its session) — are saved through a ``SlotStore``
-(``_slotstore``). ``snapstore llama-proxy`` (``_proxy.py``) wraps it.
+It drives llama-server through its own HTTP API (``/tokenize``, ``/apply-template``, ``/slots``;
+``_upstream``) so that a request gets the longest stored prefix restored into a slot when no slot
+of the server already holds as much, and its boundaries — the end of the system prompt (shared by
+new chats) and the conversation's own prompt (under its session) — are saved through a
+``SlotStore`` (``_slotstore``). It adds to the server's own caches and never replaces them: a
+request it restores nothing for goes upstream unchanged (the server picks the slot, its host-RAM
+prompt cache included); a request that says ``cache_prompt: false`` is not touched at all. Saving
+copies the slot out (one server slot save) and stores it in the background (``_storer``), so the
+slot is free for the conversation's next request at once. Before every restore and save it looks
+at what the server serves now (``_watch.IdentityWatch``): state planned under another identity is
+never restored or stored. ``snapstore llama-proxy`` (``_proxy.py``) wraps it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .._config import Budget
-from .._errors import InvalidInputError, SnapstoreError
+from .._errors import InvalidInputError, SnapstoreError, StateError
 from ._identity import ModelInfo
+from ._prompt import CHAT_PATHS, prompt_of
+from ._prompt import lcp as _lcp
+from ._prompt import tokens_in as _tokens_in
 from ._served import request_unkeyable
 from ._slotfile import SlotFile, SlotFormatError
 from ._slotstore import ImportResult, SlotStore, export_snapshot
+from ._storer import Storer
 from ._upstream import JsonObject, LlamaServer, UpstreamError
 from ._watch import IdentityWatch
 
@@ -47,47 +55,42 @@ class BridgeEvents:
 
 @dataclass
 class Plan:
-    """One request's slot, prompt tokens and boundaries, from ``LlamaBridge.before``."""
+    """One request's prompt tokens and boundaries, from ``LlamaBridge.before``.
 
-    slot: int
+    ``slot`` is the slot the bridge put the request in (it restored into it, or the client named
+    it); None: the server picks, and ``after`` learns which from the response or ``/slots``.
+    """
+
     body: JsonObject
+    slot: int | None = None
     tokens: list[int] = field(default_factory=list)
     system_end: int = 0
     session: str | None = None
+    kind: str = "completion"  # what a save of the whole prompt is logged as: "completion prompt" / "conversation"
     restored: int = 0
     done: bool = False
+    reserved: bool = False
+    ticket: int = 0  # 0: not yet open (before() gives it one); -1: released
     generation: int | None = None  # the identity it was planned under (None: nothing restored or saved)
     served: str = ""  # the server's signature then (_served.Served.signature)
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x, y = np.asarray(a[:n]), np.asarray(b[:n])
-    diff = np.nonzero(x != y)[0]
-    return int(diff[0]) if len(diff) else n
-
-
-CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
-COMPLETION_PATHS = ("/completion", "/completions", "/v1/completions")
-SESSION_HEADER = "X-Snapstore-Session"
 
 
 class LlamaBridge:
     """Prefix persistence for a running llama-server, driven through its HTTP API.
 
-    ``before(path, body)`` picks a slot, restores the longest stored prefix into it when that
-    beats what the slot holds, and (hybrid models) captures exact boundaries; the caller then
-    sends ``plan.body`` upstream and calls ``after(plan)``, which saves the boundaries of an
-    attention model from the slot. ``release(plan)`` frees the slot (always call it).
+    ``before(path, body)`` restores the longest stored prefix into an idle slot when no slot holds
+    as much of the prompt (and, hybrid models, captures exact boundaries); the caller sends
+    ``plan.body`` upstream and calls ``after(plan, ok, served_slot)``, which copies the slot out and
+    hands the saving to the background. No call waits for another request: a slot the bridge
+    cannot have at once is simply not used.
     """
 
     def __init__(self, upstream: str, slot_save_path: str, model: str | None = None, *, store_dir: str | None = None,
                  build: str | None = None, budget: Budget | None = None, events: BridgeEvents | None = None,
-                 timeout: float = 600.0, keep_stale: bool = False) -> None:
-        self.server = LlamaServer(upstream, slot_save_path, timeout)
+                 timeout: float = 600.0, keep_stale: bool = False, api_key: str | None = None) -> None:
+        self.server = LlamaServer(upstream, slot_save_path, timeout, api_key)
         self.upstream = self.server.upstream
+        self.api_key = api_key
         self.slot_dir = slot_save_path
         self.timeout = timeout
         self.events = events or BridgeEvents()
@@ -96,16 +99,23 @@ class LlamaBridge:
                                drop_stale=not keep_stale)
         self.hybrid = self.slots.model.shape.hybrid
         self.n_slots = self.watch.n_slots
-        self._known: list[list[int]] = [[] for _ in range(self.n_slots)]
-        self._locks = [threading.Lock() for _ in range(self.n_slots)]
+        self._known: list[list[int]] = [[] for _ in range(self.n_slots)]  # what each slot holds, as last seen
+        self._used = [0.0] * self.n_slots
+        self._reserved: set[int] = set()  # slots the bridge restored into, until their request is done
+        self._answered: dict[int, list[int]] = {}  # prompts answered in a slot the server picked, not yet copied
+        self._tickets = itertools.count(1)
         self._pick = threading.Lock()
+        self._settled = threading.Condition(self._pick)
+        self._open = 0  # plans given out and not yet released
+        self.storer = Storer(self._store_job, on_drop=self._dropped)
 
     def start(self) -> None:
-        """Take the identity (the K/V probe runs in slot 0 and puts its content back) and open the store."""
+        """Take the identity and open the store (drops stale identities): the K/V probe runs in an idle
+        slot and leaves its content as it was (``_served.identify``); the slot layout comes with it."""
         if self.watch.build_warning:
             log.warning("%s", self.watch.build_warning)
-        with self._locks[0]:
-            self.watch.current(self.slots, 0, self._forget)
+        self.watch.current(self.slots, self._probe_slot, self._forget)
+        self.storer.start()
 
     # -- identity (_watch) ---------------------------------------------------------------------
     @property
@@ -124,131 +134,180 @@ class LlamaBridge:
 
     def _forget(self, model: ModelInfo) -> None:
         """The server changed: nothing known of its slots holds, and the model may be another."""
-        self._known = [[] for _ in range(self.n_slots)]
+        with self._pick:
+            self._known = [[] for _ in range(self.n_slots)]
+            self._answered.clear()
         self.hybrid = model.shape.hybrid
 
-    def _unchanged(self, plan: Plan) -> bool:
-        return self.watch.unchanged(plan.generation, plan.served)
+    @contextlib.contextmanager
+    def _probe_slot(self) -> Iterator[int | None]:
+        """An idle slot reserved for the identity probe while it runs (None: every slot is busy now)."""
+        slot = self._reserve([], 0, None, need=True)
+        try:
+            yield slot
+        finally:
+            if slot is not None:
+                with self._pick:
+                    self._reserved.discard(slot)
 
     def _admit(self, plan: Plan, body: Mapping[str, Any]) -> bool:
         """Whether ``plan`` may restore and save: the identity holds and the request adds nothing unkeyed."""
-        now = self.watch.current(self.slots, plan.slot, self._forget)
+        now = self.watch.current(self.slots, self._probe_slot, self._forget)
         if now is None:
             self._skip(self.refusal_reason or "refused")
             return False
         reason = request_unkeyable(body, now[1])
         if reason is not None:
-            log.info("slot %d: %s carries inputs the identity cannot key; not restored or saved", plan.slot, reason)
+            log.info("request carries %s, inputs the identity cannot key; not restored or saved", reason)
             self._skip(reason)
             return False
         plan.generation, plan.served = now[0], now[1].signature
         return True
 
     def close(self) -> None:
-        """Close the store."""
+        """Finish the queued saves and close the store."""
+        self.settle()
+        self.storer.stop()
         self.slots.close()
 
-    # -- prompts -------------------------------------------------------------------------------
     def prompt_of(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
                   ) -> tuple[list[int], int, str | None]:
         """Prompt tokens, the end of the system prompt / tool list (0: none), and the session key."""
-        session = (headers or {}).get(SESSION_HEADER) or None
-        if path in CHAT_PATHS:
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs:
-                return [], 0, session
-            full = self.server.tokenize(self.server.render(msgs, body))
-            head = [m for m in msgs if isinstance(m, dict) and m.get("role") in ("system", "developer")]
-            k = len(head)
-            if head and msgs[:k] == head or body.get("tools"):
-                sys_tokens = self.server.tokenize(self.server.render(msgs[:k], body))
-                system_end = _lcp(sys_tokens, full)
-            else:
-                system_end = 0
-            if session is None:
-                first_user = next((m for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None)
-                key = json.dumps([msgs[:k], first_user, body.get("tools")], sort_keys=True, default=str)
-                session = "chat:" + hashlib.sha256(key.encode()).hexdigest()[:24]
-            return full, system_end, session
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return [int(t) for t in prompt], 0, session
-        if isinstance(prompt, str):
-            return self.server.tokenize(prompt), 0, session
-        return [], 0, session
+        return prompt_of(self.server, path, body, headers)
 
     # -- slots ---------------------------------------------------------------------------------
-    def _choose_slot(self, tokens: Sequence[int], wanted: Any) -> int:
-        if isinstance(wanted, int) and 0 <= wanted < self.n_slots:
-            self._locks[wanted].acquire()
-            return wanted
-        while True:
-            with self._pick:
-                order = sorted(range(self.n_slots), key=lambda s: -_lcp(self._known[s], tokens))
-                for s in order:
-                    if self._locks[s].acquire(blocking=False):
-                        return s
-            time.sleep(0.005)
-
-    def _capture(self, slot: int, tokens: list[int]) -> SlotFile:
-        """Evaluate exactly ``tokens`` into ``slot`` (no generation) and read the slot back."""
-        self.server.post("/completion", {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
-                                   "stream": False})
-        sf = self.slots.decode(self.server.save_slot(slot), what=f"slot {slot}")
-        self._known[slot] = sf.tokens.tolist()
-        return sf
-
-    # -- decisions -----------------------------------------------------------------------------
-    def before(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Plan:
-        """Choose the slot, restore the longest stored prefix that beats it, capture hybrid boundaries."""
-        tokens, system_end, session = self.prompt_of(path, body, headers)
-        slot = self._choose_slot(tokens, body.get("id_slot"))
-        plan = Plan(slot=slot, body={**body, "id_slot": slot, "cache_prompt": True}, tokens=tokens,
-                    system_end=system_end, session=session)
-        try:
-            if len(tokens) >= 2 and self._admit(plan, body):
-                self._maybe_restore(plan)
-                if self.hybrid:
-                    self._hybrid_captures(plan)
-        except SnapstoreError as e:  # the request still goes through; it just reads more tokens
-            log.warning("slot %d: restore skipped: %s", slot, e)
-            self._known[slot] = []
-            if self.events.on_skip:
-                self.events.on_skip("restore_error")
-        except BaseException:
-            self.release(plan)
-            raise
-        return plan
-
     def _slot_reuse(self, slot: int, tokens: Sequence[int]) -> int:
-        known = self._known[slot]
+        return self._reuse(self._known[slot], tokens)
+
+    def _reuse(self, known: Sequence[int], tokens: Sequence[int]) -> int:
+        """Prompt tokens the server would not read again from a slot holding ``known``."""
         common = _lcp(known, tokens)
         if self.hybrid:  # recurrent state only continues from exactly the slot's end
             return common if common == len(known) and common < len(tokens) else 0
         return min(common, len(tokens) - 1)
 
-    def _maybe_restore(self, plan: Plan) -> None:
-        have = self._slot_reuse(plan.slot, plan.tokens)
-        m = self.slots.match(plan.tokens[:-1], plan.generation)  # leave the server at least one token to read
-        if m is None or m.n_tokens <= have:
-            if m is None and self.events.on_miss:
+    def _covered(self, tokens: Sequence[int]) -> int:
+        """The most of ``tokens`` any slot holds, as last seen or as a request just answered left it."""
+        have = max((self._slot_reuse(s, tokens) for s in range(self.n_slots)), default=0)
+        return max([have, *(self._reuse(t, tokens) for t in self._answered.values())])
+
+    def _reserve(self, tokens: Sequence[int], gain: int, wanted: Any, *, need: bool = False) -> int | None:
+        """An idle slot to restore ``gain`` tokens into, reserved; None when a slot already covers as
+        much (the server picks that one; ``need``: a slot is wanted anyway) or no slot is free now
+        (the server queues the request)."""
+        with self._pick:
+            if not need and gain <= self._covered(tokens):
+                return None
+        idle = self.server.idle_slots()
+        with self._pick:
+            if not need and gain <= self._covered(tokens):
+                return None
+            if isinstance(wanted, int):
+                cands = [wanted] if 0 <= wanted < self.n_slots else []
+            else:
+                cands = list(range(self.n_slots))
+            cands = [s for s in cands if s in idle and s not in self._reserved]
+            if not cands:
+                return None
+            # the slot whose loss costs least: the one nearest the prompt (it is superseded anyway), else LRU
+            slot = min(cands, key=lambda s: (-self._slot_reuse(s, tokens), self._used[s]))
+            self._reserved.add(slot)
+            self._used[slot] = time.monotonic()
+            return slot
+
+    def _unreserve(self, plan: Plan) -> None:
+        with self._pick:
+            if plan.reserved and plan.slot is not None:
+                self._reserved.discard(plan.slot)
+            plan.reserved = False
+            self._answered.pop(plan.ticket, None)
+            if plan.ticket > 0:
+                self._open -= 1
+                self._settled.notify_all()
+            plan.ticket = -1
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait until every plan given out was released and its save stored (tests, shutdown)."""
+        with self._settled:
+            self._settled.wait_for(lambda: self._open == 0, timeout)
+        self.storer.drain(timeout)
+
+    def _capture(self, slot: int, tokens: list[int]) -> SlotFile:
+        """Evaluate exactly ``tokens`` into ``slot`` (no generation) and read the slot back."""
+        self.server.post("/completion", {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
+                                         "stream": False})
+        sf = self.slots.decode(self.server.save_slot(slot), what=f"slot {slot}")
+        self._known[slot] = sf.tokens.tolist()
+        return sf
+
+    # -- decisions -----------------------------------------------------------------------------
+    def before(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Plan | None:
+        """Restore the longest stored prefix into an idle slot when no slot holds as much (and capture
+        hybrid boundaries); None when the request asks the server not to cache its prompt."""
+        if body.get("cache_prompt") is False:
+            return None  # the client's word: no restore, no save, the request exactly as it came
+        tokens, system_end, session = self.prompt_of(path, body, headers)
+        plan = Plan(body=dict(body), tokens=tokens, system_end=system_end, session=session,
+                    kind="conversation" if path in CHAT_PATHS else "completion prompt")
+        wanted = body.get("id_slot")
+        if isinstance(wanted, int) and 0 <= wanted < self.n_slots:
+            plan.slot = wanted
+        try:
+            if len(tokens) >= 2 and self._admit(plan, body):
+                self._maybe_restore(plan, wanted)
+                if self.hybrid:
+                    self._hybrid_captures(plan, wanted)
+        except SnapstoreError as e:  # the request still goes through; it just reads more tokens
+            log.warning("slot %s: restore skipped: %s", plan.slot, e)
+            if plan.slot is not None:
+                self._known[plan.slot] = []
+            self._skip("restore_error")
+        except BaseException:
+            self.release(plan)
+            raise
+        with self._pick:
+            plan.ticket = next(self._tickets)
+            self._open += 1
+        return plan
+
+    def answered(self, plan: Plan) -> None:
+        """The response is about to end: until ``after`` has copied the slot out, count the prompt as
+        held by a slot (the conversation's next request, sent at once, then goes to that slot)."""
+        with self._pick:
+            if plan.ticket > 0:
+                self._answered[plan.ticket] = plan.tokens
+
+    def _maybe_restore(self, plan: Plan, wanted: Any) -> None:
+        m = self.slots.match(plan.tokens, plan.generation)  # an exact repeat too: the server reads its last token
+        if self.hybrid and m is not None and m.n_tokens >= len(plan.tokens):
+            m = self.slots.match(plan.tokens[:-1], plan.generation)  # a recurrent state cannot give back its last
+        if m is None:
+            if self.events.on_miss:
                 self.events.on_miss()
-            log.info("slot %d: no restore (store %s, slot reuses %d of %d)", plan.slot,
-                     "miss" if m is None else f"has {m.n_tokens}", have, len(plan.tokens))
+            log.info("no restore (store miss, %d prompt tokens)", len(plan.tokens))
             return
+        gain = min(m.n_tokens, len(plan.tokens) - 1)
+        slot = self._reserve(plan.tokens, gain, wanted)
+        if slot is None:
+            log.info("no restore (store has %d of %d prompt tokens; a slot holds as much, or none is idle)",
+                     m.n_tokens, len(plan.tokens))
+            return
+        plan.slot, plan.reserved = slot, True
+        plan.body["id_slot"] = slot  # the request must find what was restored for it
         t0 = time.perf_counter()
         data = self.slots.export_bytes(m, session=plan.session, generation=plan.generation)
-        self.server.restore_slot(plan.slot, data, m.n_tokens)
-        if not self._unchanged(plan):  # restarted or changed between the look and the restore: undo it
-            self.server.post(f"/slots/{plan.slot}?action=erase", {})
-            self._known[plan.slot], plan.generation = [], None
-            log.warning("slot %d: llama-server changed while restoring; the slot was erased", plan.slot)
+        self._known[slot] = []
+        self.server.restore_slot(slot, data, m.n_tokens)
+        if not self.watch.unchanged(plan.generation, plan.served):  # changed while restoring: undo it
+            self.server.erase_slot(slot)
+            plan.generation = None
+            log.warning("slot %d: llama-server changed while restoring; the slot was erased", slot)
             self._skip("identity_changed")
             return
-        self._known[plan.slot] = list(plan.tokens[: m.n_tokens])
+        self._known[slot] = list(plan.tokens[: m.n_tokens])
         dt = time.perf_counter() - t0
-        plan.restored = m.n_tokens
-        log.info("slot %d: restored %d of %d prompt tokens from snapshot %d (%d bytes, %.1f ms)", plan.slot,
+        plan.restored = gain
+        log.info("slot %d: restored %d of %d prompt tokens from snapshot %d (%d bytes, %.1f ms)", slot,
                  m.n_tokens, len(plan.tokens), m.snapshot_id, len(data), dt * 1e3)
         if self.events.on_restore:
             self.events.on_restore(m.n_tokens, dt, len(data))
@@ -257,79 +316,135 @@ class LlamaBridge:
         m = self.slots.match(tokens)
         return m is not None and m.n_tokens == len(tokens)
 
-    def _boundaries(self, plan: Plan, upto: int) -> list[tuple[int, str | None]]:
-        out: list[tuple[int, str | None]] = []
+    def _boundaries(self, plan: Plan, upto: int) -> list[tuple[int, str | None, str]]:
+        """(tokens, session, what) to save when the slot holds ``upto`` of the prompt."""
+        out: list[tuple[int, str | None, str]] = []
         if 0 < plan.system_end < upto:
-            out.append((plan.system_end, None))
-        out.append((upto, plan.session))
+            out.append((plan.system_end, None, "system prompt"))
+        if upto >= len(plan.tokens) - (1 if self.hybrid else 0):  # the whole prompt; never a part of it
+            label = plan.kind if plan.session is None else f"{plan.kind}, session {plan.session}"
+            out.append((upto, plan.session, label))
         return out
 
     def _store(self, sf: SlotFile, n: int, session: str | None, what: str, plan: Plan) -> None:
-        if not self._unchanged(plan):  # the slot was read from another server process or setting
-            log.info("slot save skipped at %d tokens (%s): llama-server changed since the request", n, what)
+        t0 = time.perf_counter()
+        try:  # a save planned under an older identity is refused (SlotStore's generation check)
+            res = self.slots.save(sf, n, session=session, generation=plan.generation)
+        except StateError as e:
+            log.info("slot save skipped at %d tokens (%s): %s", n, what, e)
             self._skip("identity_changed")
             return
-        t0 = time.perf_counter()
-        res = self.slots.save(sf, n, session=session, generation=plan.generation)
         dt = time.perf_counter() - t0
         if res.skipped:
             log.info("slot save skipped at %d tokens (%s): %s", n, what, res.skipped)
-            if self.events.on_skip:
-                self.events.on_skip(res.skipped)
+            self._skip(res.skipped)
             return
         log.info("saved %d tokens (%s) as snapshot %d over %s: %d bytes stored, %.1f ms", n, what,
                  res.snapshot_id, res.parent_id, res.stored_bytes, dt * 1e3)
         if self.events.on_save:
             self.events.on_save(n, dt, res.stored_bytes)
 
-    def _hybrid_captures(self, plan: Plan) -> None:
-        # a recurrent state is only valid where it was taken: evaluate each boundary exactly
-        for n, session in self._boundaries(plan, len(plan.tokens) - 1):
-            what = "system prompt" if session is None and n == plan.system_end else "conversation"
+    def _hybrid_captures(self, plan: Plan, wanted: Any) -> None:
+        # a recurrent state is only valid where it was taken: evaluate each boundary exactly, in a
+        # slot of the proxy's choosing (an idle one; none idle: no capture this time)
+        todo = []
+        for n, session, what in self._boundaries(plan, len(plan.tokens) - 1):
             if self._stored(plan.tokens[:n]):
-                log.info("slot %d: %s boundary at %d already stored", plan.slot, what, n)
-                if self.events.on_skip:
-                    self.events.on_skip("already_stored")
-                continue
+                log.info("%s boundary at %d already stored", what, n)
+                self._skip("already_stored")
+            else:
+                todo.append((n, session, what))
+        if todo and plan.slot is None:
+            slot = self._reserve(plan.tokens, 0, wanted, need=True)
+            if slot is None:
+                return
+            plan.slot, plan.reserved = slot, True
+            plan.body["id_slot"] = slot
+        for n, session, what in todo:
+            assert plan.slot is not None
             sf = self._capture(plan.slot, list(plan.tokens[:n]))
             if sf.tokens.tolist() != list(plan.tokens[:n]):
                 log.warning("slot %d: capture holds other tokens than the prompt; not saved", plan.slot)
                 continue
             self._store(sf, n, session, what, plan)
 
-    def after(self, plan: Plan, ok: bool = True) -> None:
-        """After the upstream response: save the attention model's boundaries from the slot."""
+    def _copy_out(self, plan: Plan, hint: int | None) -> tuple[int, bytes] | None:
+        """The slot holding the most of ``plan``'s prompt and its file (one server slot save each)."""
+        best: tuple[int, int, bytes] | None = None
+        known = plan.slot if plan.slot is not None else hint
+        for slot in self.server.idle_slots_holding(len(plan.tokens), known):
+            data = self.server.save_slot(slot)  # the copy: from here on the slot is the next request's
+            held = _tokens_in(data)
+            self._known[slot] = held
+            self._used[slot] = time.monotonic()
+            n = _lcp(held, plan.tokens)
+            if best is None or n > best[0]:
+                best = (n, slot, data)
+            if n >= len(plan.tokens):
+                break
+        return None if best is None else (best[1], best[2])
+
+    def after(self, plan: Plan, ok: bool = True, served_slot: int | None = None, cancelled: bool = False) -> None:
+        """After the upstream response: copy the slot out and queue its boundaries for storing.
+
+        ``served_slot``: the slot the response named (``id_slot``); ``cancelled``: the client left
+        before the end — then nothing is saved unless the server had read the whole prompt.
+        """
         if plan.done:
             return
         plan.done = True
-        if plan.generation is None:  # declined or refused: what the slot holds now is not known here
-            self._known[plan.slot] = []
-            return
-        if not ok or len(plan.tokens) < 2:
-            return
         try:
-            if self.hybrid:
-                self._known[plan.slot] = []  # generation moved it on; what exactly, only the server knows
+            if plan.generation is None:  # declined or refused: what its slot holds now is not known here
+                if plan.slot is not None:
+                    self._known[plan.slot] = []
                 return
-            sf = self.slots.decode(self.server.save_slot(plan.slot), what=f"slot {plan.slot}")
-            self._known[plan.slot] = sf.tokens.tolist()
+            if not (ok or cancelled) or len(plan.tokens) < 2:
+                return
+            if self.hybrid:
+                if plan.slot is not None:
+                    self._known[plan.slot] = []  # generation moved it on; what exactly, only the server knows
+                return
+            copied = self._copy_out(plan, served_slot)
+            if copied is None:
+                log.info("no save: no idle slot holds the request's prompt")
+                return
+            slot, data = copied
+            if not self.watch.unchanged(plan.generation, plan.served):  # read from another server or setting
+                log.info("slot %d: save skipped: llama-server changed since the request", slot)
+                self._skip("identity_changed")
+                return
+        except (SnapstoreError, SlotFormatError, InvalidInputError) as e:
+            log.warning("slot %s: save skipped: %s", plan.slot, e)
+            self._skip("save_error")
+            return
+        finally:
+            self.release(plan)
+        self.storer.put((plan, slot, data, cancelled))
+
+    def _store_job(self, job: tuple[Plan, int, bytes, bool]) -> None:
+        """Decode a copied slot and store the boundaries it holds (the storer's thread)."""
+        plan, slot, data, cancelled = job
+        try:
+            sf = self.slots.decode(data, what=f"slot {slot}")
             upto = _lcp(sf.tokens.tolist(), plan.tokens)
-            for n, session in self._boundaries(plan, upto):
-                what = "system prompt" if session is None else "conversation"
-                if n < 1:
-                    continue
-                if session is None and self._stored(plan.tokens[:n]):
-                    if self.events.on_skip:
-                        self.events.on_skip("already_stored")
+            if cancelled and upto < len(plan.tokens):
+                log.info("slot %d: request cancelled before its prompt was read (%d of %d): not saved", slot,
+                         upto, len(plan.tokens))
+                return
+            for n, session, what in self._boundaries(plan, upto):
+                if self._stored(plan.tokens[:n]):  # an exact repeat (or a shared system prompt): nothing new
+                    self._skip("already_stored")
                     continue
                 self._store(sf, n, session, what, plan)
         except (SnapstoreError, SlotFormatError, InvalidInputError) as e:
-            log.warning("slot %d: save skipped: %s", plan.slot, e)
-            if self.events.on_skip:
-                self.events.on_skip("save_error")
+            log.warning("slot %d: save skipped: %s", slot, e)
+            self._skip("save_error")
+
+    def _dropped(self, job: tuple[Plan, int, bytes, bool]) -> None:
+        log.warning("slot %d: save skipped: the background store is %d saves behind", job[1], Storer.DEPTH)
+        self._skip("busy")
 
     def release(self, plan: Plan) -> None:
-        """Free the plan's slot for the next request."""
-        lock = self._locks[plan.slot]
-        if lock.locked():
-            lock.release()
+        """Free the plan's reservation (always call it; twice is harmless)."""
+        self._unreserve(plan)
+

@@ -92,6 +92,9 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     pp.add_argument("--ram-mib", type=int, metavar="N", help="RAM tier budget (default $SNAPSTORE_RAM_MIB)")
     pp.add_argument("--keep-stale", action="store_true", help="keep the snapshots of this model under another "
                     "build or cache setting (default: dropped at start, as the store's stale rule says)")
+    pp.add_argument("--api-key", metavar="KEY", default=os.environ.get("LLAMA_API_KEY"),
+                    help="llama-server's --api-key (default $LLAMA_API_KEY): used for the proxy's own calls and "
+                         "required of clients here as there")
     pi.set_defaults(run=cmd_import_slot)
     pe.set_defaults(run=cmd_export_slot)
     pp.set_defaults(run=cmd_llama_proxy)
@@ -175,7 +178,7 @@ def _server_slotstore(args: argparse.Namespace, ctx: CliContext) -> Any:
     from ._upstream import LlamaServer
 
     slot_dir = args.slot_save_path or os.path.dirname(os.path.abspath(args.file))
-    server = LlamaServer(str(args.upstream), slot_dir, 600.0)
+    server = LlamaServer(str(args.upstream), slot_dir, 600.0, os.environ.get("LLAMA_API_KEY"))
     served = served_now(server, args.model)
     mine, theirs = model_info(args.model), model_of(served, args.model, served.model_path)
     if mine.sha256 != theirs.sha256:
@@ -227,7 +230,7 @@ def cmd_llama_proxy(args: argparse.Namespace, ctx: CliContext) -> int:
                     ram_bytes=None if args.ram_mib is None else args.ram_mib * MIB)
     root = _root(args, create=True)
     bridge = LlamaBridge(args.upstream, args.slot_save_path, args.model, store_dir=root, build=args.build,
-                         budget=budget, keep_stale=args.keep_stale)
+                         budget=budget, keep_stale=args.keep_stale, api_key=args.api_key)
     bridge.start()
     try:
         run_proxy(bridge, host, int(port), on_listen=lambda: _say(ctx, listen_line(bridge, host, int(port), root)))

@@ -1,51 +1,107 @@
 """``snapstore llama-proxy``: an HTTP proxy in front of llama-server that adds prefix persistence.
 
-Every request is passed through unchanged (method, path, query, headers, body; the response's
-status, headers and body streamed back as they arrive, errors untouched). Completion and chat
-completion requests also go through ``LlamaBridge``: before forwarding, the longest stored prefix
-is restored into the request's slot when it beats what the slot holds; after the response, the
-system-prompt and conversation boundaries are saved. ``/metrics`` here is the proxy's own
-(Prometheus text format); llama-server's stays at its own address. aiohttp serves and forwards
-(one well-kept library for both sides, streaming included); store and slot work runs in a
-worker thread so the event loop never blocks on disk.
+Invisible by design: a client sees what llama-server would send — status, headers (framing:
+Content-Length or chunked, Keep-Alive) and body as they arrive, errors untouched — except
+``timings.cache_n`` (and the times) when a restore spared the server some reading. Completion and
+chat completion requests also go through ``LlamaBridge`` (restore before, save after; a request
+with ``cache_prompt: false`` is left alone). A client that disconnects cancels the upstream request
+at once. ``/metrics`` serves llama-server's own series, then the proxy's. With ``--api-key`` the
+proxy does its own work only for requests carrying the key; any other request is passed through
+as it came, so llama-server answers it (401) itself. aiohttp serves and forwards; the bridge's
+store and slot work runs on a thread pool of its own, where no job waits for another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
-from collections.abc import Callable
-from typing import Any
+import re
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
-from ._bridge import CHAT_PATHS, COMPLETION_PATHS, LlamaBridge, Plan
+from ._bridge import LlamaBridge, Plan
 from ._metrics import BridgeMetrics
+from ._prompt import CHAT_PATHS, COMPLETION_PATHS
+
+if TYPE_CHECKING:
+    from multidict import CIMultiDict
 
 __all__ = ["make_app", "run_proxy"]
 
 log = logging.getLogger("snapstore.llamacpp")
-_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-        "transfer-encoding", "upgrade", "host", "content-length"}
+# hop-by-hop headers (RFC 9110 7.6.1) and the ones aiohttp writes itself from the body
+_HOP_REQUEST = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+                "transfer-encoding", "upgrade", "host", "content-length"}
+_HOP_RESPONSE = {"connection", "proxy-authenticate", "proxy-authorization", "te", "trailers", "transfer-encoding",
+                 "upgrade", "content-length"}
+_ID_SLOT = re.compile(rb'(?<!\\)"id_slot":(\d+)')
+
+
+def authorized(headers: Mapping[str, str], key: str | None) -> bool:
+    """Whether a request carries llama-server's API key (``Authorization: Bearer`` or ``X-Api-Key``)."""
+    if not key:
+        return True
+    auth = headers.get("Authorization", "")
+    given = auth[len("Bearer "):] if auth.startswith("Bearer ") else headers.get("X-Api-Key", "")
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+class _SlotSniffer:
+    """The last ``"id_slot": N`` (N >= 0) in a response body, as it streams past (the slot that served it)."""
+
+    def __init__(self) -> None:
+        self.slot: int | None = None
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        buf = self._tail + chunk
+        for m in _ID_SLOT.finditer(buf):
+            self.slot = int(m.group(1))
+        self._tail = buf[-24:]
 
 
 def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
     """The aiohttp application: /metrics, and everything else passed through to the bridge's upstream."""
-    from aiohttp import ClientSession, ClientTimeout, web
+    from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
     client_key = web.AppKey("client", ClientSession)
+    pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="snapstore-llama")
 
     async def on_startup(app: web.Application) -> None:
-        app[client_key] = ClientSession(timeout=ClientTimeout(total=None, sock_connect=30), auto_decompress=False)
+        # kept-alive upstream connections are dropped before llama-server's own Keep-Alive timeout
+        # (5 s by default) would close them under a request (_open retries that case once)
+        app[client_key] = ClientSession(connector=TCPConnector(keepalive_timeout=2.0),
+                                        timeout=ClientTimeout(total=None, sock_connect=30), auto_decompress=False,
+                                        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
 
     async def on_cleanup(app: web.Application) -> None:
         await app[client_key].close()
+        pool.shutdown(wait=True)
 
-    async def metrics_handler(request: web.Request) -> web.Response:
+    def in_pool(fn: Any, *args: Any) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def metrics_handler(request: web.Request) -> web.StreamResponse:
+        if not authorized(request.headers, bridge.api_key):
+            return await passthrough(request)
+        client = request.app[client_key]
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_REQUEST}
+        async with client.get(bridge.upstream + request.rel_url.path_qs, headers=headers) as up:
+            theirs, status, up_headers = await up.read(), up.status, up.headers
         store = bridge.slots.store
         stats = await asyncio.to_thread(store.stats) if store is not None else None
         metrics.refresh(stats)
-        body, ctype = metrics.render()
-        return web.Response(body=body, headers={"Content-Type": ctype})
+        ours, ctype = metrics.render()
+        if status in (401, 403):  # the server's answer to these credentials stands
+            return web.Response(status=status, body=theirs, headers=_response_headers(up_headers))
+        if status != 200:  # the server serves no metrics: the proxy's alone
+            return web.Response(body=ours, headers={"Content-Type": ctype})
+        out = _response_headers(up_headers)
+        return web.Response(body=theirs + (b"" if theirs.endswith(b"\n") or not theirs else b"\n") + ours,
+                            headers=out)
 
     async def passthrough(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -53,46 +109,56 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
         plan: Plan | None = None
         kind = "chat" if path in CHAT_PATHS else "completion" if path in COMPLETION_PATHS else "other"
         metrics.requests.labels(kind=kind).inc()
-        if kind != "other" and request.method == "POST":
+        if kind != "other" and request.method == "POST" and authorized(request.headers, bridge.api_key):
             try:
                 parsed = json.loads(body or b"null")
             except ValueError:
                 parsed = None  # not JSON: llama-server answers it with its own error
             if isinstance(parsed, dict):
-                headers = {k: v for k, v in request.headers.items()}
+                headers = dict(request.headers.items())
                 try:
-                    plan = await asyncio.to_thread(bridge.before, path, parsed, headers)
-                    body = json.dumps(plan.body).encode()
+                    plan = await in_pool(bridge.before, path, parsed, headers)
+                    if plan is not None and plan.body != parsed:
+                        body = json.dumps(plan.body).encode()
                 except Exception as e:  # the bridge never breaks a request: forward it as it came
                     log.warning("bridge skipped for %s: %s", path, e)
                     plan = None
-        ok = False
+        sniff = _SlotSniffer()
+        status, cancelled = 599, False
         try:
-            resp = await _forward(request, body)
-            ok = resp.status < 400
+            resp, status = await _forward(request, body, sniff, plan)
             return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            cancelled = True  # the client left: the upstream request was closed with it
+            raise
         finally:
-            if plan is not None:
-                p = plan
-                try:
-                    await asyncio.shield(asyncio.to_thread(_after, bridge, p, ok))
-                except Exception as e:  # pragma: no cover - _after logs its own failures
-                    log.warning("bridge after() failed: %s", e)
+            if plan is not None:  # not awaited: a cancelled handler must not wait for the save
+                in_pool(_after, bridge, plan, status < 400 and not cancelled, sniff.slot, cancelled)
 
-    async def _forward(request: web.Request, body: bytes) -> web.StreamResponse:
+    async def _forward(request: web.Request, body: bytes, sniff: _SlotSniffer, plan: Plan | None
+                       ) -> tuple[web.StreamResponse, int]:
         client = request.app[client_key]
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_REQUEST}
         url = bridge.upstream + request.rel_url.path_qs
-        async with client.request(request.method, url, headers=headers, data=body) as up:
-            out = web.StreamResponse(status=up.status, reason=up.reason)
-            for k, v in up.headers.items():
-                if k.lower() not in _HOP:
-                    out.headers.add(k, v)
+        up = await _open(client, request.method, url, headers, body)
+        try:
+            out = web.StreamResponse(status=up.status, reason=up.reason, headers=_response_headers(up.headers))
+            if up.headers.get("Connection", "").lower() == "close":
+                out.force_close()
+            if "chunked" not in up.headers.get("Transfer-Encoding", "").lower() and up.content_length is not None:
+                out.content_length = up.content_length  # the server's framing: no chunking added
             await out.prepare(request)
             async for chunk in up.content.iter_any():
+                sniff.feed(chunk)
                 await out.write(chunk)
+            if plan is not None:
+                bridge.answered(plan)  # before the client can see the end (no await in between)
             await out.write_eof()
-            return out
+            up.release()
+            return out, up.status
+        except BaseException:
+            up.close()  # drop the upstream connection: llama-server cancels a streamed task at once
+            raise
 
     app = web.Application(client_max_size=1 << 30)
     app.on_startup.append(on_startup)
@@ -102,9 +168,33 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
     return app
 
 
-def _after(bridge: LlamaBridge, plan: Plan, ok: bool) -> None:
+async def _open(client: Any, method: str, url: str, headers: Mapping[str, str], body: bytes) -> Any:
+    """The upstream response (headers read). A kept-alive connection the server closed meanwhile
+    fails before the request reached it: that one case is sent again, on a new connection."""
+    from aiohttp import ClientOSError, ServerDisconnectedError
+
     try:
-        bridge.after(plan, ok)
+        return await client.request(method, url, headers=headers, data=body)
+    except (ClientOSError, ServerDisconnectedError) as e:
+        log.info("upstream connection closed under %s %s (%s): sent again", method, url, e)
+        return await client.request(method, url, headers=headers, data=body)
+
+
+def _response_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    from multidict import CIMultiDict
+
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        if k.lower() not in _HOP_RESPONSE:
+            out.add(k, v)
+    return out
+
+
+def _after(bridge: LlamaBridge, plan: Plan, ok: bool, served: int | None, cancelled: bool) -> None:
+    try:
+        bridge.after(plan, ok, served, cancelled)
+    except Exception as e:  # after() logs its own failures; anything else must not kill the pool
+        log.warning("bridge after() failed: %s", e)
     finally:
         bridge.release(plan)
 
@@ -115,5 +205,5 @@ def run_proxy(bridge: LlamaBridge, host: str, port: int, on_listen: Callable[[],
 
     metrics = BridgeMetrics()
     bridge.events = metrics.events()
-    web.run_app(make_app(bridge, metrics), host=host, port=port, access_log=None,
+    web.run_app(make_app(bridge, metrics), host=host, port=port, access_log=None, handler_cancellation=True,
                 print=None if on_listen is None else lambda _banner: on_listen())

@@ -85,7 +85,7 @@ def _stat_key(path: str) -> list[int] | None:
 def served_now(server: LlamaServer, model_hint: str | None = None) -> Served:
     """Ask the server what it serves now (two small GETs) and stat the model file here."""
     props = server.get("/props", what="the model, build and settings it serves")
-    raw: Any = server.get("/lora-adapters", what="the LoRA adapters it applies")
+    raw: Any = server.get_any("/lora-adapters", what="the LoRA adapters it applies")
     loras = raw if isinstance(raw, list) else []
     path = str(props.get("model_path") or "")
     build = props.get("build_info")

@@ -45,20 +45,30 @@ def unreachable(url: str, doing: str, e: BaseException) -> str:
 class LlamaServer:
     """Control calls to one llama-server at ``upstream`` whose slot files live in ``slot_dir``."""
 
-    def __init__(self, upstream: str, slot_dir: str, timeout: float) -> None:
+    def __init__(self, upstream: str, slot_dir: str, timeout: float, api_key: str | None = None) -> None:
         self.upstream = upstream.rstrip("/")
         self.slot_dir = slot_dir
         self.timeout = timeout
+        # the key llama-server was started with (--api-key): sent on every control call
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._seq_lock = threading.Lock()
         self._seq = 0
 
     def get(self, path: str, what: str = "") -> JsonObject:
-        """GET ``path``'s JSON (``what`` says what it asks for); UpstreamError when the server cannot be
-        reached or answers garbage."""
+        """GET ``path``'s JSON object (``what`` says what it asks for); UpstreamError when the server cannot
+        be reached or answers garbage."""
+        out = self.get_any(path, what)
+        if not isinstance(out, dict):
+            raise UpstreamError(f"llama-server at {self.upstream} answered GET {path}{_for(what)} with a JSON "
+                                f"{type(out).__name__}, not an object")
+        return out
+
+    def get_any(self, path: str, what: str = "") -> Any:
+        """GET ``path``'s JSON value (``/slots`` and ``/lora-adapters`` are lists), the api key sent."""
+        req = urllib.request.Request(self.upstream + path, headers=self.auth)  # noqa: S310 - operator URL
         try:
-            with urllib.request.urlopen(self.upstream + path, timeout=self.timeout) as r:  # noqa: S310
-                out: JsonObject = json.loads(r.read())
-                return out
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:  # noqa: S310
+                return json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise UpstreamError(f"llama-server at {self.upstream} answered GET {path}{_for(what)} with HTTP "
                                 f"{e.code}: {e.read()[:300].decode(errors='replace')}") from None
@@ -68,10 +78,31 @@ class LlamaServer:
         except (urllib.error.URLError, OSError) as e:
             raise UpstreamError(unreachable(self.upstream, f"GET {path}{_for(what)}", e)) from None
 
+    def idle_slots(self) -> set[int]:
+        """The slots that run no task now (``/slots`` is_processing), as the server reports them."""
+        slots = self.get_any("/slots", "which slots are idle")
+        if not isinstance(slots, list):
+            raise UpstreamError("llama-server GET /slots: expected a list (is it started with --slots?)")
+        return {int(s["id"]) for s in slots if isinstance(s, dict) and not s.get("is_processing")}
+
+    def idle_slots_holding(self, n_tokens: int, known: int | None) -> list[int]:
+        """Idle slots that may hold a prompt of ``n_tokens``: slot ``known`` (the one a request was put
+        in or the response named), else those whose last task held at least that many, latest task
+        first. A busy slot is never named: llama-server defers a slot save until the slot is free and
+        re-queues deferred tasks only as slots are released, so a save queued behind a busy slot can
+        wait forever; a slot busy again runs the conversation's next request, whose save covers this."""
+        slots = [s for s in self.get_any("/slots", "which slots are idle")
+                 if isinstance(s, dict) and not s.get("is_processing")]
+        if known is not None:
+            return [known] if known in {int(s["id"]) for s in slots} else []
+        cands = [s for s in slots if int(s.get("n_prompt_tokens") or 0) >= n_tokens]
+        cands.sort(key=lambda s: -int(s.get("id_task") or 0))
+        return [int(s["id"]) for s in cands[:2]]
+
     def post(self, path: str, body: Mapping[str, Any]) -> JsonObject:
         """POST ``body`` as JSON to ``path``; UpstreamError (with the server's words) when it fails."""
         req = urllib.request.Request(self.upstream + path, data=json.dumps(body).encode(),  # noqa: S310
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **self.auth})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:  # noqa: S310
                 out: JsonObject = json.loads(r.read())
@@ -115,6 +146,10 @@ class LlamaServer:
                 os.unlink(path)
             except OSError:
                 pass
+
+    def erase_slot(self, slot: int) -> None:
+        """Empty ``slot``'s cache (``/slots/N?action=erase``)."""
+        self.post(f"/slots/{slot}?action=erase", {})
 
     def restore_slot(self, slot: int, data: bytes, n: int) -> None:
         """Load slot file bytes ``data`` of ``n`` tokens into ``slot``; UpstreamError if it restored other than n."""

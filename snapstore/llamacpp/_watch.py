@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from ._identity import BUILD_ENV, ModelInfo, build_warning
 from ._served import Refusal, Served, identify, model_of, served_now
@@ -39,22 +40,30 @@ class IdentityWatch:
         self.n_slots = served.n_slots
         self.refusal: Refusal | None = None  # why nothing may be persisted now (None: persisting)
         self._served: Served | None = None  # what the identity was last taken for
+        self._first = True  # no identity taken yet: the probe slot's content is kept whatever it finds
         self._lock = threading.Lock()
 
-    def current(self, slots: SlotStore, slot: int, on_change: Callable[[ModelInfo], None]) -> tuple[int, Served] | None:
+    def current(self, slots: SlotStore, hold: Callable[[], AbstractContextManager[int | None]],
+                on_change: Callable[[ModelInfo], None]) -> tuple[int, Served] | None:
         """The identity generation that holds now and the server's state; on any change the identity
-        is taken again, its probe in ``slot`` (held by the caller), and ``on_change`` runs (whatever the
-        caller knew of the server's slots no longer holds). None: persistence is refused now."""
+        is taken again, its probe in the idle slot ``hold()`` reserves while it runs, and ``on_change``
+        runs (whatever the caller knew of the server's slots no longer holds). None: persistence is
+        refused now."""
         served = served_now(self.server, self.model_hint)
         with self._lock:
             if self._served is None or served.signature != self._served.signature:
-                self._retake(slots, served, slot, on_change)
+                with hold() as slot:
+                    if slot is None:  # every slot busy: refuse this time, take it at the next look
+                        self.refusal = Refusal("busy", "no idle slot for the identity probe now")
+                        self._served = None
+                        return None
+                    self._retake(slots, served, slot, on_change)
             if self.refusal is not None:
                 return None
             return slots.generation, served
 
     def _retake(self, slots: SlotStore, served: Served, slot: int, on_change: Callable[[ModelInfo], None]) -> None:
-        first = self._served is None
+        first = self._first
         self._served, self.refusal = served, None
         on_change(slots.model)
         build = self.build_given or served.build or "unspecified"
@@ -64,12 +73,14 @@ class IdentityWatch:
                                           decode_with=lambda m: lambda b: decode(b, m.shape, what=f"slot {slot}"),
                                           keep_slot=lambda m, r: first or slots.is_current(m, build, r.to_extra()))
         except Refusal as e:
+            self._first = False
             self.refusal = e
             log.warning("llama-server at %s: %s", self.server.upstream, e)
             return
         except BaseException:
             self._served = None  # not taken: the next request tries again
             raise
+        self._first = False
         self.build = build
         changed = slots.switch(model, self.build, runtime.to_extra())
         slots.open_for(sf)
