@@ -299,6 +299,8 @@ def test_cache_prompt_false(model, tmp_path, via):
     with target(via, model, tmp_path) as t:
         prompt = h.text_of(60, 8)
         first = json.loads(call(t.url, "POST", "/completion", {"prompt": prompt, "n_predict": 3})[2])
+        if t.bridge is not None:  # the first's slot free again and its prompt stored: a proxy that forced
+            settle(t.bridge)  # cache_prompt back on would have the server reuse (or restore) it
         again = json.loads(call(t.url, "POST", "/completion", {"prompt": prompt, "n_predict": 3,
                                                                "cache_prompt": False})[2])
         other = json.loads(call(t.url, "POST", "/completion", {"prompt": h.text_of(40, 9), "n_predict": 3,
