@@ -155,7 +155,9 @@ def test_flipped_byte_in_a_chunk_is_recomputed_never_junk(
     worker = p2["stats"]["worker"]
     assert worker["load_errors"] >= 1 and worker["failed_blocks"] >= 8
     stats = snapstore_json(store, "stats")["stats"]
-    assert stats["quarantined"] >= 1  # found by the restore, not offered again until a save heals it
+    # found by the restore and quarantined (not offered again); the connector plans the request's save
+    # again once vLLM recomputed the blocks, and that save of the correct bytes heals it
+    assert stats["quarantined"] + stats["healed"] >= 1
 
 
 def test_store_that_cannot_open_disables_the_connector(
