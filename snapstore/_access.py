@@ -15,13 +15,22 @@ from ._catalog import SnapRow, SnapState, Txn
 from ._db import Database
 from ._errors import IdentityError, InvalidInputError, NotFoundError, SnapshotUnavailableError
 from ._identity import Identity
-from ._save import Retry
 
-__all__ = ["Access"]
+__all__ = ["Access", "Retry"]
 
 _GONE_NOTES = 4096  # ids remembered with the reason they went (oldest forgotten first)
 _GONE_DEFAULT = ("evicted for the budget, superseded within its session, deleted, or a pending "
                  "capture that was abandoned or whose process is gone")
+
+
+class Retry(Exception):
+    """The commit found a chunk file gone (concurrent eviction), the parent gone, or this store's
+    identity row dropped by another process (re-created in its own transaction first): redo."""
+
+    def __init__(self, parent_gone: bool = False, identity_gone: bool = False) -> None:
+        super().__init__()
+        self.parent_gone = parent_gone
+        self.identity_gone = identity_gone
 
 
 class Access:

@@ -36,21 +36,18 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ._config import MIB, env_int
 from ._errors import ConfigError, StateError
 from ._forks import track
-from ._layout import Fixed
+from ._layout import Fixed, Layout
 from ._refs import snapshot_id
 from ._results import SaveResult
 from ._save import validate_parts
 from ._tokens import as_token_array
-
-if TYPE_CHECKING:
-    from ._store import Store
 
 __all__ = ["AsyncSaver", "SaveHandle", "copy_budget"]
 
@@ -124,29 +121,32 @@ class AsyncSaver:
         self._thread = None
 
     # -- the calling thread ----------------------------------------------------------------------
-    def submit(self, store: Store, tokens: Any, parts: Mapping[str, Any], rows: Any,
-               kwargs: dict[str, Any]) -> SaveHandle:
-        """Check, copy what may change, queue; returns the handle (see the module docstring)."""
+    def submit(self, owner: object, save: Callable[..., SaveResult], layout: Layout, tokens: Any,
+               parts: Mapping[str, Any], rows: Any, kwargs: dict[str, Any]) -> SaveHandle:
+        """Check, copy what may change, queue; returns the handle (see the module docstring).
+
+        ``save`` runs one synchronous save of ``owner`` (the Store: ``Store._save``) on ``layout``;
+        once ``owner`` is collected, the writer thread stops."""
         arr = np.array(as_token_array(tokens), dtype="<u8")  # always a copy: the writer reads it later
         if len(arr) == 0:
-            store._save(arr, parts, rows, **kwargs)  # raises the same InvalidInputError a sync save does
+            save(arr, parts, rows, **kwargs)  # raises the same InvalidInputError a sync save does
         parent = kwargs.get("parent")
         if parent is not None and not isinstance(parent, str):
             kwargs = {**kwargs, "parent": snapshot_id(parent)}  # an int, checked now
-        sources, row_counts = validate_parts(store.layout, parts, rows, len(arr))
+        sources, row_counts = validate_parts(layout, parts, rows, len(arr))
         need = sum(src.nbytes for name, src in sources.items()
-                   if isinstance(store.layout.parts[name], Fixed) or not src.zero_copy)
+                   if isinstance(layout.parts[name], Fixed) or not src.zero_copy)
         if need > self.budget:
             # larger than the whole budget: after the queue, on this thread (the engine waits)
             self.flush()
             done: Future[SaveResult] = Future()
-            _settle(done, functools.partial(store._save, arr, parts, rows, **kwargs))
+            _settle(done, functools.partial(save, arr, parts, rows, **kwargs))
             return SaveHandle(0, done)
         self._reserve(need)
         try:
             private: dict[str, Any] = {}
             for name, src in sources.items():
-                if isinstance(store.layout.parts[name], Fixed) or not src.zero_copy:
+                if isinstance(layout.parts[name], Fixed) or not src.zero_copy:
                     buf = np.empty(src.nbytes, dtype=np.uint8)
                     src.copy_into(0, buf.data)  # a device tensor: its device->host copy, before return
                     private[name] = buf
@@ -159,7 +159,7 @@ class AsyncSaver:
         future: Future[SaveResult] = Future()
 
         # not a closure: a frame keeps its function, a closure its variables, an error its frames
-        run = functools.partial(store._save, arr, private, frozen, **kwargs)
+        run = functools.partial(save, arr, private, frozen, **kwargs)
         with self._cv:
             if self._closed:
                 self.used -= need
@@ -170,7 +170,7 @@ class AsyncSaver:
                 self._thread = threading.Thread(target=self._work, name="snapstore-save", daemon=True)
                 self._thread.start()
                 # the thread holds the store only through queued jobs: once it is dropped, stop the thread
-                weakref.finalize(store, self._stop).atexit = False
+                weakref.finalize(owner, self._stop).atexit = False
             self._cv.notify_all()
         return SaveHandle(need, future)
 

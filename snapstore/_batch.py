@@ -10,10 +10,10 @@ then copied into each destination.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ._bookkeeping import record_use
+from ._bookkeeping import Ledger, record_use
 from ._buffers import Destination, Sink
 from ._errors import InvalidInputError, RestoreError
 from ._lifecycle import new_outside_use
@@ -21,29 +21,32 @@ from ._plan import PlanItem, RestorePlan
 from ._prefix_match import match_tokens
 from ._read import stream_checked
 from ._refs import ref_namespace, snapshot_id
-from ._results import MatchDetails, RestoreResult
+from ._results import RestoreResult
 
 if TYPE_CHECKING:
+    from ._catalog import SnapRow, Txn
     from ._db import Conn
-    from ._store import Store
+    from ._direct_io import DirectReads
+    from ._ramtier import RamTier
+    from ._repo import Repo
+    from ._staging import StagingBuffer
 
-__all__ = ["planned_destination", "restore_batch"]
+__all__ = ["BatchStore", "restore_batch"]
 
 
-def planned_destination(into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Destination]],
-                        plan: Callable[[], MatchDetails]) -> Mapping[str, Destination]:
-    """restore()'s ``into``: a mapping as it is, or a callable's destinations for the checked plan
-    (``plan()``); what the callable raises reaches the caller as is (nothing has been written yet)."""
-    if not callable(into) or isinstance(into, Mapping):
-        if not isinstance(into, Mapping):
-            raise InvalidInputError("into must be a mapping of part name to writable buffer, or a callable "
-                                    "that takes the plan (MatchDetails) and returns one")
-        return into
-    into = into(plan())
-    if not isinstance(into, Mapping):
-        raise InvalidInputError(f"the destination callable must return a mapping of part name to buffer, "
-                                f"got {type(into).__name__}; nothing was written")
-    return into
+class BatchStore(Protocol):
+    """What a batch of restores uses of its Store (:class:`snapstore.Store` is one): typed here, so
+    this module sits below the Store rather than importing it."""
+
+    _remote: Any
+    _repo: Repo
+    _staging: StagingBuffer
+    _ram: RamTier | None
+    _ledger: Ledger
+    _reads: DirectReads
+
+    def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
+              wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]: ...
 
 
 class _FanSink(Sink):
@@ -72,7 +75,7 @@ def _merged(plans: list[RestorePlan]) -> RestorePlan:
     return RestorePlan(plans[0].snapshot_id, plans[0].n_tokens, [], {}, set(), items)
 
 
-def restore_batch(store: Store, requests: list[tuple[Any, Any]], wanted: set[str], namespace: str | None,
+def restore_batch(store: BatchStore, requests: list[tuple[Any, Any]], wanted: set[str], namespace: str | None,
                   rows_from: int, session: str | None = None) -> list[RestoreResult]:
     """Validate every request's plan, then stream them together; one error fails the batch.
 

@@ -47,15 +47,15 @@ from ._chunkfile import (
     chunk_id,
     compress_stream,
     copy_addressed,
-    header_at,
-    header_matches,
 )
-from ._db import ChunkRow, Conn, Database
-from ._direct_io import ALIGN, align_up, write_direct
-from ._errors import CorruptionError, SnapstoreError, StoreIOError
-from ._publish import create_temp, discard, finish_temp, fsync_dirs, link_new, replace_into, write_all, write_temp
+from ._db import Database
+from ._direct_io import write_direct
+from ._errors import SnapstoreError, StoreIOError
+from ._publish import create_temp, discard, finish_temp, fsync_dirs, link_new, write_all, write_temp
+from ._settle import settle
+from ._staging import StagingBuffer
 
-__all__ = ["ChunkRef", "Chunker", "Piece", "settle"]
+__all__ = ["ChunkRef", "Chunker", "Piece"]
 
 # Test hook: called as _TEST_HOOK(stage, chunker, chunk_id) at "hashed" (address and checksum
 # taken from the private copy), "publish" (the catalog had no healthy row: about to write a file)
@@ -98,69 +98,6 @@ class Piece:
     key: bytes = b""  # the scope key of the part (identity, namespace, dtype, shape); b"": Chunker.store's
 
 
-class StagingBuffer:
-    """One reusable host buffer split into equal slots; at most len(slots) chunks in flight.
-
-    Each slot is a 4 KiB-aligned frame: HEADER_SIZE bytes of room for a chunk header, then the
-    slot's ``slot_bytes`` of data (what :meth:`acquire` hands out), then padding to the alignment,
-    so a raw chunk can be written straight from its slot with O_DIRECT (see ``_direct_io``).
-    """
-
-    def __init__(self, nbytes: int, slot_bytes: int):
-        count = max(1, nbytes // slot_bytes)
-        self.slot_bytes = slot_bytes
-        self._stride = align_up(slot_bytes + HEADER_SIZE)
-        self._buf: np.ndarray | None = None
-        self._base = 0
-        self._count = count
-        self._free: list[int] = list(range(count))
-        self._cv = threading.Condition()
-
-    @property
-    def slots(self) -> int:
-        """How many chunks may be in flight at once."""
-        return self._count
-
-    @property
-    def writers(self) -> int:
-        """Threads a save's pool needs: two per slot (at least 2, at most 8), so the hash and write of
-        every chunk in flight run at once, the copy of the next overlaps them, and a chunk whose slot
-        is already free (written, now being made durable) holds no thread a staged one needs. With
-        fewer threads than slots, staged chunks wait for a thread while the disk idles between
-        writes (measured: docs/benchmarks.md, "Issue 12, save pipeline")."""
-        return max(2, min(2 * self._count, 8))
-
-    def acquire(self) -> tuple[int, memoryview]:
-        """Wait for a free slot; return its index and a view of it."""
-        with self._cv:
-            while not self._free:
-                self._cv.wait()
-            if self._buf is None:  # allocated on first use, before a slot is taken: a failure loses none
-                try:
-                    buf = np.empty(self._count * self._stride + ALIGN, dtype=np.uint8)
-                except MemoryError:
-                    raise StoreIOError(errno.ENOMEM, f"cannot allocate the {self._count * self.slot_bytes >> 20} MiB "
-                                       "staging buffer: free memory, or lower staging_bytes "
-                                       "($SNAPSTORE_STAGING_MIB)") from None
-                self._buf, self._base = buf, -buf.ctypes.data % ALIGN
-            i = self._free.pop()
-            start = self._base + i * self._stride + HEADER_SIZE
-            return i, self._buf.data[start:start + self.slot_bytes]
-
-    def frame(self, i: int, n: int) -> memoryview:
-        """Slot ``i``'s aligned frame for a chunk of ``n`` data bytes: the header room, the data
-        (as :meth:`acquire` handed it out) and padding up to the alignment."""
-        assert self._buf is not None and 0 <= n <= self.slot_bytes
-        start = self._base + i * self._stride
-        return self._buf.data[start:start + align_up(HEADER_SIZE + n)]
-
-    def release(self, i: int) -> None:
-        """Give a slot back."""
-        with self._cv:
-            self._free.append(i)
-            self._cv.notify()
-
-
 def _copy(source: Source, start: int, out: memoryview) -> None:
     """Copy bytes [start, start + len(out)) of a part into a staging slot: the save's one read of it."""
     if source.zero_copy:
@@ -179,43 +116,6 @@ def _taken(fut: Future[ChunkRef], again: Callable[[], ChunkRef] | None) -> Chunk
         if again is None:
             raise
         return again()
-
-
-def _vouched(path: str, row: ChunkRow) -> bool:
-    """Does the file at ``path`` look like what the catalog row says (header and size)?"""
-    try:
-        head, size = header_at(path)
-    except (OSError, CorruptionError):
-        return False
-    return header_matches(head, row.raw_len, row.checksum) and head.codec == row.codec and size == row.stored_len
-
-
-def settle(db: Database, cid: bytes, tmp: str, path: str, stored_len: int, codec: int) -> int | None:
-    """The address of a freshly written chunk is taken (or has a row): decide under the write lock.
-
-    A healthy row whose file matches it: the file is kept, the temp discarded, and the row's
-    stored length returned (the caller deduplicates onto it; a committed row's file is never
-    replaced). Otherwise — no row (an orphan of a crashed or concurrent writer), a quarantined
-    row, or a file that does not match its row — the temp replaces the file, and a row is made to
-    describe the new file (and leaves quarantine) in the same transaction: returns None.
-    """
-    placed = [False]
-
-    def run(c: Conn) -> int | None:
-        row = c.chunk(cid)
-        if not placed[0]:
-            if row is not None and row.quarantined is None and _vouched(path, row):
-                return int(row.stored_len)
-            replace_into(tmp, path)
-            placed[0] = True
-        if row is not None:
-            c.heal_chunk(cid, stored_len, codec)
-        return None
-
-    kept = db.write(run)
-    if kept is not None:
-        discard(tmp)
-    return kept
 
 
 class Chunker:

@@ -21,10 +21,11 @@ from ._errors import CorruptionError
 from ._gc import gc
 from ._inspect import inspect_snapshot, inspect_store, resolve_identity, stats_of
 from ._inspect_report import SnapshotReport, StoreReport
+from ._remote_cli import run_remote
 from ._repo import DB_NAME, Repo, SnapshotRepo
 from ._verify import VerifyReport, verify
 
-__all__ = ["cmd_gc", "cmd_inspect", "cmd_remote", "cmd_stats", "cmd_verify", "inspect_doc", "verify_status"]
+__all__ = ["cmd_gc", "cmd_inspect", "cmd_remote", "cmd_stats", "cmd_verify", "inspect_doc"]
 
 
 # -- opening ---------------------------------------------------------------------------------
@@ -86,11 +87,6 @@ def cmd_inspect(args: argparse.Namespace, ctx: CliContext) -> int:
 
 
 # -- verify ----------------------------------------------------------------------------------
-def verify_status(ok: bool, repaired: bool) -> str:
-    """The ``status`` of a verify (local or shared tier): clean, repaired or damaged."""
-    return "clean" if ok else ("repaired" if repaired else "damaged")
-
-
 def cmd_verify(args: argparse.Namespace, ctx: CliContext) -> int:
     """``verify [--deep] [--repair]``: exit 0 clean, 1 damage found or repaired."""
     root = _store_dir(args)
@@ -105,7 +101,7 @@ def cmd_verify(args: argparse.Namespace, ctx: CliContext) -> int:
     except CorruptionError as e:  # the catalog itself cannot be read: damage, not a usage error
         report = VerifyReport(deep=args.deep, sqlite_errors=[str(e)])
     doc = {"format": FORMAT, "command": "verify", "dir": os.path.abspath(root),
-           "status": verify_status(report.ok, bool(report.repaired)), **report.to_dict(),
+           "status": render.verify_status(report.ok, bool(report.repaired)), **report.to_dict(),
            "clean_after_repair": clean_after}
     if ctx.json:
         ctx.emit_json(doc)
@@ -185,7 +181,6 @@ def cmd_stats(args: argparse.Namespace, ctx: CliContext) -> int:
 # -- --remote --------------------------------------------------------------------------------
 def cmd_remote(command: str, args: argparse.Namespace, ctx: CliContext) -> int:
     """``--remote``: the shared tier's verify/gc; stats/inspect print the local store (if any) first."""
-    from ._remote_cli import run_remote
 
     def local() -> dict[str, Any] | None:
         if command not in ("stats", "inspect"):

@@ -16,7 +16,7 @@ from ._config import MIB
 from ._progress import human_bytes
 
 __all__ = ["gc", "inspect_all", "inspect_one", "remote_counters", "remote_gc", "remote_inspect", "remote_stats",
-           "remote_verify", "stats", "verify"]
+           "remote_verify", "stats", "verify", "verify_status"]
 
 
 def _ago(t: float, now: float) -> str:
@@ -319,3 +319,8 @@ def remote_inspect(remote: dict[str, Any], out: CliContext) -> None:
             parent = f" <- {e['parent'].split('/')[1][:12]}" if e["parent"] else ""
             out.line(f"    {e['n_tokens']:>8} tokens  {_mib(e['stored_bytes']):>10}  used {int(now - e['last_used'])}s "
                      f"ago  {e['manifest'].split('/')[1][:12]}{parent}" + ("" if e["matchable"] else "  (chain link)"))
+
+
+def verify_status(ok: bool, repaired: bool) -> str:
+    """The ``status`` of a verify (local or shared tier): clean, repaired or damaged."""
+    return "clean" if ok else ("repaired" if repaired else "damaged")

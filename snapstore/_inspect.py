@@ -24,8 +24,8 @@ from ._inspect_report import (
     StoreReport,
     Totals,
 )
+from ._plan import needs_quarantined
 from ._results import SnapshotInfo, Stats
-from ._save import needs_quarantined
 
 __all__ = ["FORMAT", "inspect_snapshot", "inspect_store", "resolve_identity", "snapshot_entry", "snapshot_info",
            "snapshot_infos", "stats_of"]

@@ -16,8 +16,8 @@ from ._catalog import SnapRow, Txn
 from ._find_keys import find_keys
 from ._layout import Layout
 from ._layout_fit import fits
+from ._plan import needs_quarantined
 from ._prefix_match import find_prefix
-from ._save import needs_quarantined
 from ._tokens import Encoded, decode_tokens, spells_chain, spells_segment
 
 __all__ = ["best_match", "longest_prefix", "tokens_of"]

@@ -17,7 +17,20 @@ from ._errors import CorruptChunkError, DestinationError, SnapshotUnavailableErr
 from ._layout import Fixed, Layout, PartSpec, Rows
 from ._prefix_match import ClippedSink, granularity, granularity_fits
 
-__all__ = ["PlanItem", "PlanSource", "RestorePlan", "build_plan", "parts_fit"]
+__all__ = ["PlanItem", "PlanSource", "RestorePlan", "build_plan", "needs_quarantined", "parts_fit"]
+
+
+def needs_quarantined(chain: list[SnapRow], broken: dict[int, bool], *, leaf: bool) -> bool:
+    """Does restoring the chain's leaf (``leaf``), or a delta over it, read a quarantined chunk?
+
+    ``broken`` is Txn.quarantined_users: a snapshot whose row segments use one breaks every
+    descendant; one whose fixed parts do breaks only itself (a delta over it never reads them).
+    """
+    if not broken:
+        return False
+    if leaf and chain and chain[-1].id in broken:
+        return True
+    return any(broken.get(link.id, False) for link in chain)
 
 
 class PlanSource(Protocol):

@@ -4,7 +4,7 @@ Temp file (0600, O_EXCL) in the store's ``tmp/`` → write → fsync → close �
 place → unlink the temp → fsync the target directory. ``tmp/`` and ``blobs/`` live on the same
 file system, so the link is atomic. When the name is taken, the file there is replaced (rename)
 only if the catalog says no live row vouches for it, decided under the write lock by the caller
-(see ``_chunker.settle``). Callers batch the directory fsyncs of one save with :func:`fsync_dirs`.
+(see ``_settle.settle``). Callers batch the directory fsyncs of one save with :func:`fsync_dirs`.
 """
 
 from __future__ import annotations

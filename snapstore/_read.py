@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterable, Mapping
 from ._access import Access
 from ._buffers import Destination
 from ._catalog import SnapRow, SnapState, Txn
-from ._chunker import StagingBuffer
 from ._direct_io import DirectReads
 from ._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
 from ._layout import Layout
@@ -20,8 +19,9 @@ from ._ramtier import RamTier
 from ._repo import Repo
 from ._restore import Damage, quarantine, stream_plan
 from ._results import MatchDetails
+from ._staging import StagingBuffer
 
-__all__ = ["details_of", "plan_of", "stream_checked", "wanted_components"]
+__all__ = ["details_of", "plan_of", "planned_destination", "stream_checked", "wanted_components"]
 
 
 def wanted_components(layout: Layout, components: Iterable[str] | None) -> set[str]:
@@ -78,3 +78,19 @@ def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: Stag
             except (StoreIOError, CorruptionError):
                 pass  # a later restore finds (and quarantines) it again
         raise
+
+
+def planned_destination(into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Destination]],
+                        plan: Callable[[], MatchDetails]) -> Mapping[str, Destination]:
+    """restore()'s ``into``: a mapping as it is, or a callable's destinations for the checked plan
+    (``plan()``); what the callable raises reaches the caller as is (nothing has been written yet)."""
+    if not callable(into) or isinstance(into, Mapping):
+        if not isinstance(into, Mapping):
+            raise InvalidInputError("into must be a mapping of part name to writable buffer, or a callable "
+                                    "that takes the plan (MatchDetails) and returns one")
+        return into
+    into = into(plan())
+    if not isinstance(into, Mapping):
+        raise InvalidInputError(f"the destination callable must return a mapping of part name to buffer, "
+                                f"got {type(into).__name__}; nothing was written")
+    return into

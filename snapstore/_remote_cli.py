@@ -11,9 +11,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from . import _cli_render as render
 from ._cli_context import EXIT_DAMAGE, EXIT_OK, FORMAT, CliContext
 from ._config import MIB, env_int
 from ._errors import ConfigError
+from ._remote_maint import gc_remote, inspect_remote, stats_remote, verify_remote
 from ._s3client import S3Client
 
 __all__ = ["add_remote_flags", "run_remote"]
@@ -45,15 +47,12 @@ def _client(args: argparse.Namespace) -> S3Client:
 def run_remote(command: str, args: argparse.Namespace, ctx: CliContext,
                local: Callable[[], dict[str, Any] | None]) -> int:
     """Run ``command`` with ``--remote``. ``local`` prints (text) or returns (JSON) the local part, if any."""
-    from . import _cli_render as render
-    from ._cli_commands import verify_status
-    from ._remote_maint import gc_remote, inspect_remote, stats_remote, verify_remote
 
     client = _client(args)
     if command == "verify":
         rep = verify_remote(client, deep=args.deep, repair=args.repair)
         doc = {"format": FORMAT, "command": "verify", "remote": rep.url,
-               "status": verify_status(rep.ok, bool(rep.repaired)), **rep.to_dict()}
+               "status": render.verify_status(rep.ok, bool(rep.repaired)), **rep.to_dict()}
         if ctx.json:
             ctx.emit_json(doc)
         else:

@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ._chunker import settle
 from ._chunkfile import HEADER_SIZE, header_at, header_matches, scope_key
 from ._db import Conn
 from ._errors import CorruptionError, RemoteError, RestoreError, SnapshotUnavailableError
@@ -36,6 +35,7 @@ from ._remote_keys import chunk_key, pause_point
 from ._remote_lookup import RemoteHit
 from ._repo import Repo
 from ._s3client import S3Client
+from ._settle import settle
 from ._tokens import decode_tokens
 
 __all__ = ["Fetcher", "NoRoom", "fetch_failed", "open_object"]

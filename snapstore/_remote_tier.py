@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ._batch import planned_destination
+from ._access import Retry
 from ._chunkfile import scope_key
 from ._config import env_flag, env_int
 from ._db import Conn
@@ -35,6 +35,7 @@ from ._identity import Identity
 from ._layout import Layout
 from ._manifest import ChunkEntry
 from ._prefix_match import granularity
+from ._read import planned_destination
 from ._remote_fetch import Fetcher, NoRoom
 from ._remote_keys import LAYOUT, LEASE_TTL, chunk_key, gc_window, manifest_key, use_key
 from ._remote_lookup import Lookup, RemoteHit, RemoteMatch
@@ -44,7 +45,6 @@ from ._remote_tee import Importer, hold_limit, tee_restore
 from ._repo import Repo
 from ._results import Match, RestoreResult
 from ._s3client import S3Client
-from ._save import Retry
 from ._uploader import FlushResult, Uploader
 
 # LAYOUT, LEASE_TTL and the key functions are re-exported: they lived here before the split

@@ -29,7 +29,6 @@ import os
 import time
 from collections.abc import Callable
 
-from ._chunker import StagingBuffer
 from ._chunkfile import (
     CODEC_RAW,
     HEADER_SIZE,
@@ -51,6 +50,7 @@ from ._ramtier import RamTier
 from ._read_ahead import ReadAhead
 from ._restore_direct import DIRECT_MIN, DirectItem, Targets, direct_targets, stream_direct
 from ._restore_fail import Damage, corrupt, outcome, read_failed
+from ._staging import StagingBuffer
 
 __all__ = ["Damage", "quarantine", "stream_plan"]
 

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._chunker import StagingBuffer
 from ._chunkfile import HEADER_SIZE, ChunkHeader, checksum_stream
 from ._direct_io import ALIGN, DirectReads, align_up
 from ._errors import CorruptionError
@@ -24,6 +23,7 @@ from ._plan import PlanItem, RestorePlan
 from ._ramtier import RamTier
 from ._read_ahead import ReadAhead
 from ._restore_fail import Damage, corrupt, read_failed
+from ._staging import StagingBuffer
 
 __all__ = ["DIRECT_MIN", "Targets", "direct_targets", "stream_direct"]
 

@@ -17,6 +17,7 @@ from typing import Any
 import blake3
 import numpy as np
 
+from ._access import Retry
 from ._buffers import Source, as_source
 from ._capacity import Capacity
 from ._catalog import PartKind, SnapRow, SnapState, Txn
@@ -27,11 +28,12 @@ from ._find_keys import find_keys
 from ._layout import Fixed, Layout, Rows
 from ._layout_fit import saved_layout_key
 from ._lifecycle import evict_until, new_outside_use, supersede
+from ._plan import needs_quarantined
 from ._prefix_match import content_tag, granularity, granularity_fits, record_prefixes
 from ._refs import snapshot_id
 from ._tokens import TokenIndex, encode_tokens
 
-__all__ = ["MAX_ATTEMPTS", "WHOLE_AFTER", "Retry", "SavePlan", "Saver", "Skip", "count_of", "needs_quarantined",
+__all__ = ["MAX_ATTEMPTS", "WHOLE_AFTER", "SavePlan", "Saver", "Skip", "count_of",
            "validate_parts"]
 
 # docs/format.md "Saving" cites these: a save redone after a lost race (a chunk file evicted under
@@ -47,29 +49,6 @@ class Skip(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-class Retry(Exception):
-    """The commit found a chunk file gone (concurrent eviction), the parent gone, or this store's
-    identity row dropped by another process (re-created in its own transaction first): redo."""
-
-    def __init__(self, parent_gone: bool = False, identity_gone: bool = False) -> None:
-        super().__init__()
-        self.parent_gone = parent_gone
-        self.identity_gone = identity_gone
-
-
-def needs_quarantined(chain: list[SnapRow], broken: dict[int, bool], *, leaf: bool) -> bool:
-    """Does restoring the chain's leaf (``leaf``), or a delta over it, read a quarantined chunk?
-
-    ``broken`` is Txn.quarantined_users: a snapshot whose row segments use one breaks every
-    descendant; one whose fixed parts do breaks only itself (a delta over it never reads them).
-    """
-    if not broken:
-        return False
-    if leaf and chain and chain[-1].id in broken:
-        return True
-    return any(broken.get(link.id, False) for link in chain)
 
 
 def count_of(value: Any, what: str) -> int:

@@ -1,6 +1,6 @@
 """One synchronous save, attempt by attempt, over the stages of :mod:`._save`: parent, plan,
 capacity pre-check, publish (:mod:`._chunker`), commit — redone when it loses a race
-(:class:`._save.Retry`), skipped with a reason when it does not fit (:class:`._save.Skip`).
+(:class:`._access.Retry`), skipped with a reason when it does not fit (:class:`._save.Skip`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from ._access import Access
+from ._access import Access, Retry
 from ._buffers import Source
 from ._capacity import Capacity
 from ._catalog import SnapRow, Txn
@@ -20,7 +20,7 @@ from ._db import Database
 from ._errors import InvalidInputError, NotFoundError, StateError
 from ._refs import namespace_key, session_key, snapshot_id
 from ._results import SaveResult
-from ._save import MAX_ATTEMPTS, WHOLE_AFTER, Retry, Saver, Skip, validate_parts
+from ._save import MAX_ATTEMPTS, WHOLE_AFTER, Saver, Skip, validate_parts
 from ._tokens import TokenIndex, as_token_array
 
 __all__ = ["HOOKS", "SaveRun", "skipped"]

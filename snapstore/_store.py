@@ -19,12 +19,12 @@ from typing import Any, Literal, TypeVar, overload
 
 from ._access import Access
 from ._async_save import AsyncSaver, SaveHandle, copy_budget
-from ._batch import planned_destination, restore_batch
+from ._batch import restore_batch
 from ._bookkeeping import Ledger, record_use, write_with
 from ._buffers import Destination, PartSource
 from ._capacity import Capacity
 from ._catalog import SnapRow, Txn
-from ._chunker import Chunker, StagingBuffer
+from ._chunker import Chunker
 from ._chunkfile import CODECS
 from ._config import Budget, StoreOptions, store_options
 from ._direct_io import DirectReads, direct_default, direct_reads_default
@@ -39,7 +39,7 @@ from ._owner import Owner
 from ._plan import RestorePlan
 from ._prefix_match import match_tokens
 from ._ramtier import RamTier
-from ._read import details_of, plan_of, stream_checked, wanted_components
+from ._read import details_of, plan_of, planned_destination, stream_checked, wanted_components
 from ._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
 from ._repo import Repo
 from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult
@@ -47,6 +47,7 @@ from ._save import Saver, Skip, count_of
 from ._save_run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
 from ._save_run import SaveRun, skipped
 from ._snapshot_ops import abandon_capture, commit_capture, delete_subtree, drop_capture, housekeep, retire
+from ._staging import StagingBuffer
 from ._store_reports import StoreReports
 from ._tokens import TokensLike, as_token_array
 from ._turn import Turn
@@ -215,7 +216,7 @@ class Store(StoreReports):
         if not wait:
             kw = {"session": session, "parent": parent, "commit": commit, "namespace": namespace}
             with self._gate.call():
-                return self._saver.submit(self, tokens, parts, rows, kw)
+                return self._saver.submit(self, self._save, self.layout, tokens, parts, rows, kw)
         return self._save(tokens, parts, rows, session=session, parent=parent, commit=commit, namespace=namespace)
 
     @operation

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ._buffers import PartSource
 from ._errors import StateError
@@ -19,16 +19,26 @@ from ._refs import SnapshotRef
 from ._results import SaveResult
 from ._tokens import TokensLike
 
-if TYPE_CHECKING:
-    from ._store import Store
+__all__ = ["Turn", "TurnStore"]
 
-__all__ = ["Turn"]
+
+class TurnStore(Protocol):
+    """The calls a turn makes on its Store (:class:`snapstore.Store` is one): typed here, so this
+    module sits below the Store rather than importing it."""
+
+    def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None,
+             *, session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+             namespace: str | None = None) -> SaveResult: ...
+
+    def commit(self, res: SnapshotRef, *, namespace: str | None = None) -> SaveResult: ...
+
+    def abandon(self, res: SnapshotRef, *, namespace: str | None = None) -> None: ...
 
 
 class Turn:
     """One turn's capture chain (``Store.turn``); a context manager: commit on exit, abandon on error."""
 
-    def __init__(self, store: Store, *, session: str | None, namespace: str | None,
+    def __init__(self, store: TurnStore, *, session: str | None, namespace: str | None,
                  parent: SnapshotRef | str | None):
         self._store = store
         self.session = session
