@@ -29,6 +29,7 @@ ci: lint test-all
 lint: setup
 	.venv/bin/ruff check snapstore engine tests fuzz benchmarks examples conftest.py
 	.venv/bin/mypy
+	.venv/bin/python scripts/lint_imports.py
 
 demo:
 	./demo.sh

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import snapstore  # noqa: E402
 from snapstore import Budget, Fixed, Identity, Layout, Rows, Store  # noqa: E402
-from snapstore._chunkfile import (  # noqa: E402
+from snapstore.chunks.chunkfile import (  # noqa: E402
     CODECS,
     HEADER_SIZE,
     ChunkHeader,
@@ -264,7 +264,7 @@ def section_core(args: argparse.Namespace, st: State, work: str) -> None:
 
 def raw_write_direct(path: str, buf: np.ndarray) -> float:
     """O_DIRECT write + fsync of ``buf`` (4 KiB-aligned copy made before the clock starts)."""
-    from snapstore._direct_io import ALIGN, O_DIRECT, align_up
+    from snapstore.chunks.direct_io import ALIGN, O_DIRECT, align_up
     n = align_up(buf.nbytes)
     big = np.zeros(n + ALIGN, dtype=np.uint8)
     off = -big.ctypes.data % ALIGN
@@ -286,7 +286,7 @@ def raw_write_direct(path: str, buf: np.ndarray) -> float:
 
 def _aligned(n: int) -> np.ndarray:
     """``n`` bytes at a 4 KiB-aligned address (what O_DIRECT needs)."""
-    from snapstore._direct_io import ALIGN
+    from snapstore.chunks.direct_io import ALIGN
     big = np.empty(n + ALIGN, dtype=np.uint8)
     off = -big.ctypes.data % ALIGN
     return big[off:off + n]
@@ -298,7 +298,7 @@ def raw_read_direct(path: str, bufs: list[np.ndarray], inflight: int, piece: int
     them into the destination (numpy copies release the GIL). Buffers are made before the clock."""
     import threading
 
-    from snapstore._direct_io import O_DIRECT
+    from snapstore.chunks.direct_io import O_DIRECT
     flat = [b.reshape(-1).view(np.uint8) for b in bufs]
     starts = np.cumsum([0] + [len(f) for f in flat]).tolist()
     total = starts[-1]
@@ -704,7 +704,7 @@ def section_chunks(args: argparse.Namespace, st: State, work: str) -> None:
 
 def section_match(args: argparse.Namespace, work: str) -> None:
     """match() latency over many snapshots of 128K-token prompts (delta chains, tiny layout)."""
-    from snapstore import _catalog
+    from snapstore.catalog import queries as _catalog
 
     prompts, per = (20, 50) if args.quick else (100, 100)
     plen = 128 * 1024
@@ -764,8 +764,8 @@ def section_match(args: argparse.Namespace, work: str) -> None:
         finally:
             _catalog.Txn.match_candidates = orig  # type: ignore[method-assign]
         # where a hit's time goes, each step timed alone on the same store (medians of 50)
-        from snapstore._find_keys import find_keys
         from snapstore._tokens import Encoded, TokenIndex, as_token_array, spells_chain, spells_prefix
+        from snapstore.catalog.find_keys import find_keys
         query = np.asarray(prompt_tokens[0][:plen + 517], dtype="<u8")
         conn = s._repo.db.conn()
         c = _catalog.Txn(conn)

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from s3_fixtures import SeaweedCluster  # noqa: E402
 
 import snapstore  # noqa: E402
-from snapstore._remote_keys import LAYOUT as KEYS  # noqa: E402
-from snapstore._s3client import S3Client  # noqa: E402
+from snapstore.remote.keys import LAYOUT as KEYS  # noqa: E402
+from snapstore.remote.s3client import S3Client  # noqa: E402
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from snapstore import Budget, Fixed, Identity, Layout, Rows, Store
-from snapstore._direct_io import ALIGN, O_DIRECT
+from snapstore.chunks.direct_io import ALIGN, O_DIRECT
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import snapstore as ss
-from snapstore._chunkfile import (
+from snapstore._tokens import decode_tokens
+from snapstore.chunks.chunkfile import (
     CODEC_RAW,
     CODEC_ZSTD,
     CODEC_ZSTD_SHUFFLE2,
@@ -35,7 +36,6 @@ from snapstore._chunkfile import (
     decode_payload,
     parse_header,
 )
-from snapstore._tokens import decode_tokens
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from helpers_proc import IDENT, LAYOUT  # noqa: E402

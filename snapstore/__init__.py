@@ -6,10 +6,8 @@ request, process or restart that starts with the same tokens. See docs/api.md.
 
 from __future__ import annotations
 
-from ._async_save import SaveHandle
-from ._buffers import Destination, PartReader, PartSource, PartWriter
-from ._config import Budget
-from ._errors import (
+from snapstore._config import Budget
+from snapstore._errors import (
     ConfigError,
     CorruptChunkError,
     CorruptionError,
@@ -28,19 +26,21 @@ from ._errors import (
     StoreIOError,
     UnsupportedCacheError,
 )
-from ._gc import GcReport
-from ._identity import Identity
-from ._layout import DTYPE_NAMES, Fixed, Layout, Rows, dtype_size
-from ._meta import EngineMeta
-from ._paged import PagedRows
-from ._refs import SnapshotRef
-from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
-from ._rowspan import RowSpan, row_span
-from ._store import Store
-from ._tokens import TokensLike
-from ._turn import Turn
-from ._uploader import FlushResult
-from ._verify import VerifyReport
+from snapstore._identity import Identity
+from snapstore._layout import DTYPE_NAMES, Fixed, Layout, Rows, dtype_size
+from snapstore._refs import SnapshotRef
+from snapstore._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
+from snapstore._store import Store
+from snapstore._tokens import TokensLike
+from snapstore.calls.turn import Turn
+from snapstore.check.verify import VerifyReport
+from snapstore.lifecycle.gc import GcReport
+from snapstore.parts.buffers import Destination, PartReader, PartSource, PartWriter
+from snapstore.parts.meta import EngineMeta
+from snapstore.parts.paged import PagedRows
+from snapstore.parts.rowspan import RowSpan, row_span
+from snapstore.remote.uploader import FlushResult
+from snapstore.save.asynchronous import SaveHandle
 
 __version__ = "0.1.0"
 

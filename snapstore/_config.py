@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 
 import platformdirs
 
-from ._errors import ConfigError
-from ._layout import Layout
+from snapstore._errors import ConfigError
+from snapstore._layout import Layout
 
 __all__ = ["Budget", "StoreOptions", "default_dir", "env_flag", "env_int", "env_seconds", "pending_lease",
            "store_options"]

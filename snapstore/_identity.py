@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import ConfigError
+from snapstore._errors import ConfigError
 
 __all__ = ["Identity", "canonical_json"]
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import blake3
 
-from ._errors import LayoutError
-from ._identity import canonical_json
+from snapstore._errors import LayoutError
+from snapstore._identity import canonical_json
 
 __all__ = ["DTYPE_NAMES", "DTYPE_SIZES", "Fixed", "Layout", "PartSpec", "Rows", "dtype_size"]
 

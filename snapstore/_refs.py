@@ -7,8 +7,8 @@ from typing import Any, Union
 
 import numpy as np
 
-from ._errors import IdentityError, InvalidInputError
-from ._results import Match, SaveResult
+from snapstore._errors import IdentityError, InvalidInputError
+from snapstore._results import Match, SaveResult
 
 __all__ = ["MAX_ID", "SnapshotRef", "excluded", "namespace_key", "ref_namespace", "session_key", "snapshot_id"]
 

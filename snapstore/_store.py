@@ -1,12 +1,13 @@
 """The Store: an engine's view of one store directory, bound to one identity and layout.
 
-Short orchestrations over the stages, each in its own module: save (:mod:`._save_run` runs the
-attempts over :mod:`._save`'s stages and :mod:`._chunker`), match (:mod:`._match`), restore
-(:mod:`._read`: :mod:`._plan` validates, :mod:`._restore` streams), the snapshot-lifecycle
-transactions of commit / abandon / delete and of open and close (:mod:`._snapshot_ops`, over the
-policies of :mod:`._lifecycle` that gc applies too), ownership (:mod:`._access`) and calls versus
-close (:mod:`._gate`). Writes go through :meth:`Repo.write` (files freed by a transaction are
-unlinked after it commits) with the bookkeeping of :mod:`._bookkeeping`.
+Short orchestrations over the subsystems, each a package: save (:mod:`snapstore.save.run` runs the
+attempts over the stages of :mod:`snapstore.save.stages` and :mod:`snapstore.save.chunker`), match
+(:mod:`snapstore.plan.match`), restore (:mod:`snapstore.restore.read`: :mod:`snapstore.plan.restore_plan`
+validates, :mod:`snapstore.restore.stream` streams), the snapshot-lifecycle transactions of commit /
+abandon / delete and of open and close (:mod:`snapstore.calls.snapshot_ops`, over the policies of
+:mod:`snapstore.lifecycle.rules` that gc applies too), ownership (:mod:`snapstore.lifecycle.access`) and
+calls versus close (:mod:`snapstore.calls.gate`). Writes go through :meth:`Repo.write` (files freed by a
+transaction are unlinked after it commits) with the bookkeeping of :mod:`snapstore.lifecycle.bookkeeping`.
 """
 
 from __future__ import annotations
@@ -17,41 +18,48 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar, overload
 
-from ._access import Access
-from ._async_save import AsyncSaver, SaveHandle, copy_budget
-from ._batch import restore_batch
-from ._bookkeeping import Ledger, record_use, write_with
-from ._buffers import Destination, PartSource
-from ._capacity import Capacity
-from ._catalog import SnapRow, Txn
-from ._chunker import Chunker
-from ._chunkfile import CODECS
-from ._config import Budget, StoreOptions, store_options
-from ._direct_io import DirectReads, direct_default, direct_reads_default
-from ._errors import ConfigError, StateError
-from ._gate import CallGate, operation
-from ._identity import Identity
-from ._layout import Layout
-from ._lifecycle import log_drops, new_outside_use
-from ._liveness import reap_lock_files
-from ._match import best_match
-from ._owner import Owner
-from ._plan import RestorePlan
-from ._prefix_match import match_tokens
-from ._ramtier import RamTier
-from ._read import details_of, plan_of, planned_destination, stream_checked, wanted_components
-from ._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
-from ._repo import Repo
-from ._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult
-from ._save import Saver, Skip, count_of
-from ._save_run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
-from ._save_run import SaveRun, skipped
-from ._snapshot_ops import abandon_capture, commit_capture, delete_subtree, drop_capture, housekeep, retire
-from ._staging import StagingBuffer
-from ._store_reports import StoreReports
-from ._tokens import TokensLike, as_token_array
-from ._turn import Turn
-from ._uploader import FlushResult, flush_all
+from snapstore._config import Budget, StoreOptions, store_options
+from snapstore._errors import ConfigError, StateError
+from snapstore._identity import Identity
+from snapstore._layout import Layout
+from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
+from snapstore._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult
+from snapstore._tokens import TokensLike, as_token_array
+from snapstore.calls.batch import restore_batch
+from snapstore.calls.gate import CallGate, operation
+from snapstore.calls.reports import StoreReports
+from snapstore.calls.snapshot_ops import (
+    abandon_capture,
+    commit_capture,
+    delete_subtree,
+    drop_capture,
+    housekeep,
+    retire,
+)
+from snapstore.calls.turn import Turn
+from snapstore.catalog.queries import SnapRow, Txn
+from snapstore.chunks.chunkfile import CODECS
+from snapstore.chunks.direct_io import DirectReads, direct_default, direct_reads_default
+from snapstore.chunks.repo import Repo
+from snapstore.chunks.staging import StagingBuffer
+from snapstore.lifecycle.access import Access
+from snapstore.lifecycle.bookkeeping import Ledger, record_use, write_with
+from snapstore.lifecycle.capacity import Capacity
+from snapstore.lifecycle.liveness import reap_lock_files
+from snapstore.lifecycle.owner import Owner
+from snapstore.lifecycle.rules import log_drops, new_outside_use
+from snapstore.parts.buffers import Destination, PartSource
+from snapstore.plan.match import best_match
+from snapstore.plan.prefix import match_tokens
+from snapstore.plan.restore_plan import RestorePlan
+from snapstore.remote.uploader import FlushResult, flush_all
+from snapstore.restore.ramtier import RamTier
+from snapstore.restore.read import details_of, plan_of, planned_destination, stream_checked, wanted_components
+from snapstore.save.asynchronous import AsyncSaver, SaveHandle, copy_budget
+from snapstore.save.chunker import Chunker
+from snapstore.save.run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
+from snapstore.save.run import SaveRun, skipped
+from snapstore.save.stages import Saver, Skip, count_of
 
 __all__ = ["Store"]
 
@@ -82,7 +90,7 @@ class Store(StoreReports):
         self._ledger = Ledger(self._ram.take_hits if self._ram is not None else None)
         self._capacity = Capacity(repo.root, budget, repo.blob_path)
         self._saver = AsyncSaver(async_copy_bytes)  # issue 12: save(wait=False); no thread until a save queues
-        self._remote: Any = None  # the shared tier (snapstore._remote_tier.RemoteTier) when remote= is set
+        self._remote: Any = None  # the shared tier (snapstore.remote.tier.RemoteTier) when remote= is set
         self._gate = CallGate()  # public calls in flight versus close()
         self._access = Access(identity)  # the ownership checks; its owner token is set by _start
         self._lease_owner: Owner | None = None
@@ -155,7 +163,7 @@ class Store(StoreReports):
             drop_stale=drop_stale, ttl=self.budget.ttl))
         log_drops(dropped, "stale at this open (the same model; Store.open(drop_stale=False) keeps them)")
         reap_lock_files(repo.root, dead)
-        from ._remote_tier import open_remote  # imported on demand: obstore only where remote= is used
+        from snapstore.remote.tier import open_remote  # imported on demand: obstore only where remote= is used
         self._remote = open_remote(remote, repo, self.identity, owner, self._ledger.count, remote_wait)
 
     def _teardown(self, dead_owners: Iterable[str] = ()) -> None:
@@ -269,7 +277,7 @@ class Store(StoreReports):
         ``ref`` is a snapshot id, Match or SaveResult. Superseded ancestors left without children
         go too (they were only chain links). Refused with StateError while a live process has a
         pending capture in the subtree (it would lose the parent it is extending); a dead owner's
-        capture goes with the subtree (the liveness rule of :mod:`._liveness`).
+        capture goes with the subtree (the liveness rule of :mod:`snapstore.lifecycle.liveness`).
         """
         sid = snapshot_id(ref)
         ns = ref_namespace(ref, namespace)
@@ -328,7 +336,7 @@ class Store(StoreReports):
         k = count_of(rows_from, "rows_from")
         wanted = wanted_components(self.layout, components)
         if self._remote is not None and getattr(m, "remote", None) is not None:
-            # a shared-tier match: fetched into the local tier (then restored below), or streamed (_remote_tier)
+            # a shared-tier match: fetched into the local tier (then restored below), or streamed (remote.tier)
             m = self._remote.restore(m, into, self.layout, wanted, k, lambda t, _freed: self._capacity.excess(t)
                                      is None, lambda n: self._capacity.precheck(n, 0) is None, self._access.iid)
             if isinstance(m, RestoreResult):
@@ -363,7 +371,7 @@ class Store(StoreReports):
 
         return self._repo.db.read(run)
 
-    # -- batches and turns (logic in _batch.py and _turn.py) ---------------------------------
+    # -- batches and turns (logic in calls/batch.py and calls/turn.py) ---------------------------------
     @operation
     def match_many(self, token_lists: Iterable[TokensLike], *, namespace: str | None = None) -> list[Match | None]:
         """``match()`` for each of many prompts (a scheduler admitting a batch), in order."""

@@ -5,7 +5,7 @@ A prompt is cut into blocks of ``BLOCK`` tokens. ``chain[i]`` hashes blocks 0..i
 ``chain[0]`` is the hash of the empty prefix). A snapshot of ``n`` tokens records its *anchor*
 ``chain[n // BLOCK]``; its *prefix key* hashes the anchor and the < BLOCK tokens after it, so it
 names the exact sequence (saves' parent checks, supersede, the shared tier's manifest names).
-match() finds candidates by the cheaper find keys (:mod:`._find_keys`) and decides by comparing
+match() finds candidates by the cheaper find keys (:mod:`snapstore.catalog.find_keys`) and decides by comparing
 tokens (:func:`spells_prefix`); it computes no BLAKE3 chain.
 
 The chain costs ~2 us per block (BLAKE3 of 2 KiB; ~1 ms for a 128K-token prompt), and an engine
@@ -26,8 +26,8 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import CorruptionError, InvalidInputError
-from ._forks import ProcessLock
+from snapstore._errors import CorruptionError, InvalidInputError
+from snapstore._forks import ProcessLock
 
 __all__ = ["BLOCK", "Encoded", "Segment", "TokenIndex", "TokensLike", "as_token_array", "decode_tokens",
            "encode_tokens", "Link", "spells_chain", "spells_prefix", "spells_segment"]
@@ -211,7 +211,7 @@ def spells_prefix(segments: Sequence[Segment], arr: np.ndarray, encoded: Encoded
     return all(spells_segment(seg, arr, enc) for seg in reversed(segments))
 
 
-# A link of a candidate's chain as :meth:`._catalog.Txn.chain_links` streams it: (level, width,
+# A link of a candidate's chain as :meth:`snapstore.catalog.queries.Txn.chain_links` streams it: (level, width,
 # base_tokens, n_tokens, blob bytes, same: compared in SQL, or None where blob is given for the
 # caller to compare, blob or None).
 Link: TypeAlias = tuple[int, int, int, int, int, bool | None, Any]
@@ -220,7 +220,7 @@ Link: TypeAlias = tuple[int, int, int, int, int, bool | None, Any]
 def spells_chain(own: Segment, links: Iterable[Link], arr: np.ndarray, encoded: Encoded | None = None) -> bool:
     """Does a candidate spell exactly ``arr[:n]``, given its own segment ``own`` (``n`` its end,
     already found to hold ``arr[base:n]`` by :func:`spells_segment`) and its ancestors' links as
-    :meth:`._catalog.Txn.chain_links` streams them, parent (level 1) first? The answer of
+    :meth:`snapstore.catalog.queries.Txn.chain_links` streams them, parent (level 1) first? The answer of
     :func:`spells_prefix` on the whole chain, each link checked as it arrives, none held.
 
     A link compared in SQL counts only where the prompt's tokens fit its width (an int32 compare of

@@ -36,12 +36,12 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ._config import Budget
-from ._errors import LayoutError
-from ._identity import Identity
-from ._layout import Fixed, Layout, Rows
-from ._results import RestoreResult, SaveResult
-from ._store import Store
+from snapstore._config import Budget
+from snapstore._errors import LayoutError
+from snapstore._identity import Identity
+from snapstore._layout import Fixed, Layout, Rows
+from snapstore._results import RestoreResult, SaveResult
+from snapstore._store import Store
 
 __all__ = ["DTYPES", "NumpyEngine", "StoreStateMachine", "Workload", "layouts", "states", "token_sequences"]
 

@@ -13,7 +13,7 @@ entries), then save :func:`compressible_state` after N tokens again with CODEC; 
 SECONDS; print one JSON line {"runs", "dead_pending", "removed", "errors"}.
 
 Run it under ``unshare`` to put it in another PID or UTS namespace; ``HELPER_KERNEL_ID`` (read
-here, by the test helper, never by snapstore) sets the private ``snapstore._owner._kernel_override``
+here, by the test helper, never by snapstore) sets the private ``snapstore.lifecycle.owner._kernel_override``
 hook so that it looks like a process on another machine (its lock cannot be probed from here).
 """
 
@@ -40,8 +40,8 @@ def compressible_state(n: int) -> dict[str, np.ndarray]:
 
 
 def resave(path: str, n: int, codec: str) -> None:
-    from snapstore._gc import gc
-    from snapstore._repo import Repo
+    from snapstore.chunks.repo import Repo
+    from snapstore.lifecycle.gc import gc
 
     repo = Repo.open(path)
     try:
@@ -87,8 +87,8 @@ def gcloop(path: str, seconds: float, disk: int) -> None:
     import time
 
     from snapstore import SnapstoreError
-    from snapstore._gc import gc
-    from snapstore._repo import Repo
+    from snapstore.chunks.repo import Repo
+    from snapstore.lifecycle.gc import gc
 
     out: dict[str, object] = {"runs": 0, "dead_pending": 0, "removed": 0, "errors": []}
     errors: list[str] = []
@@ -113,9 +113,9 @@ def gcloop(path: str, seconds: float, disk: int) -> None:
 
 if __name__ == "__main__":
     if os.environ.get("HELPER_KERNEL_ID"):
-        import snapstore._owner
+        import snapstore.lifecycle.owner
 
-        snapstore._owner._kernel_override = os.environ["HELPER_KERNEL_ID"]
+        snapstore.lifecycle.owner._kernel_override = os.environ["HELPER_KERNEL_ID"]
     if sys.argv[1] == "capture":
         capture(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     elif sys.argv[1] == "gcloop":

@@ -83,7 +83,7 @@ def check_restore(store: ss.Store, ref: Any, k: int, n: int) -> None:
 
 def snapshot_tokens(store: ss.Store, sid: int) -> np.ndarray:
     """Tokens of a snapshot (through the catalog; tests only)."""
-    from snapstore._match import tokens_of
+    from snapstore.plan.match import tokens_of
     return store._repo.db.read(lambda c: tokens_of(c.chain(sid)))
 
 
@@ -119,7 +119,7 @@ def install_crash_point(spec: str) -> None:
     if name in ("fsync", "write", "link", "unlink", "replace"):
         setattr(os, name, wrap(getattr(os, name)))
     elif name == "txn":
-        from snapstore._db import Database
+        from snapstore.catalog.db import Database
         orig_write = Database.write_collect
 
         def write(self: Any, fn: Any, **kw: Any) -> Any:
@@ -134,7 +134,7 @@ def install_crash_point(spec: str) -> None:
             return orig_write(self, body, **kw)
         Database.write_collect = write  # type: ignore[method-assign]
     elif name == "dbwrite":
-        from snapstore._db import Database
+        from snapstore.catalog.db import Database
         Database.write_collect = wrap(Database.write_collect)  # type: ignore[method-assign]
     else:
         raise SystemExit(f"unknown crash point {spec}")

@@ -16,7 +16,8 @@ import pytest
 from support import IDENT, LAYOUT, empty_like_state, make_state, open_store, part_hashes
 
 import snapstore as ss
-from snapstore import _db, _store
+from snapstore import _store
+from snapstore.catalog import db as _db
 
 FIXED_ONLY = ss.Layout(fixed={"state": ss.Fixed("float32", (4, 4))})
 
@@ -499,9 +500,9 @@ def test_match_exclude_falls_back_to_the_next_longest_prefix(store: ss.Store) ->
 def test_construction_only_assigns_and_open_does_the_io(tmp_path: Any) -> None:
     """Database, Repo and Store constructors create no file, directory, thread or connection;
     Store.open() does all of it (design: construction without side effects)."""
-    from snapstore._chunkfile import CODECS
     from snapstore._config import store_options
-    from snapstore._repo import Repo
+    from snapstore.chunks.chunkfile import CODECS
+    from snapstore.chunks.repo import Repo
 
     root = str(tmp_path / "s")
     threads = {t.ident for t in threading.enumerate()}

@@ -19,7 +19,9 @@ import pytest
 from support import LAYOUT, empty_like_state, make_state, open_store, part_hashes
 
 import snapstore as ss
-from snapstore import _chunker, _layout_fit, _tokens
+from snapstore import _tokens
+from snapstore.plan import fit as _layout_fit
+from snapstore.save import chunker as _chunker
 
 
 def toks(n: int, base: int = 1000) -> np.ndarray:

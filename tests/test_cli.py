@@ -598,7 +598,7 @@ def test_help_explains_every_command() -> None:
 
 
 def test_console_script_entry_point() -> None:
-    from snapstore._cli import main
+    from snapstore.cli.main import main
 
     assert main(["--version"]) == 0
     exe = os.path.join(os.path.dirname(sys.executable), "snapstore")

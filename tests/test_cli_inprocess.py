@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from support import LAYOUT, Workload, open_store
 
-from snapstore._cli import main
+from snapstore.cli.main import main
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any] | None, dict[str, Any] | None]:

@@ -18,11 +18,11 @@ import pytest
 from support import IDENT, LAYOUT
 
 import snapstore as ss
-from snapstore._cli_commands import inspect_doc
-from snapstore._cli_context import CliContext
-from snapstore._cli_parser import ArgumentsError, build_parser
-from snapstore._inspect import inspect_snapshot, inspect_store, resolve_identity
-from snapstore._repo import SnapshotRepo
+from snapstore.check.inspect import inspect_snapshot, inspect_store, resolve_identity
+from snapstore.chunks.repo import SnapshotRepo
+from snapstore.cli.commands import inspect_doc
+from snapstore.cli.context import CliContext
+from snapstore.cli.parser import ArgumentsError, build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

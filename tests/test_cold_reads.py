@@ -14,7 +14,7 @@ from support import IDENT, store_factory
 from support.pagecache import cached_pages, drop_cache
 
 import snapstore as ss
-from snapstore import _direct_io
+from snapstore.chunks import direct_io as _direct_io
 
 MIB = 1 << 20
 ROW = 5000  # bytes per row: 1 MiB chunks hold 209 rows = 1,045,000 bytes, not a multiple of 4096
@@ -68,7 +68,7 @@ def _bypassed(files: list[str]) -> bool:
 
 
 def test_probe_tells_a_cold_file_from_a_just_read_one(tmp_path: Any) -> None:
-    from snapstore._direct_io import resident
+    from snapstore.chunks.direct_io import resident
     path = str(tmp_path / "f")
     with open(path, "wb") as f:
         f.write(os.urandom(4 * MIB + 123))

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 import snapstore as ss
-from snapstore._chunkfile import CODEC_NAMES
+from snapstore.chunks.chunkfile import CODEC_NAMES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 
 import snapstore as ss
-from snapstore._chunkfile import HEADER_SIZE
-from snapstore._verify import verify as repo_verify
+from snapstore.check.verify import verify as repo_verify
+from snapstore.chunks.chunkfile import HEADER_SIZE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -293,7 +293,7 @@ def _reset(tmpl: str, work: str, tmpl_files: set[str]) -> None:
 
 
 def ss_repo(path: str) -> Any:
-    from snapstore._repo import Repo
+    from snapstore.chunks.repo import Repo
     return Repo.open(path)
 
 

@@ -26,11 +26,11 @@ from support import LAYOUT, make_state, store_factory
 from support.catalogs import UNDO_FIND_KEYS
 
 import snapstore as ss
-from snapstore import _chunker
-from snapstore._chunkfile import checksum, chunk_id, copy_addressed
-from snapstore._db import migrations_dir
-from snapstore._repo import Repo
-from snapstore._verify import verify as repo_verify
+from snapstore.catalog.db import migrations_dir
+from snapstore.check.verify import verify as repo_verify
+from snapstore.chunks.chunkfile import checksum, chunk_id, copy_addressed
+from snapstore.chunks.repo import Repo
+from snapstore.save import chunker as _chunker
 
 open_store = store_factory(budget=ss.Budget(reserve_bytes=0, ram_bytes=0))  # no RAM tier: every read hits disk
 
@@ -342,7 +342,7 @@ def test_ram_tier_never_serves_a_quarantined_chunk(store_dir: str) -> None:
 
 def test_quarantine_skips_a_file_healed_since_the_restore_read_it(store_dir: str) -> None:
     """quarantine() re-checks each chunk's current bytes: a file intact now (healed, republished) stays."""
-    from snapstore._restore import quarantine
+    from snapstore.restore.stream import quarantine
     state = make_state(LAYOUT, 100, 2)
     with open_store(store_dir) as s:
         r = s.save(list(range(100)), state)
@@ -399,7 +399,7 @@ def test_save_never_adopts_a_published_file_whose_payload_was_cut(store_dir: str
     shorter than the header says) fails the save's header check as it fails restore's: the save
     republishes it rather than committing a snapshot that cannot restore (review of issue 10's
     one header check: the save path passed no file size, so it was weaker than restore's)."""
-    from snapstore._chunkfile import HEADER_SIZE
+    from snapstore.chunks.chunkfile import HEADER_SIZE
 
     toks = list(range(300))
     state = make_state(LAYOUT, 300, 12)

@@ -18,9 +18,9 @@ from support import open_store
 from support.catalogs import LATEST_SCHEMA, UNDO_FIND_KEYS
 
 import snapstore as ss
-from snapstore._find_keys import find_keys
-from snapstore._match import tokens_of
 from snapstore._tokens import BLOCK, as_token_array
+from snapstore.catalog.find_keys import find_keys
+from snapstore.plan.match import tokens_of
 
 TINY = ss.Layout(rows={"t": ss.Rows("uint8", (1,))})
 
@@ -171,7 +171,7 @@ def test_match_reads_the_prompt_in_place_and_answers_the_same(tmp_path: str, kin
 def test_the_in_list_finds_what_carray_finds(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without apsw's carray (an older apsw, or an SQLite built without it) the keys go as an IN
     list of bound variables: the same candidates, the same answers."""
-    from snapstore import _catalog
+    from snapstore.catalog import queries as _catalog
 
     rng = np.random.default_rng(6)
     with _open(os.path.join(tmp_path, "s")) as s:
@@ -204,7 +204,7 @@ def test_candidates_whose_own_tokens_differ_cost_no_chain_read(tmp_path: str, mo
     """Every snapshot shorter than a block shares the empty prefix's key, and siblings ending in one
     block share theirs: each is a candidate, passed over on its own segment (read with it), never
     by reading its chain — and the one that matches reads its chain once (one statement)."""
-    from snapstore import _catalog
+    from snapstore.catalog import queries as _catalog
 
     reads: list[int] = []
     for name in ("chain_spells", "chain_links"):  # the one-statement check, and the exact one behind it

@@ -179,6 +179,6 @@ def test_identity_module_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys, snapstore._cli, snapstore.llamacpp._bridge, snapstore.llamacpp._proxy, "
-            "snapstore.llamacpp._cli; assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, snapstore.cli.main, snapstore.llamacpp._bridge, snapstore.llamacpp._proxy, "
+            "snapstore.cli.llamacpp; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))

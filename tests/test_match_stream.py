@@ -18,8 +18,8 @@ from support import open_store
 
 import snapstore as ss
 from snapstore import _tokens
-from snapstore._find_keys import find_keys
 from snapstore._tokens import BLOCK, as_token_array
+from snapstore.catalog.find_keys import find_keys
 
 TINY = ss.Layout(rows={"t": ss.Rows("uint8", (1,))})
 

@@ -16,8 +16,8 @@ from support import IDENT, LAYOUT, make_state
 from support.catalogs import UNDO_FIND_KEYS
 
 import snapstore as ss
-from snapstore._cli import main
-from snapstore._db import migrations_dir
+from snapstore.catalog.db import migrations_dir
+from snapstore.cli.main import main
 
 G = 32
 BLOCKS = ss.Layout(rows={"l0": ss.Rows("float32", (2, G, 8)), "l1": ss.Rows("float16", (G, 4))}, tokens_per_row=G)

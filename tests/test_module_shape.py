@@ -10,11 +10,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 450
-PACKAGES = ["snapstore", "engine", "snapstore/llamacpp"]
+PACKAGES = ["snapstore", "engine"]  # every subpackage of each, at any depth
 
 
 def _modules() -> list[Path]:
-    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py"))
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if "__pycache__" not in p.parts)
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -24,7 +24,7 @@ def test_module_is_at_most_450_lines(path: Path) -> None:
 
 
 def test_engine_imports_only_public_core_names() -> None:
-    for path in sorted((ROOT / "engine").glob("*.py")):
+    for path in sorted((ROOT / "engine").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 assert not node.module.startswith("snapstore._"), f"{path.name} imports {node.module}"

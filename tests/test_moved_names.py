@@ -24,7 +24,7 @@ def test_moved_names_are_the_new_objects(old: str) -> None:
 
 
 def test_slotfile_still_refuses_unknown_names() -> None:
-    from snapstore.llamacpp import _slotfile
+    from snapstore.llamacpp import _slotfile as _slotfile
 
     with pytest.raises(AttributeError, match="no_such_name"):
         _slotfile.no_such_name  # noqa: B018

@@ -3,7 +3,7 @@
 Real processes throughout: owners run as child processes (tests/helpers_owner.py), in another UTS
 namespace (another hostname) or PID namespace (``unshare``, as root) where the kernel allows it,
 and die by SIGKILL. The one thing a single machine cannot provide, another kernel, is stood in for
-by ``HELPER_KERNEL_ID`` in the child (it sets the private ``_owner._kernel_override`` hook there:
+by ``HELPER_KERNEL_ID`` in the child (it sets the private ``lifecycle.owner._kernel_override`` hook there:
 the owner then looks like a process on another host, its lock cannot be probed and only its lease
 speaks for it). Forked children use a real ``os.fork()``.
 """
@@ -26,7 +26,7 @@ import apsw
 import pytest
 
 import snapstore as ss
-from snapstore._catalog import Txn
+from snapstore.catalog.queries import Txn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -229,7 +229,7 @@ def test_old_form_owner_tokens(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -
 
 # -- the owner's lock, row and lease ---------------------------------------------------------------
 def test_owner_lock_file_row_and_token(store: ss.Store) -> None:
-    from snapstore._owner import OWNER_PREFIX
+    from snapstore.lifecycle.owner import OWNER_PREFIX
 
     d = os.path.join(store.path, OWNERS_DIR)
     own = store._lease_owner
@@ -309,7 +309,7 @@ def test_gc_removes_leftover_lock_files_it_can_lock(store: ss.Store) -> None:
     are no longer left forever: gone once a minute old and their lock is free."""
     import fcntl
 
-    from snapstore._owner import kernel_id
+    from snapstore.lifecycle.owner import kernel_id
 
     d = os.path.join(store.path, OWNERS_DIR)
     here = _leftover(d, "a" * 32 + ".lock", kernel_id() + "\n")              # crashed before registering: lock free
@@ -355,8 +355,8 @@ def test_lock_file_of_an_owner_on_another_kernel_goes_after_its_lease(tmp_path: 
 def test_fifo_in_owners_does_not_hang_gc(tmp_path: Any) -> None:
     """Review 1 item 8: a FIFO named like a lock file (of an unregistered owner that a pending
     capture names) made every gc block in open() forever."""
-    from snapstore._owner import OWNER_PREFIX
-    from snapstore._repo import Repo
+    from snapstore.chunks.repo import Repo
+    from snapstore.lifecycle.owner import OWNER_PREFIX
 
     path = str(tmp_path / "store")
     fifo_id = "0123456789abcdef0123456789abcdef"
@@ -499,7 +499,7 @@ def test_owner_survives_removal_of_owners_dir_and_makes_its_file_again(tmp_path:
 def test_fork_while_another_thread_registers_an_owner(tmp_path: Any) -> None:
     """Review 1, suspected: a fork while another thread held the owner registry's lock left it
     held forever in the child, whose Store.open then hung."""
-    import snapstore._owner as own
+    import snapstore.lifecycle.owner as own
 
     held, go = threading.Event(), threading.Event()
 
@@ -529,7 +529,7 @@ def test_fork_while_another_thread_registers_an_owner(tmp_path: Any) -> None:
 def test_kernel_id_is_not_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Review 1 nit: a test knob (``$SNAPSTORE_TEST_KERNEL_ID``) was read on every probe in
     production; tests now set the private ``_kernel_override`` hook in their child process."""
-    import snapstore._owner as own
+    import snapstore.lifecycle.owner as own
 
     real = own.kernel_id()
     monkeypatch.setenv("SNAPSTORE_TEST_KERNEL_ID", "another-machine")

@@ -15,7 +15,7 @@ from support import IDENT, make_state, store_factory
 from support.pagecache import cached_pages
 
 import snapstore as ss
-from snapstore import _ramtier
+from snapstore.restore import ramtier as _ramtier
 
 MIB = 1 << 20
 BIG = ss.Layout(fixed={"run": ss.Fixed("uint8", (4 * MIB,))}, rows={"kv": ss.Rows("uint8", (64 * 1024,))})
@@ -167,7 +167,7 @@ def test_file_system_refusing_direct_io_falls_back_cleanly(store_dir: str, where
     file is left behind, and the store stays on the buffered path."""
     import os
 
-    from snapstore import _direct_io
+    from snapstore.chunks import direct_io as _direct_io
     monkeypatch.setattr(_direct_io, "_TEST_REFUSE", where)
     state = _big_state(100, 6)
     with _open_big(store_dir) as s:
@@ -185,7 +185,7 @@ class _Gate:
     """Pauses the background writer inside its first chunk (the chunker's test hook) until opened."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
-        from snapstore import _chunker
+        from snapstore.save import chunker as _chunker
         self.entered, self.opened = threading.Event(), threading.Event()
         self.main = threading.get_ident()
 
@@ -380,7 +380,7 @@ def test_match_probes_quarantined_chunks_from_their_partial_index_not_by_scannin
     """match() asks which snapshots use a quarantined chunk for every candidate it finds; that
     probe starts from the partial index of quarantined chunks (usually empty) and never scans
     every part_chunks row (4 ms at 1,000 snapshots, growing with the store)."""
-    from snapstore import _catalog
+    from snapstore.catalog import queries as _catalog
 
     for n in range(1, 40):
         store.save(list(range(n * 3)), make_state(store.layout, n * 3, seed=n), parent=None)
@@ -393,7 +393,7 @@ def test_match_probes_quarantined_chunks_from_their_partial_index_not_by_scannin
 def test_match_finds_a_prefix_beyond_the_first_statements_anchors(store: ss.Store) -> None:
     """The first match statement binds only the deepest anchors; a saved prefix far shorter than
     the query (its anchor in a later batch) is still found, and a deeper one still wins."""
-    from snapstore import _catalog
+    from snapstore.catalog import queries as _catalog
 
     query = list(range(1000, 1000 + 256 * (_catalog._FIRST_BATCH + 8)))
     short = store.save(query[:300], make_state(store.layout, 300, seed=1), parent=None)
@@ -412,7 +412,7 @@ def test_a_save_hashes_and_writes_as_many_chunks_at_once_as_the_staging_buffer_h
         store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """16 MiB of staging in 4 MiB slots: four chunks are in the hash/write stage together (a pool of
     two threads left two staged chunks waiting while the disk idled between writes)."""
-    from snapstore import _chunker
+    from snapstore.save import chunker as _chunker
     inside, peak, lock = [0], [0], threading.Lock()
     four = threading.Barrier(4, timeout=20)
 
@@ -443,7 +443,7 @@ def test_a_save_hashes_and_writes_as_many_chunks_at_once_as_the_staging_buffer_h
 def test_direct_chunk_writes_go_to_the_disk_one_at_a_time(store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four staged chunks, but one O_DIRECT write in flight at a time: concurrent writes share the
     device and finish together, freeing every slot at once while the disk then idles."""
-    from snapstore import _direct_io
+    from snapstore.chunks import direct_io as _direct_io
     real, inside, peak, lock = _direct_io.write_all, [0], [0], threading.Lock()
 
     def counted(fd: int, piece: Any) -> None:
@@ -473,7 +473,7 @@ def test_a_written_chunk_frees_its_slot_before_its_fsync(store_dir: str, monkeyp
     slot stayed taken through the fsync, and the save stopped after the slots' worth of copies)."""
     import os
 
-    from snapstore import _chunker
+    from snapstore.save import chunker as _chunker
     real_fsync, real_copy = os.fsync, _chunker.copy_addressed
     held, copies, first, by_copies = threading.Event(), [0], [True], [False]
     lock = threading.Lock()
@@ -514,7 +514,7 @@ def test_a_written_chunk_frees_its_slot_before_its_fsync(store_dir: str, monkeyp
 def test_read_ahead_lanes_run_each_lane_in_order_and_lanes_at_once() -> None:
     """Jobs of one lane run on one thread in order, and a later lane's first job runs while an
     earlier lane's job is still in flight (a cold restore keeps two files' reads going)."""
-    from snapstore._read_ahead import ReadAhead
+    from snapstore.restore.read_ahead import ReadAhead
     lanes = [0, 0, 0, 1, 1, 1]
     ran: list[tuple[int, int]] = []
     second_started = threading.Event()
@@ -548,7 +548,7 @@ def test_buffered_restore_reads_each_chunk_file_on_one_thread_and_two_files_at_o
         store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A big buffered restore reads every chunk file's pieces on one reader thread (its readahead
     stays sequential) and uses two reader threads (the old code read everything on one)."""
-    from snapstore import _restore
+    from snapstore.restore import stream as _restore
     real = _restore.read_exact
     seen: dict[int, set[int]] = {}
     reads, lock = [0], threading.Lock()
@@ -578,8 +578,8 @@ def test_a_failed_restore_says_touched_for_any_read_its_reader_threads_began(
     could begin between the error and the readers' stop. The error's ``touched`` is taken after the
     stop, so it is False exactly when the destination is as it was (the old code read it before:
     a read that began in between wrote the destination under ``touched=False``)."""
-    from snapstore import _restore
-    from snapstore._read_ahead import ReadAhead
+    from snapstore.restore import stream as _restore
+    from snapstore.restore.read_ahead import ReadAhead
     gate, began = threading.Event(), threading.Event()
     real_read, real_corrupt = _restore.read_exact, _restore.corrupt
 

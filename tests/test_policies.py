@@ -13,8 +13,8 @@ from support import IDENT
 from test_lifecycle import Conv, open_store
 
 import snapstore as ss
-from snapstore._gc import gc
-from snapstore._owner import OWNER_PREFIX
+from snapstore.lifecycle.gc import gc
+from snapstore.lifecycle.owner import OWNER_PREFIX
 
 # the same model, rebuilt: stale
 OTHER = ss.Identity(build="other-build", pack=IDENT.pack, kv="f16", mtp=False, extra=IDENT.extra)

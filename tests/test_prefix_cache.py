@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 import snapstore as ss  # noqa: E402
 from snapstore.engine import hf  # noqa: E402
-from snapstore.engine._prefix_cache import BatchNotSupportedError, PrefixCacheStats, default_boundary  # noqa: E402
+from snapstore.engine.hf._prefix_cache import BatchNotSupportedError, PrefixCacheStats, default_boundary  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_engine_hf import build  # noqa: E402

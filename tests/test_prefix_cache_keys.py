@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 import snapstore as ss  # noqa: E402
 from snapstore.engine import hf  # noqa: E402
-from snapstore.engine._prefix_generate import _DECODE_FIELDS, _NEUTRAL_FIELDS, bypass_reason  # noqa: E402
+from snapstore.engine.hf._generate import _DECODE_FIELDS, _NEUTRAL_FIELDS, bypass_reason  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_engine_hf import build  # noqa: E402

@@ -15,7 +15,7 @@ import pytest
 from support import IDENT, LAYOUT, Workload, empty_like_state, open_store, part_hashes
 
 import snapstore as ss
-from snapstore._cli import main
+from snapstore.cli.main import main
 
 W = Workload(LAYOUT, conversations=2, max_tokens=240)
 

@@ -16,9 +16,9 @@ from remote_helpers import LAYOUT, expected, identity, restore_in_background, st
 from s3_fixtures import SeaweedCluster, bucket, seaweed  # noqa: F401 - the fixtures
 
 import snapstore
-from snapstore._remote_keys import LAYOUT as KEYS
-from snapstore._remote_maint import gc_remote, verify_remote
-from snapstore._s3client import S3Client
+from snapstore.remote.keys import LAYOUT as KEYS
+from snapstore.remote.maint import gc_remote, verify_remote
+from snapstore.remote.s3client import S3Client
 
 NODE = str(Path(__file__).resolve().parent / "remote_node.py")
 LENGTHS = [600, 1300, 2100]  # a chain of three links (anchors in blocks 2, 5 and 8)
@@ -347,7 +347,7 @@ def test_kill_campaign_50_sigkills_mid_upload(bucket: str, tmp_path: Path) -> No
 
 
 def test_cli_remote_flags(bucket: str, tmp_path: Path) -> None:
-    from snapstore._cli import main
+    from snapstore.cli.main import main
     s = _save_chain(bucket, tmp_path / "a", 14)
     s.flush()
     s.close()
@@ -377,9 +377,9 @@ def test_cli_remote_flags(bucket: str, tmp_path: Path) -> None:
 
 def test_cli_remote_local_part_is_the_local_report(bucket: str, tmp_path: Path) -> None:
     """inspect --remote --json carries the local store's inspect report; stats --remote adds this node's counters."""
-    from snapstore._cli_commands import inspect_doc
-    from snapstore._inspect import inspect_store
-    from snapstore._repo import SnapshotRepo
+    from snapstore.check.inspect import inspect_store
+    from snapstore.chunks.repo import SnapshotRepo
+    from snapstore.cli.commands import inspect_doc
     d = str(tmp_path / "a")
     s = _save_chain(bucket, tmp_path / "a", 15)
     assert s.flush().uploaded == 3

@@ -20,9 +20,9 @@ from remote_helpers import LAYOUT, identity, restore_in_background, state
 from s3_fixtures import SeaweedCluster, bucket, seaweed  # noqa: F401 - the fixtures
 
 import snapstore
-from snapstore._chunkfile import HEADER_SIZE
-from snapstore._remote_tier import LAYOUT as KEYS
-from snapstore._s3client import S3Client
+from snapstore.chunks.chunkfile import HEADER_SIZE
+from snapstore.remote.s3client import S3Client
+from snapstore.remote.tier import LAYOUT as KEYS
 
 LENGTHS = [600, 1300, 2100]  # 256-byte rows: a 537,600-byte chain of three links
 TINY = snapstore.Budget(disk_bytes=100_000, ram_bytes=0, reserve_bytes=0)  # smaller than the chain
@@ -157,7 +157,7 @@ def test_bad_restore_mode_fails_at_open(bucket: str, tmp_path: Path, monkeypatch
 
 
 def test_counters_in_stats_api_and_inspect(bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from snapstore._cli import main
+    from snapstore.cli.main import main
     _publish(bucket, tmp_path / "a", 25)
     tokens, _kv, _st = state(25, LENGTHS[-1])
     with snapstore.Store.open(tmp_path / "b", identity=identity(), layout=LAYOUT, remote=bucket) as b:

@@ -26,8 +26,8 @@ from remote_helpers import LAYOUT, identity, state
 from s3_fixtures import bucket, seaweed  # noqa: F401 - the fixtures
 
 import snapstore
-from snapstore._remote_maint import verify_remote
-from snapstore._s3client import S3Client
+from snapstore.remote.maint import verify_remote
+from snapstore.remote.s3client import S3Client
 
 LENGTHS = [600, 1300, 2100]  # 256-byte rows: a 537,600-byte chain of three links
 TINY = snapstore.Budget(disk_bytes=100_000, ram_bytes=0, reserve_bytes=0)  # smaller than the chain

@@ -17,8 +17,8 @@ from remote_helpers import LAYOUT, identity, state
 from s3_fixtures import bucket, seaweed  # noqa: F401 - the fixtures
 
 import snapstore
-from snapstore._remote_keys import use_key
-from snapstore._s3client import S3Client
+from snapstore.remote.keys import use_key
+from snapstore.remote.s3client import S3Client
 
 pytestmark = pytest.mark.slow  # starts a SeaweedFS cluster
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from snapstore._repo import Repo
-from snapstore._verify import verify
+from snapstore.check.verify import verify
+from snapstore.chunks.repo import Repo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

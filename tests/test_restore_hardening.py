@@ -23,7 +23,8 @@ import pytest
 from support import IDENT, store_factory
 
 import snapstore as ss
-from snapstore import _ramtier, _read
+from snapstore.restore import ramtier as _ramtier
+from snapstore.restore import read as _read
 
 ROW = 256
 BLOCK = 16  # rows per paged block: 4 KiB
@@ -104,7 +105,7 @@ def test_fifo_at_a_chunk_path_is_damage_not_a_hang(tmp_path: Any, direct_reads: 
 
 def test_header_read_of_a_fifo_is_damage_not_a_hang(tmp_path: Any) -> None:
     """The header check a save runs on a chunk file it finds at an address (dedup, settle, fetch)."""
-    from snapstore._chunkfile import header_at
+    from snapstore.chunks.chunkfile import header_at
     fifo = str(tmp_path / "c")
     os.mkfifo(fifo, 0o600)
     with pytest.raises(ss.CorruptionError, match="FIFO"):

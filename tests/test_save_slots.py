@@ -46,7 +46,7 @@ def test_a_temp_file_gc_removes_after_its_direct_write_is_written_again(
     during its fsync), before its link. The save writes that chunk again and succeeds, as it did
     before slots were freed at the write (then the slot still held the bytes; once freed, main
     raised the ENOENT out of save())."""
-    from snapstore._gc import temp_files
+    from snapstore.lifecycle.gc import temp_files
 
     real_fsync = os.fsync
     removed: list[str] = []
@@ -135,7 +135,7 @@ def test_an_interrupted_save_returns_only_once_no_chunk_job_is_left_running(
     reaches the caller only once that chunk's job is done too, so nothing of the save still reads
     the engine's buffer or writes a slot after save() has raised (the old code had already taken the
     awaited job off its list and left it running)."""
-    from snapstore import _chunker
+    from snapstore.save import chunker as _chunker
     go, lock = threading.Event(), threading.Lock()
     running, hashed = [0], [0]
     real_one, real_taken = _chunker.Chunker._one, _chunker._taken

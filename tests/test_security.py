@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import snapstore as ss
-from snapstore._repo import Repo
+from snapstore.chunks.repo import Repo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from support import IDENT, LAYOUT, make_state, store_factory  # noqa: E402
@@ -101,7 +101,7 @@ def test_symlinked_chunk_file_is_not_followed(tmp_path: Any) -> None:
         # gc must never delete through the link, and never the outside file
         st.gc(grace=0)
         assert outside.exists()
-        from snapstore._verify import verify
+        from snapstore.check.verify import verify
         verify(st._repo, deep=True, repair=True)
         assert outside.exists()
     finally:
@@ -189,8 +189,8 @@ def _bait(d: Any) -> list[str]:
 @pytest.mark.parametrize("entry", ["tmp", "owners"])
 def test_cli_and_library_gc_refuse_a_linked_store_dir(tmp_path: Any, entry: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from snapstore._cli import main
-    from snapstore._gc import gc
+    from snapstore.cli.main import main
+    from snapstore.lifecycle.gc import gc
 
     root = tmp_path / "s"
     _open(str(root)).close()
@@ -235,6 +235,6 @@ def test_database_file_link_refused(tmp_path: Any) -> None:
     os.symlink(tmp_path / "elsewhere.db", root / "snapstore.db")
     with pytest.raises(ss.StoreFormatError, match="snapstore.db is a symbolic link"):
         _open(str(root))
-    from snapstore._repo import SnapshotRepo
+    from snapstore.chunks.repo import SnapshotRepo
     with pytest.raises(ss.StoreFormatError, match="snapstore.db is a symbolic link"):
         SnapshotRepo.open(str(root))

@@ -17,7 +17,7 @@ from conftest import IDENT, sha
 from support.catalogs import UNDO_FIND_KEYS
 
 import snapstore as ss
-from snapstore._db import migrations_dir
+from snapstore.catalog.db import migrations_dir
 
 LAY = ss.Layout(fixed={"rec": ss.Fixed("float32", (16,))}, rows={"kv": ss.Rows("uint8", (32,))})
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

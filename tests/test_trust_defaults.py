@@ -19,8 +19,8 @@ from support import IDENT, LAYOUT, empty_like_state, make_state, open_store, par
 from support.catalogs import UNDO_LAYOUT_KEYS
 
 import snapstore as ss
-from snapstore._cli import main
-from snapstore._gc import gc
+from snapstore.cli.main import main
+from snapstore.lifecycle.gc import gc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import snapstore as ss
-from snapstore.engine._vllm_blocks import BlockGeometry, BlockWriter, gather_blocks, host_pools, weights_hash
-from snapstore.engine._vllm_key import MM_TOKEN_BASE, config_digest, request_key
+from snapstore.engine.vllm._blocks import BlockGeometry, BlockWriter, gather_blocks, host_pools, weights_hash
+from snapstore.engine.vllm._key import MM_TOKEN_BASE, config_digest, request_key
 
 GEO = BlockGeometry(layers=3, kv_heads=2, block_size=32, entry=64, dtype=torch.bfloat16)
 

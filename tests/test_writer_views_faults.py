@@ -17,7 +17,7 @@ from support import IDENT, store_factory
 from support.pagecache import cached_pages, drop_cache
 
 import snapstore as ss
-from snapstore import _direct_io
+from snapstore.chunks import direct_io as _direct_io
 
 MIB = 1 << 20
 ROW = 4096

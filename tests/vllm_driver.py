@@ -173,8 +173,8 @@ def keys(out_path: str) -> None:
         SlidingWindowSpec,
     )
 
-    from snapstore.engine._vllm_key import request_key
     from snapstore.engine.vllm import exact_layout
+    from snapstore.engine.vllm._key import request_key
 
     found: dict[str, Any] = {"declined": {}, "first_diff": {}, "violations": [], "layouts": {}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,6 +8,6 @@ anywhere here. See docs/engine.md ("llama.cpp").
 
 from __future__ import annotations
 
-from ._slotfile import KNOWN_VERSIONS, ModelShape, SlotFile, SlotFormatError, decode, encode
+from snapstore.llamacpp._slotfile import KNOWN_VERSIONS, ModelShape, SlotFile, SlotFormatError, decode, encode
 
 __all__ = ["KNOWN_VERSIONS", "ModelShape", "SlotFile", "SlotFormatError", "decode", "encode"]

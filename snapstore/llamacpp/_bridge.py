@@ -24,18 +24,18 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._config import Budget
-from .._errors import InvalidInputError, SnapstoreError, StateError
-from ._identity import ModelInfo
-from ._prompt import CHAT_PATHS, prompt_of
-from ._prompt import lcp as _lcp
-from ._prompt import tokens_in as _tokens_in
-from ._served import request_unkeyable
-from ._slotfile import SlotFile, SlotFormatError
-from ._slotstore import ImportResult, SlotStore, export_snapshot
-from ._storer import Storer
-from ._upstream import JsonObject, LlamaServer, UpstreamError
-from ._watch import IdentityWatch
+from snapstore._config import Budget
+from snapstore._errors import InvalidInputError, SnapstoreError, StateError
+from snapstore.llamacpp._identity import ModelInfo
+from snapstore.llamacpp._prompt import CHAT_PATHS, prompt_of
+from snapstore.llamacpp._prompt import lcp as _lcp
+from snapstore.llamacpp._prompt import tokens_in as _tokens_in
+from snapstore.llamacpp._served import request_unkeyable
+from snapstore.llamacpp._slotfile import SlotFile, SlotFormatError
+from snapstore.llamacpp._slotstore import ImportResult, SlotStore, export_snapshot
+from snapstore.llamacpp._storer import Storer
+from snapstore.llamacpp._upstream import JsonObject, LlamaServer, UpstreamError
+from snapstore.llamacpp._watch import IdentityWatch
 
 # ImportResult and export_snapshot lived here before the split: kept importable from here
 __all__ = ["BridgeEvents", "ImportResult", "LlamaBridge", "Plan", "SlotStore", "UpstreamError", "export_snapshot"]

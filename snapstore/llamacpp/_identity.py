@@ -15,10 +15,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .._errors import ConfigError, InvalidInputError
-from .._identity import Identity
-from ._slotfile import GGML_TYPES, ModelShape
-from ._slotparts import SlotProto
+from snapstore._errors import ConfigError, InvalidInputError
+from snapstore._identity import Identity
+from snapstore.llamacpp._slotfile import GGML_TYPES, ModelShape
+from snapstore.llamacpp._slotparts import SlotProto
 
 __all__ = ["BUILD_ENV", "UNKNOWN_BUILDS", "ModelInfo", "build_warning", "file_sha256", "identity_for",
            "model_info"]

@@ -37,7 +37,7 @@ class BridgeMetrics:
 
     def events(self) -> Any:
         """BridgeEvents feeding these metrics."""
-        from ._bridge import BridgeEvents
+        from snapstore.llamacpp._bridge import BridgeEvents
 
         def restore(n: int, dt: float, nbytes: int) -> None:
             self.hits.inc()

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ._slotfile import TOKEN_NULL
-from ._upstream import LlamaServer
+from snapstore.llamacpp._slotfile import TOKEN_NULL
+from snapstore.llamacpp._upstream import LlamaServer
 
 __all__ = ["CHAT_PATHS", "COMPLETION_PATHS", "SESSION_HEADER", "lcp", "prompt_of", "tokens_in"]
 

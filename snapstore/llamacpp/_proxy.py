@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ._bridge import LlamaBridge, Plan
-from ._metrics import BridgeMetrics
-from ._prompt import CHAT_PATHS, COMPLETION_PATHS
+from snapstore.llamacpp._bridge import LlamaBridge, Plan
+from snapstore.llamacpp._metrics import BridgeMetrics
+from snapstore.llamacpp._prompt import CHAT_PATHS, COMPLETION_PATHS
 
 if TYPE_CHECKING:
     from multidict import CIMultiDict

@@ -20,10 +20,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import SnapstoreError
-from ._identity import ModelInfo, file_sha256, model_info
-from ._slotfile import SlotFile
-from ._upstream import LlamaServer
+from snapstore._errors import SnapstoreError
+from snapstore.llamacpp._identity import ModelInfo, file_sha256, model_info
+from snapstore.llamacpp._slotfile import SlotFile
+from snapstore.llamacpp._upstream import LlamaServer
 
 __all__ = ["PROBE_TOKENS", "Refusal", "Runtime", "Served", "identify", "model_of", "request_unkeyable", "served_now",
            "unseen_runtime"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._errors import CorruptionError
+from snapstore._errors import CorruptionError
 
 __all__ = [
     "FORM_PLAIN",
@@ -395,6 +395,6 @@ _MOVED_TO_SLOTPARTS = frozenset({"SlotProto", "empty_parts", "from_parts", "layo
 def __getattr__(name: str) -> object:
     """``_slotfile.SlotProto`` and the other moved names keep working for code that imported them from here."""
     if name in _MOVED_TO_SLOTPARTS:
-        from . import _slotparts
+        from snapstore.llamacpp import _slotparts as _slotparts
         return getattr(_slotparts, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,9 +14,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._errors import InvalidInputError, SnapstoreError
-from .._layout import Fixed, Layout, Rows
-from ._slotfile import FORM_PLAIN, FORM_SERVER, GGML_TYPES, KvLayer, ModelShape, RecLayer, SlotFile, SlotFormatError
+from snapstore._errors import InvalidInputError, SnapstoreError
+from snapstore._layout import Fixed, Layout, Rows
+from snapstore.llamacpp._slotfile import (
+    FORM_PLAIN,
+    FORM_SERVER,
+    GGML_TYPES,
+    KvLayer,
+    ModelShape,
+    RecLayer,
+    SlotFile,
+    SlotFormatError,
+)
 
 __all__ = ["SlotProto", "empty_parts", "from_parts", "layout_for", "to_parts"]
 

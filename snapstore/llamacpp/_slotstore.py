@@ -15,17 +15,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._catalog_rows import identity_fields
-from .._config import Budget
-from .._errors import IdentityError, NotFoundError, StateError
-from .._identity import Identity
-from .._refs import SnapshotRef
-from .._results import Match, SaveResult
-from .._store import Store
-from ._identity import ModelInfo, identity_for, model_info
-from ._served import unseen_runtime
-from ._slotfile import SlotFile, decode, encode
-from ._slotparts import SlotProto, empty_parts, from_parts, layout_for, to_parts
+from snapstore._config import Budget
+from snapstore._errors import IdentityError, NotFoundError, StateError
+from snapstore._identity import Identity
+from snapstore._refs import SnapshotRef
+from snapstore._results import Match, SaveResult
+from snapstore._store import Store
+from snapstore.catalog.rows import identity_fields
+from snapstore.llamacpp._identity import ModelInfo, identity_for, model_info
+from snapstore.llamacpp._served import unseen_runtime
+from snapstore.llamacpp._slotfile import SlotFile, decode, encode
+from snapstore.llamacpp._slotparts import SlotProto, empty_parts, from_parts, layout_for, to_parts
 
 log = logging.getLogger("snapstore.llamacpp")
 
@@ -34,7 +34,7 @@ __all__ = ["ImportResult", "SlotStore", "export_snapshot"]
 
 def _identity_extra_of(root: str, sid: int) -> Identity:
     """The identity of snapshot ``sid`` (read-only look at the catalog; no other identity's data)."""
-    from .._repo import SnapshotRepo
+    from snapstore.chunks.repo import SnapshotRepo
 
     repo = SnapshotRepo.open(root)
     try:

@@ -14,11 +14,11 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from ._identity import BUILD_ENV, ModelInfo, build_warning
-from ._served import Refusal, Served, identify, model_of, served_now
-from ._slotfile import decode
-from ._slotstore import SlotStore
-from ._upstream import LlamaServer
+from snapstore.llamacpp._identity import BUILD_ENV, ModelInfo, build_warning
+from snapstore.llamacpp._served import Refusal, Served, identify, model_of, served_now
+from snapstore.llamacpp._slotfile import decode
+from snapstore.llamacpp._slotstore import SlotStore
+from snapstore.llamacpp._upstream import LlamaServer
 
 __all__ = ["IdentityWatch"]
 

@@ -3,7 +3,7 @@ again, so a test can open a store as an older snapstore left it (and the newest 
 
 from __future__ import annotations
 
-from snapstore._db import migrations_dir
+from snapstore.catalog.db import migrations_dir
 
 # Schema v9 (0009_layout_keys.sql) taken out: no snapshots.layout_key.
 UNDO_LAYOUT_KEYS = "ALTER TABLE snapshots DROP COLUMN layout_key; "

@@ -1,0 +1,447 @@
+"""A vLLM KV connector backed by snapstore: persistent, verified, budgeted prefix K/V.
+
+Load it with ``--kv-transfer-config '{"kv_connector": "SnapstoreConnector", "kv_connector_module_path":
+"snapstore.engine.vllm", "kv_role": "kv_both", "kv_connector_extra_config": {"path": ..., "disk_mib": ...}}'``
+(docs/engine.md "vLLM"). Scheduler side: :meth:`get_num_new_matched_tokens` answers from
+``store.match`` (block-granular prefixes) and ``store.describe`` — catalog reads only, no K/V.
+Worker side: :meth:`start_load_kv` restores straight into the allocated blocks of every layer,
+:meth:`wait_for_save` copies a finished prompt's blocks once and saves them with
+``save(wait=False)`` as a delta over what the store holds (a writer thread does the disk work).
+A load that fails (damaged or missing chunk, evicted snapshot) reports its blocks through
+:meth:`get_block_ids_with_load_errors`, so vLLM recomputes them; a store that cannot be opened
+disables the connector with one log line. The vLLM objects are typed ``Any``: this module is
+imported only where vLLM is installed (its own venv, scripts/vllm_venv.sh).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+import snapstore as ss
+
+from ._blocks import BlockGeometry, BlockWriter, gather_blocks, host_pools, torch_dtype_name, weights_hash
+from ._key import RequestKey, config_digest, request_key
+
+__all__ = ["LAST_STATS", "SnapstoreConnector", "SnapstoreConnectorMetadata"]
+
+log = logging.getLogger("snapstore.vllm")
+#: the counters of this process's last connector of each role, "scheduler" / "worker" (tests read them)
+LAST_STATS: dict[str, dict[str, int]] = {}
+_SAVE_EVERY = 256  # tokens between saved boundaries: a later prompt stores only rows past the last shared one
+
+
+@dataclass
+class LoadOp:
+    """Restore rows ``[rows_from, n_tokens // block_size)`` of snapshot ``snapshot_id`` (in
+    ``namespace``) into ``block_ids``."""
+
+    req_id: str
+    snapshot_id: int
+    n_tokens: int
+    rows_from: int
+    block_ids: list[int]
+    namespace: str | None = None
+
+
+@dataclass
+class SaveOp:
+    """Save ``tokens`` (whole blocks, the request's key) from ``block_ids``, as snapshots at each
+    of ``boundaries`` in ``namespace``: the first a delta over ``parent`` (the id of the whole
+    stored snapshot the request matched; ``"auto"`` when it matched part of one or nothing; None,
+    every row, after a failed load), each later one over the one before it.
+    ``recomputed``: planned after the scheduler learnt of a failed load of this request, so its
+    blocks were computed again (a save planned before that is dropped by the worker)."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    boundaries: list[int]
+    namespace: str | None = None
+    parent: int | str | None = "auto"
+    recomputed: bool = False
+
+
+@dataclass
+class SnapstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the scheduler tells the workers this step: loads before the forward, saves after it."""
+
+    loads: list[LoadOp] = field(default_factory=list)
+    saves: list[SaveOp] = field(default_factory=list)
+
+
+@dataclass
+class _Track:
+    """Scheduler-side view of one running request."""
+
+    key: RequestKey
+    blocks: list[int]
+    stored: int  # tokens the store already held for it (its match)
+    parent: int | str | None  # what its first saved boundary is a delta over (SaveOp.parent)
+    saved: bool = False
+    failed: bool = False  # a load of it failed: its blocks were recomputed, saves start over
+
+
+def _backend(vllm_config: Any, geo: BlockGeometry) -> str:
+    """The attention backend and kernel variant that pack a block's bytes."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        cache = vllm_config.cache_config.cache_dtype
+        return f"CPU_ATTN:{_get_attn_isa(geo.dtype, geo.block_size, geo.entry // 2, cache)}"
+    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return f"{current_platform.device_name}:{chosen or 'auto'}"
+
+
+def _kv_dtype(vllm_config: Any) -> torch.dtype:
+    cache = vllm_config.cache_config.cache_dtype
+    if cache in (None, "auto"):
+        dtype: torch.dtype = vllm_config.model_config.dtype
+        return dtype
+    return {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+            "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cache, torch.uint8)
+
+
+def _spec_name(spec: Any) -> str:
+    window = getattr(spec, "sliding_window", None)
+    return f"{type(spec).__name__}" + (f" (sliding window {window})" if window is not None else "")
+
+
+def exact_layout(model_config: Any, kv_cache_config: Any) -> None:
+    """Accept only caches the connector saves exactly: one KV cache group of full attention,
+    where vLLM keeps every block of a request until it finishes. ``ss.LayoutError`` naming the
+    group otherwise: a sliding-window (or chunked-local, Mamba, MLA…) group frees or overwrites
+    blocks that leave the window while the connector saves the block ids it planned with."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
+
+    if getattr(model_config, "use_mla", False):
+        raise ss.LayoutError("the model uses MLA: only full-attention K/V caches are supported")
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is None:
+        raise ss.LayoutError("vLLM gave the connector no KV cache config: the connector cannot check that it "
+                             "can save the cache exactly")
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        specs = dict(spec.kv_cache_specs) if isinstance(spec, UniformTypeKVCacheSpecs) else \
+            {name: spec for name in g.layer_names}
+        bad = {name: s for name, s in specs.items() if type(s) is not FullAttentionSpec}
+        if bad:
+            name, s = next(iter(bad.items()))
+            raise ss.LayoutError(
+                f"KV cache group {i} ({len(g.layer_names)} layer(s), e.g. {name}) is {_spec_name(s)}: vLLM frees or "
+                "reuses its blocks during a request, so the connector cannot save it exactly; only models whose "
+                "layers all use full attention (one KV cache group) are supported")
+    if len(groups) != 1:
+        raise ss.LayoutError(f"{len(groups)} KV cache groups ({', '.join(_spec_name(g.kv_cache_spec) for g in groups)})"
+                             ": only models with one full-attention KV cache group are supported")
+
+
+class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """``KVConnectorBase_V1`` over a snapstore store (one per scheduler and per worker)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        extra: dict[str, Any] = dict(cfg.kv_connector_extra_config or {})
+        self._bs = int(vllm_config.cache_config.block_size)
+        self._every = max(self._bs, -(-int(extra.get("save_every", _SAVE_EVERY)) // self._bs) * self._bs)
+        self.stats: dict[str, int] = {"lookups": 0, "hit_tokens": 0, "loads": 0, "loaded_blocks": 0,
+                                      "load_errors": 0, "failed_blocks": 0, "saves": 0, "save_errors": 0,
+                                      "lookup_us": 0, "load_us": 0, "save_copy_us": 0, "declined": 0,
+                                      "saves_dropped": 0}
+        self._side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        self._store: ss.Store | None = None
+        self._pools: list[Any] = []
+        self._invalid: set[int] = set()
+        self._handles: list[Any] = []
+        self._reqs: dict[str, _Track] = {}
+        self._keys: dict[str, RequestKey] = {}  # req -> its key (tokens, namespace) or why it is declined
+        self._matched: dict[str, tuple[int, int]] = {}  # req -> (snapshot id, tokens) of its last lookup
+        self._stored: dict[str, tuple[int | str, int]] = {}  # req -> (its first save's parent, tokens matched)
+        self._failed_now: set[str] = set()  # worker: requests whose load failed this step
+        self._bad_now: set[int] = set()  # worker: blocks whose load failed this step
+        self._failed: set[str] = set()  # worker: requests with a failed load whose saves must be recomputed ones
+        self._to_load: dict[str, LoadOp] = {}  # req -> its planned load (built in update_state_after_alloc)
+        if role == KVConnectorRole.SCHEDULER and extra.get("on_load_error", "recompute") == "recompute":
+            cfg.kv_load_failure_policy = "recompute"  # a failed load recomputes its blocks: never junk
+        try:
+            mc, pc = vllm_config.model_config, vllm_config.parallel_config
+            exact_layout(mc, kv_cache_config)
+            self._geo = BlockGeometry(layers=int(mc.get_num_layers(pc)), kv_heads=int(mc.get_num_kv_heads(pc)),
+                                      block_size=self._bs, entry=2 * int(mc.get_head_size()),
+                                      dtype=_kv_dtype(vllm_config))
+            rank = 0
+            if role == KVConnectorRole.WORKER:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+                rank = int(get_tensor_model_parallel_rank())
+            import vllm
+
+            ident = self._geo.identity(
+                build=f"vllm-{vllm.__version__}", kv=torch_dtype_name(self._geo.dtype),
+                pack=str(extra.get("weights_hash") or weights_hash(str(mc.model))),
+                backend=_backend(vllm_config, self._geo), tp=(rank, int(pc.tensor_parallel_size)),
+                extra={"cache_dtype": str(vllm_config.cache_config.cache_dtype),
+                       "config": config_digest(vllm_config)})
+            budget = ss.Budget(disk_bytes=int(extra["disk_mib"]) << 20 if "disk_mib" in extra else None)
+            self._store = ss.Store.open(extra.get("path"), identity=ident, layout=self._geo.layout(), budget=budget,
+                                        drop_stale=bool(extra.get("drop_stale", False)))
+            atexit.register(self._close)  # queued saves land even when vLLM exits without shutdown()
+        except Exception as e:  # any failure to open disables the connector; vLLM serves on without it
+            log.error("snapstore connector disabled (%s side): cannot open the store at %r: %s: %s", self._side,
+                      extra.get("path"), type(e).__name__, e)
+            self._store = None
+
+    # -- scheduler side ------------------------------------------------------------------------
+    def _key(self, request: Any) -> RequestKey:
+        """The request's key (kept for its lifetime): a declined one is counted and logged once."""
+        rid = request.request_id
+        key = self._keys.get(rid)
+        if key is None:
+            key = self._keys[rid] = request_key(request)
+            if key.declined is not None:
+                self.stats["declined"] += 1
+                log.info("snapstore: request %s is neither loaded nor saved: it carries %s, which the store "
+                         "cannot key", rid, key.declined)
+        return key
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond the local prefix cache that the store holds, whole blocks, from the catalog
+        alone (``match`` + ``describe``: no K/V is read), under the request's key (its adapter and
+        salt's namespace, its multimodal items). At least one prompt token is left to compute."""
+        if self._store is None:
+            return 0, False
+        key = self._key(request)
+        if key.declined is not None:
+            return 0, False
+        prompt = key.tokens
+        limit = (len(prompt) - 1) // self._bs * self._bs
+        if limit <= 0:
+            return 0, False
+        self.stats["lookups"] += 1
+        t0 = time.perf_counter()
+        try:
+            m = self._store.match(prompt[:limit], namespace=key.namespace)
+            if m is None:
+                return 0, False
+            hit = min(m.n_tokens, limit) // self._bs * self._bs
+            d = self._store.describe(m.snapshot_id, namespace=key.namespace)  # the chain and its chunks are all there
+            hit = min(hit, min(d.rows.values(), default=0) * self._bs)  # never more blocks than it writes
+            # a whole stored snapshot is the explicit parent of this request's first save
+            self._stored[request.request_id] = (m.snapshot_id if hit == d.n_tokens else "auto", hit)
+            if hit <= num_computed_tokens:
+                return 0, False
+        except ss.SnapstoreError as e:
+            log.warning("snapstore: lookup for request %s failed (%s); computing it", request.request_id, e)
+            return 0, False
+        finally:
+            self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
+        self._matched[request.request_id] = (m.snapshot_id, hit)
+        self.stats["hit_tokens"] += hit - num_computed_tokens
+        LAST_STATS[self._side] = dict(self.stats)
+        return hit - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load of the matched blocks once vLLM allocated them."""
+        if num_external_tokens > 0 and request.request_id in self._matched:
+            sid, hit = self._matched[request.request_id]
+            ids = list(blocks.get_block_ids()[0])  # every block of the request, resumed ones too
+            self._to_load[request.request_id] = LoadOp(request.request_id, sid, hit,
+                                                       (hit - num_external_tokens) // self._bs, ids[:hit // self._bs],
+                                                       self._keys[request.request_id].namespace)
+
+    def build_connector_meta(self, scheduler_output: Any) -> SnapstoreConnectorMetadata:
+        """This step's loads (newly scheduled requests with a match) and saves (requests whose
+        prompt blocks are all computed after this step)."""
+        meta = SnapstoreConnectorMetadata()
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            rid = new.req_id
+            key = self._keys.get(rid)
+            if key is None or key.declined is not None:
+                continue  # never looked up (nothing to key it by) or declined: no save
+            parent, stored = self._stored.get(rid, ("auto", 0))
+            self._reqs[rid] = _Track(key, list(new.block_ids[0]), stored, parent)
+            computed[rid] = int(new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            tr = self._reqs.get(rid)
+            if tr is None:
+                continue
+            ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                tr.blocks = list(ids[0]) if ids is not None else []
+            elif ids is not None:
+                tr.blocks.extend(ids[0])
+            computed[rid] = int(cached.num_computed_tokens[i])
+        meta.loads.extend(self._to_load.values())
+        self._to_load.clear()
+        for rid, done in computed.items():
+            tr = self._reqs[rid]
+            n_save = len(tr.key.tokens) // self._bs * self._bs
+            if tr.saved or n_save <= tr.stored:
+                continue
+            if done + int(scheduler_output.num_scheduled_tokens.get(rid, 0)) >= n_save:
+                bounds = [b for b in range(self._every, n_save, self._every) if b > tr.stored] + [n_save]
+                meta.saves.append(SaveOp(rid, tr.key.tokens[:n_save], tr.blocks[:n_save // self._bs], bounds,
+                                         tr.key.namespace, tr.parent, tr.failed))
+                tr.saved = True
+        for rid in scheduler_output.finished_req_ids:
+            self._forget(rid)
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A failed load (blocks the workers reported): vLLM recomputes the request's blocks, so
+        its save starts over — planned again once they are computed, every row, no parent (the
+        save the failing step planned was dropped by the worker)."""
+        bad = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if not bad:
+            return
+        for tr in self._reqs.values():
+            if bad.intersection(tr.blocks):
+                tr.failed, tr.saved, tr.stored, tr.parent = True, False, 0, None
+
+    def _forget(self, rid: str) -> None:
+        for table in (self._reqs, self._matched, self._stored, self._keys):
+            table.pop(rid, None)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Saves copy the blocks at once, so vLLM may free them now."""
+        self._forget(request.request_id)
+        return False, None
+
+    # -- worker side ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep host views of every layer's cache; a cache that is not what the identity says
+        (another layout, dtype, device) disables the connector with one log line."""
+        if self._store is None:
+            return
+        try:
+            if len(kv_caches) != self._geo.layers:
+                raise ss.LayoutError(f"{len(kv_caches)} cache tensors for {self._geo.layers} layers")
+            self._pools = host_pools(list(kv_caches.values()), self._geo)
+        except ss.SnapstoreError as e:
+            log.error("snapstore connector disabled (worker side): %s", e)
+            self._close()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Restore every planned load into its blocks before the forward; a failure marks them invalid."""
+        meta = self._get_connector_metadata()
+        self._failed_now.clear()
+        self._bad_now.clear()
+        if self._store is None or not self._pools or not isinstance(meta, SnapstoreConnectorMetadata):
+            for op in getattr(meta, "loads", []):  # nothing can load: vLLM recomputes the blocks
+                self._load_failed(op)
+            return
+        t0 = time.perf_counter()
+        for op in meta.loads:
+            try:
+                self._store.restore(ss.Match(op.snapshot_id, op.n_tokens, op.namespace),
+                                    into={"kv": BlockWriter(self._pools, op.block_ids)}, rows_from=op.rows_from)
+                self.stats["loads"] += 1
+                self.stats["loaded_blocks"] += len(op.block_ids) - op.rows_from
+            except ss.SnapstoreError as e:  # corrupt / missing chunk, evicted snapshot: recompute, never junk
+                self.stats["load_errors"] += 1
+                self.stats["failed_blocks"] += len(op.block_ids) - op.rows_from
+                self._load_failed(op)
+                log.warning("snapstore: load for request %s failed, vLLM recomputes %d blocks: %s",
+                            op.req_id, len(op.block_ids) - op.rows_from, e)
+        self.stats["load_us"] += int((time.perf_counter() - t0) * 1e6)
+        LAST_STATS[self._side] = dict(self.stats)
+
+    def _load_failed(self, op: LoadOp) -> None:
+        """Report the blocks (vLLM recomputes them) and keep this step's saves off them: the
+        forward that follows read whatever the blocks held."""
+        self._invalid.update(op.block_ids[op.rows_from:])
+        self._bad_now.update(op.block_ids[op.rows_from:])
+        self._failed_now.add(op.req_id)
+        self._failed.add(op.req_id)
+
+    def _save_sound(self, op: SaveOp) -> bool:
+        """Whether ``op`` covers only rows its request computed or loaded: not when a load of it
+        failed this step or before the save was planned, nor when its blocks failed to load."""
+        if op.recomputed:
+            self._failed.discard(op.req_id)
+        elif op.req_id in self._failed:
+            return False
+        return op.req_id not in self._failed_now and self._bad_now.isdisjoint(op.block_ids)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are complete when :meth:`start_load_kv` returns."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Blocks are saved whole, every layer at once, after the forward (:meth:`wait_for_save`)."""
+
+    def wait_for_save(self) -> None:
+        """Copy each finished prompt's blocks once and queue its saves (``wait=False``): the
+        disk work runs on the store's writer thread, off the forward pass."""
+        meta = self._get_connector_metadata()
+        if self._store is None or not self._pools or not isinstance(meta, SnapstoreConnectorMetadata):
+            return
+        self._reap()
+        for op in meta.saves:
+            if not self._save_sound(op):
+                self.stats["saves_dropped"] += 1
+                log.warning("snapstore: not saving request %s: a load of it failed, vLLM recomputes it", op.req_id)
+                continue
+            t0 = time.perf_counter()
+            rows = gather_blocks(self._pools, op.block_ids)
+            self.stats["save_copy_us"] += int((time.perf_counter() - t0) * 1e6)
+            parent = op.parent
+            for b in op.boundaries:  # FIFO: each later boundary is a delta over the one before it ("auto")
+                try:
+                    self._handles.append(self._store.save(op.tokens[:b], {"kv": rows}, rows=b // self._bs,
+                                                          parent=parent, namespace=op.namespace, wait=False))
+                    parent = "auto"
+                except ss.SnapstoreError as e:
+                    self.stats["save_errors"] += 1
+                    log.warning("snapstore: save for request %s failed: %s", op.req_id, e)
+                    break
+        LAST_STATS[self._side] = dict(self.stats)
+
+    def _reap(self) -> None:
+        """Count the saves that finished (errors are logged, never raised into vLLM)."""
+        live = []
+        for h in self._handles:
+            if not h.done():
+                live.append(h)
+                continue
+            try:
+                res = h.result()
+                self.stats["saves"] += 1 if res.ok else 0
+            except ss.SnapstoreError as e:
+                self.stats["save_errors"] += 1
+                log.warning("snapstore: a save failed: %s", e)
+        self._handles = live
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call: vLLM recomputes them."""
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def shutdown(self) -> None:
+        """Wait for queued saves and close the store."""
+        self._close()
+
+    def _close(self) -> None:
+        if self._store is not None:
+            try:
+                self._store.flush()
+                self._reap()
+                self._store.close()
+            except ss.SnapstoreError as e:
+                log.warning("snapstore: closing the store failed: %s", e)
+            finally:
+                self._store = None
+        LAST_STATS[self._side] = dict(self.stats)

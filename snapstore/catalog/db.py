@@ -1,0 +1,412 @@
+"""The SQLite machinery: connections, transactions, migrations (private copies: `catalog/copy.py`).
+
+A :class:`Database` holds one apsw connection per thread (a connection is never shared between
+concurrent transactions) and runs functions in IMMEDIATE write or deferred read transactions,
+retrying when SQLite reports busy so that "database is locked" never reaches the caller. Each
+function gets a :class:`~snapstore.catalog.queries.Txn` (the catalog queries, in ``catalog.queries.py``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+import apsw
+import apsw.bestpractice
+
+from snapstore._config import env_int
+from snapstore._errors import CorruptionError, StateError, StoreFormatError, StoreIOError
+from snapstore._forks import track
+from snapstore.catalog.queries import ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, Txn
+from snapstore.catalog.readonly import FileState, file_state, read_only_error, readonly_source
+
+__all__ = ["APPLICATION_ID", "MIN_SQLITE", "ChunkRow", "Conn", "Database", "OwnerRow", "PartKind", "PartRow",
+           "SnapRow", "SnapState", "Txn"]
+
+T = TypeVar("T")
+APPLICATION_ID = 0x534E5053  # "SNPS"
+MIN_SQLITE = (3, 51, 3)
+_BUSY_TIMEOUT_MS = 10_000
+_BUSY_RETRIES = 50
+# The catalog read through a memory map: match() walks a candidate's chain of token blobs, and a
+# pread per overflow page doubled that walk (docs/benchmarks.md, "match() fifth pass").
+DEFAULT_MMAP_MIB = 256
+
+Conn = Txn  # what a transaction function receives (the name callers have always typed it with)
+Raw = apsw.Connection
+
+
+def migrations_dir() -> list[tuple[int, str, str]]:
+    """The shipped migrations as (number, name, sql), in order."""
+    found: list[tuple[int, str, str]] = []
+    try:
+        root: Any = resources.files("snapstore.migrations")
+        entries = [(p.name, p.read_text()) for p in root.iterdir() if p.name.endswith(".sql")]
+    except (ModuleNotFoundError, FileNotFoundError):
+        src = Path(__file__).resolve().parent.parent / "migrations"
+        entries = [(p.name, p.read_text()) for p in src.glob("*.sql")]
+    for name, sql in entries:
+        found.append((int(name.split("_", 1)[0]), name, sql))
+    found.sort()
+    return found
+
+
+def translate(e: BaseException) -> BaseException:
+    """Map apsw errors onto the snapstore hierarchy with a message an engine author can act on."""
+    if isinstance(e, apsw.FullError):
+        return StoreIOError(28, f"the store's database could not grow (disk full): {e}")
+    if isinstance(e, apsw.NotADBError):
+        return CorruptionError("snapstore.db is not an SQLite database (overwritten or damaged at its start); "
+                               "move the store directory aside and start a new one")
+    if isinstance(e, apsw.CorruptError):
+        return CorruptionError(f"the store database is damaged ({e}); `snapstore verify` reports what is "
+                               "affected; if SQLite's own integrity check fails, move the store aside")
+    if isinstance(e, (apsw.IOError, apsw.CantOpenError, apsw.ReadOnlyError, apsw.PermissionsError)):
+        return StoreIOError(5, f"the store database could not be accessed: {e}")
+    if isinstance(e, apsw.ConstraintError):
+        return CorruptionError(f"the store catalog refused an inconsistent change ({e}); "
+                               "run `snapstore verify`")
+    if isinstance(e, apsw.BusyError):
+        return StoreIOError(16, "the store database stayed locked by another process for too long "
+                                f"({e}); retry, or find the process holding it (`fuser snapstore.db`)")
+    if isinstance(e, apsw.Error):
+        # anything else SQLite reports is still a snapstore error, never a raw apsw one
+        return StoreIOError(5, f"the store database failed ({type(e).__name__}: {e}); "
+                               "`snapstore verify` reports whether anything is damaged")
+    return e
+
+
+# A read-only connection cannot migrate a catalog written by an older version; these TEMP views
+# (which shadow the main tables for unqualified names) give its queries the columns the newer
+# migrations add, with their defaults, keyed by the migration that adds them. Those of ``snapshots``
+# share one view (two cannot share its name); a v<8 catalog has no find keys: nothing read-only matches.
+_COMPAT_VIEWS: dict[int, list[str]] = {
+    2: ["CREATE TEMP TABLE owners(id TEXT PRIMARY KEY, kernel TEXT NOT NULL, host TEXT NOT NULL, "
+        "pid INTEGER NOT NULL, lease REAL NOT NULL, renewed REAL NOT NULL, created REAL NOT NULL)"],
+    3: ["CREATE TEMP VIEW chunks AS SELECT *, NULL AS quarantined FROM main.chunks"],
+    5: ["CREATE TEMP TABLE row_prefixes(snapshot_id INTEGER NOT NULL, n_tokens INTEGER NOT NULL, "
+        "key BLOB NOT NULL, PRIMARY KEY (snapshot_id, n_tokens))"],
+    7: ["CREATE TEMP VIEW parts AS SELECT *, NULL AS tokens_per_row FROM main.parts"],
+}
+_COMPAT_SNAPSHOT_COLS: dict[int, str] = {4: "0 AS shared", 8: "NULL AS find_key", 9: "NULL AS layout_key"}
+
+
+def _compat_views(c: Raw) -> None:
+    ver = int(str(c.pragma("user_version")))
+    for num, stmts in sorted(_COMPAT_VIEWS.items()):
+        if 0 < ver < num:
+            for sql in stmts:
+                c.execute(sql)
+    cols = [col for num, col in sorted(_COMPAT_SNAPSHOT_COLS.items()) if 0 < ver < num]
+    if cols:
+        c.execute(f"CREATE TEMP VIEW snapshots AS SELECT *, {', '.join(cols)} FROM main.snapshots")
+
+
+class _Held:
+    """One thread's connection; closing it when the thread's locals go keeps threads from leaking
+    connections (a server with a thread per request)."""
+
+    __slots__ = ("__weakref__", "conn", "state")
+
+    def __init__(self, conn: Raw, state: FileState | None):
+        self.conn = conn
+        self.state = state  # read as immutable: valid while the database file stays in this state
+
+    def close(self) -> None:
+        try:
+            self.conn.close(True)
+        except apsw.Error:
+            pass
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class Database:
+    """Thread-safe access to ``snapstore.db``: a connection per thread, retried transactions.
+
+    ``readonly``: nothing is ever written, not even SQLite's -wal/-shm (:func:`readonly_source`),
+    and a write transaction raises StateError.
+    """
+
+    _on_disk = True  # a private in-memory copy (snapstore.catalog.copy.MemDatabase) may be written
+
+    def __init__(self, path: str, *, readonly: bool = False) -> None:
+        self.path = path
+        self.readonly = readonly
+        self._local = threading.local()
+        self._all: weakref.WeakSet[_Held] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._closed = False
+        track(self)  # a forked child gets a fresh _lock (a parent thread may have held it)
+        mib = env_int("SNAPSTORE_SQLITE_MMAP_MIB")  # 0: read through the page cache only (pread)
+        self._mmap_bytes = (DEFAULT_MMAP_MIB if mib is None else mib) * (1 << 20)
+
+    def open(self) -> Database:
+        """Create the file (0600) if needed, then migrate it (or, read-only, check its version)."""
+        path, readonly = self.path, self.readonly
+        if apsw.sqlite_lib_version().split(".") and tuple(
+            int(x) for x in apsw.sqlite_lib_version().split(".")[:3]
+        ) < MIN_SQLITE:
+            raise StoreFormatError(
+                f"SQLite {apsw.sqlite_lib_version()} is too old; snapstore needs >= "
+                f"{'.'.join(map(str, MIN_SQLITE))} (install a newer apsw wheel)"
+            )
+        if not readonly and not os.path.exists(path):
+            try:  # create 0600 before SQLite does (its -wal/-shm files copy these permissions)
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise StoreIOError(e.errno or 5, f"cannot create {path}: {e.strerror}") from None
+        conn = self.conn()
+        if not readonly:
+            self._migrate(conn)
+            if self.read(Txn.has_unkeyed):  # rows an older snapstore inserted since migration 0008
+                self.write(Txn.backfill_find_keys)
+        else:
+            self._check_version(conn)
+        return self
+
+    # -- connections -------------------------------------------------------------------------
+    def conn(self) -> Raw:
+        """This thread's connection (opened on first use; closed when the thread ends)."""
+        holder: _Held | None = getattr(self._local, "held", None)
+        if holder is not None:
+            return holder.conn
+        if self._closed:
+            raise StateError("the store is closed; open it again with Store.open()")
+        c, state = self._connect()
+        holder = _Held(c, state)
+        self._local.held = holder  # thread-local: dropped, and the connection closed, when the thread ends
+        with self._lock:
+            self._all.add(holder)
+        return c
+
+    def _connect(self) -> tuple[Raw, FileState | None]:
+        """A new, configured connection (and, read as immutable, the file state it relies on);
+        "database is locked" while setting it up (another process holds the database exclusively,
+        or is recovering it) is retried like a transaction."""
+        flags = apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI if self.readonly else apsw.SQLITE_OPEN_READWRITE
+        for attempt in range(_BUSY_RETRIES):
+            c: Raw | None = None
+            state: FileState | None = None
+            try:
+                if self.readonly:
+                    uri, state = readonly_source(self.path)
+                else:
+                    uri = self.path
+                c = apsw.Connection(uri, flags=flags | apsw.SQLITE_OPEN_NOFOLLOW)
+                c.set_busy_timeout(_BUSY_TIMEOUT_MS)
+                if not self.readonly:
+                    apsw.bestpractice.connection_wal(c)
+                apsw.bestpractice.connection_enable_foreign_keys(c)
+                apsw.bestpractice.connection_dqs(c)
+                apsw.bestpractice.connection_recursive_triggers(c)
+                # FULL: a commit is durable when it returns (WAL fsync per commit), so a save the API
+                # reported survives power loss, not only a process crash.
+                c.pragma("synchronous", "FULL")
+                c.pragma("mmap_size", self._mmap_bytes)
+                if self.readonly:
+                    _compat_views(c)
+                return c, state
+            except FileNotFoundError:
+                raise StoreIOError(errno.ENOENT, f"{self.path} is gone (the store was moved or removed)") from None
+            except apsw.BusyError:
+                if c is not None:
+                    c.close()
+                time.sleep(min(0.5, 0.005 * 2**min(attempt, 7)) * random.random())
+            except apsw.Error as e:
+                if c is not None:
+                    c.close()
+                raise translate(e) from None
+        raise StoreIOError(16, "the store database stayed locked by another process for too long")
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+
+    def _stale(self) -> bool:
+        """Whether this thread's immutable read connection no longer matches the file (a writer
+        came since it opened): closed then, so the next :meth:`conn` reads the store as it is now."""
+        holder: _Held | None = getattr(self._local, "held", None)
+        if holder is None or holder.state is None:
+            return False
+        try:
+            if file_state(self.path) == holder.state:
+                return False
+        except OSError:
+            pass
+        with self._lock:
+            self._all.discard(holder)
+        del self._local.held
+        holder.close()
+        return True
+
+    def _refuse_write(self) -> None:
+        if self.readonly and self._on_disk:
+            raise read_only_error(os.path.dirname(self.path), "be written")
+
+    def close(self) -> None:
+        """Close every connection this object opened (all threads)."""
+        with self._lock:
+            self._closed = True
+            held, self._all = list(self._all), weakref.WeakSet()
+        for h in held:
+            h.close()
+        self._local = threading.local()
+
+    # -- transactions ------------------------------------------------------------------------
+    def write(self, fn: Callable[[Txn], T], *, durable: bool = True) -> T:
+        """Run ``fn`` in an IMMEDIATE transaction, retried while the database is busy.
+
+        ``durable=False`` skips the WAL fsync at commit (synchronous=NORMAL for this transaction):
+        for bookkeeping such as last-use times and hit counters, which a power cut may roll back
+        without harm; the next durable commit makes them durable too. Chunk ids the transaction
+        freed are dropped here: a caller that removes chunk rows writes through
+        :meth:`snapstore.chunks.repo.Repo.write`, which unlinks their files after the commit.
+        """
+        return self.write_collect(fn, durable=durable)[0]
+
+    def write_collect(self, fn: Callable[[Txn], T], *, durable: bool = True) -> tuple[T, list[bytes]]:
+        """:meth:`write`, also returning the chunk ids the committed transaction freed."""
+        self._refuse_write()
+        if durable:
+            return self._transact(fn, "BEGIN IMMEDIATE")
+        c = self.conn()
+        c.pragma("synchronous", "NORMAL")
+        try:
+            return self._transact(fn, "BEGIN IMMEDIATE")
+        finally:
+            c.pragma("synchronous", "FULL")
+
+    def try_write(self, fn: Callable[[Txn], T]) -> tuple[bool, T | None]:
+        """Run ``fn`` in a write transaction only if the write lock is free now: (ran, result).
+
+        Never waits for another writer (busy timeout 0, no retries) and skips the WAL fsync:
+        for bookkeeping a reader records on the way out (last use, hit counts), which must not
+        queue a restore behind a long write. Never runs on a read-only store.
+        """
+        if self.readonly and self._on_disk:
+            return False, None
+        c = self.conn()
+        c.set_busy_timeout(0)
+        c.pragma("synchronous", "NORMAL")
+        try:
+            try:
+                c.execute("BEGIN IMMEDIATE")
+            except apsw.BusyError:
+                return False, None
+            except apsw.Error as e:
+                raise translate(e) from None
+            try:
+                result = fn(Txn(c))  # bookkeeping only: it removes no chunk rows
+                c.execute("COMMIT")
+                return True, result
+            except apsw.BusyError:
+                self._rollback(c)
+                return False, None
+            except BaseException as e:
+                self._rollback(c)
+                if isinstance(e, apsw.Error):
+                    raise translate(e) from None
+                raise
+        finally:
+            c.pragma("synchronous", "FULL")
+            c.set_busy_timeout(_BUSY_TIMEOUT_MS)
+
+    def read(self, fn: Callable[[Txn], T]) -> T:
+        """Run ``fn`` in a read transaction (a consistent snapshot of the database)."""
+        return self._transact(fn, "BEGIN")[0]
+
+    def _transact(self, fn: Callable[[Txn], T], begin: str) -> tuple[T, list[bytes]]:
+        for attempt in range(_BUSY_RETRIES):
+            self._stale()  # an immutable read connection a writer has overtaken: reopened first
+            c = self.conn()
+            try:
+                c.execute(begin)
+            except apsw.BusyError:
+                time.sleep(min(0.5, 0.005 * 2**min(attempt, 7)) * random.random())
+                continue
+            except apsw.Error as e:
+                raise translate(e) from None
+            try:
+                t = Txn(c)  # a fresh one per attempt: a retried transaction frees only what it commits
+                result = fn(t)
+                c.execute("COMMIT")
+                if self._stale():
+                    continue  # the file changed under an immutable read: read it again, as it is now
+                return result, t.freed
+            except apsw.BusyError:
+                self._rollback(c)
+                time.sleep(min(0.5, 0.005 * 2**min(attempt, 7)) * random.random())
+                continue
+            except BaseException as e:
+                self._rollback(c)
+                if isinstance(e, apsw.Error):
+                    raise translate(e) from None
+                raise
+        raise StoreIOError(16, "the store database stayed locked by another process for too long")
+
+    @staticmethod
+    def _rollback(c: Raw) -> None:
+        if not c.get_autocommit():
+            try:
+                c.execute("ROLLBACK")
+            except apsw.Error:
+                pass
+
+    # -- schema ------------------------------------------------------------------------------
+    def _check_version(self, c: Raw) -> int:
+        try:
+            app = c.pragma("application_id")
+            ver = c.pragma("user_version")
+        except apsw.Error as e:
+            raise StoreFormatError(f"{self.path} is not a readable SQLite database: {e}") from None
+        known = migrations_dir()
+        latest = known[-1][0] if known else 0
+        if ver and app != APPLICATION_ID:
+            raise StoreFormatError(f"{self.path} is an SQLite database but not a snapstore store")
+        if ver > latest:
+            raise StoreFormatError(
+                f"{self.path} has schema version {ver}, newer than this snapstore ({latest}); upgrade snapstore"
+            )
+        return int(ver)
+
+    def _migrate(self, c: Raw) -> None:
+        ver = self._check_version(c)
+        todo = [m for m in migrations_dir() if m[0] > ver]
+        if not todo:
+            return
+        steps: dict[int, Callable[[Txn], object]] = {8: Txn.backfill_find_keys}  # Python a migration needs
+
+        def apply(t: Txn) -> None:
+            current = int(str(t.pragma("user_version")))
+            for num, _name, sql in todo:
+                if num <= current:
+                    continue  # another process migrated first
+                t.execute(sql)
+                if num in steps:
+                    steps[num](t)  # in the migrating transaction, before user_version says it is done
+                t.pragma("user_version", num)
+            t.pragma("application_id", APPLICATION_ID)
+
+        self.write(apply)
+
+
+# -- private copies of a catalog (dry runs, read-only inspection) ------------------------------
+def rolled_back(c: Raw, fn: Callable[[Txn], T]) -> tuple[T, list[bytes]]:
+    """Run ``fn`` in a transaction on ``c`` and roll it back: what it would do (and free), done nowhere."""
+    c.execute("BEGIN")
+    try:
+        t = Txn(c)
+        return fn(t), t.freed
+    finally:
+        c.execute("ROLLBACK")

@@ -1,0 +1,62 @@
+"""The ``snapstore`` command: inspect, verify, gc and stats for operators and scripts.
+
+Human-readable text on stdout by default; ``--json`` prints one summary object (``"format": 1``)
+on stdout. Errors always go to stderr. Exit codes: 0 ok/clean, 1 damage found (or repaired) or
+no such snapshot, 2 usage or I/O error, 130 interrupted. See docs/cli.md.
+
+This module is the entry point: it parses (:mod:`snapstore.cli.parser`), runs the command
+(:mod:`snapstore.cli.commands`, which renders through :mod:`snapstore.cli.render`) with a fresh
+:class:`~snapstore.cli.context.CliContext`, and maps errors to exit codes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from snapstore._errors import NotFoundError, SnapstoreError
+from snapstore.cli.context import EXIT_DAMAGE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliContext, UsageError
+from snapstore.cli.parser import ArgumentsError, build_parser
+
+__all__ = ["UsageError", "build_parser", "main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``snapstore`` console script and ``python -m snapstore``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ctx = CliContext(json="--json" in argv)  # until parsed: a bad command line is reported as asked
+    try:
+        args = build_parser().parse_args(argv)
+    except ArgumentsError as e:
+        if ctx.json:
+            ctx.error(None, str(e), EXIT_USAGE)
+        else:
+            ctx.stderr.write(e.usage)
+            ctx.note(f"{e.prog}: error: {e.message}")
+        return EXIT_USAGE
+    except SystemExit as e:  # --help, --version
+        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+    ctx.json = bool(getattr(args, "json", False))
+    command = str(args.command)
+    try:
+        if getattr(args, "remote", None) is not None:
+            from snapstore.cli.commands import cmd_remote
+            return cmd_remote(command, args, ctx)
+        code: int = args.run(args, ctx)
+        return code
+    except KeyboardInterrupt:
+        ctx.close_meters()
+        ctx.error(command, "interrupted; the store is consistent (`snapstore gc` collects any leftovers)",
+                  EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
+    except NotFoundError as e:
+        ctx.close_meters()
+        ctx.error(command, str(e), EXIT_DAMAGE)
+        return EXIT_DAMAGE
+    except (SnapstoreError, OSError) as e:  # UsageError included (a ConfigError)
+        ctx.close_meters()
+        if isinstance(e, BrokenPipeError):
+            ctx.silence_stdout()
+            return EXIT_OK
+        ctx.error(command, str(e) or type(e).__name__, EXIT_USAGE)
+        return EXIT_USAGE

@@ -1,0 +1,143 @@
+"""Cold raw chunks read with O_DIRECT, several pieces in flight, through one staging slot.
+
+A chunk file is a 64-byte header then the payload, so the payload is not aligned on the disk:
+the file is read in aligned pieces (header included) into aligned bounce pieces cut from one
+staging slot (the restore stays inside the staging bound; a slot is never held while another is
+awaited), reader threads copy each piece's payload bytes into the destination, and this thread
+folds every piece into the chunk's XXH3-128 in order, from the bounce piece, before the piece is
+reused. Checksums stay on for every chunk. Only chunks whose pages are not cached come here
+(:func:`snapstore.chunks.direct_io.resident`): an O_DIRECT read neither uses nor fills the page cache.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import numpy as np
+
+from snapstore._errors import CorruptionError
+from snapstore.chunks.chunkfile import HEADER_SIZE, ChunkHeader, checksum_stream
+from snapstore.chunks.direct_io import ALIGN, DirectReads, align_up
+from snapstore.chunks.staging import StagingBuffer
+from snapstore.plan.restore_plan import PlanItem, RestorePlan
+from snapstore.restore.fail import Damage, corrupt, read_failed
+from snapstore.restore.ramtier import RamTier
+from snapstore.restore.read_ahead import ReadAhead
+
+__all__ = ["DIRECT_MIN", "Targets", "direct_targets", "stream_direct"]
+
+DIRECT_MIN = 256 << 10  # smaller chunks are one request either way: the probe would cost more than it saves
+_PIECE = 1 << 20  # bytes per read: about one request of this disk (max_sectors_kb 1280)
+_THREADS = 8  # reads in flight (measured: docs/benchmarks.md, "Issue 12, cold restores with reads in flight")
+
+# Where a chunk's payload bytes [skip, raw_len) go: (payload offset of each view's first byte, views)
+Targets = tuple[list[int], list[memoryview]]
+DirectItem = tuple[PlanItem, int, ChunkHeader, Targets]
+
+
+def direct_targets(item: PlanItem) -> Targets | None:
+    """The host views that take ``item``'s bytes (less its ``skip``): one contiguous view, or the
+    writer's segments (paged blocks); None when the destination has neither (read it buffered)."""
+    start, end = item.offset + item.skip, item.offset + item.chunk.raw_len
+    view = item.sink.view(start, end)
+    views = [view] if view is not None else item.sink.segments(start, end)
+    if views is None:
+        return None
+    pos, starts = item.skip, []
+    for v in views:
+        starts.append(pos)
+        pos += len(v)
+    return starts, views
+
+
+def _scatter(targets: Targets, lo: int, data: memoryview) -> None:
+    """Copy ``data`` (payload bytes from ``lo``) into the target views that cover them."""
+    starts, views = targets
+    hi = lo + len(data)
+    i = max(0, bisect.bisect_right(starts, lo) - 1)
+    while i < len(views) and starts[i] < hi:
+        a, b = max(lo, starts[i]), min(hi, starts[i] + len(views[i]))
+        if a < b:  # numpy copies without the GIL: the other reader threads keep going
+            np.copyto(np.frombuffer(views[i][a - starts[i]:b - starts[i]], dtype=np.uint8),
+                      np.frombuffer(data[a - lo:b - lo], dtype=np.uint8))
+        i += 1
+
+
+def stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuffer, reads: DirectReads,
+                  ram: RamTier | None, touched: bool, damage: Damage,
+                  blob_path: Callable[[bytes], str]) -> bool | None:
+    """Write the chunks of ``run`` (raw, not cached, host destinations) with O_DIRECT reads; returns
+    touched, or None (nothing read) when the file system refuses O_DIRECT: read them buffered then."""
+    fds: list[int] = []
+    for fd in dict.fromkeys(entry[1] for entry in run):
+        if not reads.enable(fd):
+            for done in fds:
+                reads.disable(done)
+            return None
+        fds.append(fd)
+    slot, _ = staging.acquire()
+    reader: ReadAhead | None = None
+    try:
+        frame = staging.frame(slot, staging.slot_bytes)
+        # pieces of up to _PIECE, at least _THREADS of them when the slot is small (small chunk_bytes)
+        piece = max(ALIGN, min(_PIECE, len(frame) // _THREADS // ALIGN * ALIGN))
+        bounce = [frame[i * piece:(i + 1) * piece] for i in range(len(frame) // piece)]
+        jobs: list[tuple[int, int, int]] = []  # (run index, file offset, bytes)
+        for k, (item, _, _, _) in enumerate(run):
+            size = HEADER_SIZE + item.chunk.raw_len
+            jobs += [(k, s, min(piece, size - s)) for s in range(0, size, piece)]
+
+        def payload(j: int) -> tuple[int, memoryview]:
+            """Job ``j``'s payload bytes in its bounce piece, and the payload offset of the first."""
+            _, s, need = jobs[j]
+            first = max(0, HEADER_SIZE - s)
+            return s + first - HEADER_SIZE, bounce[j % len(bounce)][first:need]
+
+        def work(j: int) -> None:
+            k, s, need = jobs[j]
+            item, fd, _, targets = run[k]
+            if reads.read(fd, bounce[j % len(bounce)][:align_up(need)], s, need) < need:
+                raise CorruptionError("chunk file is shorter than its header says (truncated)")
+            lo, data = payload(j)
+            if lo + len(data) > item.skip:
+                cut = max(0, item.skip - lo)
+                _scatter(targets, lo + cut, data[cut:])
+
+        if len(jobs) > 1:
+            reader = ReadAhead(len(jobs), work, depth=len(bounce), threads=min(_THREADS, len(bounce)))
+        j = 0
+        for k, (item, fd, _, _) in enumerate(run):
+            cid = item.chunk.id
+            h = checksum_stream()
+            touched = True
+            try:
+                while j < len(jobs) and jobs[j][0] == k:
+                    try:
+                        if reader is not None:
+                            reader.wait(j)
+                        else:
+                            work(j)
+                        h.update(payload(j)[1])  # before done(): the piece is reused after that
+                    finally:
+                        if reader is not None:
+                            reader.done()
+                    j += 1
+            except CorruptionError as e:
+                raise corrupt(plan, cid, fd, str(e), touched, damage, ram) from None
+            except OSError as e:
+                raise read_failed(plan, cid, e, touched) from None
+            if h.digest() != item.chunk.checksum:
+                raise corrupt(plan, cid, fd, "checksum mismatch", touched, damage, ram)
+            if ram is not None:  # admitted off this thread, from the file (see restore.ramtier)
+                ram.offer(cid, blob_path(cid), item.chunk.raw_len, item.chunk.checksum)
+    finally:
+        if reader is not None:
+            reader.stop()  # before the slot is reused, and before an error reaches the caller
+        staging.release(slot)
+        for fd in fds:
+            try:
+                reads.disable(fd)
+            except OSError:
+                pass
+    return touched

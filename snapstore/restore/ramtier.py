@@ -1,0 +1,254 @@
+"""RAM tier: recently restored chunks kept decoded in process memory, LRU, up to ``ram_bytes``.
+
+A chunk is admitted on its second restore, not its first: a one-off restore pays no extra copy
+and holds no extra memory, while a hot prefix restored again is served at memory speed from then on.
+
+Admission never runs on the restoring thread. Copying a chunk into fresh memory costs a page
+fault per 4 KiB page (~1.3-2 GB/s here, slower than reading the page cache), and it made the
+first warm restore of a prefix slower than a cold one (docs/benchmarks.md). A restore only
+*offers* the chunk (its file path): one background thread reads the file again (from the page
+cache the restore just filled), checks its XXH3 against the catalog's, and admits it. The RAM
+copy never comes from the engine's destination, which the engine may change once restore returns.
+
+Nor does admission compete with a restore for the CPU or the GIL: on 2 vCPUs a background reader +
+XXH3 running beside the restore that triggered it made that restore 0.61x the raw read. So the
+admission thread waits while any restore is in flight (:meth:`RamTier.restoring`), loads a chunk
+in ``_PIECE`` pieces and waits again between pieces, and runs at a lower scheduling priority.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from snapstore._errors import CorruptionError
+from snapstore._forks import track
+from snapstore.chunks.chunkfile import (
+    CODEC_RAW,
+    HEADER_SIZE,
+    checksum,
+    checksum_stream,
+    decode_fd,
+    header_matches,
+    open_chunk,
+    parse_header,
+    read_exact,
+)
+
+__all__ = ["RamTier"]
+
+# Test hook: called as _TEST_HOOK(chunk_id) on the admission thread before it reads a chunk;
+# tests pause it there with an Event to observe a restore that does not wait for admission.
+_TEST_HOOK: Callable[[bytes], None] | None = None
+
+_MAX_QUEUED = 256  # offers waiting for the admission thread; more are dropped (admitted next time)
+_PIECE = 4 << 20  # admission reads and checks a raw chunk in pieces, yielding to restores between them
+_NICE = 10  # the admission thread's niceness increment (best effort, Linux: per-thread priority)
+
+
+class RamTier:
+    """An LRU of verified, decoded chunk bytes keyed by chunk id (content-addressed: never stale)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self.hits = 0
+        self._items: OrderedDict[bytes, memoryview] = OrderedDict()
+        self._seen: OrderedDict[bytes, None] = OrderedDict()  # restored once: admitted next time
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[bytes, str, int, bytes]] = deque()
+        self._queued: set[bytes] = set()
+        self._cv = threading.Condition(self._lock)
+        self._busy = False  # the admission thread is working on an offer
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._active = 0  # restores in flight: admission waits while there are any
+        track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child: fresh locks; the parent's offers, admission thread and restores are not here."""
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._queue.clear()
+        self._queued.clear()
+        self._busy, self._thread, self._active = False, None, 0
+
+    @contextlib.contextmanager
+    def restoring(self) -> Iterator[None]:
+        """Mark a restore in flight: admission pauses (at the next piece) until none is."""
+        with self._lock:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._cv.notify_all()
+
+    def _yield_to_restores(self) -> bool:
+        """Block while a restore is in flight; False once the tier is stopping."""
+        with self._lock:
+            while self._active and not self._stop:
+                self._cv.wait()
+            return not self._stop
+
+    def get(self, cid: bytes) -> memoryview | None:
+        """The chunk's bytes, or None; a hit refreshes its place."""
+        with self._lock:
+            data = self._items.get(cid)
+            if data is not None:
+                self._items.move_to_end(cid)
+                self.hits += 1
+            return data
+
+    def _wanted(self, cid: bytes, n: int) -> bool:
+        """Under the lock: should this restore of ``cid`` lead to admitting it (second sighting)?"""
+        if n == 0 or n > self.capacity // 2:
+            return False
+        if cid in self._items:
+            self._items.move_to_end(cid)
+            return False
+        if cid in self._queued:
+            return False
+        if cid not in self._seen:
+            self._seen[cid] = None
+            if len(self._seen) > 65536:
+                self._seen.popitem(last=False)
+            return False
+        del self._seen[cid]
+        return True
+
+    def offer(self, cid: bytes, path: str, raw_len: int, csum: bytes) -> None:
+        """A chunk was restored (verified) from the file at ``path``: admit it in the background if
+        it was restored before. Never blocks on the copy; a full queue drops the offer."""
+        with self._lock:
+            if self._stop or not self._wanted(cid, raw_len) or len(self._queue) >= _MAX_QUEUED:
+                return
+            self._queue.append((cid, path, raw_len, csum))
+            self._queued.add(cid)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="snapstore-ramtier", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def put(self, cid: bytes, data: bytes | memoryview) -> None:
+        """Keep verified bytes now (copied) if this is their second sighting; evicts LRU to make room."""
+        n = len(data)
+        with self._lock:
+            if not self._wanted(cid, n):
+                return
+        self._insert(cid, memoryview(bytes(data)))
+
+    def _insert(self, cid: bytes, data: memoryview) -> None:
+        n = len(data)
+        with self._lock:
+            if cid in self._items or self._stop:
+                return
+            while self.used + n > self.capacity and self._items:
+                _, old = self._items.popitem(last=False)
+                self.used -= len(old)
+            self._items[cid] = data
+            self.used += n
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # best effort: a restore outranks admission
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(
+                os.PRIO_PROCESS, threading.get_native_id()) + _NICE))
+        while True:
+            with self._lock:
+                while not self._queue and not self._stop:
+                    self._busy = False
+                    self._cv.notify_all()
+                    self._cv.wait()
+                if self._stop:
+                    self._busy = False
+                    self._cv.notify_all()
+                    return
+                cid, path, n, csum = self._queue.popleft()
+                self._busy = True
+            try:
+                if not self._yield_to_restores():
+                    continue  # stopping: the finally below still forgets the offer
+                hook = _TEST_HOOK
+                if hook is not None:
+                    hook(cid)
+                data = _load(path, n, csum, self._yield_to_restores)
+                if data is not None:
+                    self._insert(cid, data)
+            except Exception:  # noqa: S110 - admission is best effort: a later restore offers it again
+                pass
+            finally:
+                with self._lock:
+                    self._queued.discard(cid)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every offer so far is admitted or dropped (tests, benchmarks); False on timeout."""
+        with self._lock:
+            return self._cv.wait_for(lambda: (not self._queue and not self._busy) or self._thread is None,
+                                     timeout)
+
+    def take_hits(self) -> int:
+        """Hits since the last call (for the persistent counters)."""
+        with self._lock:
+            hits, self.hits = self.hits, 0
+            return hits
+
+    def discard(self, cid: bytes) -> None:
+        """Forget a chunk (it was found corrupt or dropped)."""
+        with self._lock:
+            self._seen.pop(cid, None)
+            old = self._items.pop(cid, None)
+            if old is not None:
+                self.used -= len(old)
+
+    def clear(self) -> None:
+        """Forget everything and stop the admission thread (the store is closing)."""
+        with self._lock:
+            self._stop = True
+            self._queue.clear()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._lock:
+            self._items.clear()
+            self._seen.clear()
+            self._queued.clear()
+            self.used = 0
+            self._thread = None
+            self._stop = False
+
+
+def _load(path: str, n: int, csum: bytes, pause: Callable[[], bool]) -> memoryview | None:
+    """Read and decode the chunk file at ``path`` into fresh memory; None unless it is the chunk
+    the catalog describes (``n`` raw bytes with checksum ``csum``). ``pause()`` is called between
+    pieces (it blocks while a restore runs); False from it abandons the load."""
+    try:
+        fd, st = open_chunk(path)  # never blocks: a FIFO at the path is damage, not a stuck admission thread
+    except (OSError, CorruptionError):
+        return None  # evicted meanwhile, or not a regular file
+    try:
+        head = parse_header(os.pread(fd, HEADER_SIZE, 0))
+        if not header_matches(head, n, csum, st.st_size):
+            return None
+        out = np.empty(n, dtype=np.uint8).data
+        if head.codec != CODEC_RAW:  # compressed: decoded whole (rare; zstd is not the default)
+            decode_fd(head, fd, out)
+            return out if checksum(out) == csum else None
+        h = checksum_stream()
+        for off in range(0, n, _PIECE):
+            if off and not pause():
+                return None
+            piece = out[off:off + _PIECE]
+            read_exact(fd, piece, HEADER_SIZE + off)
+            h.update(piece)
+        return out if h.digest() == csum else None
+    except (OSError, CorruptionError):
+        return None
+    finally:
+        os.close(fd)

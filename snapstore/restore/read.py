@@ -1,0 +1,97 @@
+"""The restore side of a store, between its checks and its stream: which components are wanted, the
+validated plan of a snapshot the store may read, what describe() reports of it, and the stream
+that quarantines the chunks it found damaged (:mod:`snapstore.plan.restore_plan` validates,
+:mod:`snapstore.restore.stream` streams).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from snapstore._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
+from snapstore._layout import Layout
+from snapstore._results import MatchDetails
+from snapstore.catalog.queries import SnapRow, SnapState, Txn
+from snapstore.chunks.direct_io import DirectReads
+from snapstore.chunks.repo import Repo
+from snapstore.chunks.staging import StagingBuffer
+from snapstore.lifecycle.access import Access
+from snapstore.parts.buffers import Destination
+from snapstore.plan.prefix import granularity, rows_bound, rows_limit
+from snapstore.plan.restore_plan import RestorePlan, build_plan
+from snapstore.restore.ramtier import RamTier
+from snapstore.restore.stream import Damage, quarantine, stream_plan
+
+__all__ = ["details_of", "plan_of", "planned_destination", "stream_checked", "wanted_components"]
+
+
+def wanted_components(layout: Layout, components: Iterable[str] | None) -> set[str]:
+    """The components to restore: all of the layout's (None) or the named ones, each known."""
+    if isinstance(components, str):
+        raise InvalidInputError(f"components must be a collection of names, e.g. [{components!r}]")
+    wanted = set(layout.components) if components is None else set(components)
+    unknown = wanted - set(layout.components)
+    if unknown:
+        raise InvalidInputError(f"unknown components {sorted(unknown)}; the layout has "
+                                f"{sorted(layout.components)}")
+    return wanted
+
+
+def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Mapping[str, Destination] | None,
+            wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
+    """Check that ``sid`` is this store's to restore and build (and validate) its plan; ``upto``:
+    the tokens of a block-granular prefix match (rows [0, upto // g) only, :mod:`snapstore.plan.prefix`)."""
+    snap = access.readable(c, sid, ns, rows_from)
+    rows_to = rows_limit(layout, snap, upto)
+    bound = rows_bound(layout, snap, rows_to)
+    if rows_from > bound:  # rows_from counts rows: at tokens_per_row > 1 the tokens bound (readable) is looser
+        raise InvalidInputError(f"rows_from={rows_from} is past the {bound} rows (of {granularity(layout)} tokens) "
+                                f"that restoring snapshot {sid} writes; nothing was written")
+    return snap, build_plan(c, sid, access.chain(c, snap), layout, into, wanted, rows_from, rows_to)
+
+
+def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int) -> MatchDetails:
+    """What restoring ``snap`` by ``plan`` writes, as describe() returns it."""
+    sid = snap.id
+    held = {p.component for p in c.parts(sid) if p.component is not None}
+    return MatchDetails(
+        snapshot_id=sid, n_tokens=plan.n_tokens, namespace=ns or None, rows=dict(plan.rows),
+        components=frozenset(held), missing_components=frozenset(plan.missing_components),
+        part_bytes=dict(plan.part_bytes), nbytes=sum(plan.part_bytes.values()),
+        chain=list(plan.chain), pending=snap.state == SnapState.PENDING, rows_from=rows_from)
+
+
+def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: StagingBuffer, ram: RamTier | None,
+                   count: Callable[[str], None], reads: DirectReads | None = None) -> None:
+    """Stream ``plan``; on a RestoreError count it, name snapshot ``sid`` (None: a batch), and
+    quarantine the chunks found damaged in the same call (snapshots using them stop matching until
+    a save heals them). The one copy of this policy: restore() and restore_many() both use it."""
+    damage: Damage = []
+    try:
+        stream_plan(plan, repo.blob_path, staging, ram, damage, reads)
+    except RestoreError as e:
+        if e.snapshot_id is None and sid is not None:
+            e.snapshot_id = sid
+        count("restore_errors")
+        if damage and not repo.readonly:  # a read-only store reports damage, it cannot record it
+            try:
+                quarantine(repo.db, repo.blob_path, damage)
+            except (StoreIOError, CorruptionError):
+                pass  # a later restore finds (and quarantines) it again
+        raise
+
+
+def planned_destination(into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Destination]],
+                        plan: Callable[[], MatchDetails]) -> Mapping[str, Destination]:
+    """restore()'s ``into``: a mapping as it is, or a callable's destinations for the checked plan
+    (``plan()``); what the callable raises reaches the caller as is (nothing has been written yet)."""
+    if not callable(into) or isinstance(into, Mapping):
+        if not isinstance(into, Mapping):
+            raise InvalidInputError("into must be a mapping of part name to writable buffer, or a callable "
+                                    "that takes the plan (MatchDetails) and returns one")
+        return into
+    into = into(plan())
+    if not isinstance(into, Mapping):
+        raise InvalidInputError(f"the destination callable must return a mapping of part name to buffer, "
+                                f"got {type(into).__name__}; nothing was written")
+    return into

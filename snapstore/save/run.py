@@ -1,0 +1,124 @@
+"""One synchronous save, attempt by attempt, over the stages of :mod:`snapstore.save.stages`: parent, plan,
+capacity pre-check, publish (:mod:`snapstore.save.chunker`), commit — redone when it loses a race
+(:class:`snapstore.lifecycle.access.Retry`), skipped with a reason when it does not fit
+(:class:`snapstore.save.stages.Skip`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from snapstore._errors import InvalidInputError, NotFoundError, StateError
+from snapstore._refs import namespace_key, session_key, snapshot_id
+from snapstore._results import SaveResult
+from snapstore._tokens import TokenIndex, as_token_array
+from snapstore.catalog.db import Database
+from snapstore.catalog.queries import SnapRow, Txn
+from snapstore.lifecycle.access import Access, Retry
+from snapstore.lifecycle.capacity import Capacity
+from snapstore.parts.buffers import Source
+from snapstore.save.chunker import Chunker
+from snapstore.save.stages import MAX_ATTEMPTS, WHOLE_AFTER, Saver, Skip, validate_parts
+
+__all__ = ["HOOKS", "SaveRun", "skipped"]
+
+T = TypeVar("T")
+
+# Test hooks: name -> callable run at that point (tests force race windows through them; empty
+# in production). "save_committed": a save's transaction has committed, its freed files not yet
+# unlinked.
+HOOKS: dict[str, Callable[[], None]] = {}
+
+
+def _hook(name: str) -> None:
+    fn = HOOKS.get(name)
+    if fn is not None:
+        fn()
+
+
+class Write(Protocol):
+    """The store's write transaction (:meth:`snapstore.Store._write`): bookkeeping persisted with it,
+    ``discard`` unlinked if it fails, ``committed`` run right after the commit."""
+
+    def __call__(self, fn: Callable[[Txn], T], *, durable: bool = True, discard: Iterable[bytes] = (),
+                 committed: Callable[[], None] | None = None) -> T: ...
+
+
+def skipped(db: Database, reason: str, par: SnapRow | None, logical: int, n: int, ns: str) -> SaveResult:
+    """Count a save skipped for ``reason`` and describe it (nothing was stored)."""
+    db.write(lambda t: t.add_counter(f"skipped:{reason}", 1))
+    return SaveResult(snapshot_id=None, skipped=reason, parent_id=par.id if par else None, stored_bytes=0,
+                      logical_bytes=logical, n_tokens=n, pending=False, namespace=ns or None)
+
+
+@dataclass(frozen=True)
+class SaveRun:
+    """What a save needs of its store: the stages, the catalog, and the store's write path."""
+
+    stages: Saver
+    chunker: Chunker
+    capacity: Capacity
+    db: Database
+    write: Write
+    access: Access  # this identity's row id in a transaction, and its re-creation when dropped
+    count: Callable[[str], None]  # bump one in-memory counter
+    check_rows: bool
+
+    def run(self, tokens: Any, parts: Mapping[str, Any], rows: Any, session: str | None, parent: Any,
+            commit: bool, namespace: str | None) -> SaveResult:
+        """Check the inputs (stage 1), then save, retrying lost races up to MAX_ATTEMPTS times."""
+        arr = as_token_array(tokens)
+        n = len(arr)
+        if n == 0:
+            raise InvalidInputError("save() needs at least one token")
+        session = session_key(session)
+        ns = namespace_key(namespace)
+        sources, row_counts = validate_parts(self.stages.layout, parts, rows, n)
+        index = TokenIndex(arr)
+        for attempt in range(MAX_ATTEMPTS):
+            # "auto" whose parent keeps being evicted under it: after WHOLE_AFTER tries store it whole
+            use = None if parent == "auto" and attempt >= WHOLE_AFTER else parent
+            try:
+                return self.once(arr, index, sources, row_counts, session, use, commit, ns)
+            except Retry as r:
+                if r.identity_gone:
+                    self.access.ensure_identity(self.db)  # committed on its own before the save is redone
+                if r.parent_gone and use not in ("auto", None):
+                    raise NotFoundError(f"parent {snapshot_id(use)} was removed (evicted, superseded or "
+                                        "abandoned) during the save; save again with parent='auto'") from None
+        raise StateError(f"save() lost a race with concurrent evictions {MAX_ATTEMPTS} times; try again")
+
+    def once(self, arr: np.ndarray, index: TokenIndex, sources: dict[str, Source], row_counts: dict[str, int],
+             session: str | None, parent: Any, commit: bool, ns: str) -> SaveResult:
+        """One attempt: parent, plan, capacity pre-check, publish, commit (Retry / Skip / saved)."""
+        saver, db = self.stages, self.db
+        n = len(arr)
+        par, prows = db.read(lambda t: saver.resolve_parent(t, parent, index, ns, row_counts, commit))
+        vouched = par
+        if vouched is not None and self.check_rows and not db.read(
+                lambda t: saver.rows_vouched(t, vouched, prows, sources)):
+            self.count("rows_mismatch")
+            if parent != "auto":
+                raise InvalidInputError(
+                    f"check_rows: rows below parent {vouched.id}'s boundary differ from what it stored; "
+                    "the engine changed rows it vouched for (save with parent=None to store them whole)")
+            par, prows = None, {}
+        plan = saver.plan(sources, row_counts, par, prows, ns)
+        reason = self.capacity.precheck(plan.upper_bytes, db.read(lambda t: t.stored_bytes()))
+        if reason is not None:
+            return skipped(db, reason, par, plan.logical_bytes, n, ns)
+        refs = self.chunker.store(plan.pieces)
+        created = [r.id for rs in refs for r in rs if r.created]
+        try:
+            done = self.write(lambda t: saver.commit(t, iid=self.access.iid(t), plan=plan, refs=refs, arr=arr,
+                                                     index=index, session=session, commit=commit, ns=ns),
+                              discard=created, committed=lambda: _hook("save_committed"))
+        except Skip as s:
+            return skipped(db, s.reason, par, plan.logical_bytes, n, ns)
+        return SaveResult(snapshot_id=done.snapshot_id, skipped=None, parent_id=done.parent_id,
+                          stored_bytes=0 if done.existed else done.new_bytes, logical_bytes=plan.logical_bytes,
+                          n_tokens=n, pending=not commit and not done.existed, namespace=ns or None)
