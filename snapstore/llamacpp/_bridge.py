@@ -31,8 +31,9 @@ from ._prompt import CHAT_PATHS, prompt_of
 from ._prompt import lcp as _lcp
 from ._prompt import tokens_in as _tokens_in
 from ._served import request_unkeyable
-from ._slotfile import SlotFile, SlotFormatError
+from ._slotmodel import SlotFile, SlotFormatError
 from ._slotstore import ImportResult, SlotStore, export_snapshot
+from ._slotwindow import widen
 from ._storer import Storer
 from ._upstream import JsonObject, LlamaServer, UpstreamError
 from ._watch import IdentityWatch
@@ -233,11 +234,18 @@ class LlamaBridge:
         self.storer.drain(timeout)
 
     def _capture(self, slot: int, tokens: list[int]) -> SlotFile:
-        """Evaluate exactly ``tokens`` into ``slot`` (no generation) and read the slot back."""
-        self.server.post("/completion", {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
-                                         "stream": False})
-        sf = self.slots.decode(self.server.save_slot(slot), what=f"slot {slot}")
-        self._known[slot] = sf.tokens.tolist()
+        """Evaluate exactly ``tokens`` into ``slot`` (no generation) and read the slot back. On a model
+        with a sliding window, the tokens but the last first: llama-server writes only the window's
+        cells, and a restore continues only with one more (``_slotwindow``)."""
+        prev = None
+        for upto in ([len(tokens) - 1] if self.slots.model.shape.n_swa and len(tokens) > 1 else []) + [len(tokens)]:
+            self.server.post("/completion", {"prompt": tokens[:upto], "n_predict": 0, "id_slot": slot,
+                                             "cache_prompt": True, "stream": False})
+            sf = self.slots.decode(self.server.save_slot(slot), what=f"slot {slot}")
+            self._known[slot] = sf.tokens.tolist()
+            if prev is not None:
+                widen(sf, prev)
+            prev = sf
         return sf
 
     # -- decisions -----------------------------------------------------------------------------

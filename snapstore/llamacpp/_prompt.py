@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._slotfile import TOKEN_NULL
+from ._slotmodel import TOKEN_NULL
 from ._upstream import LlamaServer
 
 __all__ = ["CHAT_PATHS", "COMPLETION_PATHS", "SESSION_HEADER", "lcp", "prompt_of", "tokens_in"]

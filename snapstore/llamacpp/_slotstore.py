@@ -26,6 +26,7 @@ from ._identity import ModelInfo, identity_for, model_info
 from ._served import unseen_runtime
 from ._slotfile import SlotFile, decode, encode
 from ._slotparts import SlotProto, empty_parts, from_parts, layout_for, to_parts
+from ._slotwindow import fill_from_parent
 
 log = logging.getLogger("snapstore.llamacpp")
 
@@ -169,7 +170,10 @@ class SlotStore:
         store = self.open_for(sf, generation)
         n = sf.n_tokens if n is None else n
         parts = to_parts(sf, self.model.shape, n)
-        return store.save(sf.tokens[:n], parts, session=session, parent="auto")
+        parent: SnapshotRef | str = "auto"
+        if sf.swa is not None and self.proto is not None:  # sliding-window rows below the file's window
+            parent = fill_from_parent(store, sf.tokens[:n], parts, self.proto, session)
+        return store.save(sf.tokens[:n], parts, session=session, parent=parent)
 
     def import_bytes(self, data: bytes, *, session: str | None = None, what: str = "slot file") -> ImportResult:
         """Decode (every byte checked) and store a slot file; the store is untouched on any error."""
