@@ -170,6 +170,14 @@ def _chat(url, user, prev=()):
     return r["choices"][0]["message"]["content"], r["timings"]["cache_n"], r["usage"]["prompt_tokens"]
 
 
+def _prompt_tokens_read(url):
+    """Prompt tokens the server evaluated since it started (its /metrics)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("llamacpp:prompt_tokens_total"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["granitehybrid", "qwen35", "gemma3"])
 def test_proxy_restart_restores_system_prompt(models, tmp_path, arch):
@@ -194,6 +202,40 @@ def test_proxy_restart_restores_system_prompt(models, tmp_path, arch):
         with h.proxy(bridge) as (url, _):
             got = _chat(url, "the cache question")
         bridge.close()
+        read = _prompt_tokens_read(s2.url)
     assert got[0] == want[0]  # greedy answer byte-identical
     assert want[1] == 0 and got[1] >= 440, got  # the system prompt (about 446 tokens) was not read again
-    print(f"{arch}: proxy reuse {got[1]} of {got[2]} prompt tokens after a restart")
+    assert read < got[2] // 2, read  # the new server did not read the restored system prompt again
+    print(f"{arch}: proxy reuse {got[1]} of {got[2]} prompt tokens after a restart; the server read {read:.0f}")
+
+
+@pytest.fixture(scope="module")
+def layout_files(models, tmp_path_factory):
+    """One real slot file per new layout (with llama-server's checkpoint block)."""
+    d = str(tmp_path_factory.mktemp("layout_files"))
+    out = {}
+    for arch in ("granitehybrid", "nemotron_h", "mamba2", "qwen35", "gemma3"):
+        with h.server_process(models[arch], d) as s:
+            s.post("/completion", {"prompt": h.text_of(40, seed=3), "n_predict": 2, "cache_prompt": True, "id_slot": 0})
+            s.post("/slots/0?action=save", {"filename": arch})
+        with open(os.path.join(d, arch), "rb") as f:
+            out[arch] = f.read()
+    return out
+
+
+@pytest.mark.slow
+def test_new_layouts_parse_to_the_last_byte(models, layout_files):
+    """Round trip byte-identical; every truncation, trailing bytes and another model's shape refused."""
+    for arch, data in layout_files.items():
+        shape = model_info(models[arch]).shape
+        sf = S.decode(data, shape)
+        assert S.encode(sf) == data and sf.n_checkpoints >= 1, arch
+        for cut in sorted({*range(0, 64), *range(0, len(data), 331), len(data) - 1}):
+            with pytest.raises(S.SlotFormatError):
+                S.decode(data[:cut], shape)
+        with pytest.raises(S.SlotFormatError, match="unexpected bytes"):
+            S.decode(data + b"\0" * 8, shape)
+    for arch, other in (("granitehybrid", "qwen35"), ("qwen35", "nemotron_h"), ("gemma3", "llama"),
+                        ("mamba2", "granitehybrid"), ("nemotron_h", "lfm2")):
+        with pytest.raises(S.SlotFormatError):
+            S.decode(layout_files[arch], model_info(models[other]).shape)
