@@ -33,7 +33,7 @@ from ._prompt import tokens_in as _tokens_in
 from ._served import request_unkeyable
 from ._slotmodel import SlotFile, SlotFormatError
 from ._slotstore import ImportResult, SlotStore, export_snapshot
-from ._slotwindow import widen
+from ._slotwindow import capture
 from ._storer import Storer
 from ._upstream import JsonObject, LlamaServer, UpstreamError
 from ._watch import IdentityWatch
@@ -234,19 +234,14 @@ class LlamaBridge:
         self.storer.drain(timeout)
 
     def _capture(self, slot: int, tokens: list[int]) -> SlotFile:
-        """Evaluate exactly ``tokens`` into ``slot`` (no generation) and read the slot back. On a model
-        with a sliding window, the tokens but the last first: llama-server writes only the window's
-        cells, and a restore continues only with one more (``_slotwindow``)."""
-        prev = None
-        for upto in ([len(tokens) - 1] if self.slots.model.shape.n_swa and len(tokens) > 1 else []) + [len(tokens)]:
-            self.server.post("/completion", {"prompt": tokens[:upto], "n_predict": 0, "id_slot": slot,
-                                             "cache_prompt": True, "stream": False})
+        """Evaluate exactly ``tokens`` into ``slot`` and read the slot back (``_slotwindow.capture``)."""
+        def read(toks: list[int]) -> SlotFile:
+            self.server.post("/completion", {"prompt": toks, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
+                                             "stream": False})
             sf = self.slots.decode(self.server.save_slot(slot), what=f"slot {slot}")
             self._known[slot] = sf.tokens.tolist()
-            if prev is not None:
-                widen(sf, prev)
-            prev = sf
-        return sf
+            return sf
+        return capture(read, tokens, self.slots.model.shape.n_swa)
 
     # -- decisions -----------------------------------------------------------------------------
     def before(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Plan | None:
@@ -320,10 +315,6 @@ class LlamaBridge:
         if self.events.on_restore:
             self.events.on_restore(m.n_tokens, dt, len(data))
 
-    def _stored(self, tokens: Sequence[int]) -> bool:
-        m = self.slots.match(tokens)
-        return m is not None and m.n_tokens == len(tokens)
-
     def _boundaries(self, plan: Plan, upto: int) -> list[tuple[int, str | None, str]]:
         """(tokens, session, what) to save when the slot holds ``upto`` of the prompt."""
         out: list[tuple[int, str | None, str]] = []
@@ -357,7 +348,7 @@ class LlamaBridge:
         # slot of the proxy's choosing (an idle one; none idle: no capture this time)
         todo = []
         for n, session, what in self._boundaries(plan, len(plan.tokens) - 1):
-            if self._stored(plan.tokens[:n]):
+            if self.slots.holds(plan.tokens[:n]):
                 log.info("%s boundary at %d already stored", what, n)
                 self._skip("already_stored")
             else:
@@ -440,7 +431,7 @@ class LlamaBridge:
                          upto, len(plan.tokens))
                 return
             for n, session, what in self._boundaries(plan, upto):
-                if self._stored(plan.tokens[:n]):  # an exact repeat (or a shared system prompt): nothing new
+                if self.slots.holds(plan.tokens[:n]):  # an exact repeat (or a shared system prompt): nothing new
                     self._skip("already_stored")
                     continue
                 self._store(sf, n, session, what, plan)

@@ -199,6 +199,11 @@ class SlotStore:
                 return None
         return None if store is None else store.match(list(tokens))
 
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """True when exactly ``tokens`` are stored (a save of them would add nothing)."""
+        m = self.match(tokens)
+        return m is not None and m.n_tokens == len(tokens)
+
     def close(self) -> None:
         """Close the store."""
         if self.store is not None:

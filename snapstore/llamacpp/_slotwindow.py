@@ -13,6 +13,8 @@ snapshots carry that cell themselves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .._refs import SnapshotRef
@@ -20,7 +22,7 @@ from .._store import Store
 from ._slotmodel import SlotFile, SlotFormatError
 from ._slotparts import SlotProto, empty_parts
 
-__all__ = ["fill_from_parent", "widen"]
+__all__ = ["capture", "fill_from_parent", "widen"]
 
 
 def fill_from_parent(store: Store, tokens: np.ndarray, parts: dict[str, np.ndarray], proto: SlotProto,
@@ -67,3 +69,14 @@ def widen(sf: SlotFile, prev: SlotFile) -> bool:
         v = np.frombuffer(old.v, np.uint8).reshape(-1, old.v_row)[take]
         mine.k, mine.v = k.tobytes() + mine.k, v.tobytes() + mine.v
     return True
+
+
+def capture(read: Callable[[list[int]], SlotFile], tokens: list[int], n_swa: int) -> SlotFile:
+    """The slot of exactly ``tokens``: ``read(toks)`` evaluates ``toks`` into a slot (no generation) and
+    decodes the slot. On a model with a sliding window (``n_swa`` > 0) it reads the tokens but the
+    last first and widens the window with that slot's cell below it (one more token evaluated)."""
+    prev = read(tokens[:-1]) if n_swa and len(tokens) > 1 else None
+    sf = read(tokens)
+    if prev is not None:
+        widen(sf, prev)
+    return sf
