@@ -2,8 +2,8 @@
 
 Models: llama (attention only), LFM2 (short-conv + attention), granitehybrid and nemotron_h
 (Mamba2 + attention, nemotron_h with MLP-only layers too), mamba2 (recurrent only), qwen35
-(gated-delta-net + attention, M-RoPE cells) and gemma3 (iSWA: full-attention + sliding-window
-caches).
+and qwen3next (gated-delta-net + attention; qwen35 with M-RoPE cells, qwen3next with MoE), gemma3
+and gpt-oss (iSWA: full-attention + sliding-window caches).
 
 Written at test time with the ``gguf`` package and a small hand-made SPM vocabulary (256 byte
 tokens + a few words): no downloads. The server is the real llama-server, run in process by
@@ -364,9 +364,94 @@ def write_gemma3(path: str, *, n_layer: int = 8, window: int = 32, n_embd: int =
     return path
 
 
+def _moe(w: Any, rng: np.random.Generator, i: int, n_embd: int, n_exp: int, n_ff: int, *, bias: bool) -> None:
+    w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", _t(rng, n_exp, n_embd))
+    if bias:
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.bias", _t(rng, n_exp))
+    for t, shape in (("ffn_gate_exps", (n_exp, n_ff, n_embd)), ("ffn_up_exps", (n_exp, n_ff, n_embd)),
+                     ("ffn_down_exps", (n_exp, n_embd, n_ff))):
+        w.add_tensor(f"blk.{i}.{t}.weight", _t(rng, *shape))
+        if bias:
+            w.add_tensor(f"blk.{i}.{t}.bias", _t(rng, shape[0], shape[1]))
+
+
+def write_qwen3next(path: str, *, layers: str = "rrra", n_embd: int = 64, seed: int = 16) -> str:
+    """A qwen3next GGUF: gated delta net (fused qkvz / ba projections) + gated attention, MoE with a
+    shared expert; the attention layers are every ``layers.index('a') + 1``-th."""
+    n_head, hd, conv, hk, nk, nvh, hv, n_exp, n_ff = 4, 16, 4, 16, 2, 4, 16, 4, 64
+    key_dim, val_dim = hk * nk, hv * nvh
+    w, n_vocab, rng = _start(path, "qwen3next", len(layers), n_embd, seed)
+    w.add_feed_forward_length(128)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(2)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_uint32("qwen3next.ssm.conv_kernel", conv)
+    w.add_uint32("qwen3next.ssm.state_size", hk)
+    w.add_uint32("qwen3next.ssm.group_count", nk)
+    w.add_uint32("qwen3next.ssm.time_step_rank", nvh)
+    w.add_uint32("qwen3next.ssm.inner_size", val_dim)
+    w.add_uint32("qwen3next.full_attention_interval", layers.index("a") + 1)
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(n_ff)
+    w.add_expert_shared_feed_forward_length(n_ff)
+    _head(w, rng, n_vocab, n_embd)
+    for i, c in enumerate(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{i}.post_attention_norm.weight", np.ones(n_embd, np.float32))
+        if c == "a":
+            _attn(w, rng, i, n_embd, n_head, 2, hd, q_gate=True, norms=True)
+        else:
+            w.add_tensor(f"blk.{i}.ssm_in.weight", _t(rng, 2 * key_dim + 2 * val_dim, n_embd))
+            w.add_tensor(f"blk.{i}.ssm_ba.weight", _t(rng, 2 * nvh, n_embd))
+            w.add_tensor(f"blk.{i}.ssm_conv1d.weight", _t(rng, 2 * key_dim + val_dim, conv))
+            w.add_tensor(f"blk.{i}.ssm_dt.bias", _t(rng, nvh))
+            w.add_tensor(f"blk.{i}.ssm_a", -np.abs(_t(rng, nvh, scale=1.0)))
+            w.add_tensor(f"blk.{i}.ssm_norm.weight", np.ones(hv, np.float32))
+            w.add_tensor(f"blk.{i}.ssm_out.weight", _t(rng, n_embd, val_dim))
+        _moe(w, rng, i, n_embd, n_exp, n_ff, bias=False)
+        w.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", _t(rng, 1, n_embd))
+        for t, shape in (("ffn_gate_shexp", (n_ff, n_embd)), ("ffn_up_shexp", (n_ff, n_embd)),
+                         ("ffn_down_shexp", (n_embd, n_ff))):
+            w.add_tensor(f"blk.{i}.{t}.weight", _t(rng, *shape))
+    _finish(w)
+    return path
+
+
+def write_gptoss(path: str, *, n_layer: int = 4, window: int = 32, n_embd: int = 64, seed: int = 17) -> str:
+    """A gpt-oss GGUF (MoE, attention sinks, biases) with a ``window``-token sliding window: llama.cpp
+    alternates sliding-window and full layers (its iSWA cache)."""
+    n_head, n_kv, hd, n_exp, n_ff = 4, 2, 16, 4, 64
+    w, n_vocab, rng = _start(path, "gpt-oss", n_layer, n_embd, seed)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_sliding_window(window)
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(n_ff)
+    _head(w, rng, n_vocab, n_embd)
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{i}.post_attention_norm.weight", np.ones(n_embd, np.float32))
+        _attn(w, rng, i, n_embd, n_head, n_kv, hd)
+        for t, d in (("attn_q", n_head * hd), ("attn_k", n_kv * hd), ("attn_v", n_kv * hd), ("attn_output", n_embd)):
+            w.add_tensor(f"blk.{i}.{t}.bias", _t(rng, d))
+        w.add_tensor(f"blk.{i}.attn_sinks.weight", _t(rng, n_head))
+        _moe(w, rng, i, n_embd, n_exp, n_ff, bias=True)
+    _finish(w)
+    return path
+
+
 WRITERS: dict[str, Callable[..., str]] = {
     "llama": write_llama, "lfm2": write_lfm2, "granitehybrid": write_granitehybrid, "nemotron_h": write_nemotron_h,
-    "mamba2": write_mamba2, "qwen35": write_qwen35, "gemma3": write_gemma3,
+    "mamba2": write_mamba2, "qwen35": write_qwen35, "qwen3next": write_qwen3next, "gemma3": write_gemma3,
+    "gpt-oss": write_gptoss,
 }
 
 

@@ -2,7 +2,8 @@
 
 For each tiny GGUF written here — attention only (llama), short-conv + attention (LFM2), Mamba2 +
 attention (granitehybrid; nemotron_h with MLP-only layers too), Mamba2 alone, gated delta net +
-attention with M-RoPE cells (qwen35), full + sliding-window caches (gemma3, iSWA) — the real
+attention (qwen35 with M-RoPE cells, qwen3next with MoE), full + sliding-window caches (gemma3,
+gpt-oss: iSWA) — the real
 llama-server (xllamacpp) writes a slot file; it is imported into a store, exported, restored into
 a new server process, and the greedy continuation of a longer prompt must be byte-identical to a
 run that read the whole prompt from nothing, while reusing the restored prefix.
@@ -26,7 +27,7 @@ from snapstore.llamacpp._identity import model_info  # noqa: E402
 from snapstore.llamacpp._slotstore import SlotStore  # noqa: E402
 
 BUILD = "test-build-layouts"
-ARCHS = ["llama", "lfm2", "granitehybrid", "nemotron_h", "mamba2", "qwen35", "gemma3"]
+ARCHS = ["llama", "lfm2", "granitehybrid", "nemotron_h", "mamba2", "qwen35", "qwen3next", "gemma3", "gpt-oss"]
 
 # what the GGUF metadata says each layer keeps: (attention layers, recurrent layers, window)
 SHAPES = {
@@ -36,7 +37,9 @@ SHAPES = {
     "nemotron_h": ((2,), (0, 4), 0),  # layers 1, 3, 5 are MLP only: neither
     "mamba2": ((), (0, 1), 0),
     "qwen35": ((3,), (0, 1, 2), 0),
+    "qwen3next": ((3,), (0, 1, 2), 0),
     "gemma3": (tuple(range(8)), (), 32),
+    "gpt-oss": (tuple(range(4)), (), 32),
 }
 
 
@@ -117,7 +120,7 @@ def test_import_export_restore_continues_byte_identical(models, tmp_path, arch):
     # the layout the file has is the one the GGUF metadata predicts
     assert len(sf.kv) + (len(sf.swa.kv) if sf.swa else 0) == len(shape.attn_layers)
     assert len(sf.rec) == len(shape.recurrent_layers)
-    assert (sf.swa is not None) == (arch == "gemma3")
+    assert (sf.swa is not None) == (arch in ("gemma3", "gpt-oss"))
     if sf.swa is not None:  # llama-server writes the window's cells only
         assert len(sf.swa.cells) == shape.n_swa and sf.swa.cells[-1, 0] == len(prompt) - 1
     if arch == "qwen35":
