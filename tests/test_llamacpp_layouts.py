@@ -106,6 +106,7 @@ def _decode_file(slots, name, shape):
 def test_import_export_restore_continues_byte_identical(models, tmp_path, arch):
     """Two slot files (the prompt but its last token, then the whole prompt, as the proxy captures
     them) → the store → export → a new server: the continuation is the uninterrupted run's."""
+    pytest.importorskip("xllamacpp")
     model, slots = models[arch], str(tmp_path / "slots")
     shape = model_info(model).shape
     with h.server_process(model, slots) as a:
@@ -187,6 +188,7 @@ def test_proxy_restart_restores_system_prompt(models, tmp_path, arch):
     """Through ``snapstore llama-proxy``: a chat, a restart of everything, a new chat sharing only the
     system prompt: the stored boundary is restored and the answer is the uninterrupted run's."""
     pytest.importorskip("aiohttp")
+    pytest.importorskip("xllamacpp")
     from snapstore.llamacpp._bridge import LlamaBridge
 
     model = models[arch]
@@ -215,6 +217,7 @@ def test_proxy_restart_restores_system_prompt(models, tmp_path, arch):
 @pytest.fixture(scope="module")
 def layout_files(models, tmp_path_factory):
     """One real slot file per new layout (with llama-server's checkpoint block)."""
+    pytest.importorskip("xllamacpp")
     d = str(tmp_path_factory.mktemp("layout_files"))
     out = {}
     for arch in ("granitehybrid", "nemotron_h", "mamba2", "qwen35", "gemma3"):
