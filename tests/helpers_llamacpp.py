@@ -1,4 +1,9 @@
-"""Tiny random-weight GGUF models (a llama and an LFM2 hybrid) and an in-process llama-server.
+"""Tiny random-weight GGUF models and an in-process llama-server.
+
+Models: llama (attention only), LFM2 (short-conv + attention), granitehybrid and nemotron_h
+(Mamba2 + attention, nemotron_h with MLP-only layers too), mamba2 (recurrent only), qwen35
+and qwen3next (gated-delta-net + attention; qwen35 with M-RoPE cells, qwen3next with MoE), gemma3
+and gpt-oss (iSWA: full-attention + sliding-window caches).
 
 Written at test time with the ``gguf`` package and a small hand-made SPM vocabulary (256 byte
 tokens + a few words): no downloads. The server is the real llama-server, run in process by
@@ -169,6 +174,285 @@ def _finish(w: Any) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# -- hybrid, recurrent and sliding-window models (issue 27) -------------------------------------
+
+def _head(w: Any, rng: np.random.Generator, n_vocab: int, n_embd: int, tied: bool = False) -> None:
+    w.add_tensor("token_embd.weight", _t(rng, n_vocab, n_embd, scale=1.0))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    if not tied:
+        w.add_tensor("output.weight", _t(rng, n_vocab, n_embd, scale=1.0))
+
+
+def _attn(w: Any, rng: np.random.Generator, i: int, n_embd: int, n_head: int, n_kv: int, hd: int, *,
+          q_gate: bool = False, norms: bool = False) -> None:
+    w.add_tensor(f"blk.{i}.attn_q.weight", _t(rng, n_head * hd * (2 if q_gate else 1), n_embd))
+    w.add_tensor(f"blk.{i}.attn_k.weight", _t(rng, n_kv * hd, n_embd))
+    w.add_tensor(f"blk.{i}.attn_v.weight", _t(rng, n_kv * hd, n_embd))
+    w.add_tensor(f"blk.{i}.attn_output.weight", _t(rng, n_embd, n_head * hd))
+    if norms:
+        w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(hd, np.float32))
+        w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(hd, np.float32))
+
+
+def _ffn(w: Any, rng: np.random.Generator, i: int, n_embd: int, n_ff: int, *, gate: bool = True) -> None:
+    if gate:
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", _t(rng, n_ff, n_embd))
+    w.add_tensor(f"blk.{i}.ffn_up.weight", _t(rng, n_ff, n_embd))
+    w.add_tensor(f"blk.{i}.ffn_down.weight", _t(rng, n_embd, n_ff))
+
+
+# Mamba2 sizes of the tiny models: inner 128, state 16, 1 group, 8 heads, conv kernel 4
+_M2 = {"inner": 128, "state": 16, "groups": 1, "heads": 8, "conv": 4}
+
+
+def _ssm_keys(w: Any, arch: str) -> None:
+    w.add_uint32(f"{arch}.ssm.conv_kernel", _M2["conv"])
+    w.add_uint32(f"{arch}.ssm.inner_size", _M2["inner"])
+    w.add_uint32(f"{arch}.ssm.state_size", _M2["state"])
+    w.add_uint32(f"{arch}.ssm.time_step_rank", _M2["heads"])
+    w.add_uint32(f"{arch}.ssm.group_count", _M2["groups"])
+
+
+def _mamba2_layer(w: Any, rng: np.random.Generator, i: int, n_embd: int) -> None:
+    inner, state, groups, heads, conv = (_M2[k] for k in ("inner", "state", "groups", "heads", "conv"))
+    conv_dim = inner + 2 * groups * state
+    w.add_tensor(f"blk.{i}.ssm_in.weight", _t(rng, 2 * inner + 2 * groups * state + heads, n_embd))
+    w.add_tensor(f"blk.{i}.ssm_conv1d.weight", _t(rng, conv_dim, conv))
+    w.add_tensor(f"blk.{i}.ssm_conv1d.bias", _t(rng, conv_dim))
+    w.add_tensor(f"blk.{i}.ssm_dt.bias", _t(rng, heads))
+    w.add_tensor(f"blk.{i}.ssm_a", -np.abs(_t(rng, heads, 1, scale=1.0)))
+    w.add_tensor(f"blk.{i}.ssm_d", _t(rng, heads, 1))
+    w.add_tensor(f"blk.{i}.ssm_norm.weight", np.ones((groups, inner // groups), np.float32))
+    w.add_tensor(f"blk.{i}.ssm_out.weight", _t(rng, n_embd, inner))
+
+
+def _start(path: str, arch: str, n_layer: int, n_embd: int, seed: int) -> tuple[Any, int, np.random.Generator]:
+    import gguf
+
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"tiny-{arch}-{seed}")
+    w.add_context_length(8192)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(0)
+    return w, _tokenizer(w), np.random.default_rng(seed)
+
+
+def write_granitehybrid(path: str, *, layers: str = "mama", n_embd: int = 64, seed: int = 11) -> str:
+    """A granitehybrid GGUF: ``layers`` is m (Mamba2) / a (attention) per block, each with a dense FFN."""
+    w, n_vocab, rng = _start(path, "granitehybrid", len(layers), n_embd, seed)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv([2 if c == "a" else 0 for c in layers])
+    w.add_rope_dimension_count(16)
+    _ssm_keys(w, "granitehybrid")
+    _head(w, rng, n_vocab, n_embd)
+    for i, c in enumerate(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        if c == "a":
+            _attn(w, rng, i, n_embd, 4, 2, 16)
+        else:
+            _mamba2_layer(w, rng, i, n_embd)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
+        _ffn(w, rng, i, n_embd, 128)
+    _finish(w)
+    return path
+
+
+def write_nemotron_h(path: str, *, layers: str = "m-a-m-", n_embd: int = 64, seed: int = 12) -> str:
+    """A nemotron_h GGUF: ``layers`` is m (Mamba2) / a (attention) / - (MLP only, no cache) per block."""
+    w, n_vocab, rng = _start(path, "nemotron_h", len(layers), n_embd, seed)
+    w.add_layer_norm_eps(1e-5)
+    w.add_feed_forward_length([128 if c == "-" else 0 for c in layers])
+    w.add_head_count(4)
+    w.add_head_count_kv([2 if c == "a" else 0 for c in layers])
+    w.add_key_length(16)
+    w.add_value_length(16)
+    _ssm_keys(w, "nemotron_h")
+    _head(w, rng, n_vocab, n_embd)
+    for i, c in enumerate(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        if c == "m":
+            _mamba2_layer(w, rng, i, n_embd)
+        elif c == "a":
+            _attn(w, rng, i, n_embd, 4, 2, 16)
+        else:
+            _ffn(w, rng, i, n_embd, 128, gate=False)
+    _finish(w)
+    return path
+
+
+def write_mamba2(path: str, *, n_layer: int = 2, n_embd: int = 64, seed: int = 13) -> str:
+    """A Mamba2 GGUF (recurrent state only, no K/V cache)."""
+    w, n_vocab, rng = _start(path, "mamba2", n_layer, n_embd, seed)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_head_count_kv(0)
+    _ssm_keys(w, "mamba2")
+    _head(w, rng, n_vocab, n_embd)
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        _mamba2_layer(w, rng, i, n_embd)
+    _finish(w)
+    return path
+
+
+def write_qwen35(path: str, *, layers: str = "rrra", n_embd: int = 64, seed: int = 14) -> str:
+    """A qwen35 GGUF: ``layers`` is r (gated delta net) / a (gated attention) per block; the attention
+    layers are every ``layers.index('a') + 1``-th (full_attention_interval). M-RoPE: its K/V cells
+    carry a per-cell extension."""
+    n_head, hd, conv, hk, nk, nvh, hv = 4, 16, 4, 16, 2, 4, 16
+    key_dim, val_dim = hk * nk, hv * nvh
+    w, n_vocab, rng = _start(path, "qwen35", len(layers), n_embd, seed)
+    w.add_feed_forward_length(128)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(2)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_uint32("qwen35.ssm.conv_kernel", conv)
+    w.add_uint32("qwen35.ssm.state_size", hk)
+    w.add_uint32("qwen35.ssm.group_count", nk)
+    w.add_uint32("qwen35.ssm.time_step_rank", nvh)
+    w.add_uint32("qwen35.ssm.inner_size", val_dim)
+    w.add_uint32("qwen35.full_attention_interval", layers.index("a") + 1)
+    w.add_array("qwen35.rope.dimension_sections", [4, 2, 2, 0])
+    _head(w, rng, n_vocab, n_embd)
+    for i, c in enumerate(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{i}.post_attention_norm.weight", np.ones(n_embd, np.float32))
+        if c == "a":
+            _attn(w, rng, i, n_embd, n_head, 2, hd, q_gate=True, norms=True)
+        else:
+            conv_dim = 2 * key_dim + val_dim
+            w.add_tensor(f"blk.{i}.attn_qkv.weight", _t(rng, conv_dim, n_embd))
+            w.add_tensor(f"blk.{i}.attn_gate.weight", _t(rng, val_dim, n_embd))
+            w.add_tensor(f"blk.{i}.ssm_beta.weight", _t(rng, nvh, n_embd))
+            w.add_tensor(f"blk.{i}.ssm_alpha.weight", _t(rng, nvh, n_embd))
+            w.add_tensor(f"blk.{i}.ssm_conv1d.weight", _t(rng, conv_dim, conv))
+            w.add_tensor(f"blk.{i}.ssm_dt.bias", _t(rng, nvh))
+            w.add_tensor(f"blk.{i}.ssm_a", -np.abs(_t(rng, nvh, scale=1.0)))
+            w.add_tensor(f"blk.{i}.ssm_norm.weight", np.ones(hv, np.float32))
+            w.add_tensor(f"blk.{i}.ssm_out.weight", _t(rng, n_embd, val_dim))
+        _ffn(w, rng, i, n_embd, 128)
+    _finish(w)
+    return path
+
+
+def write_gemma3(path: str, *, n_layer: int = 8, window: int = 32, n_embd: int = 64, seed: int = 15) -> str:
+    """A gemma3 GGUF with a ``window``-token sliding window: llama.cpp makes every 6th layer full
+    attention and the rest sliding-window (its iSWA cache: two K/V caches per slot)."""
+    w, n_vocab, rng = _start(path, "gemma3", n_layer, n_embd, seed)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(16)
+    w.add_value_length(16)
+    w.add_sliding_window(window)
+    _head(w, rng, n_vocab, n_embd, tied=True)
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        _attn(w, rng, i, n_embd, 4, 2, 16, norms=True)
+        w.add_tensor(f"blk.{i}.post_attention_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{i}.post_ffw_norm.weight", np.ones(n_embd, np.float32))
+        _ffn(w, rng, i, n_embd, 128)
+    _finish(w)
+    return path
+
+
+def _moe(w: Any, rng: np.random.Generator, i: int, n_embd: int, n_exp: int, n_ff: int, *, bias: bool) -> None:
+    w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", _t(rng, n_exp, n_embd))
+    if bias:
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.bias", _t(rng, n_exp))
+    for t, shape in (("ffn_gate_exps", (n_exp, n_ff, n_embd)), ("ffn_up_exps", (n_exp, n_ff, n_embd)),
+                     ("ffn_down_exps", (n_exp, n_embd, n_ff))):
+        w.add_tensor(f"blk.{i}.{t}.weight", _t(rng, *shape))
+        if bias:
+            w.add_tensor(f"blk.{i}.{t}.bias", _t(rng, shape[0], shape[1]))
+
+
+def write_qwen3next(path: str, *, layers: str = "rrra", n_embd: int = 64, seed: int = 16) -> str:
+    """A qwen3next GGUF: gated delta net (fused qkvz / ba projections) + gated attention, MoE with a
+    shared expert; the attention layers are every ``layers.index('a') + 1``-th."""
+    n_head, hd, conv, hk, nk, nvh, hv, n_exp, n_ff = 4, 16, 4, 16, 2, 4, 16, 4, 64
+    key_dim, val_dim = hk * nk, hv * nvh
+    w, n_vocab, rng = _start(path, "qwen3next", len(layers), n_embd, seed)
+    w.add_feed_forward_length(128)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(2)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_uint32("qwen3next.ssm.conv_kernel", conv)
+    w.add_uint32("qwen3next.ssm.state_size", hk)
+    w.add_uint32("qwen3next.ssm.group_count", nk)
+    w.add_uint32("qwen3next.ssm.time_step_rank", nvh)
+    w.add_uint32("qwen3next.ssm.inner_size", val_dim)
+    w.add_uint32("qwen3next.full_attention_interval", layers.index("a") + 1)
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(n_ff)
+    w.add_expert_shared_feed_forward_length(n_ff)
+    _head(w, rng, n_vocab, n_embd)
+    for i, c in enumerate(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{i}.post_attention_norm.weight", np.ones(n_embd, np.float32))
+        if c == "a":
+            _attn(w, rng, i, n_embd, n_head, 2, hd, q_gate=True, norms=True)
+        else:
+            w.add_tensor(f"blk.{i}.ssm_in.weight", _t(rng, 2 * key_dim + 2 * val_dim, n_embd))
+            w.add_tensor(f"blk.{i}.ssm_ba.weight", _t(rng, 2 * nvh, n_embd))
+            w.add_tensor(f"blk.{i}.ssm_conv1d.weight", _t(rng, 2 * key_dim + val_dim, conv))
+            w.add_tensor(f"blk.{i}.ssm_dt.bias", _t(rng, nvh))
+            w.add_tensor(f"blk.{i}.ssm_a", -np.abs(_t(rng, nvh, scale=1.0)))
+            w.add_tensor(f"blk.{i}.ssm_norm.weight", np.ones(hv, np.float32))
+            w.add_tensor(f"blk.{i}.ssm_out.weight", _t(rng, n_embd, val_dim))
+        _moe(w, rng, i, n_embd, n_exp, n_ff, bias=False)
+        w.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", _t(rng, 1, n_embd))
+        for t, shape in (("ffn_gate_shexp", (n_ff, n_embd)), ("ffn_up_shexp", (n_ff, n_embd)),
+                         ("ffn_down_shexp", (n_embd, n_ff))):
+            w.add_tensor(f"blk.{i}.{t}.weight", _t(rng, *shape))
+    _finish(w)
+    return path
+
+
+def write_gptoss(path: str, *, n_layer: int = 4, window: int = 32, n_embd: int = 64, seed: int = 17) -> str:
+    """A gpt-oss GGUF (MoE, attention sinks, biases) with a ``window``-token sliding window: llama.cpp
+    alternates sliding-window and full layers (its iSWA cache)."""
+    n_head, n_kv, hd, n_exp, n_ff = 4, 2, 16, 4, 64
+    w, n_vocab, rng = _start(path, "gpt-oss", n_layer, n_embd, seed)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_sliding_window(window)
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(n_ff)
+    _head(w, rng, n_vocab, n_embd)
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{i}.post_attention_norm.weight", np.ones(n_embd, np.float32))
+        _attn(w, rng, i, n_embd, n_head, n_kv, hd)
+        for t, d in (("attn_q", n_head * hd), ("attn_k", n_kv * hd), ("attn_v", n_kv * hd), ("attn_output", n_embd)):
+            w.add_tensor(f"blk.{i}.{t}.bias", _t(rng, d))
+        w.add_tensor(f"blk.{i}.attn_sinks.weight", _t(rng, n_head))
+        _moe(w, rng, i, n_embd, n_exp, n_ff, bias=True)
+    _finish(w)
+    return path
+
+
+WRITERS: dict[str, Callable[..., str]] = {
+    "llama": write_llama, "lfm2": write_lfm2, "granitehybrid": write_granitehybrid, "nemotron_h": write_nemotron_h,
+    "mamba2": write_mamba2, "qwen35": write_qwen35, "qwen3next": write_qwen3next, "gemma3": write_gemma3,
+    "gpt-oss": write_gptoss,
+}
 
 
 def text_of(n_words: int, seed: int = 0) -> str:

@@ -31,8 +31,9 @@ from snapstore.llamacpp._prompt import CHAT_PATHS, prompt_of
 from snapstore.llamacpp._prompt import lcp as _lcp
 from snapstore.llamacpp._prompt import tokens_in as _tokens_in
 from snapstore.llamacpp._served import request_unkeyable
-from snapstore.llamacpp._slotfile import SlotFile, SlotFormatError
+from snapstore.llamacpp._slotmodel import SlotFile, SlotFormatError
 from snapstore.llamacpp._slotstore import ImportResult, SlotStore, export_snapshot
+from snapstore.llamacpp._slotwindow import capture
 from snapstore.llamacpp._storer import Storer
 from snapstore.llamacpp._upstream import JsonObject, LlamaServer, UpstreamError
 from snapstore.llamacpp._watch import IdentityWatch
@@ -233,12 +234,14 @@ class LlamaBridge:
         self.storer.drain(timeout)
 
     def _capture(self, slot: int, tokens: list[int]) -> SlotFile:
-        """Evaluate exactly ``tokens`` into ``slot`` (no generation) and read the slot back."""
-        self.server.post("/completion", {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
-                                         "stream": False})
-        sf = self.slots.decode(self.server.save_slot(slot), what=f"slot {slot}")
-        self._known[slot] = sf.tokens.tolist()
-        return sf
+        """Evaluate exactly ``tokens`` into ``slot`` and read the slot back (``_slotwindow.capture``)."""
+        def read(toks: list[int]) -> SlotFile:
+            self.server.post("/completion", {"prompt": toks, "n_predict": 0, "id_slot": slot, "cache_prompt": True,
+                                             "stream": False})
+            sf = self.slots.decode(self.server.save_slot(slot), what=f"slot {slot}")
+            self._known[slot] = sf.tokens.tolist()
+            return sf
+        return capture(read, tokens, self.slots.model.shape.n_swa)
 
     # -- decisions -----------------------------------------------------------------------------
     def before(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Plan | None:
@@ -312,10 +315,6 @@ class LlamaBridge:
         if self.events.on_restore:
             self.events.on_restore(m.n_tokens, dt, len(data))
 
-    def _stored(self, tokens: Sequence[int]) -> bool:
-        m = self.slots.match(tokens)
-        return m is not None and m.n_tokens == len(tokens)
-
     def _boundaries(self, plan: Plan, upto: int) -> list[tuple[int, str | None, str]]:
         """(tokens, session, what) to save when the slot holds ``upto`` of the prompt."""
         out: list[tuple[int, str | None, str]] = []
@@ -349,7 +348,7 @@ class LlamaBridge:
         # slot of the proxy's choosing (an idle one; none idle: no capture this time)
         todo = []
         for n, session, what in self._boundaries(plan, len(plan.tokens) - 1):
-            if self._stored(plan.tokens[:n]):
+            if self.slots.holds(plan.tokens[:n]):
                 log.info("%s boundary at %d already stored", what, n)
                 self._skip("already_stored")
             else:
@@ -432,7 +431,7 @@ class LlamaBridge:
                          upto, len(plan.tokens))
                 return
             for n, session, what in self._boundaries(plan, upto):
-                if self._stored(plan.tokens[:n]):  # an exact repeat (or a shared system prompt): nothing new
+                if self.slots.holds(plan.tokens[:n]):  # an exact repeat (or a shared system prompt): nothing new
                     self._skip("already_stored")
                     continue
                 self._store(sf, n, session, what, plan)

@@ -17,7 +17,8 @@ from typing import Any
 
 from snapstore._errors import ConfigError, InvalidInputError
 from snapstore._identity import Identity
-from snapstore.llamacpp._slotfile import GGML_TYPES, ModelShape
+from snapstore.llamacpp._modelshape import shape_of
+from snapstore.llamacpp._slotmodel import GGML_TYPES, ModelShape
 from snapstore.llamacpp._slotparts import SlotProto
 
 __all__ = ["BUILD_ENV", "UNKNOWN_BUILDS", "ModelInfo", "build_warning", "file_sha256", "identity_for",
@@ -26,11 +27,6 @@ __all__ = ["BUILD_ENV", "UNKNOWN_BUILDS", "ModelInfo", "build_warning", "file_sh
 BUILD_ENV = "SNAPSTORE_LLAMA_BUILD"
 _HASHES: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: hashed once per process
 _LOCK = threading.Lock()
-# architectures whose cache is one attention K/V cache per layer, or LFM2 (short-conv + attention)
-_HYBRID_RULES = {"lfm2": "head_count_kv == 0 marks a short-conv (recurrent) layer"}
-_UNSUPPORTED = ("mamba", "mamba2", "rwkv6", "rwkv7", "jamba", "falcon-h1", "granitehybrid", "nemotron_h",
-                "nemotron_h_moe", "qwen3next", "plamo2", "lfm2moe")
-
 
 class ModelInfo:
     """A GGUF's SHA-256 and cache shape."""
@@ -61,13 +57,9 @@ def file_sha256(path: str) -> str:
     return digest
 
 
-def _field(reader: Any, key: str) -> Any:
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
-
-
 def model_info(path: str) -> ModelInfo:
-    """Hash a GGUF and read the shape of its caches (which layers keep K/V, which recurrent state)."""
+    """Hash a GGUF and read the shape of its caches (``_modelshape``: which layers keep K/V, which
+    recurrent state, the sliding window)."""
     if not os.path.isfile(path):
         raise InvalidInputError(f"no model file at {path}")
     try:
@@ -78,39 +70,7 @@ def model_info(path: str) -> ModelInfo:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # the gguf reader raises plain ValueError/struct errors on a bad file
         raise InvalidInputError(f"{path} is not a readable GGUF file: {e}") from None
-    arch = _field(reader, "general.architecture")
-    if not isinstance(arch, str):
-        raise InvalidInputError(f"{path}: GGUF without general.architecture")
-    n_layer = _field(reader, f"{arch}.block_count")
-    if not isinstance(n_layer, int) or n_layer <= 0:
-        raise InvalidInputError(f"{path}: GGUF without {arch}.block_count")
-    if arch in _UNSUPPORTED or _field(reader, f"{arch}.ssm.conv_kernel") is not None:
-        raise InvalidInputError(f"{path}: architecture {arch!r} keeps a cache layout the slot codec does not know "
-                                f"(supported: attention-only models and {', '.join(_HYBRID_RULES)})")
-    if _field(reader, f"{arch}.attention.sliding_window") is not None:
-        raise InvalidInputError(f"{path}: architecture {arch!r} uses sliding-window attention (two K/V caches "
-                                "per slot), a slot layout the codec does not know")
-    kvh = _field(reader, f"{arch}.attention.head_count_kv")
-    if kvh is None:
-        kvh = _field(reader, f"{arch}.attention.head_count")
-    per_layer = list(kvh) if isinstance(kvh, list) else [kvh] * n_layer
-    if len(per_layer) != n_layer:
-        raise InvalidInputError(f"{path}: head_count_kv has {len(per_layer)} entries for {n_layer} layers")
-    n_embd = _field(reader, f"{arch}.embedding_length")
-    n_head = _field(reader, f"{arch}.attention.head_count")
-    n_head = n_head[0] if isinstance(n_head, list) else n_head
-    hd_k = _field(reader, f"{arch}.attention.key_length") or (n_embd // n_head if n_embd and n_head else 0)
-    hd_v = _field(reader, f"{arch}.attention.value_length") or hd_k
-    rec_w = (0, 0)
-    if arch == "lfm2":
-        attn = tuple(i for i, h in enumerate(per_layer) if h)
-        rec = tuple(i for i, h in enumerate(per_layer) if not h)
-        l_cache = _field(reader, "lfm2.shortconv.l_cache")
-        rec_w = ((int(l_cache) - 1) * int(n_embd) if l_cache and n_embd else 0, 0)
-    else:
-        attn, rec = tuple(range(n_layer)), ()
-    widths = tuple((int(per_layer[i]) * int(hd_k), int(per_layer[i]) * int(hd_v)) for i in attn)
-    return ModelInfo(path, file_sha256(path), ModelShape(arch, n_layer, attn, rec, widths, rec_w))
+    return ModelInfo(path, file_sha256(path), shape_of(reader, path))
 
 
 UNKNOWN_BUILDS = ("", "b0-unknown", "unknown")  # what builds without version info report as build_info

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from snapstore.llamacpp._slotfile import TOKEN_NULL
+from snapstore.llamacpp._slotmodel import TOKEN_NULL
 from snapstore.llamacpp._upstream import LlamaServer
 
 __all__ = ["CHAT_PATHS", "COMPLETION_PATHS", "SESSION_HEADER", "lcp", "prompt_of", "tokens_in"]

@@ -1,12 +1,15 @@
-"""llama-server slot files (``/slots/N?action=save``) <-> snapstore parts, byte for byte.
+"""llama-server slot files (``/slots/N?action=save``) <-> :class:`SlotFile`, byte for byte.
 
 A slot file is ``llama_state_seq_save_file`` output: magic ``ggsq``, the state version, the token
 payload (a plain token list, or llama-server's serialized server-tokens form that starts with
--1), then the sequence's memory: the attention K/V cache and, on hybrid models, the recurrent
-cache; llama-server builds that persist context checkpoints append an ``SCKP`` block. The layout
-is documented in docs/format.md ("llama.cpp slot files"). Everything is parsed to the last byte:
-a version, section or field this module does not know is refused with an error naming it, so a
-file is never mis-parsed.
+-1), then the sequence's memory in the order llama.cpp writes it: the attention K/V cache (on an
+iSWA model the full-attention cache, then the sliding-window cache), then the recurrent cache
+(Mamba/Mamba2 conv + SSM state, gated-delta-net state, LFM2 short-conv state); llama-server
+builds that persist context checkpoints append an ``SCKP`` block. Which sections a file has and
+how many layers each holds come from the model's GGUF (``ModelShape``) and the counts each
+section writes, never from a list of architectures. The layout is documented in docs/format.md
+("llama.cpp slot files"). Everything is parsed to the last byte: a version, section or field
+this module does not know is refused with an error naming it, so a file is never mis-parsed.
 
 A transposed V is converted to rows on decode and back on encode, so every per-token thing is a
 row per token; how those rows become store parts is ``_slotparts``.
@@ -15,11 +18,31 @@ row per token; how those rows become store parts is ``_slotparts``.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from snapstore._errors import CorruptionError
+from snapstore.llamacpp._slotmodel import (
+    CKPT_MAGIC,
+    CKPT_VERSION,
+    FORM_PLAIN,
+    FORM_SERVER,
+    GGML_TYPES,
+    KNOWN_VERSIONS,
+    MAGIC,
+    SERVER_TOKENS_VERSION,
+    TOKEN_NULL,
+    KvLayer,
+    ModelShape,
+    RecLayer,
+    SlotFile,
+    SlotFormatError,
+    SwaCache,
+)
+
+# Names that lived here before slot files <-> parts moved to ``_slotparts``: re-exported for
+# code that imported them from here (``_slotparts`` builds on ``_slotmodel``, not on this module).
+from snapstore.llamacpp._slotparts import SlotProto, empty_parts, from_parts, layout_for, to_parts
 
 __all__ = [
     "FORM_PLAIN",
@@ -31,101 +54,17 @@ __all__ = [
     "RecLayer",
     "SlotFile",
     "SlotFormatError",
+    "SlotProto",
+    "SwaCache",
     "decode",
+    "empty_parts",
     "encode",
+    "from_parts",
+    "layout_for",
+    "to_parts",
 ]
 
-MAGIC = 0x67677371  # 'ggsq' (LLAMA_STATE_SEQ_MAGIC)
-KNOWN_VERSIONS = (3, 4)
-TOKEN_NULL = -1
-SERVER_TOKENS_VERSION = 1
-CKPT_MAGIC = 0x504B4353  # 'SCKP': llama-server's persisted context checkpoints
-CKPT_VERSION = 1
-FORM_PLAIN, FORM_SERVER = 0, 1
-
-# ggml type id -> (name, block size in elements, bytes per block); the K/V/state types a cache
-# can hold. Another id is refused (its row size could not be checked).
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("f32", 1, 4), 1: ("f16", 1, 2), 2: ("q4_0", 32, 18), 3: ("q4_1", 32, 20),
-    6: ("q5_0", 32, 22), 7: ("q5_1", 32, 24), 8: ("q8_0", 32, 34), 20: ("iq4_nl", 32, 18),
-    30: ("bf16", 1, 2),
-}
-
-
-
-class SlotFormatError(CorruptionError):
-    """A slot file this codec refuses: unknown version/layout, truncated, or inconsistent."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the GGUF says about the caches: which layers hold K/V, which recurrent state."""
-
-    arch: str
-    n_layer: int
-    attn_layers: tuple[int, ...]
-    recurrent_layers: tuple[int, ...] = ()
-    kv_widths: tuple[tuple[int, int], ...] = ()  # per attention layer: K and V elements per token (0: unchecked)
-    rec_widths: tuple[int, int] = (0, 0)  # r and s elements of a recurrent layer's state (0: unchecked)
-
-    @property
-    def hybrid(self) -> bool:
-        """True when the model keeps recurrent state beside (or instead of) K/V."""
-        return bool(self.recurrent_layers)
-
-
-@dataclass
-class KvLayer:
-    """One attention layer's K and V: rows of every cell (V converted to rows if transposed)."""
-
-    k_type: int
-    k_row: int
-    k: bytes
-    v_type: int
-    v_row: int  # bytes per token row (for a transposed V: v_el * n_embd_v)
-    v: bytes
-    v_el: int = 0  # transposed V only: element size and width, as written in the file
-    n_embd_v: int = 0
-
-
-@dataclass
-class RecLayer:
-    """One recurrent layer's r (conv) and s (ssm) state of the sequence's cell."""
-
-    r_type: int
-    r_row: int
-    r: bytes
-    s_type: int
-    s_row: int
-    s: bytes
-
-
-@dataclass
-class SlotFile:
-    """A decoded slot file; ``encode(decode(b)) == b``."""
-
-    version: int
-    tokens: np.ndarray  # int32
-    token_form: int = FORM_SERVER
-    # attention cache
-    n_stream: int = 1
-    stream: int = 0  # the stream (position in the file) whose cells are saved
-    cells: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int32))  # pos, n_seq_id, seq_id
-    v_trans: int = 0
-    kv: list[KvLayer] = field(default_factory=list)
-    # recurrent cache (hybrid models)
-    rec_cell: np.ndarray | None = None  # int32 [pos, n_seq_id, seq_id or 0]
-    rec_n_layer: int = 0
-    rec: list[RecLayer] = field(default_factory=list)
-    s_trans: int = 0
-    # llama-server context checkpoints (SCKP block), verified and kept verbatim
-    checkpoints: bytes = b""
-    n_checkpoints: int = 0
-
-    @property
-    def n_tokens(self) -> int:
-        """Tokens (and cells) in the file."""
-        return int(len(self.tokens))
+MAX_CELL_EXT = 32  # bytes of per-cell extension a cache may write (M-RoPE writes 8 or 12)
 
 
 class _Reader:
@@ -154,6 +93,9 @@ class _Reader:
     def left(self) -> int:
         return len(self.b) - self.o
 
+    def peek_u32(self, at: int) -> int | None:
+        return None if at + 4 > len(self.b) else int(struct.unpack_from("<I", self.b, at)[0])
+
 
 def _type_name(t: int, what: str) -> str:
     if t not in GGML_TYPES:
@@ -162,13 +104,15 @@ def _type_name(t: int, what: str) -> str:
     return GGML_TYPES[t][0]
 
 
-def _check_row(t: int, row: int, what: str, width: int = 0) -> None:
+def _check_row(t: int, row: int, what: str, widths: tuple[int, ...] = ()) -> None:
+    """``row`` bytes must be whole blocks of type ``t`` and, where the model says, one of ``widths`` elements."""
     name, blk, size = GGML_TYPES[t]
     if row <= 0 or row % size or row > (1 << 31):
         raise SlotFormatError(f"{what}: row size {row} is not a whole number of {name} blocks")
-    if width and row != width // blk * size:
-        raise SlotFormatError(f"{what}: row size {row} bytes, the model's {width} {name} elements take "
-                              f"{width // blk * size} (a file of another model?)")
+    want = [w // blk * size for w in widths if w]
+    if want and row not in want:
+        raise SlotFormatError(f"{what}: row size {row} bytes, the model's {' or '.join(map(str, sorted(set(want))))} "
+                              f"bytes of {name} (a file of another model?)")
 
 
 def decode(data: bytes | memoryview, shape: ModelShape, *, what: str = "slot file") -> SlotFile:
@@ -187,7 +131,7 @@ def decode(data: bytes | memoryview, shape: ModelShape, *, what: str = "slot fil
     sf = SlotFile(version=version, tokens=words)
     _decode_tokens(sf, words, what)
     if shape.attn_layers:
-        _decode_kv(r, sf, shape, what)
+        _decode_attention(r, sf, shape, what)
     if shape.recurrent_layers:
         _decode_rec(r, sf, shape, what)
     if r.left():
@@ -222,65 +166,122 @@ def _decode_tokens(sf: SlotFile, words: np.ndarray, what: str) -> None:
         raise SlotFormatError(f"{what}: negative token id in the token payload")
 
 
-def _decode_kv(r: _Reader, sf: SlotFile, shape: ModelShape, what: str) -> None:
-    n_stream = r.u32("kv n_stream")
+def _decode_attention(r: _Reader, sf: SlotFile, shape: ModelShape, what: str) -> None:
+    """The K/V cache; on a model with a sliding window whose first cache holds only some of its
+    attention layers, the sliding-window cache of the rest follows (llama.cpp's iSWA order)."""
+    n_attn = len(shape.attn_layers)
+    base = _decode_kv(r, sf, shape, what, "kv", shape.kv_widths if not shape.n_swa else None, n_attn)
+    sf.n_stream, sf.stream, sf.cells, sf.cell_ext, sf.v_trans, sf.kv = base
+    if len(sf.kv) == n_attn:
+        return
+    if not shape.n_swa:
+        raise SlotFormatError(f"{what}: kv cache of {len(sf.kv)} layers, the model has {n_attn} attention layers "
+                              "(a file of another model?)")
+    swa = _decode_kv(r, sf, shape, what, "sliding-window kv", None, n_attn - len(sf.kv))
+    if len(swa[5]) != n_attn - len(sf.kv):
+        raise SlotFormatError(f"{what}: full-attention and sliding-window caches hold {len(sf.kv)} + "
+                              f"{len(swa[5])} layers, the model has {n_attn} attention layers")
+    if (swa[0], swa[1], swa[3]) != (sf.n_stream, sf.stream, sf.cell_ext):
+        raise SlotFormatError(f"{what}: the sliding-window cache's streams or cell layout differ from the "
+                              "full-attention cache's; a layout this codec does not know")
+    sf.swa = SwaCache(swa[2], swa[4], swa[5])
+
+
+_Kv = tuple[int, int, np.ndarray, int, int, list[KvLayer]]  # n_stream, stream, cells, cell_ext, v_trans, layers
+
+
+def _cell_ext(r: _Reader, cc: int, max_layers: int, version: int) -> int:
+    """Bytes of per-cell extension in the ``cc`` cells at the read position: the size (0, 4, ...) at
+    which every cell says n_seq_id = 1 at distinct positions; where several sizes do, the one at
+    which the words after the cells (v_trans, n_layer, the first K type) fit. M-RoPE models write
+    such an extension; its size depends on the build, so it is read from the file and pinned in
+    the identity."""
+    cells_fit, all_fit = [], []
+    for ext in range(0, MAX_CELL_EXT + 1, 4):
+        stride = 12 + ext
+        end = r.o + stride * cc
+        if end > len(r.b):
+            break
+        cells = np.frombuffer(r.b[r.o:end], "<i4").reshape(cc, stride // 4)
+        if not (cells[:, 1] == 1).all() or len(np.unique(cells[:, 0])) != cc:
+            continue
+        cells_fit.append(ext)
+        vt, nl = r.peek_u32(end), r.peek_u32(end + 4)
+        k_type = r.peek_u32(end + (16 if version >= 4 else 8))
+        if vt in (0, 1) and nl is not None and nl <= max_layers and (nl == 0 or k_type in GGML_TYPES):
+            all_fit.append(ext)
+    if len(cells_fit) == 1:
+        return cells_fit[0]
+    if len(all_fit) == 1:
+        return all_fit[0]
+    if not cells_fit:
+        raise SlotFormatError(f"{r.what}: kv cells at byte {r.o} are no cell layout this codec knows "
+                              "(cells with n_seq_id != 1, or repeated positions)")
+    raise SlotFormatError(f"{r.what}: kv cells at byte {r.o} fit several cell layouts ({all_fit or cells_fit} "
+                          "extension bytes); refusing rather than guessing")
+
+
+def _decode_kv(r: _Reader, sf: SlotFile, shape: ModelShape, what: str, name: str,
+               widths: tuple[tuple[int, int], ...] | None, max_layers: int) -> _Kv:
+    """One K/V cache section. ``widths``: per layer K/V elements (None: each layer must have one of the
+    model's widths, for a cache whose layers are not known in advance)."""
+    n_stream = r.u32(f"{name} n_stream")
     if not 1 <= n_stream <= 4096:
-        raise SlotFormatError(f"{what}: kv n_stream {n_stream} out of range")
-    sf.n_stream = n_stream
-    seen = False
+        raise SlotFormatError(f"{what}: {name} n_stream {n_stream} out of range")
+    out: _Kv | None = None
+    any_k = tuple(w[0] for w in shape.kv_widths)
+    any_v = tuple(w[1] for w in shape.kv_widths)
     for s in range(n_stream):
-        cc = r.u32(f"kv stream {s} cell count")
+        cc = r.u32(f"{name} stream {s} cell count")
         if cc == 0:
             continue
-        if seen:
-            raise SlotFormatError(f"{what}: more than one kv stream holds cells; a slot file is one sequence")
-        seen = True
-        sf.stream = s
-        raw = np.frombuffer(r.take(12 * cc, "kv cells"), dtype="<i4").reshape(cc, 3).astype(np.int32)
-        if (raw[:, 1] != 1).any():
-            raise SlotFormatError(f"{what}: kv cells with n_seq_id != 1 (or with per-cell extensions, e.g. "
-                                  "M-RoPE) are a layout this codec does not know")
-        sf.cells = raw
-        sf.v_trans = r.u32("kv v_trans")
-        if sf.v_trans not in (0, 1):
-            raise SlotFormatError(f"{what}: kv v_trans {sf.v_trans} is neither 0 nor 1")
-        n_layer = r.u32("kv n_layer")
-        if n_layer != len(shape.attn_layers):
-            raise SlotFormatError(f"{what}: kv cache of {n_layer} layers, the model has "
-                                  f"{len(shape.attn_layers)} attention layers (a file of another model?)")
+        if out is not None:
+            raise SlotFormatError(f"{what}: more than one {name} stream holds cells; a slot file is one sequence")
+        ext = _cell_ext(r, cc, max_layers, sf.version)
+        cells = np.frombuffer(r.take((12 + ext) * cc, f"{name} cells"), dtype="<i4")
+        cells = cells.reshape(cc, 3 + ext // 4).astype(np.int32)
+        v_trans = r.u32(f"{name} v_trans")
+        if v_trans not in (0, 1):
+            raise SlotFormatError(f"{what}: {name} v_trans {v_trans} is neither 0 nor 1")
+        n_layer = r.u32(f"{name} n_layer")
+        if n_layer > max_layers or widths is not None and n_layer != len(widths):
+            raise SlotFormatError(f"{what}: {name} cache of {n_layer} layers, the model has "
+                                  f"{max_layers} attention layers (a file of another model?)")
         if sf.version >= 4:
             # state version 4 writes 8 more bytes here; the builds that write it leave them zero
-            a, b = r.u32("kv v4 field a"), r.u32("kv v4 field b")
+            a, b = r.u32(f"{name} v4 field a"), r.u32(f"{name} v4 field b")
             if a or b:
-                raise SlotFormatError(f"{what}: version-4 kv fields ({a}, {b}) are not zero: a layout "
+                raise SlotFormatError(f"{what}: version-4 {name} fields ({a}, {b}) are not zero: a layout "
                                       "this codec does not know")
         ks: list[tuple[int, int, bytes]] = []
         for il in range(n_layer):
-            t = r.i32(f"k type (layer {il})")
-            _type_name(t, f"{what}: k layer {il}")
-            row = r.u64(f"k row size (layer {il})")
-            _check_row(t, row, f"{what}: k layer {il}", shape.kv_widths[il][0] if shape.kv_widths else 0)
-            ks.append((t, row, bytes(r.take(row * cc, f"k rows (layer {il})"))))
+            t = r.i32(f"k type ({name} layer {il})")
+            _type_name(t, f"{what}: {name} k layer {il}")
+            row = r.u64(f"k row size ({name} layer {il})")
+            _check_row(t, row, f"{what}: {name} k layer {il}", (widths[il][0],) if widths else any_k)
+            ks.append((t, row, bytes(r.take(row * cc, f"k rows ({name} layer {il})"))))
         layers: list[KvLayer] = []
         for il in range(n_layer):
-            t = r.i32(f"v type (layer {il})")
-            _type_name(t, f"{what}: v layer {il}")
-            if not sf.v_trans:
-                row = r.u64(f"v row size (layer {il})")
-                _check_row(t, row, f"{what}: v layer {il}", shape.kv_widths[il][1] if shape.kv_widths else 0)
-                layers.append(KvLayer(*ks[il], t, row, bytes(r.take(row * cc, f"v rows (layer {il})"))))
+            t = r.i32(f"v type ({name} layer {il})")
+            _type_name(t, f"{what}: {name} v layer {il}")
+            if not v_trans:
+                row = r.u64(f"v row size ({name} layer {il})")
+                _check_row(t, row, f"{what}: {name} v layer {il}", (widths[il][1],) if widths else any_v)
+                layers.append(KvLayer(*ks[il], t, row, bytes(r.take(row * cc, f"v rows ({name} layer {il})"))))
             else:
-                el, ne = r.u32(f"v element size (layer {il})"), r.u32(f"v width (layer {il})")
-                want = shape.kv_widths[il][1] if shape.kv_widths else 0
-                if GGML_TYPES[t][1] != 1 or el != GGML_TYPES[t][2] or not 0 < ne <= (1 << 20) or want and ne != want:
-                    raise SlotFormatError(f"{what}: transposed v layer {il}: element size {el} / width {ne} "
+                el, ne = r.u32(f"v element size ({name} layer {il})"), r.u32(f"v width ({name} layer {il})")
+                want = [w for w in ((widths[il][1],) if widths else any_v) if w]
+                bad_width = not 0 < ne <= (1 << 20) or bool(want) and ne not in want
+                if GGML_TYPES[t][1] != 1 or el != GGML_TYPES[t][2] or bad_width:
+                    raise SlotFormatError(f"{what}: transposed {name} v layer {il}: element size {el} / width {ne} "
                                           f"do not fit type {GGML_TYPES[t][0]}")
-                cols = np.frombuffer(r.take(el * ne * cc, f"v columns (layer {il})"), np.uint8)
+                cols = np.frombuffer(r.take(el * ne * cc, f"v columns ({name} layer {il})"), np.uint8)
                 rows = cols.reshape(ne, cc, el).transpose(1, 0, 2).copy()  # [token][dim][byte]
                 layers.append(KvLayer(*ks[il], t, el * ne, rows.tobytes(), el, ne))
-        sf.kv = layers
-    if not seen:
-        raise SlotFormatError(f"{what}: the kv cache holds no cells")
+        out = (n_stream, s, cells, ext, v_trans, layers)
+    if out is None:
+        raise SlotFormatError(f"{what}: the {name} cache holds no cells")
+    return out
 
 
 def _decode_rec(r: _Reader, sf: SlotFile, shape: ModelShape, what: str) -> None:
@@ -300,13 +301,14 @@ def _decode_rec(r: _Reader, sf: SlotFile, shape: ModelShape, what: str) -> None:
         raise SlotFormatError(f"{what}: recurrent cache of {sf.rec_n_layer} layers, the model has {shape.n_layer}")
     heads: list[tuple[int, int, bytes]] = []
     for part in ("r", "s"):
+        width = shape.rec_widths[0 if part == "r" else 1]
         for il in shape.recurrent_layers:
             t = r.i32(f"{part} type (layer {il})")
             _type_name(t, f"{what}: {part} layer {il}")
             row = r.u64(f"{part} row size (layer {il})")
             if row:
-                _check_row(t, row, f"{what}: {part} layer {il}", shape.rec_widths[0 if part == "r" else 1])
-            elif shape.rec_widths[0 if part == "r" else 1]:
+                _check_row(t, row, f"{what}: {part} layer {il}", (width,))
+            elif width:
                 raise SlotFormatError(f"{what}: {part} layer {il} is empty, the model keeps state there")
             heads.append((t, row, bytes(r.take(row, f"{part} state (layer {il})"))))
     n = len(shape.recurrent_layers)
@@ -334,67 +336,68 @@ def _decode_ckpt(r: _Reader, sf: SlotFile, what: str) -> None:
     sf.checkpoints = bytes(r.b[start:r.o])
 
 
+@dataclass
+class _KvOut:
+    n_stream: int
+    stream: int
+    cells: np.ndarray
+    v_trans: int
+    layers: list[KvLayer]
+
+
+def _encode_kv(p: bytearray, version: int, kv: _KvOut) -> None:
+    cc = len(kv.cells)
+    p += struct.pack("<I", kv.n_stream)
+    for s in range(kv.n_stream):
+        if s != kv.stream:
+            p += struct.pack("<I", 0)
+            continue
+        p += struct.pack("<I", cc)
+        p += np.ascontiguousarray(kv.cells, "<i4").tobytes()
+        p += struct.pack("<II", kv.v_trans, len(kv.layers))
+        if version >= 4:
+            p += struct.pack("<II", 0, 0)
+        for ly in kv.layers:
+            p += struct.pack("<iQ", ly.k_type, ly.k_row)
+            p += ly.k
+        for ly in kv.layers:
+            if not kv.v_trans:
+                p += struct.pack("<iQ", ly.v_type, ly.v_row)
+                p += ly.v
+            else:
+                p += struct.pack("<iII", ly.v_type, ly.v_el, ly.n_embd_v)
+                rows = np.frombuffer(ly.v, np.uint8).reshape(cc, ly.n_embd_v, ly.v_el)
+                p += rows.transpose(1, 0, 2).tobytes()
+
+
 def encode(sf: SlotFile) -> bytes:
     """The slot file bytes of ``sf`` (exactly what llama-server wrote, for a decoded file)."""
     out = bytearray()
-    p = out.extend
-    p(struct.pack("<II", MAGIC, sf.version))
+    out += struct.pack("<II", MAGIC, sf.version)
     toks = np.ascontiguousarray(sf.tokens, dtype="<i4")
     if sf.token_form == FORM_SERVER:
         words = np.concatenate([np.array([TOKEN_NULL, SERVER_TOKENS_VERSION, len(toks)], "<i4"), toks,
                                 np.zeros(1, "<i4")])
     else:
         words = toks
-    p(struct.pack("<I", len(words)))
-    p(words.tobytes())
-    if sf.kv:
-        cc = len(sf.cells)
-        p(struct.pack("<I", sf.n_stream))
-        for s in range(sf.n_stream):
-            if s != sf.stream:
-                p(struct.pack("<I", 0))
-                continue
-            p(struct.pack("<I", cc))
-            p(np.ascontiguousarray(sf.cells, "<i4").tobytes())
-            p(struct.pack("<II", sf.v_trans, len(sf.kv)))
-            if sf.version >= 4:
-                p(struct.pack("<II", 0, 0))
-            for ly in sf.kv:
-                p(struct.pack("<iQ", ly.k_type, ly.k_row))
-                p(ly.k)
-            for ly in sf.kv:
-                if not sf.v_trans:
-                    p(struct.pack("<iQ", ly.v_type, ly.v_row))
-                    p(ly.v)
-                else:
-                    p(struct.pack("<iII", ly.v_type, ly.v_el, ly.n_embd_v))
-                    rows = np.frombuffer(ly.v, np.uint8).reshape(cc, ly.n_embd_v, ly.v_el)
-                    p(rows.transpose(1, 0, 2).tobytes())
+    out += struct.pack("<I", len(words))
+    out += words.tobytes()
+    if sf.kv or sf.swa is not None:
+        _encode_kv(out, sf.version, _KvOut(sf.n_stream, sf.stream, sf.cells, sf.v_trans, sf.kv))
+    if sf.swa is not None:
+        _encode_kv(out, sf.version, _KvOut(sf.n_stream, sf.stream, sf.swa.cells, sf.swa.v_trans, sf.swa.kv))
     if sf.rec_cell is not None:
         pos, nseq, seq = (int(x) for x in sf.rec_cell)
-        p(struct.pack("<I", 1))
-        p(struct.pack("<iI", pos, nseq))
+        out += struct.pack("<I", 1)
+        out += struct.pack("<iI", pos, nseq)
         if nseq:
-            p(struct.pack("<i", seq))
-        p(struct.pack("<II", sf.s_trans, sf.rec_n_layer))
+            out += struct.pack("<i", seq)
+        out += struct.pack("<II", sf.s_trans, sf.rec_n_layer)
         for rl in sf.rec:
-            p(struct.pack("<iQ", rl.r_type, rl.r_row))
-            p(rl.r)
+            out += struct.pack("<iQ", rl.r_type, rl.r_row)
+            out += rl.r
         for rl in sf.rec:
-            p(struct.pack("<iQ", rl.s_type, rl.s_row))
-            p(rl.s)
-    p(sf.checkpoints)
+            out += struct.pack("<iQ", rl.s_type, rl.s_row)
+            out += rl.s
+    out += sf.checkpoints
     return bytes(out)
-
-
-# Names that lived here before slot files <-> parts moved to ``_slotparts`` (which imports this
-# module, so they are looked up on first use rather than imported at the top).
-_MOVED_TO_SLOTPARTS = frozenset({"SlotProto", "empty_parts", "from_parts", "layout_for", "to_parts"})
-
-
-def __getattr__(name: str) -> object:
-    """``_slotfile.SlotProto`` and the other moved names keep working for code that imported them from here."""
-    if name in _MOVED_TO_SLOTPARTS:
-        from snapstore.llamacpp import _slotparts as _slotparts
-        return getattr(_slotparts, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,6 +26,7 @@ from snapstore.llamacpp._identity import ModelInfo, identity_for, model_info
 from snapstore.llamacpp._served import unseen_runtime
 from snapstore.llamacpp._slotfile import SlotFile, decode, encode
 from snapstore.llamacpp._slotparts import SlotProto, empty_parts, from_parts, layout_for, to_parts
+from snapstore.llamacpp._slotwindow import fill_from_parent
 
 log = logging.getLogger("snapstore.llamacpp")
 
@@ -169,7 +170,10 @@ class SlotStore:
         store = self.open_for(sf, generation)
         n = sf.n_tokens if n is None else n
         parts = to_parts(sf, self.model.shape, n)
-        return store.save(sf.tokens[:n], parts, session=session, parent="auto")
+        parent: SnapshotRef | str = "auto"
+        if sf.swa is not None and self.proto is not None:  # sliding-window rows below the file's window
+            parent = fill_from_parent(store, sf.tokens[:n], parts, self.proto, session)
+        return store.save(sf.tokens[:n], parts, session=session, parent=parent)
 
     def import_bytes(self, data: bytes, *, session: str | None = None, what: str = "slot file") -> ImportResult:
         """Decode (every byte checked) and store a slot file; the store is untouched on any error."""
@@ -194,6 +198,11 @@ class SlotStore:
             if generation is not None and generation != self.generation:
                 return None
         return None if store is None else store.match(list(tokens))
+
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """True when exactly ``tokens`` are stored (a save of them would add nothing)."""
+        m = self.match(tokens)
+        return m is not None and m.n_tokens == len(tokens)
 
     def close(self) -> None:
         """Close the store."""
