@@ -10,6 +10,7 @@ import apsw
 from ._db import Database, Raw, translate
 from ._db_readonly import file_state, readonly_source
 from ._errors import StateError, StoreIOError
+from ._forks import abandon
 
 __all__ = ["MemDatabase", "catalog_copy", "snapshot_catalog"]
 
@@ -46,6 +47,13 @@ class MemDatabase(Database):
         if self._mem is None:
             raise StateError("the store is closed; open it again")
         return self._mem
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child's copy: the connection is the parent's (see :meth:`Database._after_fork_in_child`)."""
+        super()._after_fork_in_child()
+        if self._mem is not None:
+            abandon(self._mem)
+            self._mem = None
 
     def close(self) -> None:
         """Close the in-memory copy."""

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from .._errors import ConfigError, InvalidInputError
+from .._forks import ProcessLock
 from .._identity import Identity
 from ._slotfile import GGML_TYPES, ModelShape
 from ._slotparts import SlotProto
@@ -25,7 +25,7 @@ __all__ = ["BUILD_ENV", "UNKNOWN_BUILDS", "ModelInfo", "build_warning", "file_sh
 
 BUILD_ENV = "SNAPSTORE_LLAMA_BUILD"
 _HASHES: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: hashed once per process
-_LOCK = threading.Lock()
+_LOCK = ProcessLock()  # fresh in a forked child (.._forks)
 # architectures whose cache is one attention K/V cache per layer, or LFM2 (short-conv + attention)
 _HYBRID_RULES = {"lfm2": "head_count_kv == 0 marks a short-conv (recurrent) layer"}
 _UNSUPPORTED = ("mamba", "mamba2", "rwkv6", "rwkv7", "jamba", "falcon-h1", "granitehybrid", "nemotron_h",
