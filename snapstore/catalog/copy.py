@@ -8,6 +8,7 @@ import time
 import apsw
 
 from snapstore._errors import StateError, StoreIOError
+from snapstore._forks import abandon
 from snapstore.catalog.db import Database, Raw, translate
 from snapstore.catalog.readonly import file_state, readonly_source
 
@@ -46,6 +47,13 @@ class MemDatabase(Database):
         if self._mem is None:
             raise StateError("the store is closed; open it again")
         return self._mem
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child's copy: the connection is the parent's (see :meth:`Database._after_fork_in_child`)."""
+        super()._after_fork_in_child()
+        if self._mem is not None:
+            abandon(self._mem)
+            self._mem = None
 
     def close(self) -> None:
         """Close the in-memory copy."""

@@ -24,7 +24,7 @@ import apsw.bestpractice
 
 from snapstore._config import env_int
 from snapstore._errors import CorruptionError, StateError, StoreFormatError, StoreIOError
-from snapstore._forks import track
+from snapstore._forks import abandon, release_inherited, track
 from snapstore.catalog.queries import ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, Txn
 from snapstore.catalog.readonly import FileState, file_state, read_only_error, readonly_source
 
@@ -112,15 +112,24 @@ def _compat_views(c: Raw) -> None:
 
 class _Held:
     """One thread's connection; closing it when the thread's locals go keeps threads from leaking
-    connections (a server with a thread per request)."""
+    connections (a server with a thread per request). In a process forked from the one that opened
+    it, closing abandons it instead (:func:`._forks.abandon`): CPython frees a parent thread's
+    locals inside ``os.fork()``, and SQLite's close there could wait forever on a mutex that
+    thread held at the fork."""
 
-    __slots__ = ("__weakref__", "conn", "state")
+    __slots__ = ("__weakref__", "conn", "pid", "state")
 
     def __init__(self, conn: Raw, state: FileState | None):
         self.conn = conn
         self.state = state  # read as immutable: valid while the database file stays in this state
+        self.pid = os.getpid()
 
     def close(self) -> None:
+        if self.pid != os.getpid():  # a forked child's copy: never entered again, never freed
+            if self.pid:
+                abandon(self.conn)
+                self.pid = 0  # abandoned: a later close (or the thread's locals going) has nothing to do
+            return
         try:
             self.conn.close(True)
         except apsw.Error:
@@ -146,6 +155,7 @@ class Database:
         self._all: weakref.WeakSet[_Held] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
+        self._forked = False  # the copy a forked child inherited: its connections are the parent's
         track(self)  # a forked child gets a fresh _lock (a parent thread may have held it)
         mib = env_int("SNAPSTORE_SQLITE_MMAP_MIB")  # 0: read through the page cache only (pread)
         self._mmap_bytes = (DEFAULT_MMAP_MIB if mib is None else mib) * (1 << 20)
@@ -182,6 +192,9 @@ class Database:
         holder: _Held | None = getattr(self._local, "held", None)
         if holder is not None:
             return holder.conn
+        if self._forked:
+            raise StateError(f"this catalog was opened before a fork(): {self.path} must be opened "
+                             "again in this process (Store.open)")
         if self._closed:
             raise StateError("the store is closed; open it again with Store.open()")
         c, state = self._connect()
@@ -231,7 +244,15 @@ class Database:
         raise StoreIOError(16, "the store database stayed locked by another process for too long")
 
     def _after_fork_in_child(self) -> None:
+        """Fresh lock; the inherited connections abandoned (never entered, never freed: SQLite's
+        process-wide mutexes may be held by a parent thread that is not here) and the child's
+        copies of the catalog's descriptors released; no new connection on this copy."""
         self._lock = threading.Lock()
+        self._forked = True
+        for held in list(self._all):  # the forking thread's (the others' went inside os.fork())
+            held.close()
+        self._local = threading.local()  # the forking thread's is gone too: conn() opens no copy
+        release_inherited(self.path + suffix for suffix in ("", "-wal", "-shm", "-journal"))
 
     def _stale(self) -> bool:
         """Whether this thread's immutable read connection no longer matches the file (a writer

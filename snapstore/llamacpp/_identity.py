@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from snapstore._errors import ConfigError, InvalidInputError
+from snapstore._forks import ProcessLock
 from snapstore._identity import Identity
 from snapstore.llamacpp._modelshape import shape_of
 from snapstore.llamacpp._slotmodel import GGML_TYPES, ModelShape
@@ -26,7 +26,7 @@ __all__ = ["BUILD_ENV", "UNKNOWN_BUILDS", "ModelInfo", "build_warning", "file_sh
 
 BUILD_ENV = "SNAPSTORE_LLAMA_BUILD"
 _HASHES: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: hashed once per process
-_LOCK = threading.Lock()
+_LOCK = ProcessLock()  # fresh in a forked child (snapstore._forks)
 
 class ModelInfo:
     """A GGUF's SHA-256 and cache shape."""
