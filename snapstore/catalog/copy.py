@@ -10,11 +10,13 @@ import apsw
 from snapstore._errors import StateError, StoreIOError
 from snapstore._forks import abandon
 from snapstore.catalog.db import Database, Raw, translate
+from snapstore.catalog.fence import fenced
 from snapstore.catalog.readonly import file_state, readonly_source
 
 __all__ = ["MemDatabase", "catalog_copy", "snapshot_catalog"]
 
 
+@fenced
 def catalog_copy(src: Raw) -> Raw:
     """An in-memory copy of the catalog (one consistent read snapshot), for a dry run to mutate."""
     mem = apsw.Connection(":memory:")
@@ -37,6 +39,7 @@ class MemDatabase(Database):
         super().__init__(path, readonly=True)
         self._mem: Raw | None = mem
 
+    @fenced
     def open(self) -> MemDatabase:
         """Bring the private copy of an older catalog up to date (nothing on disk is touched)."""
         self._migrate(self.conn())
@@ -55,6 +58,7 @@ class MemDatabase(Database):
             abandon(self._mem)
             self._mem = None
 
+    @fenced
     def close(self) -> None:
         """Close the in-memory copy."""
         if self._mem is not None:
@@ -62,6 +66,7 @@ class MemDatabase(Database):
             self._mem = None
 
 
+@fenced
 def snapshot_catalog(db_path: str) -> Raw:
     """A private in-memory copy of the catalog at ``db_path``, taken without writing a byte (the
     read-only connection of :func:`readonly_source`: no -wal, -shm or lock file is ever created)."""

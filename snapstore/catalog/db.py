@@ -25,6 +25,7 @@ import apsw.bestpractice
 from snapstore._config import env_int
 from snapstore._errors import CorruptionError, StateError, StoreFormatError, StoreIOError
 from snapstore._forks import abandon, release_inherited, track
+from snapstore.catalog.fence import fenced, inside
 from snapstore.catalog.queries import ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, Txn
 from snapstore.catalog.readonly import FileState, file_state, read_only_error, readonly_source
 
@@ -131,7 +132,8 @@ class _Held:
                 self.pid = 0  # abandoned: a later close (or the thread's locals going) has nothing to do
             return
         try:
-            self.conn.close(True)
+            with inside():  # a fork waits for the close (SQLite's mutexes: catalog.fence)
+                self.conn.close(True)
         except apsw.Error:
             pass
 
@@ -160,6 +162,7 @@ class Database:
         mib = env_int("SNAPSTORE_SQLITE_MMAP_MIB")  # 0: read through the page cache only (pread)
         self._mmap_bytes = (DEFAULT_MMAP_MIB if mib is None else mib) * (1 << 20)
 
+    @fenced
     def open(self) -> Database:
         """Create the file (0600) if needed, then migrate it (or, read-only, check its version)."""
         path, readonly = self.path, self.readonly
@@ -187,6 +190,7 @@ class Database:
         return self
 
     # -- connections -------------------------------------------------------------------------
+    @fenced
     def conn(self) -> Raw:
         """This thread's connection (opened on first use; closed when the thread ends)."""
         holder: _Held | None = getattr(self._local, "held", None)
@@ -275,6 +279,7 @@ class Database:
         if self.readonly and self._on_disk:
             raise read_only_error(os.path.dirname(self.path), "be written")
 
+    @fenced
     def close(self) -> None:
         """Close every connection this object opened (all threads)."""
         with self._lock:
@@ -296,6 +301,7 @@ class Database:
         """
         return self.write_collect(fn, durable=durable)[0]
 
+    @fenced
     def write_collect(self, fn: Callable[[Txn], T], *, durable: bool = True) -> tuple[T, list[bytes]]:
         """:meth:`write`, also returning the chunk ids the committed transaction freed."""
         self._refuse_write()
@@ -308,6 +314,7 @@ class Database:
         finally:
             c.pragma("synchronous", "FULL")
 
+    @fenced
     def try_write(self, fn: Callable[[Txn], T]) -> tuple[bool, T | None]:
         """Run ``fn`` in a write transaction only if the write lock is free now: (ran, result).
 
@@ -343,6 +350,7 @@ class Database:
             c.pragma("synchronous", "FULL")
             c.set_busy_timeout(_BUSY_TIMEOUT_MS)
 
+    @fenced
     def read(self, fn: Callable[[Txn], T]) -> T:
         """Run ``fn`` in a read transaction (a consistent snapshot of the database)."""
         return self._transact(fn, "BEGIN")[0]
@@ -423,6 +431,7 @@ class Database:
 
 
 # -- private copies of a catalog (dry runs, read-only inspection) ------------------------------
+@fenced
 def rolled_back(c: Raw, fn: Callable[[Txn], T]) -> tuple[T, list[bytes]]:
     """Run ``fn`` in a transaction on ``c`` and roll it back: what it would do (and free), done nowhere."""
     c.execute("BEGIN")

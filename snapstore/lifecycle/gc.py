@@ -22,6 +22,7 @@ from snapstore._config import pending_lease as resolve_lease
 from snapstore._errors import CorruptionError
 from snapstore.catalog.copy import catalog_copy
 from snapstore.catalog.db import rolled_back
+from snapstore.catalog.fence import inside
 from snapstore.catalog.queries import Txn
 from snapstore.chunks.publish import TEMP_PREFIX
 from snapstore.chunks.repo import Repo
@@ -200,11 +201,12 @@ def gc(repo: Repo, *, budget: Budget | None = None, grace: float = 3600.0, dry_r
         report.stored_bytes_after = t.stored_bytes()
 
     if dry_run:
-        mem = catalog_copy(repo.db.conn())
-        try:
-            _, freed = rolled_back(mem, txn)
-        finally:
-            mem.close()
+        with inside():  # the private copy is SQLite too: a fork waits for it (catalog.fence)
+            mem = catalog_copy(repo.db.conn())
+            try:
+                _, freed = rolled_back(mem, txn)
+            finally:
+                mem.close()
     else:
         freed = repo.db.write_collect(txn)[1]  # unlinked below, with progress, a batch at a time
         log_drops(dropped, "gc " + ("--drop-identity" if drop_identity is not None else "--keep-identity"))
