@@ -1,8 +1,9 @@
 """MLX arrays <-> NumPy, byte for byte: the dtype names the store knows, bfloat16 through a uint16 view.
 
-NumPy has no bfloat16, so a bfloat16 array travels as its uint16 bit pattern (the store checks only
-the element size for dtypes NumPy lacks) and is viewed back as bfloat16 after the restore: no
-value is ever converted, so a restored array holds exactly the bits that were saved.
+NumPy has no bfloat16, so a bfloat16 array travels as its uint16 bit pattern, handed to the store
+as 2-byte void elements (for dtypes NumPy lacks the store checks only the element size) and viewed
+back as bfloat16 after the restore: no value is ever converted, so a restored array holds exactly
+the bits that were saved.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ _NAMES: dict[mx.Dtype, str] = {
     mx.float32: "float32", mx.float64: "float64", mx.bfloat16: "bfloat16", mx.complex64: "complex64",
 }
 _BY_NAME = {v: k for k, v in _NAMES.items()}
-_CARRIER = {"bfloat16": (mx.uint16, np.uint16)}  # dtypes NumPy lacks: the same-size integer carrying their bits
+# dtypes NumPy lacks: the same-size MLX integer carrying their bits, and the NumPy void type the store takes
+_CARRIER = {"bfloat16": (mx.uint16, "V2")}
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -39,15 +41,17 @@ def numpy_dtype(name: str) -> np.dtype[np.generic]:
 
 
 def to_numpy(a: mx.array) -> np.ndarray:
-    """A C-contiguous NumPy copy of ``a``'s bytes (bfloat16 as its uint16 bits)."""
+    """A C-contiguous NumPy copy of ``a``'s bytes (bfloat16 as 2-byte void elements holding its bits)."""
     name = dtype_name(a.dtype)
     if name in _CARRIER:
-        a = a.view(_CARRIER[name][0])
+        carrier, void = _CARRIER[name]
+        return np.array(a.view(carrier), copy=True, order="C").view(void)
     return np.array(a, copy=True, order="C")
 
 
 def from_numpy(x: np.ndarray, name: str) -> mx.array:
     """The MLX array of dtype ``name`` whose bytes are ``x``'s (inverse of :func:`to_numpy`)."""
     if name in _CARRIER:
-        return mx.array(np.ascontiguousarray(x), dtype=_CARRIER[name][0]).view(_BY_NAME[name])
+        carrier = _CARRIER[name][0]
+        return mx.array(np.ascontiguousarray(x).view(np.uint16), dtype=carrier).view(_BY_NAME[name])
     return mx.array(np.ascontiguousarray(x), dtype=_BY_NAME[name])
