@@ -109,3 +109,15 @@ def split(prompt: list[int], cache_prefix: list[int], extra: list[int]) -> list[
     """The cuts PrefixCache reads ``prompt`` at (boundary multiples and cache_prefix positions below the end)."""
     n = len(prompt)
     return sorted({*range(BOUNDARY, n, BOUNDARY), *(p for p in [*cache_prefix, *extra] if p < n)})
+
+
+def tokenizer() -> Any:
+    """A word-level tokenizer over the tiny vocabulary ("w0" ... "w255"; id 1 is "<eos>"), built in memory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(256)}
+    vocab["<eos>"] = vocab.pop("w1")
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="w0")

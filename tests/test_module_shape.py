@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 450
-PACKAGES = ["snapstore", "engine", "snapstore/llamacpp"]
+PACKAGES = ["snapstore", "engine", "engine/mlx", "snapstore/llamacpp"]
 
 
 def _modules() -> list[Path]:
