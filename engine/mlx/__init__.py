@@ -4,7 +4,7 @@
 same names and keep every prompt's state in a snapstore store: KVCache, RotatingKVCache (sliding
 windows), QuantizedKVCache (``kv_bits``), ArraysCache (SSM and linear-attention state) and
 CacheList, bfloat16 included. Installed with the ``mlx`` extra: ``pip install 'snapstore[mlx]'``.
-See docs/engine.md, section 12.
+See docs/engine.md, section 16.
 """
 
 from __future__ import annotations

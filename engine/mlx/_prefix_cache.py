@@ -5,7 +5,7 @@ model, **kwargs)`` yields; ``stream_generate`` and ``generate`` mirror mlx_lm's 
 Before reading, it restores the deepest stored snapshot of the prompt at one of the call's stops
 into a fresh prompt cache and reads only the rest; while reading it captures the state at every
 stop as pending snapshots, committed when the call ends and abandoned when it raises. The policy
-is the transformers PrefixCache's (docs/engine.md section 9; MLX in section 12).
+is the transformers PrefixCache's (docs/engine.md section 9; MLX in section 16).
 
 The stops are the call's cuts (every multiple of ``boundary``, every ``cache_prefix`` position) and
 the prompt's last token but one, where mlx_lm's own prefill stops before stepping the last token.
