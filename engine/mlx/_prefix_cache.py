@@ -60,7 +60,8 @@ class PrefixCache:
         self._options = store_options
         self._seen = Look(model)
         self._pack = pack or "sha256:" + weights_sha256(model)
-        self._stores: dict[CacheSettings, Stores] = {}
+        self._stores: dict[tuple[CacheSettings, str | None], Stores] = {}
+        self._drafts: dict[int, tuple[Look, str]] = {}  # id(draft model) -> the look its hash was taken at
         self._lock = threading.Lock()
         self._n: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._told: set[str] = set()
@@ -85,12 +86,27 @@ class PrefixCache:
         cache_prefix: position(s) to snapshot exactly at (the end of the system prompt). session: the
         conversation's key (its prompt-end snapshot supersedes the previous one). namespace: a tenant scope.
         """
+        gen: Iterator[tuple[Any, mx.array]] = self._call(prompt, stream, None, cache_prefix, session, namespace, kwargs)
+        return gen
+
+    def speculative_generate_step(self, prompt: mx.array, draft_model: Any, stream: Any = None, *,
+                                  cache_prefix: CachePrefix = None, session: str | None = None,
+                                  namespace: str | None = None, **kwargs: Any) -> Iterator[tuple[Any, mx.array, bool]]:
+        """``mlx_lm.speculative_generate_step(prompt, model, draft_model, stream, **kwargs)`` through the
+        cache; yields what it yields. The draft's cache is the snapshots' optional draft component."""
+        gen: Iterator[tuple[Any, mx.array, bool]] = self._call(prompt, stream, draft_model, cache_prefix, session,
+                                                               namespace, kwargs)
+        return gen
+
+    def _call(self, prompt: mx.array, stream: Any, draft: Any, cache_prefix: CachePrefix, session: str | None,
+              namespace: str | None, kwargs: dict[str, Any]) -> Any:
+        """Serve a call through the store, or hand it to mlx_lm unchanged (``bypass_reason``)."""
         if self._closed:
             raise StateError("this PrefixCache is closed")
         stream = mlx_generate.generation_stream if stream is None else stream
         if session is not None and (not isinstance(session, str) or not session):
             raise InvalidInputError(f"session must be None or a non-empty string, got {session!r}")
-        why = bypass_reason(kwargs)
+        why = bypass_reason(kwargs, draft is not None)
         if why is None and (not isinstance(prompt, mx.array) or prompt.ndim != 1 or prompt.size == 0):
             why = "the prompt is not a non-empty 1-D array of token ids"
         stops: list[int] = []
@@ -99,11 +115,13 @@ class PrefixCache:
             stops = sorted({*self.split(n, cache_prefix), n - 1} - {0})
             try:
                 self._follow()
-                stores = self._stores_for(settings_of(self.model, kwargs))
+                stores = self._stores_for(settings_of(self.model, kwargs, draft is not None), draft)
             except UnsupportedCacheError as e:
                 why = str(e)
+        if why is None and draft is not None and not all(n.kind in ("kv", "qkv") for n in stores.schemas["p"][0]):
+            why = "speculative decoding needs a trimmable cache (mlx_lm raises)"
         if why is not None:
-            return self._bypass(prompt, stream, why, kwargs)
+            return self._bypass(prompt, stream, draft, why, kwargs)
         return self._serve(prompt, stream, stops, stores, session, namespace, kwargs)
 
     def stream_generate(self, tokenizer: Any, prompt: Any, max_tokens: int = 256, draft_model: Any = None,
@@ -120,28 +138,32 @@ class PrefixCache:
         return generate(self, tokenizer, prompt, verbose, **kwargs)
 
     # -- steps ------------------------------------------------------------------------------------
-    def _bypass(self, prompt: Any, stream: Any, why: str, kw: dict[str, Any]) -> Iterator[tuple[Any, mx.array]]:
-        """mlx_lm's generate_step as called: nothing restored or saved (counted; logged once per reason)."""
+    def _bypass(self, prompt: Any, stream: Any, draft: Any, why: str, kw: dict[str, Any]) -> Any:
+        """mlx_lm's function as called: nothing restored or saved (counted; logged once per reason)."""
         self._add(calls=1, bypassed=1)
         if why not in self._told:
             self._told.add(why)
-            log.info("prefix cache: %s; calling mlx_lm.generate_step directly (nothing restored or saved)", why)
-        gen: Iterator[tuple[Any, mx.array]] = mlx_generate.generate_step(prompt, self.model, stream, **kw)
-        return gen
+            log.info("prefix cache: %s; calling mlx_lm directly (nothing restored or saved)", why)
+        if draft is not None:
+            return mlx_generate.speculative_generate_step(prompt, self.model, draft, stream, **kw)
+        return mlx_generate.generate_step(prompt, self.model, stream, **kw)
 
     def _serve(self, prompt: mx.array, stream: Any, stops: list[int], st: Stores, session: str | None,
-               namespace: str | None, kw: dict[str, Any]) -> Generator[tuple[Any, mx.array], None, None]:
+               namespace: str | None, kw: dict[str, Any]) -> Generator[Any, None, None]:
         tokens: list[int] = list(map(int, prompt.tolist()))  # type: ignore[arg-type]  # a 1-D array: a list
         n = len(tokens)
         found = self._lookup(st, tokens, stops, namespace)
-        cache, start = None, 0
+        cache, draft, start = None, None, 0
         parents: dict[int, int | None] = {}
         if found is not None:
-            cache, start = self._restore(st, *found, session)
-            if cache is not None:
+            cache, draft, start = self._restore(st, *found, session)
+            if cache is not None and (st.draft is None or draft is not None):  # a parent with every part
                 parents[id(found[0])] = found[1].snapshot_id
         if cache is None:
             cache = st.fresh()
+        caught_up = start
+        if st.draft is not None and draft is None:  # no draft state stored: the draft reads from token 0
+            draft, caught_up = st.fresh_draft(), 0
         self._add(calls=1, hits=int(start > 0), misses=int(start == 0), prompt_tokens=n, restored_tokens=start,
                   prefilled_tokens=n - start)
         caps = Captures(parents, namespace, self._add)
@@ -159,15 +181,24 @@ class PrefixCache:
                 cb(pos, n)
             with mx.stream(stream):
                 for c in stops:
+                    if draft is not None and caught_up < c <= pos:  # the draft reads the restored pieces
+                        read(st.draft, draft, prompt[caught_up:c], st.settings)
+                        caught_up = c
                     if c <= pos:
                         continue
+                    if draft is not None:
+                        read(st.draft, draft, prompt[pos:c], st.settings)
                     read(self.model, cache, prompt[pos:c], st.settings, progress if cb is not None else None)
-                    pos = c
-                    self._capture(caps, st, cache, tokens[:c], session if c == n - 1 else None)
-            rest = {**kw, "prompt_cache": cache,
-                    "logits_processors": wrap_processors(kw.get("logits_processors"), prompt[:n - 1]),
-                    "prompt_progress_callback": wrap_progress(cb, n - 1, n)}
-            yield from mlx_generate.generate_step(prompt[n - 1:], self.model, stream, **rest)
+                    pos = caught_up = c
+                    self._capture(caps, st, cache, draft, tokens[:c], session if c == n - 1 else None)
+            if draft is not None:  # mlx_lm's speculative decoding hands its processors only what it read
+                yield from mlx_generate.speculative_generate_step(prompt[n - 1:], self.model, st.draft, stream,
+                                                                  **{**kw, "prompt_cache": cache + draft})
+            else:
+                rest = {**kw, "prompt_cache": cache,
+                        "logits_processors": wrap_processors(kw.get("logits_processors"), prompt[:n - 1]),
+                        "prompt_progress_callback": wrap_progress(cb, n - 1, n)}
+                yield from mlx_generate.generate_step(prompt[n - 1:], self.model, stream, **rest)
         except GeneratorExit:  # the consumer stopped (mlx_lm's stream_generate does at EOS): the prompt was read
             caps.drain()
             self._commit(caps)
@@ -179,10 +210,14 @@ class PrefixCache:
         caps.wait()
         self._commit(caps)
 
-    def _capture(self, caps: Captures, st: Stores, cache: list[Any], tokens: list[int], session: str | None) -> None:
-        """Capture the cache after ``tokens`` into the store of its layout (host copies made here)."""
-        phase = st.phase(len(tokens))
-        caps.add(st.store(phase), tokens, parts_of(cache, len(tokens)), session)
+    def _capture(self, caps: Captures, st: Stores, cache: list[Any], draft: list[Any] | None, tokens: list[int],
+                 session: str | None) -> None:
+        """Capture the cache (and the draft's, as ``d.`` parts) after ``tokens`` into the store of its layout."""
+        n = len(tokens)
+        parts = parts_of(cache, n)
+        if draft is not None:
+            parts.update({f"d.{k}": v for k, v in parts_of(draft, n).items()})
+        caps.add(st.store(st.phase(n)), tokens, parts, session)
 
     def _lookup(self, st: Stores, tokens: list[int], stops: list[int],
                 namespace: str | None) -> tuple[Store, Match] | None:
@@ -199,8 +234,10 @@ class PrefixCache:
                 best = (store, m)
         return best
 
-    def _restore(self, st: Stores, store: Store, m: Match, session: str | None) -> tuple[list[Any] | None, int]:
-        """Restore ``m`` into a fresh prompt cache; on failure (damage, eviction race) read from token 0."""
+    def _restore(self, st: Stores, store: Store, m: Match,
+                 session: str | None) -> tuple[list[Any] | None, list[Any] | None, int]:
+        """Restore ``m`` into a fresh prompt cache (and the draft's, when the snapshot has it: else None);
+        on failure (damage, eviction race) read from token 0."""
         t0 = time.perf_counter()
         phase = st.phase(m.n_tokens)
         schema, layout = st.schemas[phase]
@@ -211,11 +248,15 @@ class PrefixCache:
             log.warning("prefix cache: restoring snapshot %s failed (%s); reading the prompt from token 0",
                         m.snapshot_id, e)
             self._add(restore_fallbacks=1)
-            return None, 0
+            return None, None, 0
         cache = rebuild(schema, layout, dest, res.n_tokens)
-        mx.eval([c.state for c in cache])
+        draft = None
+        if st.draft is not None and st.component not in res.missing_components:
+            dschema, dlayout = st.draft_schemas[phase]
+            draft = rebuild(dschema, dlayout, {k[2:]: v for k, v in dest.items() if k.startswith("d.")}, res.n_tokens)
+        mx.eval([c.state for c in cache + (draft or [])])
         self._add(restore_seconds=time.perf_counter() - t0)
-        return cache, res.n_tokens
+        return cache, draft, res.n_tokens
 
     def _commit(self, caps: Captures) -> None:
         """Commit each chain of captures (committing the deepest commits its pending ancestors, root first)."""
@@ -240,14 +281,24 @@ class PrefixCache:
         self._add(abandoned=len(chain))
 
     # -- identity ---------------------------------------------------------------------------------
-    def _stores_for(self, s: CacheSettings) -> Stores:
-        """The stores of cache settings ``s`` (probed and opened on first use)."""
-        st = self._stores.get(s)
+    def _stores_for(self, s: CacheSettings, draft: Any = None) -> Stores:
+        """The stores of cache settings ``s`` and draft model (probed and opened on first use)."""
+        dkey = self._draft_key(draft) if draft is not None else None
+        st = self._stores.get((s, dkey))
         if st is None:
             ident = identity(self.model, self._pack, self._kv(s), s, self._extra)
-            st = Stores(self.model, s, ident, self._path, self._budget, self._options)
-            self._stores[s] = st
+            st = Stores(self.model, s, ident, self._path, self._budget, self._options, draft, dkey)
+            self._stores[(s, dkey)] = st
         return st
+
+    def _draft_key(self, draft: Any) -> str:
+        """The draft model's weights hash (hashed once per draft, again when a parameter was replaced)."""
+        seen = self._drafts.get(id(draft))
+        now = Look(draft)
+        if seen is None or not now.same(seen[0]):
+            seen = (now, weights_sha256(draft))
+            self._drafts[id(draft)] = seen
+        return seen[1]
 
     def _kv(self, s: CacheSettings) -> str:
         """The identity's kv field: the activations' dtype, or the KV quantization."""

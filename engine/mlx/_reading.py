@@ -22,17 +22,23 @@ from ._identity import CacheSettings
 
 __all__ = ["DEFAULTS", "bypass_reason", "quantizer", "read", "settings_of", "wrap_processors", "wrap_progress"]
 
-_SIG = inspect.signature(mlx_generate.generate_step)
-DEFAULTS: dict[str, Any] = {k: p.default for k, p in _SIG.parameters.items()
-                            if p.default is not inspect.Parameter.empty}
-_KNOWN = frozenset(k for k, p in _SIG.parameters.items() if p.kind == inspect.Parameter.KEYWORD_ONLY)
+def _signature(fn: Any) -> tuple[dict[str, Any], frozenset[str]]:
+    sig = inspect.signature(fn)
+    return ({k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty},
+            frozenset(k for k, p in sig.parameters.items() if p.kind == inspect.Parameter.KEYWORD_ONLY))
 
 
-def bypass_reason(kw: Mapping[str, Any]) -> str | None:
-    """Why a call goes to mlx_lm's ``generate_step`` unchanged (nothing restored or saved), or None."""
-    unknown = sorted(set(kw) - _KNOWN)
+# mlx_lm's defaults and keyword arguments: generate_step's, and speculative decoding's (another prefill step)
+DEFAULTS, _KNOWN = _signature(mlx_generate.generate_step)
+SPEC_DEFAULTS, _SPEC_KNOWN = _signature(mlx_generate.speculative_generate_step)
+
+
+def bypass_reason(kw: Mapping[str, Any], speculative: bool = False) -> str | None:
+    """Why a call goes to mlx_lm unchanged (nothing restored or saved), or None."""
+    fn, known = ("speculative_generate_step", _SPEC_KNOWN) if speculative else ("generate_step", _KNOWN)
+    unknown = sorted(set(kw) - known)
     if unknown:
-        return f"generate_step does not take {unknown[0]}= (mlx_lm raises)"
+        return f"{fn} does not take {unknown[0]}= (mlx_lm raises)"
     if kw.get("prompt_cache") is not None:
         return "prompt_cache=: the caller's own cache"
     if kw.get("input_embeddings") is not None:
@@ -40,13 +46,16 @@ def bypass_reason(kw: Mapping[str, Any]) -> str | None:
     return None
 
 
-def settings_of(model: Any, kw: Mapping[str, Any]) -> CacheSettings:
+def settings_of(model: Any, kw: Mapping[str, Any], speculative: bool = False) -> CacheSettings:
     """The call's settings that change the bytes of a prompt's state (mlx_lm's defaults filled in)."""
+    defaults = SPEC_DEFAULTS if speculative else DEFAULTS
+
     def get(k: str) -> Any:
-        return kw.get(k, DEFAULTS[k])
+        return kw.get(k, defaults.get(k))
 
     bits = get("kv_bits")
-    max_kv = get("max_kv_size") if not hasattr(model, "make_cache") else None  # the model's own cache ignores it
+    # the model's own cache ignores max_kv_size; speculative decoding makes its caches without it
+    max_kv = get("max_kv_size") if not hasattr(model, "make_cache") and not speculative else None
     return CacheSettings(prefill_step_size=int(get("prefill_step_size")), kv_bits=bits,
                          kv_group_size=get("kv_group_size") if bits is not None else None,
                          quantized_kv_start=get("quantized_kv_start") if bits is not None else None,

@@ -26,13 +26,9 @@ __all__ = ["generate", "stream_generate"]
 
 def stream_generate(pc: PrefixCache, tokenizer: Any, prompt: Any, max_tokens: int = 256, draft_model: Any = None,
                     stream: Any = None, **kwargs: Any) -> Iterator[Any]:
-    """mlx_lm's ``stream_generate`` loop over ``pc.generate_step`` (speculative decoding: mlx_lm's own, uncached)."""
+    """mlx_lm's ``stream_generate`` loop over ``pc.generate_step`` (``pc.speculative_generate_step`` with a draft)."""
     stream = mlx_generate.generation_stream if stream is None else stream
     policy = {k: kwargs.pop(k) for k in ("cache_prefix", "session", "namespace") if k in kwargs}
-    if draft_model is not None:
-        pc._add(calls=1, bypassed=1)
-        yield from mlx_generate.stream_generate(pc.model, tokenizer, prompt, max_tokens, draft_model, stream, **kwargs)
-        return
     if max_tokens == 0:
         raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -44,14 +40,24 @@ def stream_generate(pc: PrefixCache, tokenizer: Any, prompt: Any, max_tokens: in
         prompt = mx.array(prompt)
     detokenizer = tokenizer.detokenizer
     kwargs["max_tokens"] = max_tokens
-    kwargs.pop("num_draft_tokens", None)
-    gen = pc.generate_step(prompt, stream, **policy, **kwargs)
+    gen: Any
+    steps: Iterator[tuple[Any, Any, bool]]
+    if draft_model is None:
+        kwargs.pop("num_draft_tokens", None)
+        gen = pc.generate_step(prompt, stream, **policy, **kwargs)
+        steps = ((token, logprobs, False) for token, logprobs in gen)
+    else:  # as mlx_lm: speculative decoding takes no kv size, progress callback or embeddings
+        kwargs.pop("max_kv_size", None)
+        kwargs.pop("prompt_progress_callback", None)
+        if kwargs.pop("input_embeddings", None) is not None:
+            raise ValueError("Speculative decoding does not support input embeddings.")
+        gen = steps = pc.speculative_generate_step(prompt, draft_model, stream, **policy, **kwargs)
     try:
         with mlx_generate.wired_limit(pc.model, [stream]):
             tic = time.perf_counter()
             prompt_tps = 0.0
-            n, token, logprobs = 0, None, None
-            for n, (token, logprobs) in enumerate(gen):
+            n, token, logprobs, from_draft = 0, None, None, False
+            for n, (token, logprobs, from_draft) in enumerate(steps):
                 if n == 0:
                     prompt_time = time.perf_counter() - tic
                     prompt_tps = prompt.size / prompt_time
@@ -61,20 +67,22 @@ def stream_generate(pc: PrefixCache, tokenizer: Any, prompt: Any, max_tokens: in
                 detokenizer.add_token(token)
                 if (n + 1) == max_tokens:
                     break
-                yield _response(detokenizer.last_segment, token, logprobs, prompt.size, prompt_tps, n, tic, None)
+                yield _response(detokenizer.last_segment, token, logprobs, from_draft, prompt.size, prompt_tps, n, tic,
+                                None)
             detokenizer.finalize()
             reason = "stop" if token in tokenizer.eos_token_ids else "length"
-            yield _response(detokenizer.last_segment, token, logprobs, prompt.size, prompt_tps, n, tic, reason)
+            yield _response(detokenizer.last_segment, token, logprobs, from_draft, prompt.size, prompt_tps, n, tic,
+                            reason)
     finally:
         close = getattr(gen, "close", None)
         if close is not None:
             close()
 
 
-def _response(text: str, token: Any, logprobs: Any, prompt_tokens: int, prompt_tps: float, n: int, tic: float,
-              finish_reason: str | None) -> Any:
+def _response(text: str, token: Any, logprobs: Any, from_draft: bool, prompt_tokens: int, prompt_tps: float, n: int,
+              tic: float, finish_reason: str | None) -> Any:
     return mlx_generate.GenerationResponse(
-        text=text, token=token, logprobs=logprobs, from_draft=False, prompt_tokens=prompt_tokens,
+        text=text, token=token, logprobs=logprobs, from_draft=from_draft, prompt_tokens=prompt_tokens,
         prompt_tps=prompt_tps, generation_tokens=n + 1, generation_tps=(n + 1) / (time.perf_counter() - tic),
         peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish_reason)
 
