@@ -35,6 +35,26 @@ def main() -> None:
                 st = pc.stats().to_dict()
                 st.pop("store")
                 stats[f"{case}.{name}"] = st
+    target, draft = mlx_models.draft_pair()
+    with PrefixCache(target, f"{root}/draft", boundary=mlx_models.BOUNDARY) as pc:
+        for name, prompt, prefix, speculative in (mlx_models.SPEC_CALLS_1 if phase == "1" else mlx_models.SPEC_CALLS_2):
+            if not speculative:
+                list(pc.generate_step(mx.array(prompt), cache_prefix=prefix, max_tokens=2,
+                                      prefill_step_size=mlx_models.SPEC_KW["prefill_step_size"]))
+                continue
+            spec = list(pc.speculative_generate_step(mx.array(prompt), draft, cache_prefix=prefix, max_tokens=8,
+                                                     **mlx_models.SPEC_KW))
+            arrays[f"draft.{name}.tokens"] = np.array([[t, f] for t, _, f in spec], np.int64)
+            arrays[f"draft.{name}.logprobs"] = np.stack([np.array(lp) for _, lp, _ in spec])
+            st = pc.stats().to_dict()
+            st.pop("store")
+            stats[f"draft.{name}"] = st
+        # which stored snapshots hold the draft's cache (A's, saved with the draft; B's, saved without)
+        st_draft = next(s for s in pc._stores.values() if s.draft is not None)
+        for name, prompt in (("a", mlx_models.PROMPT_A), ("b", mlx_models.PROMPT_B)):
+            store = st_draft.store("p")
+            m = store.match(prompt[:-1])
+            stats[f"draft.components.{name}"] = sorted(store.describe(m).components) if m is not None else None
     np.savez(out, stats=np.array(json.dumps(stats)), **arrays)
 
 

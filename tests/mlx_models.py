@@ -121,3 +121,46 @@ def tokenizer() -> Any:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="w0")
+
+
+# speculative decoding: (call name, prompt, cache_prefix, speculative?) per process; B is first read by a
+# plain call (prefill step 512, as speculative decoding's default) so its snapshots have no draft component
+SPEC_KW: dict[str, Any] = {"num_draft_tokens": 3, "prefill_step_size": 512}
+SPEC_CALLS_1 = [("a", PROMPT_A, [len(SYSTEM)], True), ("b_plain", PROMPT_B, [len(SYSTEM)], False)]
+SPEC_CALLS_2 = [("a_again", PROMPT_A, [len(SYSTEM)], True), ("b", PROMPT_B, [len(SYSTEM)], True),
+                ("a2", PROMPT_A2, [len(SYSTEM), len(PROMPT_A) - 1], True)]
+
+
+def draft_pair() -> tuple[Any, Any]:
+    """A tiny target and a draft that agrees with it often (the same weights, perturbed a little)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    target, draft = build("llama", seed=0), build("llama", seed=0)
+    mx.random.seed(1)
+    noisy = [(k, v + 0.01 * mx.random.normal(v.shape)) for k, v in tree_flatten(draft.parameters())]
+    draft.update(tree_unflatten(noisy))
+    mx.eval(draft.parameters())
+    return target, draft
+
+
+def spec_reference(target: Any, draft: Any, prompt: list[int], cuts: list[int], max_tokens: int) -> list[Any]:
+    """mlx_lm's own speculative decoding with the same split: both caches read up to each cut in the
+    prefill step's chunks, then mlx_lm.speculative_generate_step reads the rest and decodes."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    g = importlib.import_module("mlx_lm.generate")
+    ids, step = mx.array(prompt), SPEC_KW["prefill_step_size"]
+    tc, dc = make_prompt_cache(target), make_prompt_cache(draft)
+    pos = 0
+    for c in cuts:
+        for m, cache in ((draft, dc), (target, tc)):
+            for s in range(pos, c, step):
+                m(ids[s:min(s + step, c)][None], cache=cache)
+                mx.eval([x.state for x in cache])
+        pos = c
+    return list(g.speculative_generate_step(ids[pos:], target, draft, prompt_cache=tc + dc, max_tokens=max_tokens,
+                                            **SPEC_KW))

@@ -7,6 +7,12 @@ the window growing and rotated, qwen3_next's gated DeltaNet hybrid, falcon_h1's 
 CacheLists). Process 2, a restart, answers B (restores the shared system prompt), A again (restores
 A's prompt but its last token) and A's next turn (restores all of A). Every token and every
 log-probability equals mlx_lm's own uncached run with the same split, computed here.
+
+Speculative decoding likewise: process 1 answers A with a draft model (the draft's cache stored as
+the snapshots' draft component) and B without it; process 2 answers A again (target and draft
+restored), B with the draft (the target restored from a snapshot without the draft component, the
+draft read from token 0) and A's next turn, each equal to mlx_lm's speculative_generate_step with
+the same split (tokens, from-draft flags, log-probabilities).
 """
 
 from __future__ import annotations
@@ -72,3 +78,22 @@ def test_a_restart_restores_and_equals_mlx_lm_with_the_same_split(runs: dict[str
         assert restored == _expected_restore(case, name), (case, name, st)
     st = runs["stats"][f"{case}.a2"]
     assert st["hits"] == 3 and st["restore_fallbacks"] == 0 and st["abandoned"] == 0 and st["bypassed"] == 0
+
+
+def test_a_restart_restores_the_draft_cache_and_equals_mlx_lm_speculative_decoding(runs: dict[str, Any]) -> None:
+    target, draft = mlx_models.draft_pair()
+    restored = {}
+    for name, prompt, prefix, speculative in [*mlx_models.SPEC_CALLS_1, *mlx_models.SPEC_CALLS_2]:
+        if not speculative:
+            continue
+        ref = mlx_models.spec_reference(target, draft, prompt, mlx_models.split(prompt, prefix, []), 8)
+        assert runs[f"draft.{name}.tokens"].tolist() == [[int(t), int(f)] for t, _, f in ref], name
+        assert np.stack([np.array(lp) for _, lp, _ in ref]).tobytes() == runs[f"draft.{name}.logprobs"].tobytes()
+        restored[name] = runs["stats"][f"draft.{name}"]["restored_tokens"]
+    comp = runs["stats"]["draft.components.a"]
+    assert len(comp) == 1 and comp[0].startswith("draft-") and runs["stats"]["draft.components.b"] == []
+    assert any(f for _, f in runs["draft.a.tokens"].tolist()) and not all(f for _, f in runs["draft.a.tokens"].tolist())
+    a = len(mlx_models.PROMPT_A)
+    # process 2: A again restores 36 (with the draft), B restores 32 (target only), A2 restores 36
+    assert (restored["a"], restored["a_again"], restored["b"] - restored["a_again"],
+            restored["a2"] - restored["b"]) == (0, a - 1, len(mlx_models.PROMPT_B) - 1, a - 1)
