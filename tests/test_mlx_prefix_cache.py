@@ -216,3 +216,18 @@ def test_the_mlx_integration_never_imports_torch() -> None:
     # the package's own import loads no torch (its torch names are loaded on first use)
     code = "import sys, snapstore.engine, snapstore.engine._prefix_policy; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_stream_generate_with_a_draft_model_equals_mlx_lm_speculative_decoding(tmp_path: Path) -> None:
+    target, draft = mlx_models.draft_pair()
+    tok = mlx_models.tokenizer()
+    want = [(r.token, r.from_draft, np.array(r.logprobs).tobytes(), r.text, r.finish_reason)
+            for r in G.stream_generate(target, tok, PROMPT, max_tokens=8, draft_model=draft, num_draft_tokens=3)]
+    assert any(w[1] for w in want) and not all(w[1] for w in want)  # drafts accepted and rejected
+    with PrefixCache(target, tmp_path, boundary=0) as pc:
+        for _ in range(2):  # a miss, then a hit restoring the target's and the draft's caches
+            got = [(r.token, r.from_draft, np.array(r.logprobs).tobytes(), r.text, r.finish_reason)
+                   for r in pc.stream_generate(tok, PROMPT, max_tokens=8, draft_model=draft, num_draft_tokens=3)]
+            assert got == want
+        st = pc.stats()
+        assert (st.hits, st.committed, st.bypassed) == (1, 1, 0) and st.restored_tokens == len(PROMPT) - 1
