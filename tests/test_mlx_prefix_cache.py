@@ -224,10 +224,24 @@ def test_stream_generate_with_a_draft_model_equals_mlx_lm_speculative_decoding(t
     want = [(r.token, r.from_draft, np.array(r.logprobs).tobytes(), r.text, r.finish_reason)
             for r in G.stream_generate(target, tok, PROMPT, max_tokens=8, draft_model=draft, num_draft_tokens=3)]
     assert any(w[1] for w in want) and not all(w[1] for w in want)  # drafts accepted and rejected
+    reads: list[int] = []  # tokens per draft forward
+
+    class Counting:  # the draft model, counting what it reads
+        def __getattr__(self, name: str) -> Any:
+            return getattr(draft, name)
+
+        def __call__(self, x: mx.array, **kw: Any) -> Any:
+            reads.append(int(x.shape[1]))
+            return draft(x, **kw)
+
+    counting = Counting()
     with PrefixCache(target, tmp_path, boundary=0) as pc:
-        for _ in range(2):  # a miss, then a hit restoring the target's and the draft's caches
+        for i in range(2):  # a miss, then a hit restoring the target's and the draft's caches
+            reads.clear()
             got = [(r.token, r.from_draft, np.array(r.logprobs).tobytes(), r.text, r.finish_reason)
-                   for r in pc.stream_generate(tok, PROMPT, max_tokens=8, draft_model=draft, num_draft_tokens=3)]
+                   for r in pc.stream_generate(tok, PROMPT, max_tokens=8, draft_model=counting, num_draft_tokens=3)]
             assert got == want
+            # the miss reads the prompt's first 36 tokens into the draft; the hit only decodes (1-2 tokens a step)
+            assert max(reads) == (len(PROMPT) - 1 if i == 0 else 2)
         st = pc.stats()
         assert (st.hits, st.committed, st.bypassed) == (1, 1, 0) and st.restored_tokens == len(PROMPT) - 1
