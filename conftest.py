@@ -27,6 +27,8 @@ SLOW_MODULES = frozenset({
     "test_llamacpp_passthrough.py", "test_llamacpp_load.py", "test_vllm_connector.py",
     # model runtimes: transformers models built at test time
     "test_engine_hf.py", "test_engine_hf_device.py", "test_prefix_cache.py", "test_prefix_cache_keys.py",
+    # mlx_lm models built at test time, in two processes (a restart)
+    "test_mlx_restart.py",
     # many processes: the CLI as a subprocess per command, owners in other PID/UTS namespaces,
     # repair beside a resaving process, the GPU benchmark's child
     "test_cli.py", "test_owners.py", "test_repair.py", "test_bench_gpu.py",

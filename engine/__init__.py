@@ -2,19 +2,23 @@
 
 ``TorchAdapter`` saves and restores named tensors of any layout (token axis anywhere, strided
 views, bf16/fp8) on CPU or CUDA; ``snapstore.engine.hf`` integrates Hugging Face transformers
-caches. See docs/engine.md. The core package never imports torch; this package does.
+caches; ``snapstore.engine.mlx`` integrates mlx_lm (no torch). See docs/engine.md. The core package
+never imports torch. This package's torch names are loaded on first use (PEP 562), so that
+``import snapstore.engine.mlx`` does not import torch; without torch, using one of them raises
+:class:`TorchMissingError` saying what to install.
 """
 
 from __future__ import annotations
 
-from . import _deps  # noqa: F401  (first: without torch, an error that says what to install)
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# isort: split
-from ._adapter import TorchAdapter, layout_of, part_sink, part_source
-from ._dtypes import canonical, dtype_name, fixed_spec, rows_spec, torch_dtype
-from ._paged import TorchPagedRows
-from ._staging import DEFAULT_STAGING_BYTES, Staging
-from ._tensor_io import TensorSink, TensorSource
+if TYPE_CHECKING:
+    from ._adapter import TorchAdapter, layout_of, part_sink, part_source
+    from ._dtypes import canonical, dtype_name, fixed_spec, rows_spec, torch_dtype
+    from ._paged import TorchPagedRows
+    from ._staging import DEFAULT_STAGING_BYTES, Staging
+    from ._tensor_io import TensorSink, TensorSource
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
@@ -32,3 +36,25 @@ __all__ = [
     "rows_spec",
     "torch_dtype",
 ]
+
+_WHERE = {
+    "TorchAdapter": "_adapter", "layout_of": "_adapter", "part_sink": "_adapter", "part_source": "_adapter",
+    "canonical": "_dtypes", "dtype_name": "_dtypes", "fixed_spec": "_dtypes", "rows_spec": "_dtypes",
+    "torch_dtype": "_dtypes", "TorchPagedRows": "_paged", "DEFAULT_STAGING_BYTES": "_staging",
+    "Staging": "_staging", "TensorSink": "_tensor_io", "TensorSource": "_tensor_io",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The torch adapter's names, imported on first use (torch is checked first: ``_deps``)."""
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    importlib.import_module(f"{__name__}._deps")
+    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

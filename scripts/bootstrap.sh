@@ -12,6 +12,6 @@ stamp=.venv/.snapstore-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev,hf,llamacpp-test]"
+  .venv/bin/python -m pip install -q -e ".[dev,hf,llamacpp-test,mlx]"
   touch "$stamp"
 fi

@@ -266,11 +266,14 @@ def test_token_errors_name_the_token(store: ss.Store) -> None:
         assert "must be a sequence of non-negative ints" in str(e.value) and "shape ()" not in str(e.value)
 
 
-def test_import_engine_without_torch_says_what_to_install() -> None:
+@pytest.mark.parametrize("stmt", ["from snapstore.engine import TorchAdapter", "import snapstore.engine.hf"])
+def test_import_engine_without_torch_says_what_to_install(stmt: str) -> None:
+    # `import snapstore.engine` itself needs no torch (snapstore.engine.mlx lives under it); the torch
+    # adapter's names and the transformers integration say what to install
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import snapstore\n"
+            "import snapstore, snapstore.engine\n"
             "try:\n"
-            "    import snapstore.engine\n"
+            f"    {stmt}\n"
             "except ImportError as e:\n"
             "    assert isinstance(e, snapstore.SnapstoreError) and e.name == 'torch', type(e)\n"
             "    print(e)\n")

@@ -33,6 +33,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
+
+from .. import _deps  # noqa: F401  (before torch: without it, an error that says what to install)
+
+# isort: split
 import torch
 
 from snapstore import (

@@ -12,14 +12,14 @@ taken at a cut holds the bytes a later call computes for that piece (docs/engine
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex, TypeGuard, Union, cast
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, Union, cast
 
 import torch
 
 from snapstore import InvalidInputError
 
+from .._prefix_policy import CachePrefix, positions
 from .._types import TokenIds
 
 if TYPE_CHECKING:
@@ -37,9 +37,6 @@ __all__ = [
     "positions",
     "prefill",
 ]
-
-CachePrefix = Union[int, Iterable[int], None]
-"""Positions a call snapshots exactly at: one, several, or none."""
 
 Generated = Union["GenerateOutput", torch.LongTensor]
 """What ``model.generate`` returns: the ids, or an output object (``return_dict_in_generate=True``)."""
@@ -100,32 +97,6 @@ _WHY_FIELD = {
 
 class BatchNotSupportedError(InvalidInputError, NotImplementedError):
     """PrefixCache serves one sequence per call (batch size 1, one beam, one return sequence)."""
-
-
-def positions(cache_prefix: CachePrefix) -> list[int]:
-    """cache_prefix as a list of positive ints (None, an int, or an iterable of ints)."""
-    if cache_prefix is None:
-        return []
-    vals: object = [cache_prefix] if _is_int(cache_prefix) else cache_prefix
-    if isinstance(vals, (str, bytes)) or not isinstance(vals, Iterable):
-        raise InvalidInputError(f"cache_prefix must be an int or a list of ints, got {cache_prefix!r}")
-    out = []
-    for v in vals:
-        if not _is_int(v) or operator.index(v) < 1:
-            raise InvalidInputError(f"cache_prefix positions must be ints >= 1, got {v!r}")
-        out.append(operator.index(v))
-    return out
-
-
-def _is_int(v: object) -> TypeGuard[SupportsIndex]:
-    """An integer (numpy and 0-d integer tensors too), not a bool."""
-    if isinstance(v, bool):
-        return False
-    try:
-        operator.index(v)  # type: ignore[arg-type]  # the probe: anything without __index__ raises
-    except TypeError:
-        return False
-    return True
 
 
 def check_call(model: PreTrainedModel, device: torch.device, input_ids: TokenIds,

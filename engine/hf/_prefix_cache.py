@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,29 +31,27 @@ from snapstore import (
     Budget,
     ConfigError,
     InvalidInputError,
-    Layout,
     Match,
     NotFoundError,
     RestoreError,
     SaveResult,
     StateError,
-    Stats,
     StoreIOError,
 )
 
+from .._prefix_policy import COUNTERS, CachePrefix, PrefixCacheStats, check_boundary, default_boundary
+from .._prefix_policy import cuts as _cuts
 from .._types import TokenIds
 from . import _cache
 from ._capture import Captures
 from ._generate import (
     BatchNotSupportedError,
-    CachePrefix,
     Generated,
     PromptEnd,
     _generator,
     bypass_reason,
     check_call,
     generate_rest,
-    positions,
     prefill,
 )
 from ._watch import Look
@@ -68,46 +65,7 @@ __all__ = ["BatchNotSupportedError", "PrefixCache", "PrefixCacheStats", "default
 
 log = logging.getLogger("snapstore.engine.prefix_cache")
 
-DEFAULT_BOUNDARY = 8192  # the boundary hybrid engines in the field snapshot at
-SEGMENT_BYTES = 2 << 30  # a default boundary segment holds at most this many bytes of rows
-MIN_BOUNDARY = 512
 RESUME = ("cut", "longest")
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    """What a PrefixCache did since it was opened (per call, not per store lookup), plus the store's Stats."""
-
-    calls: int
-    hits: int
-    misses: int
-    prompt_tokens: int
-    restored_tokens: int
-    prefilled_tokens: int
-    captures: int
-    committed: int
-    abandoned: int
-    skipped: int
-    restore_fallbacks: int
-    restore_seconds: float
-    bypassed: int
-    identity_changes: int
-    store: Stats
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON."""
-        return asdict(self)
-
-
-def default_boundary(layout: Layout) -> int:
-    """8192 tokens, halved (down to 512) while one boundary segment's rows would exceed 2 GiB.
-
-    A boundary snapshot stores the segment's K/V rows plus the fixed state; bigger per-token
-    state means a shorter segment, so a resume never re-reads more than ~2 GiB worth of rows.
-    """
-    b = DEFAULT_BOUNDARY
-    bpt = int(layout.bytes_per_token)
-    while b > MIN_BOUNDARY and b * bpt > SEGMENT_BYTES:
-        b //= 2
-    return b
 
 
 class PrefixCache:
@@ -121,7 +79,7 @@ class PrefixCache:
     (more reuse; the output then equals ``uncached_generate`` with that position added to
     ``cache_prefix``). pack: the checkpoint's hash for the identity (default: SHA-256 of the
     weights; after a weight change is seen, the SHA-256 of the weights as they are then).
-    store_options go to :func:`snapstore.engine._cache.open_store` (drop_stale, chunk_bytes, codec,
+    store_options go to :func:`snapstore.engine.hf.open_store` (drop_stale, chunk_bytes, codec,
     staging_bytes, check_rows, staging, extra). One ``generate`` at a time per instance.
     ``store`` and ``adapter`` are replaced when the identity changes.
     """
@@ -129,8 +87,7 @@ class PrefixCache:
     def __init__(self, model: PreTrainedModel, path: str | os.PathLike[str] | None = None, *,
                  boundary: int | None = None, budget: Budget | None = None, resume: str = "cut",
                  pack: str | None = None, **store_options: Any):
-        if boundary is not None and (isinstance(boundary, bool) or not isinstance(boundary, int) or boundary < 0):
-            raise ConfigError(f"boundary must be None, 0 (off) or a positive number of tokens, got {boundary!r}")
+        check_boundary(boundary)
         if resume not in RESUME:
             raise ConfigError(f"resume must be one of {RESUME}, got {resume!r}")
         if "batch" in store_options:
@@ -149,10 +106,7 @@ class PrefixCache:
         self.boundary = default_boundary(self.store.layout) if boundary is None else boundary
         self.resume = resume
         self._lock = threading.Lock()
-        self._n: dict[str, float] = dict.fromkeys(
-            ("calls", "hits", "misses", "prompt_tokens", "restored_tokens", "prefilled_tokens", "captures",
-             "committed", "abandoned", "skipped", "restore_fallbacks", "restore_seconds", "bypassed",
-             "identity_changes"), 0)
+        self._n: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._told: set[str] = set()
         self._closed = False
 
@@ -163,10 +117,7 @@ class PrefixCache:
         Every multiple of ``boundary`` and every ``cache_prefix`` position below the prompt's end.
         The prompt is read in the pieces between cuts, the last piece by ``model.generate`` itself.
         """
-        cuts = {p for p in positions(cache_prefix) if p < n_tokens}
-        if self.boundary:
-            cuts.update(range(self.boundary, n_tokens, self.boundary))
-        return sorted(cuts)
+        return _cuts(n_tokens, self.boundary, cache_prefix)
 
     # -- generate -------------------------------------------------------------------------------
     def generate(self, input_ids: TokenIds, *, cache_prefix: CachePrefix = None, session: str | None = None,
