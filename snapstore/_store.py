@@ -56,6 +56,7 @@ from snapstore.remote.uploader import FlushResult, flush_all
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.read import details_of, plan_of, planned_destination, stream_checked, wanted_components
 from snapstore.save.asynchronous import AsyncSaver, SaveHandle, copy_budget
+from snapstore.save.chain import parent_after
 from snapstore.save.chunker import Chunker
 from snapstore.save.run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
 from snapstore.save.run import SaveRun, skipped
@@ -199,21 +200,21 @@ class Store(StoreReports):
     # -- save --------------------------------------------------------------------------------
     @overload
     def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
-             session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+             session: str | None = None, parent: SnapshotRef | SaveHandle | str | None = "auto", commit: bool = True,
              namespace: str | None = None, wait: Literal[True] = True) -> SaveResult: ...
 
     @overload
     def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
-             session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+             session: str | None = None, parent: SnapshotRef | SaveHandle | str | None = "auto", commit: bool = True,
              namespace: str | None = None, wait: Literal[False]) -> SaveHandle: ...
 
     @overload
     def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
-             session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+             session: str | None = None, parent: SnapshotRef | SaveHandle | str | None = "auto", commit: bool = True,
              namespace: str | None = None, wait: bool) -> SaveResult | SaveHandle: ...
 
     def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
-             session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+             session: str | None = None, parent: SnapshotRef | SaveHandle | str | None = "auto", commit: bool = True,
              namespace: str | None = None, wait: bool = True) -> SaveResult | SaveHandle:
         """Save the state after ``tokens``; a delta over ``parent`` ("auto", None or an id).
 
@@ -225,6 +226,8 @@ class Store(StoreReports):
             kw = {"session": session, "parent": parent, "commit": commit, "namespace": namespace}
             with self._gate.call():
                 return self._saver.submit(self, self._save, self.layout, tokens, parts, rows, kw)
+        if isinstance(parent, SaveHandle):
+            parent = parent_after(parent)  # waits for it: the rule of snapstore.save.chain
         return self._save(tokens, parts, rows, session=session, parent=parent, commit=commit, namespace=namespace)
 
     @operation

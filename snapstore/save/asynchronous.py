@@ -29,6 +29,7 @@ handle had not completed: a completed handle's snapshot is as durable as a ``wai
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import threading
 import traceback
@@ -41,15 +42,18 @@ from typing import Any
 import numpy as np
 
 from snapstore._config import MIB, env_int
-from snapstore._errors import ConfigError, StateError
+from snapstore._errors import ConfigError, InvalidInputError, StateError
 from snapstore._forks import track
 from snapstore._layout import Fixed, Layout
 from snapstore._refs import snapshot_id
 from snapstore._results import SaveResult
 from snapstore._tokens import as_token_array
+from snapstore.save.chain import parent_after
 from snapstore.save.stages import validate_parts
 
 __all__ = ["AsyncSaver", "SaveHandle", "copy_budget"]
+
+log = logging.getLogger("snapstore")
 
 DEFAULT_ASYNC_COPY_MIB = 1024
 
@@ -68,10 +72,14 @@ class SaveHandle:
     """A save queued with ``wait=False``: ``result()`` waits for it and returns its SaveResult (or
     raises its error); ``done()`` says whether it finished. ``copied_bytes``: what the call copied."""
 
-    def __init__(self, copied_bytes: int, future: Future[SaveResult] | None = None):
+    def __init__(self, copied_bytes: int, future: Future[SaveResult] | None = None, *,
+                 saver: AsyncSaver | None = None, tokens: np.ndarray | None = None,
+                 rows: Mapping[str, int] | None = None, namespace: str | None = None):
         self.copied_bytes = copied_bytes
         self._future: Future[SaveResult] = future if future is not None else Future()
         self._forked = False
+        # what a child queued over this handle (parent=handle) needs of it before it runs
+        self._saver, self._tokens, self._rows, self._namespace = saver, tokens, dict(rows or {}), namespace
         track(self)
 
     def _after_fork_in_child(self) -> None:
@@ -94,6 +102,23 @@ class SaveHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (None when it succeeded), waiting like :meth:`result`."""
         return self._settled().exception(timeout)
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
+        """Call ``fn(handle)`` once, when the save completes or fails (at once, here, if it already has).
+
+        It runs on the store's writer thread: keep it short (release the engine's blocks, wake a
+        scheduler) and never wait in it for a save (``flush()``, ``close()``, a later handle's
+        ``result()``). An exception from ``fn`` is logged (logger ``snapstore``), never raised into
+        the writer thread, and the save's own outcome is unchanged."""
+        future = self._settled()
+
+        def call(_: Future[SaveResult]) -> None:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("a SaveHandle done-callback %r raised; the save's outcome is unchanged", fn)
+
+        future.add_done_callback(call)
 
     def __repr__(self) -> str:
         state = "forked copy" if self._forked else "done" if self.done() else "in flight"
@@ -131,7 +156,11 @@ class AsyncSaver:
         if len(arr) == 0:
             save(arr, parts, rows, **kwargs)  # raises the same InvalidInputError a sync save does
         parent = kwargs.get("parent")
-        if parent is not None and not isinstance(parent, str):
+        if isinstance(parent, SaveHandle):
+            if parent._saver is not self:
+                raise InvalidInputError("parent=<SaveHandle> must be a handle of a save(wait=False) of this store")
+            save = functools.partial(_over, save, parent)  # its outcome decides the parent (save.chain)
+        elif parent is not None and not isinstance(parent, str):
             kwargs = {**kwargs, "parent": snapshot_id(parent)}  # an int, checked now
         sources, row_counts = validate_parts(layout, parts, rows, len(arr))
         need = sum(src.nbytes for name, src in sources.items()
@@ -141,7 +170,7 @@ class AsyncSaver:
             self.flush()
             done: Future[SaveResult] = Future()
             _settle(done, functools.partial(save, arr, parts, rows, **kwargs))
-            return SaveHandle(0, done)
+            return SaveHandle(0, done, saver=self, tokens=arr, rows=row_counts, namespace=kwargs.get("namespace"))
         self._reserve(need)
         try:
             private: dict[str, Any] = {}
@@ -172,7 +201,7 @@ class AsyncSaver:
                 # the thread holds the store only through queued jobs: once it is dropped, stop the thread
                 weakref.finalize(owner, self._stop).atexit = False
             self._cv.notify_all()
-        return SaveHandle(need, future)
+        return SaveHandle(need, future, saver=self, tokens=arr, rows=frozen, namespace=kwargs.get("namespace"))
 
     def _reserve(self, n: int) -> None:
         with self._cv:
@@ -231,6 +260,11 @@ class AsyncSaver:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+
+
+def _over(save: Callable[..., SaveResult], handle: SaveHandle, /, *args: Any, **kwargs: Any) -> SaveResult:
+    """Run ``save`` over the outcome of the save ``handle`` (done by now: it was queued first)."""
+    return save(*args, **{**kwargs, "parent": parent_after(handle)})
 
 
 def _settle(future: Future[SaveResult], fn: Callable[[], SaveResult]) -> None:
