@@ -225,7 +225,9 @@ class Store(StoreReports):
         if not wait:
             kw = {"session": session, "parent": parent, "commit": commit, "namespace": namespace}
             with self._gate.call():
-                return self._saver.submit(self, self._save, self.layout, tokens, parts, rows, kw)
+                assert self._run is not None
+                return self._saver.submit(self, self._save, self.layout, tokens, parts, rows, kw,
+                                          self._run.parent_rows_now)
         if isinstance(parent, SaveHandle):
             parent = parent_after(parent)  # waits for it: the rule of snapstore.save.chain
         return self._save(tokens, parts, rows, session=session, parent=parent, commit=commit, namespace=namespace)

@@ -44,11 +44,12 @@ import numpy as np
 from snapstore._config import MIB, env_int
 from snapstore._errors import ConfigError, InvalidInputError, StateError
 from snapstore._forks import track
-from snapstore._layout import Fixed, Layout
+from snapstore._layout import Layout
 from snapstore._refs import snapshot_id
 from snapstore._results import SaveResult
 from snapstore._tokens import as_token_array
 from snapstore.save.chain import parent_after
+from snapstore.save.delta import copy_spans, take
 from snapstore.save.stages import validate_parts
 
 __all__ = ["AsyncSaver", "SaveHandle", "copy_budget"]
@@ -147,11 +148,15 @@ class AsyncSaver:
 
     # -- the calling thread ----------------------------------------------------------------------
     def submit(self, owner: object, save: Callable[..., SaveResult], layout: Layout, tokens: Any,
-               parts: Mapping[str, Any], rows: Any, kwargs: dict[str, Any]) -> SaveHandle:
+               parts: Mapping[str, Any], rows: Any, kwargs: dict[str, Any],
+               parent_rows: Callable[[Any, np.ndarray, str | None, dict[str, int]], dict[str, int]] | None = None,
+               ) -> SaveHandle:
         """Check, copy what may change, queue; returns the handle (see the module docstring).
 
         ``save`` runs one synchronous save of ``owner`` (the Store: ``Store._save``) on ``layout``;
-        once ``owner`` is collected, the writer thread stops."""
+        once ``owner`` is collected, the writer thread stops. ``parent_rows(parent, tokens,
+        namespace, rows)``: the rows per stream the parent holds now (a catalog read), so only
+        the rows above it are copied (:mod:`snapstore.save.delta`)."""
         arr = np.array(as_token_array(tokens), dtype="<u8")  # always a copy: the writer reads it later
         if len(arr) == 0:
             save(arr, parts, rows, **kwargs)  # raises the same InvalidInputError a sync save does
@@ -163,8 +168,14 @@ class AsyncSaver:
         elif parent is not None and not isinstance(parent, str):
             kwargs = {**kwargs, "parent": snapshot_id(parent)}  # an int, checked now
         sources, row_counts = validate_parts(layout, parts, rows, len(arr))
-        need = sum(src.nbytes for name, src in sources.items()
-                   if isinstance(layout.parts[name], Fixed) or not src.zero_copy)
+        floors: dict[str, int] = {}
+        if any(name in row_counts and not src.zero_copy for name, src in sources.items()):
+            if isinstance(parent, SaveHandle):
+                floors = parent._rows
+            elif parent is not None and parent_rows is not None:
+                floors = parent_rows(kwargs["parent"], arr, kwargs.get("namespace"), row_counts)
+        spans = copy_spans(layout, sources, floors)
+        need = sum(end - start for start, end in spans.values())
         if need > self.budget:
             # larger than the whole budget: after the queue, on this thread (the engine waits)
             self.flush()
@@ -173,14 +184,11 @@ class AsyncSaver:
             return SaveHandle(0, done, saver=self, tokens=arr, rows=row_counts, namespace=kwargs.get("namespace"))
         self._reserve(need)
         try:
-            private: dict[str, Any] = {}
-            for name, src in sources.items():
-                if isinstance(layout.parts[name], Fixed) or not src.zero_copy:
-                    buf = np.empty(src.nbytes, dtype=np.uint8)
-                    src.copy_into(0, buf.data)  # a device tensor: its device->host copy, before return
-                    private[name] = buf
-                else:
-                    private[name] = src.mv  # rows read in place (invariant 2)
+            # copied now: the fixed parts, and of other sources the rows above the parent's
+            # (a device tensor: its device->host copy); host row streams are read in place later
+            # (invariant 2)
+            private = {name: take(layout, name, src, spans[name]) if name in spans else src.mv
+                       for name, src in sources.items()}
         except BaseException:
             self._release(need)
             raise

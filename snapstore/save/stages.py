@@ -32,6 +32,7 @@ from snapstore.plan.fit import saved_layout_key
 from snapstore.plan.prefix import content_tag, granularity, granularity_fits, record_prefixes
 from snapstore.plan.restore_plan import needs_quarantined
 from snapstore.save.chunker import Chunker, ChunkRef, Piece
+from snapstore.save.delta import RowsAbove
 
 __all__ = ["MAX_ATTEMPTS", "WHOLE_AFTER", "SavePlan", "Saver", "Skip", "count_of",
            "validate_parts"]
@@ -186,8 +187,9 @@ class Saver:
         """check_rows: do the caller's rows below the parent boundary equal the parent chain's?"""
         for link in t.chain(parent.id):
             for part in t.parts(link.id):
-                if part.kind != PartKind.ROWS or part.name not in prows:
-                    continue
+                if part.kind != PartKind.ROWS or part.name not in prows or \
+                        isinstance(sources[part.name].reader, RowsAbove):
+                    continue  # a wait=False save's delta copy holds no rows below the parent (save.delta)
                 off = part.row_start * self.layout.rows[part.name].row_bytes
                 src = sources[part.name]
                 for ch in t.part_chunks(link.id, part.name):
