@@ -78,9 +78,12 @@ def validate_parts(layout: Layout, parts: Mapping[str, Any], rows: Any, n: int
     if rows is None:
         row_counts = {name: full for name in parts if isinstance(specs[name], Rows)}
     elif isinstance(rows, Mapping):
-        extra = sorted(set(rows) - {k for k in parts if isinstance(specs[k], Rows)})
+        # a stream of a component this call leaves out may be named (an engine passes one rows
+        # mapping whether or not it saves the draft component): it is not saved, so not counted
+        extra = sorted(set(rows) - set(layout.rows))
         if extra:
-            raise LayoutError(f"rows given for parts that are not saved row streams: {extra}")
+            raise LayoutError(f"rows given for parts that are not row streams of the layout: {extra}; its row "
+                              f"streams are {sorted(layout.rows)}")
         row_counts = {name: count_of(rows.get(name, full), f"rows[{name!r}]") for name in parts
                       if isinstance(specs[name], Rows)}
     elif isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
