@@ -7,13 +7,15 @@ arguments, takes what may change under it, and queues the save for one writer th
 - row streams in a host buffer are read in place later: rows below a boundary never change after
   it (invariant 2). The engine must not overwrite rows ``[0, n)`` it handed over until the handle
   is done (e.g. before reusing the slot for another sequence, call ``handle.result()``);
-- fixed parts (overwritten in place by the next decode step), and every source that is not a
-  host buffer (a device tensor's reader, a strided array), are copied before the call returns,
-  under a bounded budget (``async_copy_bytes`` / ``SNAPSTORE_ASYNC_COPY_MIB``, default 1024 MiB).
+- fixed parts (overwritten in place by the next decode step), and of every source that is not
+  a host buffer (a paged pool, a device tensor's reader, a strided array) the rows above the
+  parent's (:mod:`snapstore.save.delta`), are copied before the call returns, under a bounded budget (``async_copy_bytes`` / ``SNAPSTORE_ASYNC_COPY_MIB``, default 1024 MiB).
   When the budget is full the call waits for earlier saves to finish rather than exceed it; a save
   whose copies alone exceed the whole budget waits for the queue to empty and runs synchronously;
 - the tokens (small), the row counts and the parent's id are taken at the call: nothing else of
-  the caller's is read later (an engine reuses its token array for the next request at once).
+  the caller's is read later (an engine reuses its token array for the next request at once);
+- ``parent=<SaveHandle>`` queues the save behind that one (:mod:`snapstore.save.chain`), and
+  ``SaveHandle.add_done_callback`` tells the engine when a save is done, without polling.
 
 The writer thread holds a Store only while it has a save of it to run: a Store dropped unclosed
 is collected (its owner lock freed) once its queue is empty, and its writer thread then ends. A
