@@ -9,7 +9,8 @@ arguments, takes what may change under it, and queues the save for one writer th
   is done (e.g. before reusing the slot for another sequence, call ``handle.result()``);
 - fixed parts (overwritten in place by the next decode step), and of every source that is not
   a host buffer (a paged pool, a device tensor's reader, a strided array) the rows above the
-  parent's (:mod:`snapstore.save.delta`), are copied before the call returns, under a bounded budget (``async_copy_bytes`` / ``SNAPSTORE_ASYNC_COPY_MIB``, default 1024 MiB).
+  parent's (:mod:`snapstore.save.delta`), are copied before the call returns, under a bounded
+  budget (``async_copy_bytes`` / ``SNAPSTORE_ASYNC_COPY_MIB``, default 1024 MiB).
   When the budget is full the call waits for earlier saves to finish rather than exceed it; a save
   whose copies alone exceed the whole budget waits for the queue to empty and runs synchronously;
 - the tokens (small), the row counts and the parent's id are taken at the call: nothing else of
