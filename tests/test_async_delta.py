@@ -65,7 +65,7 @@ def restored(s: ss.Store, ref: Any, n: int) -> bool:
     return s.restore(ref, out).n_tokens == n and all(out[k].tobytes() == host(n)[k].tobytes() for k in out)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n0=st.integers(1, N - 1), extra=st.integers(1, 120), mode=st.sampled_from(["auto", "id", "handle"]))
 def test_async_save_copies_only_the_rows_above_its_parent(tmp_path_factory: Any, n0: int, extra: int,
                                                           mode: str) -> None:

@@ -105,6 +105,7 @@ def test_load_passes_a_wrong_allocation_back_and_an_allocate_error_through(
 
 
 # -- item 5: rows= may name streams of a left-out component ----------------------------------------------
+@settings(max_examples=8, deadline=None)
 @given(k=st.integers(0, 100), d=st.integers(0, 100))
 def test_rows_may_name_a_stream_of_a_component_left_out(tmp_path_factory: Any, k: int, d: int) -> None:
     with open_store(tmp_path_factory.mktemp("rows")) as s:

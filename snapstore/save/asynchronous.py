@@ -77,13 +77,12 @@ class SaveHandle:
     raises its error); ``done()`` says whether it finished. ``copied_bytes``: what the call copied."""
 
     def __init__(self, copied_bytes: int, future: Future[SaveResult] | None = None, *,
-                 saver: AsyncSaver | None = None, tokens: np.ndarray | None = None,
-                 rows: Mapping[str, int] | None = None, namespace: str | None = None):
+                 saver: AsyncSaver | None = None, rows: Mapping[str, int] | None = None):
         self.copied_bytes = copied_bytes
         self._future: Future[SaveResult] = future if future is not None else Future()
         self._forked = False
         # what a child queued over this handle (parent=handle) needs of it before it runs
-        self._saver, self._tokens, self._rows, self._namespace = saver, tokens, dict(rows or {}), namespace
+        self._saver, self._rows = saver, dict(rows or {})
         track(self)
 
     def _after_fork_in_child(self) -> None:
@@ -184,7 +183,7 @@ class AsyncSaver:
             self.flush()
             done: Future[SaveResult] = Future()
             _settle(done, functools.partial(save, arr, parts, rows, **kwargs))
-            return SaveHandle(0, done, saver=self, tokens=arr, rows=row_counts, namespace=kwargs.get("namespace"))
+            return SaveHandle(0, done, saver=self, rows=row_counts)
         self._reserve(need)
         try:
             # copied now: the fixed parts, and of other sources the rows above the parent's
@@ -212,7 +211,7 @@ class AsyncSaver:
                 # the thread holds the store only through queued jobs: once it is dropped, stop the thread
                 weakref.finalize(owner, self._stop).atexit = False
             self._cv.notify_all()
-        return SaveHandle(need, future, saver=self, tokens=arr, rows=frozen, namespace=kwargs.get("namespace"))
+        return SaveHandle(need, future, saver=self, rows=frozen)
 
     def _reserve(self, n: int) -> None:
         with self._cv:
