@@ -29,7 +29,16 @@ from snapstore._errors import (
 from snapstore._identity import Identity
 from snapstore._layout import DTYPE_NAMES, Fixed, Layout, Rows, dtype_size
 from snapstore._refs import SnapshotRef
-from snapstore._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult, SnapshotInfo, Stats
+from snapstore._results import (
+    DeleteResult,
+    LoadResult,
+    Match,
+    MatchDetails,
+    RestoreResult,
+    SaveResult,
+    SnapshotInfo,
+    Stats,
+)
 from snapstore._store import Store
 from snapstore._tokens import TokensLike
 from snapstore.calls.turn import Turn
@@ -62,6 +71,7 @@ __all__ = [
     "InvalidInputError",
     "Layout",
     "LayoutError",
+    "LoadResult",
     "Match",
     "MatchDetails",
     "NotFoundError",

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["DeleteResult", "Match", "MatchDetails", "RestoreResult", "SaveResult", "SnapshotInfo", "Stats"]
+__all__ = ["DeleteResult", "LoadResult", "Match", "MatchDetails", "RestoreResult", "SaveResult", "SnapshotInfo",
+           "Stats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,27 @@ class RestoreResult:
     chain: list[int]
     bytes_restored: int = 0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What ``Store.load`` did: the restore's figures (as a :class:`RestoreResult`), the match it
+    restored, the plan ``allocate`` was given and the destinations it returned, now filled."""
+
+    n_tokens: int
+    rows: dict[str, int]
+    missing_components: frozenset[str]
+    chain: list[int]
+    bytes_restored: int
+    seconds: float
+    match: Match
+    details: MatchDetails
+    into: Any  # the mapping allocate() returned (part name -> destination)
+
+    @property
+    def snapshot_id(self) -> int:
+        """The snapshot restored (a LoadResult names it wherever a snapshot reference is taken)."""
+        return self.match.snapshot_id
 
 
 @dataclass(frozen=True, slots=True)

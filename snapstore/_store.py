@@ -23,10 +23,11 @@ from snapstore._errors import ConfigError, StateError
 from snapstore._identity import Identity
 from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
-from snapstore._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult
+from snapstore._results import DeleteResult, LoadResult, Match, MatchDetails, RestoreResult, SaveResult
 from snapstore._tokens import TokensLike, as_token_array
 from snapstore.calls.batch import restore_batch
 from snapstore.calls.gate import CallGate, operation
+from snapstore.calls.load import load_prefix
 from snapstore.calls.reports import StoreReports
 from snapstore.calls.snapshot_ops import (
     abandon_capture,
@@ -56,6 +57,7 @@ from snapstore.remote.uploader import FlushResult, flush_all
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.read import details_of, plan_of, planned_destination, stream_checked, wanted_components
 from snapstore.save.asynchronous import AsyncSaver, SaveHandle, copy_budget
+from snapstore.save.chain import parent_after
 from snapstore.save.chunker import Chunker
 from snapstore.save.run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
 from snapstore.save.run import SaveRun, skipped
@@ -199,21 +201,21 @@ class Store(StoreReports):
     # -- save --------------------------------------------------------------------------------
     @overload
     def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
-             session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+             session: str | None = None, parent: SnapshotRef | SaveHandle | str | None = "auto", commit: bool = True,
              namespace: str | None = None, wait: Literal[True] = True) -> SaveResult: ...
 
     @overload
     def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
-             session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+             session: str | None = None, parent: SnapshotRef | SaveHandle | str | None = "auto", commit: bool = True,
              namespace: str | None = None, wait: Literal[False]) -> SaveHandle: ...
 
     @overload
     def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
-             session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+             session: str | None = None, parent: SnapshotRef | SaveHandle | str | None = "auto", commit: bool = True,
              namespace: str | None = None, wait: bool) -> SaveResult | SaveHandle: ...
 
     def save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
-             session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
+             session: str | None = None, parent: SnapshotRef | SaveHandle | str | None = "auto", commit: bool = True,
              namespace: str | None = None, wait: bool = True) -> SaveResult | SaveHandle:
         """Save the state after ``tokens``; a delta over ``parent`` ("auto", None or an id).
 
@@ -224,7 +226,10 @@ class Store(StoreReports):
         if not wait:
             kw = {"session": session, "parent": parent, "commit": commit, "namespace": namespace}
             with self._gate.call():
-                return self._saver.submit(self, self._save, self.layout, tokens, parts, rows, kw)
+                return self._saver.submit(self, self._save, self.layout, tokens, parts, rows, kw,
+                                          self._run.parent_rows_now if self._run else None)
+        if isinstance(parent, SaveHandle):
+            parent = parent_after(parent)  # waits for it: the rule of snapstore.save.chain
         return self._save(tokens, parts, rows, session=session, parent=parent, commit=commit, namespace=namespace)
 
     @operation
@@ -370,6 +375,14 @@ class Store(StoreReports):
             return details_of(c, snap, plan, ns, k)
 
         return self._repo.db.read(run)
+
+    def load(self, tokens: TokensLike, *, allocate: Callable[[MatchDetails], Mapping[str, Destination]],
+             release: Callable[[Mapping[str, Destination]], object] | None = None,
+             components: Iterable[str] | None = None, namespace: str | None = None,
+             exclude: Iterable[SnapshotRef] | None = (), session: str | None = None) -> LoadResult | None:
+        """Match, allocate(details), restore; None on a miss; an error: release, raise (calls/load.py)."""
+        return load_prefix(self, tokens, allocate, release, components=components, namespace=namespace,
+                           exclude=exclude, session=session)
 
     # -- batches and turns (logic in calls/batch.py and calls/turn.py) ---------------------------------
     @operation

@@ -134,22 +134,20 @@ def save(store: Any, eng: Any, slot: int, tokens: list[int]) -> Any:
 
 def restore(store: Any, eng: Any, slot: int, tokens: list[int]) -> int:
     """Restore the longest saved prefix of ``tokens`` into ``slot``; returns the tokens left to read."""
-    m, meta, dest = store.match(tokens), META.empty(), {}
-    if m is None:
-        return len(tokens)
+    meta = META.empty()
 
     def allocate(plan: Any) -> dict[str, Any]:  # plan, then write: exactly the blocks it needs
         eng.alloc(slot, plan.rows["attn.kv"])
-        dest.update(parts(eng, slot, meta))
-        return dest
-    try:
-        store.restore(m, into=allocate)
+        return parts(eng, slot, meta)
+    try:  # a miss: None; a failed restore gives the blocks back (release) and raises
+        got = store.load(tokens, allocate=allocate, release=lambda _dest: eng.free_slot(slot))
     except snapstore.RestoreError:
-        eng.free_slot(slot)  # blocks back to the pool; read the prompt from token 0
+        got = None  # read the prompt from token 0
+    if got is None:
         return len(tokens)
-    eng.state_in(slot, dest["ssm.state"])
+    eng.state_in(slot, got.into["ssm.state"])
     eng.pos[slot] = META.unpack(meta)["position"]
-    return len(tokens) - m.n_tokens
+    return len(tokens) - got.n_tokens
 # --- glue: end ---
 
 

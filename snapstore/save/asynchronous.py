@@ -7,13 +7,16 @@ arguments, takes what may change under it, and queues the save for one writer th
 - row streams in a host buffer are read in place later: rows below a boundary never change after
   it (invariant 2). The engine must not overwrite rows ``[0, n)`` it handed over until the handle
   is done (e.g. before reusing the slot for another sequence, call ``handle.result()``);
-- fixed parts (overwritten in place by the next decode step), and every source that is not a
-  host buffer (a device tensor's reader, a strided array), are copied before the call returns,
-  under a bounded budget (``async_copy_bytes`` / ``SNAPSTORE_ASYNC_COPY_MIB``, default 1024 MiB).
+- fixed parts (overwritten in place by the next decode step), and of every source that is not
+  a host buffer (a paged pool, a device tensor's reader, a strided array) the rows above the
+  parent's (:mod:`snapstore.save.delta`), are copied before the call returns, under a bounded
+  budget (``async_copy_bytes`` / ``SNAPSTORE_ASYNC_COPY_MIB``, default 1024 MiB).
   When the budget is full the call waits for earlier saves to finish rather than exceed it; a save
   whose copies alone exceed the whole budget waits for the queue to empty and runs synchronously;
 - the tokens (small), the row counts and the parent's id are taken at the call: nothing else of
-  the caller's is read later (an engine reuses its token array for the next request at once).
+  the caller's is read later (an engine reuses its token array for the next request at once);
+- ``parent=<SaveHandle>`` queues the save behind that one (:mod:`snapstore.save.chain`), and
+  ``SaveHandle.add_done_callback`` tells the engine when a save is done, without polling.
 
 The writer thread holds a Store only while it has a save of it to run: a Store dropped unclosed
 is collected (its owner lock freed) once its queue is empty, and its writer thread then ends. A
@@ -29,6 +32,7 @@ handle had not completed: a completed handle's snapshot is as durable as a ``wai
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import threading
 import traceback
@@ -41,15 +45,19 @@ from typing import Any
 import numpy as np
 
 from snapstore._config import MIB, env_int
-from snapstore._errors import ConfigError, StateError
+from snapstore._errors import ConfigError, InvalidInputError, StateError
 from snapstore._forks import track
-from snapstore._layout import Fixed, Layout
+from snapstore._layout import Layout
 from snapstore._refs import snapshot_id
 from snapstore._results import SaveResult
 from snapstore._tokens import as_token_array
+from snapstore.save.chain import parent_after
+from snapstore.save.delta import copy_spans, take
 from snapstore.save.stages import validate_parts
 
 __all__ = ["AsyncSaver", "SaveHandle", "copy_budget"]
+
+log = logging.getLogger("snapstore")
 
 DEFAULT_ASYNC_COPY_MIB = 1024
 
@@ -68,10 +76,13 @@ class SaveHandle:
     """A save queued with ``wait=False``: ``result()`` waits for it and returns its SaveResult (or
     raises its error); ``done()`` says whether it finished. ``copied_bytes``: what the call copied."""
 
-    def __init__(self, copied_bytes: int, future: Future[SaveResult] | None = None):
+    def __init__(self, copied_bytes: int, future: Future[SaveResult] | None = None, *,
+                 saver: AsyncSaver | None = None, rows: Mapping[str, int] | None = None):
         self.copied_bytes = copied_bytes
         self._future: Future[SaveResult] = future if future is not None else Future()
         self._forked = False
+        # what a child queued over this handle (parent=handle) needs of it before it runs
+        self._saver, self._rows = saver, dict(rows or {})
         track(self)
 
     def _after_fork_in_child(self) -> None:
@@ -94,6 +105,23 @@ class SaveHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (None when it succeeded), waiting like :meth:`result`."""
         return self._settled().exception(timeout)
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
+        """Call ``fn(handle)`` once, when the save completes or fails (at once, here, if it already has).
+
+        It runs on the store's writer thread: keep it short (release the engine's blocks, wake a
+        scheduler) and never wait in it for a save (``flush()``, ``close()``, a later handle's
+        ``result()``). An exception from ``fn`` is logged (logger ``snapstore``), never raised into
+        the writer thread, and the save's own outcome is unchanged."""
+        future = self._settled()
+
+        def call(_: Future[SaveResult]) -> None:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("a SaveHandle done-callback %r raised; the save's outcome is unchanged", fn)
+
+        future.add_done_callback(call)
 
     def __repr__(self) -> str:
         state = "forked copy" if self._forked else "done" if self.done() else "in flight"
@@ -122,36 +150,47 @@ class AsyncSaver:
 
     # -- the calling thread ----------------------------------------------------------------------
     def submit(self, owner: object, save: Callable[..., SaveResult], layout: Layout, tokens: Any,
-               parts: Mapping[str, Any], rows: Any, kwargs: dict[str, Any]) -> SaveHandle:
+               parts: Mapping[str, Any], rows: Any, kwargs: dict[str, Any],
+               parent_rows: Callable[[Any, np.ndarray, str | None, dict[str, int]], dict[str, int]] | None = None,
+               ) -> SaveHandle:
         """Check, copy what may change, queue; returns the handle (see the module docstring).
 
         ``save`` runs one synchronous save of ``owner`` (the Store: ``Store._save``) on ``layout``;
-        once ``owner`` is collected, the writer thread stops."""
+        once ``owner`` is collected, the writer thread stops. ``parent_rows(parent, tokens,
+        namespace, rows)``: the rows per stream the parent holds now (a catalog read), so only
+        the rows above it are copied (:mod:`snapstore.save.delta`)."""
         arr = np.array(as_token_array(tokens), dtype="<u8")  # always a copy: the writer reads it later
         if len(arr) == 0:
             save(arr, parts, rows, **kwargs)  # raises the same InvalidInputError a sync save does
         parent = kwargs.get("parent")
-        if parent is not None and not isinstance(parent, str):
+        if isinstance(parent, SaveHandle):
+            if parent._saver is not self:
+                raise InvalidInputError("parent=<SaveHandle> must be a handle of a save(wait=False) of this store")
+            save = functools.partial(_over, save, parent)  # its outcome decides the parent (save.chain)
+        elif parent is not None and not isinstance(parent, str):
             kwargs = {**kwargs, "parent": snapshot_id(parent)}  # an int, checked now
         sources, row_counts = validate_parts(layout, parts, rows, len(arr))
-        need = sum(src.nbytes for name, src in sources.items()
-                   if isinstance(layout.parts[name], Fixed) or not src.zero_copy)
+        floors: dict[str, int] = {}
+        if any(name in row_counts and not src.zero_copy for name, src in sources.items()):
+            if isinstance(parent, SaveHandle):
+                floors = parent._rows
+            elif parent is not None and parent_rows is not None:
+                floors = parent_rows(kwargs["parent"], arr, kwargs.get("namespace"), row_counts)
+        spans = copy_spans(layout, sources, floors)
+        need = sum(end - start for start, end in spans.values())
         if need > self.budget:
             # larger than the whole budget: after the queue, on this thread (the engine waits)
             self.flush()
             done: Future[SaveResult] = Future()
             _settle(done, functools.partial(save, arr, parts, rows, **kwargs))
-            return SaveHandle(0, done)
+            return SaveHandle(0, done, saver=self, rows=row_counts)
         self._reserve(need)
         try:
-            private: dict[str, Any] = {}
-            for name, src in sources.items():
-                if isinstance(layout.parts[name], Fixed) or not src.zero_copy:
-                    buf = np.empty(src.nbytes, dtype=np.uint8)
-                    src.copy_into(0, buf.data)  # a device tensor: its device->host copy, before return
-                    private[name] = buf
-                else:
-                    private[name] = src.mv  # rows read in place (invariant 2)
+            # copied now: the fixed parts, and of other sources the rows above the parent's
+            # (a device tensor: its device->host copy); host row streams are read in place later
+            # (invariant 2)
+            private = {name: take(layout, name, src, spans[name]) if name in spans else src.mv
+                       for name, src in sources.items()}
         except BaseException:
             self._release(need)
             raise
@@ -172,7 +211,7 @@ class AsyncSaver:
                 # the thread holds the store only through queued jobs: once it is dropped, stop the thread
                 weakref.finalize(owner, self._stop).atexit = False
             self._cv.notify_all()
-        return SaveHandle(need, future)
+        return SaveHandle(need, future, saver=self, rows=frozen)
 
     def _reserve(self, n: int) -> None:
         with self._cv:
@@ -231,6 +270,11 @@ class AsyncSaver:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+
+
+def _over(save: Callable[..., SaveResult], handle: SaveHandle, /, *args: Any, **kwargs: Any) -> SaveResult:
+    """Run ``save`` over the outcome of the save ``handle`` (done by now: it was queued first)."""
+    return save(*args, **{**kwargs, "parent": parent_after(handle)})
 
 
 def _settle(future: Future[SaveResult], fn: Callable[[], SaveResult]) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from snapstore._errors import InvalidInputError, NotFoundError, StateError
+from snapstore._errors import InvalidInputError, NotFoundError, SnapstoreError, StateError
 from snapstore._refs import namespace_key, session_key, snapshot_id
 from snapstore._results import SaveResult
 from snapstore._tokens import TokenIndex, as_token_array
@@ -22,6 +22,7 @@ from snapstore.lifecycle.access import Access, Retry
 from snapstore.lifecycle.capacity import Capacity
 from snapstore.parts.buffers import Source
 from snapstore.save.chunker import Chunker
+from snapstore.save.delta import RowsAbove
 from snapstore.save.stages import MAX_ATTEMPTS, WHOLE_AFTER, Saver, Skip, validate_parts
 
 __all__ = ["HOOKS", "SaveRun", "skipped"]
@@ -92,12 +93,28 @@ class SaveRun:
                                         "abandoned) during the save; save again with parent='auto'") from None
         raise StateError(f"save() lost a race with concurrent evictions {MAX_ATTEMPTS} times; try again")
 
+    def parent_rows_now(self, parent: Any, arr: np.ndarray, namespace: str | None,
+                        row_counts: dict[str, int]) -> dict[str, int]:
+        """The rows per stream of the parent a save over ``parent`` would have now (one catalog
+        read; {} when it has none or the save would fail: the save itself then says why)."""
+        try:
+            ns = namespace_key(namespace)
+            index = TokenIndex(arr)
+            _par, prows = self.db.read(lambda t: self.stages.resolve_parent(t, parent, index, ns, row_counts, False))
+        except SnapstoreError:
+            return {}
+        return prows
+
     def once(self, arr: np.ndarray, index: TokenIndex, sources: dict[str, Source], row_counts: dict[str, int],
              session: str | None, parent: Any, commit: bool, ns: str) -> SaveResult:
         """One attempt: parent, plan, capacity pre-check, publish, commit (Retry / Skip / saved)."""
         saver, db = self.stages, self.db
         n = len(arr)
         par, prows = db.read(lambda t: saver.resolve_parent(t, parent, index, ns, row_counts, commit))
+        floors = {name: src.reader.base_rows for name, src in sources.items() if isinstance(src.reader, RowsAbove)}
+        if any(prows.get(name, 0) < f for name, f in floors.items()):
+            # a wait=False save copied only the rows above the parent it predicted (save.delta)
+            return skipped(db, "parent_gone", par, 0, n, ns)
         vouched = par
         if vouched is not None and self.check_rows and not db.read(
                 lambda t: saver.rows_vouched(t, vouched, prows, sources)):

@@ -32,6 +32,7 @@ from snapstore.plan.fit import saved_layout_key
 from snapstore.plan.prefix import content_tag, granularity, granularity_fits, record_prefixes
 from snapstore.plan.restore_plan import needs_quarantined
 from snapstore.save.chunker import Chunker, ChunkRef, Piece
+from snapstore.save.delta import RowsAbove
 
 __all__ = ["MAX_ATTEMPTS", "WHOLE_AFTER", "SavePlan", "Saver", "Skip", "count_of",
            "validate_parts"]
@@ -77,9 +78,12 @@ def validate_parts(layout: Layout, parts: Mapping[str, Any], rows: Any, n: int
     if rows is None:
         row_counts = {name: full for name in parts if isinstance(specs[name], Rows)}
     elif isinstance(rows, Mapping):
-        extra = sorted(set(rows) - {k for k in parts if isinstance(specs[k], Rows)})
+        # a stream of a component this call leaves out may be named (an engine passes one rows
+        # mapping whether or not it saves the draft component): it is not saved, so not counted
+        extra = sorted(set(rows) - set(layout.rows))
         if extra:
-            raise LayoutError(f"rows given for parts that are not saved row streams: {extra}")
+            raise LayoutError(f"rows given for parts that are not row streams of the layout: {extra}; its row "
+                              f"streams are {sorted(layout.rows)}")
         row_counts = {name: count_of(rows.get(name, full), f"rows[{name!r}]") for name in parts
                       if isinstance(specs[name], Rows)}
     elif isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
@@ -186,8 +190,9 @@ class Saver:
         """check_rows: do the caller's rows below the parent boundary equal the parent chain's?"""
         for link in t.chain(parent.id):
             for part in t.parts(link.id):
-                if part.kind != PartKind.ROWS or part.name not in prows:
-                    continue
+                if part.kind != PartKind.ROWS or part.name not in prows or \
+                        isinstance(sources[part.name].reader, RowsAbove):
+                    continue  # a wait=False save's delta copy holds no rows below the parent (save.delta)
                 off = part.row_start * self.layout.rows[part.name].row_bytes
                 src = sources[part.name]
                 for ch in t.part_chunks(link.id, part.name):

@@ -1,0 +1,73 @@
+"""``Store.load``: a prefix in one call — match, size the destinations, restore — that leaves the
+engine clean on a miss or an error.
+
+Every engine wrote the same eight lines: match; on a hit, describe the snapshot, allocate
+blocks for its rows, restore into them; on an error, give the blocks back. The error half is
+the easy one to get wrong (blocks leaked on a corrupt chunk), so it lives here once:
+
+- a miss: ``None``, and ``allocate`` is never called;
+- a hit: ``allocate(details)`` gets the checked plan (:class:`snapstore.MatchDetails`: rows per
+  stream, bytes) and returns the destinations; the restore writes them;
+- an error after ``allocate`` returned: ``release(destinations)`` is called, then the error is
+  re-raised (a ``release`` that raises too is logged; the restore's error is the one raised).
+
+The allocation happens inside the restore's plan step (``restore(m, into=callable)``), so a
+shared-tier match and a local one go the same way and the plan is checked once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+from snapstore._refs import SnapshotRef
+from snapstore._results import LoadResult, Match, MatchDetails, RestoreResult
+from snapstore._tokens import TokensLike
+from snapstore.parts.buffers import Destination
+
+__all__ = ["LoadStore", "load_prefix"]
+
+log = logging.getLogger("snapstore")
+
+Allocate = Callable[[MatchDetails], Mapping[str, Destination]]
+Release = Callable[[Mapping[str, Destination]], object]
+
+
+class LoadStore(Protocol):
+    """The calls ``load`` makes on its Store (:class:`snapstore.Store` is one)."""
+
+    def match(self, tokens: TokensLike, *, namespace: str | None = None,
+              exclude: Iterable[SnapshotRef] | None = ()) -> Match | None: ...
+
+    def restore(self, m: SnapshotRef,
+                into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Destination]],
+                components: Iterable[str] | None = None, *, namespace: str | None = None,
+                rows_from: int = 0, session: str | None = None) -> RestoreResult: ...
+
+
+def load_prefix(store: LoadStore, tokens: TokensLike, allocate: Allocate, release: Release | None, *,
+                components: Iterable[str] | None, namespace: str | None,
+                exclude: Iterable[SnapshotRef] | None, session: str | None) -> LoadResult | None:
+    """Match ``tokens``; on a hit allocate and restore (see the module docstring)."""
+    m = store.match(tokens, namespace=namespace, exclude=exclude)
+    if m is None:
+        return None
+    got: dict[str, Any] = {}
+
+    def into(details: MatchDetails) -> Mapping[str, Destination]:
+        got["details"] = details
+        got["into"] = allocate(details)
+        return got["into"]  # type: ignore[no-any-return]
+
+    try:
+        res = store.restore(m, into, components, session=session)
+    except BaseException:
+        if "into" in got and release is not None:
+            try:
+                release(got["into"])
+            except Exception:
+                log.exception("load(): release() raised while giving back the destinations of a failed restore")
+        raise
+    return LoadResult(res.n_tokens, res.rows, res.missing_components, res.chain, res.bytes_restored, res.seconds,
+                      m, got["details"], got["into"])
