@@ -43,6 +43,7 @@ from snapstore.chunks.direct_io import DirectReads, direct_default, direct_reads
 from snapstore.chunks.repo import Repo
 from snapstore.chunks.staging import StagingBuffer
 from snapstore.lifecycle.access import Access
+from snapstore.lifecycle.admission import Admission, admission_of
 from snapstore.lifecycle.bookkeeping import Ledger, record_use, write_with
 from snapstore.lifecycle.capacity import Capacity
 from snapstore.lifecycle.liveness import reap_lock_files
@@ -96,6 +97,7 @@ class Store(StoreReports):
         self._lease_owner: Owner | None = None
         self._chunker: Chunker | None = None
         self._run: SaveRun | None = None  # the save stages, once the owner exists
+        self._admission = Admission()  # write admission (issue 32); set by open()
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -104,7 +106,8 @@ class Store(StoreReports):
              codec: str | None = None, staging_bytes: int | None = None,
              check_rows: bool | None = None, pending_lease: float | None = None, remote: str | None = None,
              remote_wait: bool | None = None, direct_io: bool | None = None,
-             async_copy_bytes: int | None = None, direct_reads: bool | None = None, read_only: bool = False) -> Store:
+             async_copy_bytes: int | None = None, direct_reads: bool | None = None, read_only: bool = False,
+             admit: str | None = None) -> Store:
         """Open (creating if needed) the store at ``path`` for ``identity``.
 
         path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove this model's
@@ -120,6 +123,8 @@ class Store(StoreReports):
         remote (``SNAPSTORE_REMOTE``): ``s3://BUCKET/PREFIX``, a shared tier behind this local one;
         remote_wait (``SNAPSTORE_REMOTE_WAIT=1``): save() waits for the bucket (docs/engine.md).
         read_only: read an existing store without writing a byte; every change raises StateError (docs/api.md).
+        admit (``SNAPSTORE_ADMIT``): "always" (the default) or "second_hit": a prefix is written the second
+        time it is seen within ``SNAPSTORE_ADMIT_WINDOW_S`` (3600 s); docs/api.md "Write admission".
         """
         if not isinstance(identity, Identity):
             raise ConfigError("Store.open needs identity=snapstore.Identity(...)")
@@ -128,12 +133,14 @@ class Store(StoreReports):
         budget = (budget or Budget()).resolved()
         options = store_options(path, chunk_bytes=chunk_bytes, codec=codec, staging_bytes=staging_bytes,
                                 check_rows=check_rows, pending_lease=pending_lease, codecs=CODECS)
+        admission = admission_of(admit, budget)  # issue 32: a bad mode is a ConfigError before anything is created
         direct = direct_default(direct_io)  # a bad value is a ConfigError before anything is created
         copy, rd = copy_budget(async_copy_bytes), direct_reads_default(direct_reads)
         if read_only and remote:
             raise ConfigError("a read_only store cannot have a shared tier (remote=): fetching writes the local store")
         repo = Repo.open(options.root, readonly=bool(read_only), create=not read_only)
         store = cls(repo, identity, layout, budget, options, direct_io=direct, async_copy_bytes=copy, direct_reads=rd)
+        store._admission = admission
         try:
             if not read_only:  # read-only: nothing to start (no owner, lease, housekeeping or writer threads)
                 store._start(drop_stale=drop_stale, remote=remote, remote_wait=remote_wait)
@@ -157,7 +164,7 @@ class Store(StoreReports):
                        blob_path=repo.blob_path, renew=self._lease_owner.renew, own=self._access.own)
         self._run = SaveRun(stages=stages, chunker=self._chunker, capacity=self._capacity, db=repo.db,
                             write=self._write, access=self._access, count=self._ledger.count,
-                            check_rows=self.check_rows)
+                            check_rows=self.check_rows, admission=self._admission)
         dead, dropped = self._write(lambda t: housekeep(  # dead owners' captures, stale identities, expired ones
             t, root=repo.root, lease=self.pending_lease, now=time.time(), identity_key=self.identity.key,
             drop_stale=drop_stale, ttl=self.budget.ttl))
