@@ -17,3 +17,19 @@ CREATE TABLE write_bucket (
     level REAL NOT NULL,
     at REAL NOT NULL
 );
+-- names (issue 32, part 3): Store.name(ref, name, ttl_s=) pins a committed snapshot (and so its
+-- chain) under a name, per identity and namespace. A named snapshot is never evicted, expired by
+-- the store's TTL or retired by supersede (it is detached from its session instead) while the
+-- name lives; expires: Unix seconds after which the name no longer protects it and is removed
+-- (NULL: never). Deleting the snapshot (Store.delete, a stale identity's drop) removes its names.
+CREATE TABLE names (
+    identity_id INTEGER NOT NULL REFERENCES identities(id) ON DELETE CASCADE,
+    namespace TEXT NOT NULL,
+    name TEXT NOT NULL,
+    snapshot_id INTEGER NOT NULL REFERENCES snapshots(id) ON DELETE CASCADE,
+    created REAL NOT NULL,
+    expires REAL,
+    PRIMARY KEY (identity_id, namespace, name)
+);
+CREATE INDEX names_snapshot ON names(snapshot_id);
+CREATE INDEX names_expiry ON names(expires) WHERE expires IS NOT NULL;
