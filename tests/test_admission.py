@@ -108,8 +108,11 @@ def test_the_rate_from_the_environment_and_checked(store_dir: str, monkeypatch: 
 # closed form: the least, over every moment s up to now (the start, a save, or now), of the capacity plus
 # the refill since s minus what was debited since s. Rates are whole bytes a second and times whole
 # seconds, so both are exact in floating point.
-def _model(cap: int, per_s: int, events: list[tuple[int, int]]) -> tuple[list[bool], list[float]]:
-    times, admitted, debits, levels = [0], [], [], []
+def _model(cap: int, per_s: int, events: list[tuple[int, int]]) -> tuple[list[bool], list[int]]:
+    times: list[int] = [0]
+    admitted: list[bool] = []
+    debits: list[int] = []
+    levels: list[int] = []
     t = 0
     for dt, size in events:
         t += dt

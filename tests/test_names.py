@@ -62,6 +62,7 @@ def test_a_name_moves_and_is_per_namespace_and_identity(store_dir: str) -> None:
         s.name(rx, "n")  # its own namespace (from the SaveResult)
         mx = s.named("n", namespace="tenant-x")
         assert mx is not None and mx.snapshot_id == rx.snapshot_id
+        assert ra.snapshot_id is not None
         with pytest.raises(ss.IdentityError):
             s.name(ra.snapshot_id, "n", namespace="tenant-x")  # not that namespace's snapshot
     with open_store(store_dir, identity=OTHER, drop_stale=False) as o:
@@ -121,8 +122,8 @@ def test_the_store_ttl_does_not_expire_a_named_snapshot(store_dir: str) -> None:
         for r in (named, plain):
             sid = r.snapshot_id
             assert sid is not None
-            s._repo.db.write(lambda t, sid=sid: t.execute("UPDATE snapshots SET last_used = ? WHERE id = ?",
-                                                          (long_ago, sid)))
+            s._repo.db.write(lambda t, sid=sid: t.execute(  # type: ignore[misc]
+                "UPDATE snapshots SET last_used = ? WHERE id = ?", (long_ago, sid)))
     budget = ss.Budget(reserve_bytes=0, ttl=86400)
     with open_store(store_dir, budget=budget) as s:  # the open expires what was unused for a day
         assert s.named("old") is not None
@@ -149,12 +150,13 @@ def test_what_cannot_be_named(store_dir: str) -> None:
         with pytest.raises(ss.StateError):
             s.name(pending, "p")
         done = s.save(a.tokens[:300], a.state())
-        for bad in ("", "x" * 257, "a\nb", 7):
+        bad_names: tuple[object, ...] = ("", "x" * 257, "a\nb", 7)
+        for bad in bad_names:
             with pytest.raises(ss.InvalidInputError):
                 s.name(done, bad)  # type: ignore[arg-type]
         for ttl in (0, -1, float("nan"), True):
             with pytest.raises(ss.InvalidInputError):
-                s.name(done, "ok", ttl_s=ttl)  # type: ignore[arg-type]
+                s.name(done, "ok", ttl_s=ttl)
         with pytest.raises(ss.NotFoundError):
             s.name(10_000, "ghost")
 
