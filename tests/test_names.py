@@ -169,3 +169,21 @@ def test_delete_removes_the_name(store_dir: str) -> None:
         s.delete(r)
         assert s.named("gone") is None
         assert s._repo.db.read(lambda t: t.all_names()) == []
+
+
+def test_inspect_lists_names(store_dir: str) -> None:
+    from test_cli import cli, cli_json
+
+    with open_store(store_dir) as s:
+        a = conv(62)
+        r = s.save(a.tokens[:300], a.state())
+        rx = s.save(a.tokens[:300], a.state(), namespace="t")
+        s.name(r, "plan")
+        s.name(rx, "brief", ttl_s=7200)
+    doc = cli_json("--dir", store_dir, "inspect")
+    [ident] = doc["identities"]
+    got = [(n["namespace"], n["name"], n["snapshot_id"], n["expires"] is None) for n in ident["names"]]
+    assert got == [(None, "plan", r.snapshot_id, True), ("t", "brief", rx.snapshot_id, False)]
+    text = cli("--dir", store_dir, "inspect").stdout
+    assert f"name 'plan' -> #{r.snapshot_id}" in text
+    assert f"name 'brief' (namespace t) -> #{rx.snapshot_id}, expires in 1h" in text

@@ -84,7 +84,10 @@ class AdmissionQueries:
         return self._c.execute("SELECT 1 FROM names WHERE snapshot_id = ?", (sid,)).fetchone() is not None
 
     def all_names(self) -> list[tuple[int, str, str, int, float, float | None]]:
-        """Every name: (identity id, namespace, name, snapshot id, created, expires), by identity and name."""
+        """Every name: (identity id, namespace, name, snapshot id, created, expires), by identity and name
+        (none in a catalog older than schema 10, read without migrating)."""
+        if self._c.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'names'").fetchone() is None:
+            return []
         return [(int(r[0]), str(r[1]), str(r[2]), int(r[3]), float(r[4]), None if r[5] is None else float(r[5]))
                 for r in self._c.execute("SELECT identity_id, namespace, name, snapshot_id, created, expires "
                                          "FROM names ORDER BY identity_id, namespace, name")]
