@@ -27,6 +27,7 @@ from snapstore._results import DeleteResult, Match, MatchDetails, RestoreResult,
 from snapstore._tokens import TokensLike, as_token_array
 from snapstore.calls.batch import restore_batch
 from snapstore.calls.gate import CallGate, operation
+from snapstore.calls.names import StoreNames
 from snapstore.calls.reports import StoreReports
 from snapstore.calls.snapshot_ops import (
     abandon_capture,
@@ -47,7 +48,6 @@ from snapstore.lifecycle.admission import Admission, admission_of
 from snapstore.lifecycle.bookkeeping import Ledger, record_use, write_with
 from snapstore.lifecycle.capacity import Capacity
 from snapstore.lifecycle.liveness import reap_lock_files
-from snapstore.lifecycle.names import check_name, check_ttl, name_snapshot, resolve_name, unname
 from snapstore.lifecycle.owner import Owner
 from snapstore.lifecycle.rules import log_drops, new_outside_use
 from snapstore.parts.buffers import Destination, PartSource
@@ -68,7 +68,7 @@ __all__ = ["Store"]
 T = TypeVar("T")
 
 
-class Store(StoreReports):
+class Store(StoreReports, StoreNames):
     """An open snapstore directory, bound to one identity and layout. Thread-safe.
 
     Open with :meth:`Store.open` (``__init__`` only assigns); see docs/api.md.
@@ -291,31 +291,6 @@ class Store(StoreReports):
         ns = ref_namespace(ref, namespace)
         return self._write(lambda t: delete_subtree(t, self._access, sid, ns, root=self._repo.root,
                                                     lease=self.pending_lease))
-
-    # -- names (issue 32: snapstore.lifecycle.names) ------------------------------------------
-    @operation
-    def name(self, ref: SnapshotRef, name: str, *, ttl_s: float | None = None, namespace: str | None = None) -> None:
-        """Pin a committed snapshot (and so its chain) under ``name`` in its namespace: never evicted,
-        expired or superseded while named; ``ttl_s``: the name ends after that many seconds."""
-        sid, ns = snapshot_id(ref), ref_namespace(ref, namespace)
-        nm, ttl = check_name(name), check_ttl(ttl_s)
-        self._write(lambda t: name_snapshot(t, self._access, sid, ns, nm, ttl, time.time()))
-
-    @operation
-    def named(self, name: str, *, namespace: str | None = None) -> Match | None:
-        """The snapshot ``name`` pins in ``namespace`` (this identity's), as a Match to restore; None if none."""
-        nm, ns = check_name(name), namespace_key(namespace)
-        found = self._repo.db.read(lambda t: resolve_name(t, self._access, ns, nm, time.time()))
-        if found is None:
-            return None
-        snap = self._repo.db.read(lambda t: t.snapshot(found))
-        return Match(found, snap.n_tokens, namespace) if snap is not None else None
-
-    @operation
-    def unname(self, name: str, *, namespace: str | None = None) -> bool:
-        """Remove ``name`` (the snapshot stays, evictable again); whether the name existed."""
-        nm, ns = check_name(name), namespace_key(namespace)
-        return self._write(lambda t: unname(t, self._access, ns, nm))
 
     # -- match -------------------------------------------------------------------------------
     @operation
