@@ -187,3 +187,23 @@ def test_inspect_lists_names(store_dir: str) -> None:
     text = cli("--dir", store_dir, "inspect").stdout
     assert f"name 'plan' -> #{r.snapshot_id}" in text
     assert f"name 'brief' (namespace t) -> #{rx.snapshot_id}, expires in 1h" in text
+
+
+def test_a_read_only_store_of_an_older_catalog_has_no_names(store_dir: str) -> None:
+    import apsw
+    from support.catalogs import UNDO_ADMISSION
+
+    with open_store(store_dir) as s:
+        a = conv(63)
+        s.name(s.save(a.tokens[:300], a.state()), "x")
+    c = apsw.Connection(f"{store_dir}/snapstore.db")
+    c.execute(UNDO_ADMISSION + "PRAGMA user_version = 9")
+    c.close()
+    with open_store(store_dir, read_only=True) as ro:
+        assert ro.named("x") is None  # schema 9: no names table, read without migrating
+        with pytest.raises(ss.StateError):
+            ro.name(1, "y")
+    with open_store(store_dir) as s:  # a read-write open migrates: the names table is back, empty
+        assert s.named("x") is None
+        s.name(1, "y")
+        assert s.named("y") is not None
