@@ -4,6 +4,7 @@ bucket in the catalog, shared by the store's processes) and ``Store.open(admit="
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -245,3 +246,29 @@ def test_the_rate_is_checked_before_a_sighting_is_recorded(store_dir: str) -> No
         s._repo.db.write(lambda t: t.set_write_bucket(state[0], state[1] - 4 * 3600))  # four hours on: full
         assert s.save(b.tokens[:300], b.state()).skipped == "first_sighting"
 
+
+
+_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import test_admission as m
+with m.open_store(sys.argv[1], budget=m.budget(10_000), admit="second_hit") as s:
+    c = m.conv(40)
+    r = s.save(c.tokens[:300], c.state(), session="child")  # spends the bucket
+    assert r.snapshot_id is not None, r
+    assert s.save(m.conv(41).tokens[:300], m.conv(41).state()).skipped == "write_budget"
+"""
+
+
+def test_the_bucket_is_shared_with_another_process(store_dir: str) -> None:
+    """A process that spent the bucket leaves it spent for the next one (the catalog row)."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    subprocess.run([sys.executable, "-c", _CHILD, store_dir, here], check=True, env=env, timeout=120)
+    with open_store(store_dir, budget=budget(10_000)) as s:
+        c = conv(42)
+        assert s.save(c.tokens[:300], c.state()).skipped == "write_budget"
+        assert s.stats().skipped == {"write_budget": 2}
