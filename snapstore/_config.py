@@ -108,6 +108,9 @@ class Budget:
     max_entries: matchable snapshots — unlimited (``SNAPSTORE_MAX_ENTRIES``).
     ttl: seconds since last use before a snapshot expires — none (``SNAPSTORE_TTL``).
     reserve_bytes: free space always left on the file system — 1024 MiB (``SNAPSTORE_RESERVE_MIB``).
+    write_bytes_per_hour: the rate saves may write at, as a token bucket shared by the store's
+    processes; saves beyond it are skipped (``write_budget``), never blocked — unlimited
+    (``SNAPSTORE_WRITE_BYTES_PER_HOUR``; 0 = unlimited; :mod:`snapstore.lifecycle.admission`).
     """
 
     disk_bytes: int | None = None
@@ -115,9 +118,10 @@ class Budget:
     max_entries: int | None = None
     ttl: float | None = None
     reserve_bytes: int | None = None
+    write_bytes_per_hour: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("disk_bytes", "ram_bytes", "max_entries", "ttl", "reserve_bytes"):
+        for name in ("disk_bytes", "ram_bytes", "max_entries", "ttl", "reserve_bytes", "write_bytes_per_hour"):
             _nonneg(name, getattr(self, name))
 
     def resolved(self) -> Budget:
@@ -132,6 +136,7 @@ class Budget:
 
         ttl = pick(self.ttl, "SNAPSTORE_TTL", None)
         max_entries = pick(self.max_entries, "SNAPSTORE_MAX_ENTRIES", None)
+        rate = pick(self.write_bytes_per_hour, "SNAPSTORE_WRITE_BYTES_PER_HOUR", None)
         return replace(
             self,
             disk_bytes=int(pick(self.disk_bytes, "SNAPSTORE_DISK_MIB", DEFAULT_DISK_MIB, MIB) or 0),
@@ -139,6 +144,7 @@ class Budget:
             max_entries=int(max_entries) if max_entries is not None else None,
             ttl=float(ttl) if ttl is not None and ttl > 0 else None,
             reserve_bytes=int(pick(self.reserve_bytes, "SNAPSTORE_RESERVE_MIB", DEFAULT_RESERVE_MIB, MIB) or 0),
+            write_bytes_per_hour=int(rate) if rate else None,
         )
 
     @classmethod

@@ -1,13 +1,9 @@
 """The Store: an engine's view of one store directory, bound to one identity and layout.
 
-Short orchestrations over the subsystems, each a package: save (:mod:`snapstore.save.run` runs the
-attempts over the stages of :mod:`snapstore.save.stages` and :mod:`snapstore.save.chunker`), match
-(:mod:`snapstore.plan.match`), restore (:mod:`snapstore.restore.read`: :mod:`snapstore.plan.restore_plan`
-validates, :mod:`snapstore.restore.stream` streams), the snapshot-lifecycle transactions of commit /
-abandon / delete and of open and close (:mod:`snapstore.calls.snapshot_ops`, over the policies of
-:mod:`snapstore.lifecycle.rules` that gc applies too), ownership (:mod:`snapstore.lifecycle.access`) and
-calls versus close (:mod:`snapstore.calls.gate`). Writes go through :meth:`Repo.write` (files freed by a
-transaction are unlinked after it commits) with the bookkeeping of :mod:`snapstore.lifecycle.bookkeeping`.
+Short orchestrations over the subsystem packages (docs/design.md, "Layers"): save (:mod:`snapstore.save`),
+match and restore plans (:mod:`snapstore.plan`), restore (:mod:`snapstore.restore`), the lifecycle
+transactions and other calls (:mod:`snapstore.calls`, over the policies of :mod:`snapstore.lifecycle`).
+Writes go through :meth:`Repo.write`, which unlinks the files a transaction freed after it commits.
 """
 
 from __future__ import annotations
@@ -25,9 +21,10 @@ from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
 from snapstore._results import DeleteResult, LoadResult, Match, MatchDetails, RestoreResult, SaveResult
 from snapstore._tokens import TokensLike, as_token_array
-from snapstore.calls.batch import restore_batch
+from snapstore.calls.batch import StoreBatches
 from snapstore.calls.gate import CallGate, operation
 from snapstore.calls.load import load_prefix
+from snapstore.calls.names import StoreNames
 from snapstore.calls.reports import StoreReports
 from snapstore.calls.snapshot_ops import (
     abandon_capture,
@@ -44,6 +41,7 @@ from snapstore.chunks.direct_io import DirectReads, direct_default, direct_reads
 from snapstore.chunks.repo import Repo
 from snapstore.chunks.staging import StagingBuffer
 from snapstore.lifecycle.access import Access
+from snapstore.lifecycle.admission import Admission, admission_of
 from snapstore.lifecycle.bookkeeping import Ledger, record_use, write_with
 from snapstore.lifecycle.capacity import Capacity
 from snapstore.lifecycle.liveness import reap_lock_files
@@ -68,7 +66,7 @@ __all__ = ["Store"]
 T = TypeVar("T")
 
 
-class Store(StoreReports):
+class Store(StoreReports, StoreNames, StoreBatches):
     """An open snapstore directory, bound to one identity and layout. Thread-safe.
 
     Open with :meth:`Store.open` (``__init__`` only assigns); see docs/api.md.
@@ -98,6 +96,7 @@ class Store(StoreReports):
         self._lease_owner: Owner | None = None
         self._chunker: Chunker | None = None
         self._run: SaveRun | None = None  # the save stages, once the owner exists
+        self._admission = Admission()  # write admission (issue 32); set by open()
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -106,7 +105,8 @@ class Store(StoreReports):
              codec: str | None = None, staging_bytes: int | None = None,
              check_rows: bool | None = None, pending_lease: float | None = None, remote: str | None = None,
              remote_wait: bool | None = None, direct_io: bool | None = None,
-             async_copy_bytes: int | None = None, direct_reads: bool | None = None, read_only: bool = False) -> Store:
+             async_copy_bytes: int | None = None, direct_reads: bool | None = None, read_only: bool = False,
+             admit: str | None = None) -> Store:
         """Open (creating if needed) the store at ``path`` for ``identity``.
 
         path: None → ``$SNAPSTORE_DIR``, else the per-user cache dir. drop_stale: remove this model's
@@ -122,6 +122,8 @@ class Store(StoreReports):
         remote (``SNAPSTORE_REMOTE``): ``s3://BUCKET/PREFIX``, a shared tier behind this local one;
         remote_wait (``SNAPSTORE_REMOTE_WAIT=1``): save() waits for the bucket (docs/engine.md).
         read_only: read an existing store without writing a byte; every change raises StateError (docs/api.md).
+        admit (``SNAPSTORE_ADMIT``): "always" (the default) or "second_hit": a prefix is written the second
+        time it is seen within ``SNAPSTORE_ADMIT_WINDOW_S`` (3600 s); docs/api.md "Write admission".
         """
         if not isinstance(identity, Identity):
             raise ConfigError("Store.open needs identity=snapstore.Identity(...)")
@@ -130,12 +132,14 @@ class Store(StoreReports):
         budget = (budget or Budget()).resolved()
         options = store_options(path, chunk_bytes=chunk_bytes, codec=codec, staging_bytes=staging_bytes,
                                 check_rows=check_rows, pending_lease=pending_lease, codecs=CODECS)
+        admission = admission_of(admit, budget)  # issue 32: a bad mode is a ConfigError before anything is created
         direct = direct_default(direct_io)  # a bad value is a ConfigError before anything is created
         copy, rd = copy_budget(async_copy_bytes), direct_reads_default(direct_reads)
         if read_only and remote:
             raise ConfigError("a read_only store cannot have a shared tier (remote=): fetching writes the local store")
         repo = Repo.open(options.root, readonly=bool(read_only), create=not read_only)
         store = cls(repo, identity, layout, budget, options, direct_io=direct, async_copy_bytes=copy, direct_reads=rd)
+        store._admission = admission
         try:
             if not read_only:  # read-only: nothing to start (no owner, lease, housekeeping or writer threads)
                 store._start(drop_stale=drop_stale, remote=remote, remote_wait=remote_wait)
@@ -159,7 +163,7 @@ class Store(StoreReports):
                        blob_path=repo.blob_path, renew=self._lease_owner.renew, own=self._access.own)
         self._run = SaveRun(stages=stages, chunker=self._chunker, capacity=self._capacity, db=repo.db,
                             write=self._write, access=self._access, count=self._ledger.count,
-                            check_rows=self.check_rows)
+                            check_rows=self.check_rows, admission=self._admission)
         dead, dropped = self._write(lambda t: housekeep(  # dead owners' captures, stale identities, expired ones
             t, root=repo.root, lease=self.pending_lease, now=time.time(), identity_key=self.identity.key,
             drop_stale=drop_stale, ttl=self.budget.ttl))
@@ -384,20 +388,7 @@ class Store(StoreReports):
         return load_prefix(self, tokens, allocate, release, components=components, namespace=namespace,
                            exclude=exclude, session=session)
 
-    # -- batches and turns (logic in calls/batch.py and calls/turn.py) ---------------------------------
-    @operation
-    def match_many(self, token_lists: Iterable[TokensLike], *, namespace: str | None = None) -> list[Match | None]:
-        """``match()`` for each of many prompts (a scheduler admitting a batch), in order."""
-        return [self.match(t, namespace=namespace) for t in token_lists]
-
-    @operation
-    def restore_many(self, requests: Iterable[tuple[SnapshotRef, Mapping[str, Destination]]],
-                     components: Iterable[str] | None = None, *, namespace: str | None = None,
-                     rows_from: int = 0, session: str | None = None) -> list[RestoreResult]:
-        """Restore many (match, into) pairs at once; a chunk their chains share is read once."""
-        return restore_batch(self, list(requests), wanted_components(self.layout, components), namespace,
-                             count_of(rows_from, "rows_from"), session_key(session))
-
+    # -- turns (logic in calls/turn.py; batches: calls/batch.py) ----------------------------
     def turn(self, *, session: str | None = None, namespace: str | None = None,
              parent: SnapshotRef | str | None = "auto") -> Turn:
         """A capture chain for one turn: ``with store.turn(session=...) as t: t.capture(tokens, parts)``."""

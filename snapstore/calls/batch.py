@@ -10,18 +10,22 @@ then copied into each destination.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from snapstore._errors import InvalidInputError, RestoreError
-from snapstore._refs import ref_namespace, snapshot_id
-from snapstore._results import RestoreResult
+from snapstore._layout import Layout
+from snapstore._refs import SnapshotRef, ref_namespace, session_key, snapshot_id
+from snapstore._results import Match, RestoreResult
+from snapstore._tokens import TokensLike
+from snapstore.calls.gate import CallGate, operation
 from snapstore.lifecycle.bookkeeping import Ledger, record_use
 from snapstore.lifecycle.rules import new_outside_use
 from snapstore.parts.buffers import Destination, Sink
 from snapstore.plan.prefix import match_tokens
 from snapstore.plan.restore_plan import PlanItem, RestorePlan
-from snapstore.restore.read import stream_checked
+from snapstore.restore.read import stream_checked, wanted_components
+from snapstore.save.stages import count_of
 
 if TYPE_CHECKING:
     from snapstore.catalog.db import Conn
@@ -31,7 +35,7 @@ if TYPE_CHECKING:
     from snapstore.chunks.staging import StagingBuffer
     from snapstore.restore.ramtier import RamTier
 
-__all__ = ["BatchStore", "restore_batch"]
+__all__ = ["BatchStore", "StoreBatches", "restore_batch"]
 
 
 class BatchStore(Protocol):
@@ -115,3 +119,37 @@ def restore_batch(store: BatchStore, requests: list[tuple[Any, Any]], wanted: se
     record_use(store._repo, store._ledger, [(p.snapshot_id, outside) for outside, p in built])
     return [RestoreResult(p.n_tokens, p.rows, frozenset(p.missing_components), p.chain, p.nbytes, dt)
             for p in plans]
+
+
+class StoreBatches:
+    """match_many() and restore_many(): a base of :class:`snapstore.Store`, which supplies the
+    attributes and calls declared here (those of :class:`BatchStore`, its layout, gate and match)."""
+
+    _remote: Any
+    _repo: Repo
+    _staging: StagingBuffer
+    _ram: RamTier | None
+    _ledger: Ledger
+    _reads: DirectReads
+    _gate: CallGate
+    layout: Layout
+
+    def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
+              wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
+        raise NotImplementedError  # the Store's: the checked plan of one snapshot
+
+    def match(self, tokens: TokensLike, *, namespace: str | None = None) -> Match | None:
+        raise NotImplementedError  # the Store's match()
+
+    @operation
+    def match_many(self, token_lists: Iterable[TokensLike], *, namespace: str | None = None) -> list[Match | None]:
+        """``match()`` for each of many prompts (a scheduler admitting a batch), in order."""
+        return [self.match(t, namespace=namespace) for t in token_lists]
+
+    @operation
+    def restore_many(self, requests: Iterable[tuple[SnapshotRef, Mapping[str, Destination]]],
+                     components: Iterable[str] | None = None, *, namespace: str | None = None,
+                     rows_from: int = 0, session: str | None = None) -> list[RestoreResult]:
+        """Restore many (match, into) pairs at once; a chunk their chains share is read once."""
+        return restore_batch(self, list(requests), wanted_components(self.layout, components), namespace,
+                             count_of(rows_from, "rows_from"), session_key(session))

@@ -96,6 +96,9 @@ _COMPAT_VIEWS: dict[int, list[str]] = {
     5: ["CREATE TEMP TABLE row_prefixes(snapshot_id INTEGER NOT NULL, n_tokens INTEGER NOT NULL, "
         "key BLOB NOT NULL, PRIMARY KEY (snapshot_id, n_tokens))"],
     7: ["CREATE TEMP VIEW parts AS SELECT *, NULL AS tokens_per_row FROM main.parts"],
+    10: ["CREATE TEMP TABLE names(identity_id INTEGER NOT NULL, namespace TEXT NOT NULL, name TEXT NOT NULL, "
+         "snapshot_id INTEGER NOT NULL, created REAL NOT NULL, expires REAL, "
+         "PRIMARY KEY (identity_id, namespace, name))"],  # no names before schema 10
 }
 _COMPAT_SNAPSHOT_COLS: dict[int, str] = {4: "0 AS shared", 8: "NULL AS find_key", 9: "NULL AS layout_key"}
 

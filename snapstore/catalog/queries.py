@@ -21,6 +21,7 @@ import numpy as np
 
 from snapstore._errors import CorruptionError
 from snapstore._tokens import BLOCK, Link, Segment, decode_tokens
+from snapstore.catalog.admission import AdmissionQueries
 from snapstore.catalog.chunk_queries import QUARANTINED_USERS_SQL, ChunkQueries
 from snapstore.catalog.find_keys import FIND_SEED, extend
 from snapstore.catalog.rows import (
@@ -72,7 +73,7 @@ _WALK = ("WITH RECURSIVE ch(x, lvl, want) AS (SELECT ?1, 0, NULL UNION ALL "
          "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?1), 100000))")
 
 
-class Txn(ChunkQueries):
+class Txn(ChunkQueries, AdmissionQueries):
     """One open transaction on the catalog: its queries, and the chunk ids it freed (``freed``)."""
 
     __slots__ = ("_c", "freed")
@@ -372,17 +373,19 @@ class Txn(ChunkQueries):
             (identity_id, namespace, session, up_to_tokens, exclude))]
 
     def lru_leaves(self, exclude: Iterable[int], limit: int = 64) -> list[SnapRow]:
-        """Committed snapshots without children, least recently used first."""
+        """Committed snapshots without children and without a name, least recently used first."""
         ex = list(exclude)
         not_in = f"AND id NOT IN ({','.join('?' * len(ex))})" if ex else ""
         return [snap_row(r) for r in self._c.execute(
             f"SELECT {SNAP_COLS} FROM snapshots s WHERE state = 1 {not_in} AND NOT EXISTS "
-            f"(SELECT 1 FROM snapshots k WHERE k.parent_id = s.id) ORDER BY last_used, id LIMIT ?",
+            f"(SELECT 1 FROM snapshots k WHERE k.parent_id = s.id) "
+            f"AND NOT EXISTS (SELECT 1 FROM names n WHERE n.snapshot_id = s.id) ORDER BY last_used, id LIMIT ?",
             (*ex, limit))]
 
     def expired(self, before: float) -> list[SnapRow]:
         return [snap_row(r) for r in self._c.execute(
-            f"SELECT {SNAP_COLS} FROM snapshots WHERE state = 1 AND last_used < ? ORDER BY depth DESC",
+            f"SELECT {SNAP_COLS} FROM snapshots s WHERE state = 1 AND last_used < ? "
+            "AND NOT EXISTS (SELECT 1 FROM names n WHERE n.snapshot_id = s.id) ORDER BY depth DESC",
             (before,))]
 
     def pending(self) -> list[SnapRow]:

@@ -17,6 +17,7 @@ from snapstore.check.report import (
     ChainLink,
     ChunkEntry,
     IdentityEntry,
+    NameEntry,
     NamespaceEntry,
     PartEntry,
     SnapshotEntry,
@@ -133,6 +134,9 @@ def inspect_store(c: Txn, root: str) -> StoreReport:
     ids = {s.id for s in snaps}
     broken = c.quarantined_users()
     entries = [snapshot_entry(c, s, keys, kids, broken=broken) for s in snaps]
+    names: dict[int, list[NameEntry]] = {}
+    for iid, ns, name, sid, created, expires in c.all_names():  # expired ones too, until removed: shown as such
+        names.setdefault(iid, []).append(NameEntry(ns or None, name, sid, created, expires))
     identities = []
     for ident_id, key, canonical, created, last_open in idents:
         mine = [s for s in snaps if s.identity_id == ident_id]
@@ -145,7 +149,8 @@ def inspect_store(c: Txn, root: str) -> StoreReport:
             key=key, fields=_identity_fields(ident_id, canonical), created=created, last_open=last_open,
             snapshots=len(mine),
             namespaces=[NamespaceEntry(namespace=ns or None, snapshots=sum(1 for s in mine if s.namespace == ns),
-                                       roots=sorted(r)) for ns, r in sorted(roots.items())]))
+                                       roots=sorted(r)) for ns, r in sorted(roots.items())],
+            names=names.get(ident_id, [])))
     st = stats_of(c, 0, 0)
     totals = Totals(
         identities=len(idents), snapshots=st.snapshots, entries=st.entries, pending=st.pending, chunks=st.chunks,

@@ -8,12 +8,12 @@ what inspect knows beyond it (children, parts, chunks, stored bytes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from snapstore._results import SnapshotInfo
 
-__all__ = ["ChainLink", "ChunkEntry", "IdentityEntry", "NamespaceEntry", "PartEntry", "SnapshotEntry",
+__all__ = ["ChainLink", "ChunkEntry", "IdentityEntry", "NameEntry", "NamespaceEntry", "PartEntry", "SnapshotEntry",
            "SnapshotReport", "StoreReport", "Totals"]
 
 
@@ -102,6 +102,22 @@ class NamespaceEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class NameEntry:
+    """One name of a snapshot (``Store.name``): where it lives, what it pins, until when."""
+
+    namespace: str | None  # None: the default namespace
+    name: str
+    snapshot_id: int
+    created: float
+    expires: float | None  # None: never
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        return {"namespace": self.namespace, "name": self.name, "snapshot_id": self.snapshot_id,
+                "created": self.created, "expires": self.expires}
+
+
+@dataclass(frozen=True, slots=True)
 class IdentityEntry:
     """One identity row: its key, its canonical fields parsed, and its namespaces."""
 
@@ -111,12 +127,13 @@ class IdentityEntry:
     last_open: float
     snapshots: int
     namespaces: list[NamespaceEntry]
+    names: list[NameEntry] = field(default_factory=list)  # Store.name's names, by namespace and name
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""
         return {"key": self.key, "fields": dict(self.fields), "created": self.created,
                 "last_open": self.last_open, "snapshots": self.snapshots,
-                "namespaces": [n.to_dict() for n in self.namespaces]}
+                "namespaces": [n.to_dict() for n in self.namespaces], "names": [n.to_dict() for n in self.names]}
 
 
 @dataclass(frozen=True, slots=True)

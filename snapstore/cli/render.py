@@ -92,6 +92,11 @@ def inspect_all(doc: dict[str, Any], out: CliContext) -> None:
                 children = [k for k in d["children"] if k in by_id]
                 for i, k in reversed(list(enumerate(children))):
                     stack.append((k, child_prefix, ell if i == len(children) - 1 else tee))
+        for nm in ident.get("names", []):
+            until = "" if nm["expires"] is None else (
+                f", expires in {_ago(now, nm['expires'])[:-4]}" if nm["expires"] > now else ", expired")
+            where = f" (namespace {nm['namespace']})" if nm["namespace"] is not None else ""
+            out.line(f"  name {nm['name']!r}{where} -> #{nm['snapshot_id']}{until}")
     rest = [d for d in doc["snapshots"] if d["id"] not in drawn]
     if rest:
         out.line()

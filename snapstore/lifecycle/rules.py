@@ -12,6 +12,7 @@ unlinks the files after the commit (:meth:`snapstore.chunks.repo.Repo.write`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -81,8 +82,10 @@ def used_elsewhere(t: Txn, old: SnapRow, path: set[int]) -> bool:
     """Does anyone besides ``old``'s own session use it: a restore or a deduplicated save from
     outside it (``shared``), or a child of another session (or none) that is not on the way to
     the superseding snapshot (``path``: its chain)? A child on that path is this conversation's
-    own line (a per-turn key of the same chat), which the new snapshot covers."""
-    return bool(old.shared) or any(c not in path for c in t.children_outside(old.id, old.session))
+    own line (a per-turn key of the same chat), which the new snapshot covers. A named snapshot
+    (``Store.name``) counts as used: its name holds it."""
+    return bool(old.shared) or t.is_named(old.id) or any(
+        c not in path for c in t.children_outside(old.id, old.session))
 
 
 def supersede(t: Txn, new: SnapRow, index: TokenIndex) -> int:
@@ -129,6 +132,7 @@ def evict_until(t: Txn, fits: Callable[[list[bytes]], bool], protect: Iterable[i
     keep = set(protect)
     gone: list[int] = []
     evicted = 0
+    t.drop_expired_names(time.time())  # an expired name no longer protects its snapshot
     while not fits(t.freed):
         # one leaf at a time: dropping it may turn its (older) parent into the next LRU leaf
         leaves = t.lru_leaves(keep, limit=1)
@@ -251,6 +255,7 @@ def expire(t: Txn, before: float) -> list[int]:
     Counts every snapshot dropped as "expired".
     """
     gone: list[int] = []
+    t.drop_expired_names(time.time())
     for snap in t.expired(before):
         if t.snapshot(snap.id) is None or t.has_children(snap.id):
             continue

@@ -19,6 +19,7 @@ from snapstore._tokens import TokenIndex, as_token_array
 from snapstore.catalog.db import Database
 from snapstore.catalog.queries import SnapRow, Txn
 from snapstore.lifecycle.access import Access, Retry
+from snapstore.lifecycle.admission import Admission, sighting_key
 from snapstore.lifecycle.capacity import Capacity
 from snapstore.parts.buffers import Source
 from snapstore.save.chunker import Chunker
@@ -49,9 +50,11 @@ class Write(Protocol):
                  committed: Callable[[], None] | None = None) -> T: ...
 
 
-def skipped(db: Database, reason: str, par: SnapRow | None, logical: int, n: int, ns: str) -> SaveResult:
-    """Count a save skipped for ``reason`` and describe it (nothing was stored)."""
-    db.write(lambda t: t.add_counter(f"skipped:{reason}", 1))
+def skipped(db: Database | None, reason: str, par: SnapRow | None, logical: int, n: int, ns: str) -> SaveResult:
+    """Count a save skipped for ``reason`` and describe it (nothing was stored). ``db`` None: the
+    caller counted it already (in the transaction that decided it)."""
+    if db is not None:
+        db.write(lambda t: t.add_counter(f"skipped:{reason}", 1))
     return SaveResult(snapshot_id=None, skipped=reason, parent_id=par.id if par else None, stored_bytes=0,
                       logical_bytes=logical, n_tokens=n, pending=False, namespace=ns or None)
 
@@ -68,6 +71,7 @@ class SaveRun:
     access: Access  # this identity's row id in a transaction, and its re-creation when dropped
     count: Callable[[str], None]  # bump one in-memory counter
     check_rows: bool
+    admission: Admission = Admission()  # write admission (Store.open(admit=...), Budget.write_bytes_per_hour)
 
     def run(self, tokens: Any, parts: Mapping[str, Any], rows: Any, session: str | None, parent: Any,
             commit: bool, namespace: str | None) -> SaveResult:
@@ -80,6 +84,9 @@ class SaveRun:
         ns = namespace_key(namespace)
         sources, row_counts = validate_parts(self.stages.layout, parts, rows, n)
         index = TokenIndex(arr)
+        reason = self.admit(index, session, ns)  # once, not per attempt: a sighting is consumed by the first
+        if reason is not None:
+            return skipped(None, reason, None, 0, n, ns)
         for attempt in range(MAX_ATTEMPTS):
             # "auto" whose parent keeps being evicted under it: after WHOLE_AFTER tries store it whole
             use = None if parent == "auto" and attempt >= WHOLE_AFTER else parent
@@ -130,12 +137,37 @@ class SaveRun:
             return skipped(db, reason, par, plan.logical_bytes, n, ns)
         refs = self.chunker.store(plan.pieces)
         created = [r.id for rs in refs for r in rs if r.created]
+
+        def commit_txn(t: Txn) -> Any:
+            done = saver.commit(t, iid=self.access.iid(t), plan=plan, refs=refs, arr=arr, index=index,
+                                session=session, commit=commit, ns=ns)
+            self.admission.debit(t, 0 if done.existed else done.new_bytes)  # dedup hits are free
+            return done
+
         try:
-            done = self.write(lambda t: saver.commit(t, iid=self.access.iid(t), plan=plan, refs=refs, arr=arr,
-                                                     index=index, session=session, commit=commit, ns=ns),
-                              discard=created, committed=lambda: _hook("save_committed"))
+            done = self.write(commit_txn, discard=created, committed=lambda: _hook("save_committed"))
         except Skip as s:
             return skipped(db, s.reason, par, plan.logical_bytes, n, ns)
         return SaveResult(snapshot_id=done.snapshot_id, skipped=None, parent_id=done.parent_id,
                           stored_bytes=0 if done.existed else done.new_bytes, logical_bytes=plan.logical_bytes,
                           n_tokens=n, pending=not commit and not done.existed, namespace=ns or None)
+
+    def admit(self, index: TokenIndex, session: str | None, ns: str) -> str | None:
+        """Write admission before anything is planned or written: the reason to skip (counted in the
+        same transaction), or None. The write rate first: a save it refuses is no sighting."""
+        rules = self.admission
+        if rules.rate is None and (rules.mode != "second_hit" or session is not None):
+            return None  # nothing to decide: no catalog transaction
+        key = sighting_key(self.stages.identity_key, ns, index.prefix_key(len(index)))
+
+        def decide(t: Txn) -> str | None:
+            if rules.over_rate(t):
+                reason: str | None = "write_budget"
+            elif session is None and rules.first_sighting(t, key):
+                reason = "first_sighting"
+            else:
+                return None
+            t.add_counter(f"skipped:{reason}", 1)
+            return reason
+
+        return self.db.write(decide)
