@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,11 +53,15 @@ def _identity_extra_of(root: str, sid: int) -> Identity:
         repo.close()
 
 
-def export_snapshot(root: str, sid: int) -> bytes:
-    """The slot file of snapshot ``sid`` (any llama.cpp identity in the store), verified on restore."""
+def export_snapshot(root: str, sid: int, *, check: Callable[[Mapping[str, Any]], object] | None = None) -> bytes:
+    """The slot file of snapshot ``sid`` (any llama.cpp identity in the store), verified on restore;
+    ``check`` is called with the snapshot's identity keys first and refuses by raising (the
+    ``--for-model`` layout check, ``_formodel``)."""
     ident = _identity_extra_of(root, sid)
     if ident.extra.get("engine") != "llama.cpp":
         raise IdentityError(f"snapshot {sid} is not a llama.cpp slot (identity {ident.key})")
+    if check is not None:
+        check(ident.extra)
     proto = SlotProto.from_extra(ident.extra)
     with Store.open(root, identity=ident, layout=layout_for(proto), drop_stale=False) as store:
         return _export(store, sid, proto)
