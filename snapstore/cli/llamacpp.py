@@ -37,7 +37,9 @@ examples:
 
 _EXPORT_HELP = """\
 Write snapshot ID as a slot file llama-server restores (POST /slots/N?action=restore with its
-name, the file in the server's --slot-save-path). Every chunk is verified while reading.
+name, the file in the server's --slot-save-path). Every chunk is verified while reading. A
+snapshot stored with the draft context's state (the file's SDFT block) is written with it, unless
+--no-draft (a target without that draft model); one stored without it is written without.
 
 With --for-model OTHER.gguf the file is written for a server running another GGUF (a smaller
 quant of the same model, after a restart under memory pressure) only when the cache layout agrees
@@ -94,6 +96,8 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
                     "(only when its cache layout agrees exactly; an approximation, never an exact restore)")
     pe.add_argument("--cache-type-k", metavar="T", help="with --for-model: the target's -ctk (default f16)")
     pe.add_argument("--cache-type-v", metavar="T", help="with --for-model: the target's -ctv (default f16)")
+    pe.add_argument("--no-draft", action="store_true", help="leave out the draft context's state (the SDFT block), "
+                    "for a target that runs no draft model (always left out with --for-model)")
     pp = sub.add_parser("llama-proxy", parents=[common], formatter_class=fmt, description=_PROXY_HELP,
                         help="HTTP proxy giving a running llama-server prefix persistence")
     pp.add_argument("--upstream", required=True, metavar="URL", help="llama-server base URL")
@@ -170,7 +174,7 @@ def cmd_import_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     doc = {"format": FORMAT, "command": "import-slot", "snapshot_id": sv.snapshot_id, "skipped": sv.skipped,
            "parent_id": sv.parent_id, "n_tokens": res.n_tokens, "file_bytes": res.file_bytes,
            "stored_bytes": sv.stored_bytes, "logical_bytes": sv.logical_bytes,
-           "checkpoints_dropped": res.checkpoints_dropped}
+           "checkpoints_dropped": res.checkpoints_dropped, "draft": res.draft}
     if ctx.json:
         ctx.emit_json(doc)
     elif sv.snapshot_id is None:
@@ -219,7 +223,8 @@ def cmd_export_slot(args: argparse.Namespace, ctx: CliContext) -> int:
         check = _for_model_check(args)
     elif args.cache_type_k or args.cache_type_v:
         raise UsageError("--cache-type-k/-v only go with --for-model (a plain export writes the snapshot's own types)")
-    data = export_snapshot(_root(args, create=False), args.id, check=check)
+    data = export_snapshot(_root(args, create=False), args.id, check=check,
+                           draft=not (args.no_draft or args.for_model))
     tmp = args.out + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:

@@ -99,4 +99,5 @@ def identity_for(model: ModelInfo, build: str, proto: SlotProto, runtime: Mappin
     kv = ",".join(sorted({GGML_TYPES[t[0]][0] for t in proto.kv})) + "/" + \
         ",".join(sorted({GGML_TYPES[t[2]][0] for t in proto.kv}))
     extra: dict[str, Any] = {"engine": "llama.cpp", "arch": model.shape.arch, **proto.to_extra(), **runtime}
-    return Identity(build=build, pack=model.pack, kv=kv, mtp=False, extra=extra)
+    # mtp: the server runs a draft context whose state its slot files carry (the SDFT appendix)
+    return Identity(build=build, pack=model.pack, kv=kv, mtp=proto.draft is not None, extra=extra)
