@@ -70,13 +70,42 @@ def _t(rng: np.random.Generator, *shape: int, scale: float = 0.2) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
+class _Quantized:
+    """A ``GGUFWriter`` whose 2-D weight matrices are stored as ``wtype`` (f16, q8_0, ...): the same
+    weights as another quant of one model (norms and 1-D tensors stay f32)."""
+
+    def __init__(self, w: Any, wtype: str) -> None:
+        self.w, self.wtype = w, wtype
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.w, name)
+
+    def add_tensor(self, name: str, t: np.ndarray) -> None:
+        import gguf
+
+        if t.ndim != 2 or self.wtype == "f32":
+            self.w.add_tensor(name, t)
+        elif self.wtype == "f16":
+            self.w.add_tensor(name, t.astype(np.float16))
+        else:
+            qt = gguf.GGMLQuantizationType[self.wtype.upper()]
+            q = gguf.quants.quantize(t, qt)
+            self.w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qt)
+
+
+_FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}
+
+
 def write_llama(path: str, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
-                n_ff: int = 128, n_ctx: int = 8192, seed: int = 0) -> str:
-    """A random-weight llama GGUF (f32 weights) at ``path``."""
+                n_ff: int = 128, n_ctx: int = 8192, seed: int = 0, wtype: str = "f32") -> str:
+    """A random-weight llama GGUF at ``path``; ``wtype``: the weight matrices' type (the same
+    weights for one ``seed``: another quant of the same model)."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(path, "llama")
+    w: Any = gguf.GGUFWriter(path, "llama")
+    if wtype != "f32":
+        w = _Quantized(w, wtype)
     w.add_name(f"tiny-llama-{seed}")
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
@@ -86,7 +115,7 @@ def write_llama(path: str, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 
     w.add_head_count_kv(n_head_kv)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(n_embd // n_head)
-    w.add_file_type(0)
+    w.add_file_type(_FILE_TYPES[wtype])
     n_vocab = _tokenizer(w)
     hd = n_embd // n_head
     w.add_tensor("token_embd.weight", _t(rng, n_vocab, n_embd, scale=1.0))

@@ -37,10 +37,22 @@ examples:
 
 _EXPORT_HELP = """\
 Write snapshot ID as a slot file llama-server restores (POST /slots/N?action=restore with its
-name, the file in the server's --slot-save-path). Every chunk is verified while reading.
+name, the file in the server's --slot-save-path). Every chunk is verified while reading. A
+snapshot stored with the draft context's state (the file's SDFT block) is written with it, unless
+--no-draft (a target without that draft model); one stored without it is written without.
+
+With --for-model OTHER.gguf the file is written for a server running another GGUF (a smaller
+quant of the same model, after a restart under memory pressure) only when the cache layout agrees
+exactly: architecture, layer count, attention and recurrent layers, every layer's K/V row size,
+the recurrent state's sizes, the sliding window, and the K/V cache types the target runs
+(--cache-type-k/-v, llama-server's -ctk/-ctv, default f16). Otherwise it exits 2 naming the first
+difference and writes nothing. Such a restore is an approximation you chose: the state was
+computed with other weights. Nothing is stored for OTHER, and snapstore never matches a snapshot
+of one model for another by itself.
 
 examples:
   snapstore export-slot 42 /var/lib/llama/slots/restored.bin
+  snapstore export-slot 42 /var/lib/llama/slots/moved.bin --for-model /models/model-Q4_K_M.gguf
 """
 
 _PROXY_HELP = """\
@@ -80,6 +92,12 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
                         help="write a snapshot as a slot file llama-server restores")
     pe.add_argument("id", type=int, metavar="ID")
     pe.add_argument("out", metavar="FILE")
+    pe.add_argument("--for-model", metavar="OTHER.gguf", help="write it for a server running this other GGUF "
+                    "(only when its cache layout agrees exactly; an approximation, never an exact restore)")
+    pe.add_argument("--cache-type-k", metavar="T", help="with --for-model: the target's -ctk (default f16)")
+    pe.add_argument("--cache-type-v", metavar="T", help="with --for-model: the target's -ctv (default f16)")
+    pe.add_argument("--no-draft", action="store_true", help="leave out the draft context's state (the SDFT block), "
+                    "for a target that runs no draft model (always left out with --for-model)")
     pp = sub.add_parser("llama-proxy", parents=[common], formatter_class=fmt, description=_PROXY_HELP,
                         help="HTTP proxy giving a running llama-server prefix persistence")
     pp.add_argument("--upstream", required=True, metavar="URL", help="llama-server base URL")
@@ -156,7 +174,7 @@ def cmd_import_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     doc = {"format": FORMAT, "command": "import-slot", "snapshot_id": sv.snapshot_id, "skipped": sv.skipped,
            "parent_id": sv.parent_id, "n_tokens": res.n_tokens, "file_bytes": res.file_bytes,
            "stored_bytes": sv.stored_bytes, "logical_bytes": sv.logical_bytes,
-           "checkpoints_dropped": res.checkpoints_dropped}
+           "checkpoints_dropped": res.checkpoints_dropped, "draft": res.draft}
     if ctx.json:
         ctx.emit_json(doc)
     elif sv.snapshot_id is None:
@@ -197,9 +215,16 @@ def _server_slotstore(args: argparse.Namespace, ctx: CliContext) -> Any:
 def cmd_export_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     """export-slot ID FILE: write the snapshot as a slot file."""
     from snapstore.check.inspect import FORMAT
+    from snapstore.cli.context import UsageError
     from snapstore.llamacpp._slotstore import export_snapshot
 
-    data = export_snapshot(_root(args, create=False), args.id)
+    check = None
+    if args.for_model:
+        check = _for_model_check(args)
+    elif args.cache_type_k or args.cache_type_v:
+        raise UsageError("--cache-type-k/-v only go with --for-model (a plain export writes the snapshot's own types)")
+    data = export_snapshot(_root(args, create=False), args.id, check=check,
+                           draft=not (args.no_draft or args.for_model))
     tmp = args.out + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -209,10 +234,24 @@ def cmd_export_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     os.replace(tmp, args.out)
     if ctx.json:
         ctx.emit_json({"format": FORMAT, "command": "export-slot", "snapshot_id": args.id, "file": args.out,
-                       "bytes": len(data)})
+                       "bytes": len(data), "for_model": args.for_model, "exact": not args.for_model})
     else:
         ctx.line(f"wrote {args.out} ({len(data)} bytes)")
+    if args.for_model:
+        ctx.note(f"snapstore: {args.out} is snapshot {args.id} written for {args.for_model}, whose cache layout "
+                 "agrees; its state was computed with the snapshot's weights, so a restore there is an approximation, "
+                 "not an exact prefix (nothing was stored for that model)")
     return 0
+
+
+def _for_model_check(args: argparse.Namespace) -> Any:
+    """The ``--for-model`` check: the snapshot's cache layout against OTHER's metadata and the target's types."""
+    from snapstore.llamacpp._formodel import check_for_model, type_id
+    from snapstore.llamacpp._identity import model_shape
+
+    other = model_shape(args.for_model)
+    ck, cv = type_id(args.cache_type_k or "f16"), type_id(args.cache_type_v or "f16")
+    return lambda extra: check_for_model(extra, other, args.for_model, cache_k=ck, cache_v=cv)
 
 
 def cmd_llama_proxy(args: argparse.Namespace, ctx: CliContext) -> int:

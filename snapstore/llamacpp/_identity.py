@@ -22,7 +22,7 @@ from snapstore.llamacpp._slotmodel import GGML_TYPES, ModelShape
 from snapstore.llamacpp._slotparts import SlotProto
 
 __all__ = ["BUILD_ENV", "UNKNOWN_BUILDS", "ModelInfo", "build_warning", "file_sha256", "identity_for",
-           "model_info"]
+           "model_info", "model_shape"]
 
 BUILD_ENV = "SNAPSTORE_LLAMA_BUILD"
 _HASHES: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: hashed once per process
@@ -60,6 +60,12 @@ def file_sha256(path: str) -> str:
 def model_info(path: str) -> ModelInfo:
     """Hash a GGUF and read the shape of its caches (``_modelshape``: which layers keep K/V, which
     recurrent state, the sliding window)."""
+    shape = model_shape(path)
+    return ModelInfo(path, file_sha256(path), shape)
+
+
+def model_shape(path: str) -> ModelShape:
+    """The shape of a GGUF's caches, from its metadata alone (no hash: a look at another model)."""
     if not os.path.isfile(path):
         raise InvalidInputError(f"no model file at {path}")
     try:
@@ -70,7 +76,7 @@ def model_info(path: str) -> ModelInfo:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # the gguf reader raises plain ValueError/struct errors on a bad file
         raise InvalidInputError(f"{path} is not a readable GGUF file: {e}") from None
-    return ModelInfo(path, file_sha256(path), shape_of(reader, path))
+    return shape_of(reader, path)
 
 
 UNKNOWN_BUILDS = ("", "b0-unknown", "unknown")  # what builds without version info report as build_info
@@ -93,4 +99,5 @@ def identity_for(model: ModelInfo, build: str, proto: SlotProto, runtime: Mappin
     kv = ",".join(sorted({GGML_TYPES[t[0]][0] for t in proto.kv})) + "/" + \
         ",".join(sorted({GGML_TYPES[t[2]][0] for t in proto.kv}))
     extra: dict[str, Any] = {"engine": "llama.cpp", "arch": model.shape.arch, **proto.to_extra(), **runtime}
-    return Identity(build=build, pack=model.pack, kv=kv, mtp=False, extra=extra)
+    # mtp: the server runs a draft context whose state its slot files carry (the SDFT appendix)
+    return Identity(build=build, pack=model.pack, kv=kv, mtp=proto.draft is not None, extra=extra)

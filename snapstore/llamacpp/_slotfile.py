@@ -25,6 +25,8 @@ import numpy as np
 from snapstore.llamacpp._slotmodel import (
     CKPT_MAGIC,
     CKPT_VERSION,
+    DRAFT_MAGIC,
+    DRAFT_VERSION,
     FORM_PLAIN,
     FORM_SERVER,
     GGML_TYPES,
@@ -32,6 +34,7 @@ from snapstore.llamacpp._slotmodel import (
     MAGIC,
     SERVER_TOKENS_VERSION,
     TOKEN_NULL,
+    DraftKv,
     KvLayer,
     ModelShape,
     RecLayer,
@@ -57,6 +60,7 @@ __all__ = [
     "SlotProto",
     "SwaCache",
     "decode",
+    "decode_draft_kv",
     "empty_parts",
     "encode",
     "from_parts",
@@ -134,8 +138,10 @@ def decode(data: bytes | memoryview, shape: ModelShape, *, what: str = "slot fil
         _decode_attention(r, sf, shape, what)
     if shape.recurrent_layers:
         _decode_rec(r, sf, shape, what)
-    if r.left():
+    if r.left() and r.peek_u32(r.o) != DRAFT_MAGIC:
         _decode_ckpt(r, sf, what)
+    if r.left() and r.peek_u32(r.o) == DRAFT_MAGIC:
+        _decode_draft(r, sf, what)
     if r.left():
         raise SlotFormatError(f"{what}: {r.left()} unexpected bytes after the state at byte {r.o}")
     if sf.n_tokens == 0:
@@ -336,6 +342,38 @@ def _decode_ckpt(r: _Reader, sf: SlotFile, what: str) -> None:
     sf.checkpoints = bytes(r.b[start:r.o])
 
 
+def _decode_draft(r: _Reader, sf: SlotFile, what: str) -> None:
+    """The ``SDFT`` appendix: magic, version, one length-prefixed blob (the draft context's sequence
+    state, ``llama_state_seq_get_data`` of the draft context). The blob is kept verbatim; where it
+    reads as one K/V cache to its last byte it is also decoded (``draft_kv``) so it can be stored
+    as rows. A file without the appendix has ``draft`` None: an empty draft."""
+    r.u32("draft magic")
+    ver = r.u32("draft version")
+    if ver != DRAFT_VERSION:
+        raise SlotFormatError(f"{what}: draft-context block version {ver} is unknown (this codec knows "
+                              f"{DRAFT_VERSION})")
+    size = r.u64("draft state size")
+    sf.draft = bytes(r.take(size, "draft state"))
+    sf.draft_version = ver
+    sf.draft_kv = decode_draft_kv(sf.draft, sf.version, what)
+
+
+def decode_draft_kv(blob: bytes, version: int, what: str = "draft state") -> DraftKv | None:
+    """``blob`` as one K/V cache section (a draft model's memory), or None when it is not exactly one:
+    empty, recurrent, or anything this codec does not know (the blob is then kept as bytes only).
+    The draft model's GGUF is not known here, so row widths are taken as the blob writes them."""
+    if not blob:
+        return None
+    r = _Reader(blob, f"{what}: draft state")
+    probe = SlotFile(version=version, tokens=np.zeros(0, np.int32))
+    try:
+        n_stream, stream, cells, ext, v_trans, layers = _decode_kv(
+            r, probe, ModelShape("draft", 0, ()), r.what, "draft kv", None, 4096)
+    except SlotFormatError:
+        return None
+    return None if r.left() or not layers else DraftKv(n_stream, stream, cells, ext, v_trans, layers)
+
+
 @dataclass
 class _KvOut:
     n_stream: int
@@ -400,4 +438,12 @@ def encode(sf: SlotFile) -> bytes:
             out += struct.pack("<iQ", rl.s_type, rl.s_row)
             out += rl.s
     out += sf.checkpoints
+    draft = sf.draft
+    if draft is None and sf.draft_kv is not None:  # rebuilt from store parts
+        d, blob = sf.draft_kv, bytearray()
+        _encode_kv(blob, sf.version, _KvOut(d.n_stream, d.stream, d.cells, d.v_trans, d.kv))
+        draft = bytes(blob)
+    if draft is not None:
+        out += struct.pack("<IIQ", DRAFT_MAGIC, sf.draft_version, len(draft))
+        out += draft
     return bytes(out)

@@ -17,9 +17,12 @@ from snapstore._errors import CorruptionError
 __all__ = [
     "CKPT_MAGIC",
     "CKPT_VERSION",
+    "DRAFT_MAGIC",
+    "DRAFT_VERSION",
     "FORM_PLAIN",
     "FORM_SERVER",
     "GGML_TYPES",
+    "DraftKv",
     "KNOWN_VERSIONS",
     "MAGIC",
     "SERVER_TOKENS_VERSION",
@@ -38,6 +41,8 @@ TOKEN_NULL = -1
 SERVER_TOKENS_VERSION = 1
 CKPT_MAGIC = 0x504B4353  # 'SCKP': llama-server's persisted context checkpoints
 CKPT_VERSION = 1
+DRAFT_MAGIC = 0x54464453  # 'SDFT': the draft context's sequence state, after the checkpoints
+DRAFT_VERSION = 1
 FORM_PLAIN, FORM_SERVER = 0, 1
 
 # ggml type id -> (name, block size in elements, bytes per block); the K/V/state types a cache
@@ -115,6 +120,19 @@ class SwaCache:
 
 
 @dataclass
+class DraftKv:
+    """The draft context's sequence state (the ``SDFT`` blob) read as one K/V cache: its cells and
+    per-token rows, so it is stored as rows like the target's (a delta over a stored prefix)."""
+
+    n_stream: int
+    stream: int
+    cells: np.ndarray  # int32 [cell][pos, n_seq_id, ext words..., seq_id]
+    cell_ext: int
+    v_trans: int
+    kv: list[KvLayer] = field(default_factory=list)
+
+
+@dataclass
 class SlotFile:
     """A decoded slot file; ``encode(decode(b)) == b``."""
 
@@ -138,6 +156,11 @@ class SlotFile:
     # llama-server context checkpoints (SCKP block), verified and kept verbatim
     checkpoints: bytes = b""
     n_checkpoints: int = 0
+    # the draft-context appendix (SDFT block): the blob verbatim (None: the file has none), its
+    # version, and the blob read as a K/V cache where it is one (None: kept as bytes only)
+    draft: bytes | None = None
+    draft_version: int = DRAFT_VERSION
+    draft_kv: DraftKv | None = None
 
     @property
     def n_tokens(self) -> int:

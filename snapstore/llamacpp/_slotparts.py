@@ -16,7 +16,7 @@ per identity (version, streams, types, row sizes, cell layout, window) and pins 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from snapstore.llamacpp._slotmodel import (
     FORM_PLAIN,
     FORM_SERVER,
     GGML_TYPES,
+    DraftKv,
     KvLayer,
     ModelShape,
     RecLayer,
@@ -34,7 +35,9 @@ from snapstore.llamacpp._slotmodel import (
     SwaCache,
 )
 
-__all__ = ["SlotProto", "empty_parts", "from_parts", "layout_for", "to_parts"]
+__all__ = ["DRAFT", "SlotProto", "empty_parts", "from_parts", "layout_for", "storable_draft", "to_parts"]
+
+DRAFT = "draft"  # the store component of the draft context's state (the SDFT appendix)
 
 # stored dtype of a row stream / fixed part of that type (bytes for the block-quantized ones)
 _DTYPE = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
@@ -64,6 +67,12 @@ def layout_for(proto: SlotProto) -> Layout:
         for j, (kt, kr, vt, vr, _, _) in enumerate(proto.swa):
             rows[f"k.swa.{j}"] = Rows(_dtype(kt), (_elems(kt, kr),))
             rows[f"v.swa.{j}"] = Rows(_dtype(vt), (_elems(vt, vr),))
+    if proto.draft is not None:  # optional: a snapshot without it restores with an empty draft
+        fixed["draft.hdr"] = Fixed("int32", (1,), component=DRAFT)
+        rows["draft.cells"] = Rows("int32", (3 + proto.draft_cell_ext // 4,), component=DRAFT)
+        for j, (kt, kr, vt, vr, _, _) in enumerate(proto.draft):
+            rows[f"draft.k.{j}"] = Rows(_dtype(kt), (_elems(kt, kr),), component=DRAFT)
+            rows[f"draft.v.{j}"] = Rows(_dtype(vt), (_elems(vt, vr),), component=DRAFT)
     if proto.rec is not None:
         fixed["rec.cell"] = Fixed("int32", (3,))
         for il, (rt, rr, st, sr) in zip(proto.recurrent_layers, proto.rec):
@@ -111,8 +120,18 @@ def _u8(b: bytes) -> np.ndarray:
     return np.frombuffer(b, np.uint8)
 
 
-def to_parts(sf: SlotFile, shape: ModelShape, n: int | None = None) -> dict[str, np.ndarray]:
-    """The file's state as store parts (byte views, no copies), cut to its first ``n`` tokens.
+def storable_draft(sf: SlotFile) -> DraftKv | None:
+    """The file's draft state where it can be stored as rows: one K/V cache whose cells are the
+    slot's own positions 0..n-1 (the draft context read the same prompt); else None (not stored)."""
+    d = sf.draft_kv
+    if d is None or len(d.cells) != sf.n_tokens or not np.array_equal(d.cells[:, 0], np.arange(sf.n_tokens)):
+        return None
+    return d
+
+
+def to_parts(sf: SlotFile, shape: ModelShape, n: int | None = None, *, draft: bool = True) -> dict[str, np.ndarray]:
+    """The file's state as store parts (byte views, no copies), cut to its first ``n`` tokens;
+    ``draft``: with the draft component where the file has a storable one.
 
     Cutting is only exact for attention state: a hybrid file's recurrent state and an iSWA file's
     sliding window belong to its last token, so ``n`` must then equal the file's token count.
@@ -140,6 +159,13 @@ def to_parts(sf: SlotFile, shape: ModelShape, n: int | None = None) -> dict[str,
         parts[f"v.{name}"] = _u8(ly.v)[: n * ly.v_row].reshape(n, ly.v_row)
     if sf.swa is not None:
         parts.update(_window_parts(sf.swa, n, proto.cell_words))
+    d = storable_draft(sf) if draft else None
+    if d is not None:
+        parts["draft.hdr"] = np.array([d.stream], np.int32)
+        parts["draft.cells"] = d.cells[:n]
+        for j, ly in enumerate(d.kv):
+            parts[f"draft.k.{j}"] = _u8(ly.k)[: n * ly.k_row].reshape(n, ly.k_row)
+            parts[f"draft.v.{j}"] = _u8(ly.v)[: n * ly.v_row].reshape(n, ly.v_row)
     if sf.rec_cell is not None:
         parts["rec.cell"] = sf.rec_cell
         for il, rl in zip(shape.recurrent_layers, sf.rec):
@@ -160,8 +186,9 @@ def empty_parts(layout: Layout, n: int) -> dict[str, np.ndarray]:
     return out
 
 
-def from_parts(parts: dict[str, np.ndarray], n: int, proto: SlotProto) -> SlotFile:
-    """A slot file of ``n`` tokens from restored parts; ``proto`` carries what the identity fixes."""
+def from_parts(parts: dict[str, np.ndarray], n: int, proto: SlotProto, *, draft: bool = False) -> SlotFile:
+    """A slot file of ``n`` tokens from restored parts; ``proto`` carries what the identity fixes;
+    ``draft``: the restore brought the draft component, so the file carries its ``SDFT`` block."""
     tokens = np.frombuffer(parts["tokens"], np.int32)[:n]
     hdr = np.frombuffer(parts["slot.hdr"], np.int32)
     sf = SlotFile(version=proto.version, tokens=np.asarray(tokens, np.int32), token_form=int(hdr[0]),
@@ -186,6 +213,17 @@ def from_parts(parts: dict[str, np.ndarray], n: int, proto: SlotProto) -> SlotFi
             swa.kv.append(KvLayer(kt, kr, _raw(parts[f"k.swa.{j}"])[lo * kr: n * kr], vt, vr,
                                   _raw(parts[f"v.swa.{j}"])[lo * vr: n * vr], vel, vne))
         sf.swa = swa
+    if draft and proto.draft is not None:
+        dw = 3 + proto.draft_cell_ext // 4
+        dk = DraftKv(proto.draft_n_stream, int(np.frombuffer(parts["draft.hdr"], np.int32)[0]),
+                     np.frombuffer(parts["draft.cells"], np.int32)[: dw * n].reshape(n, dw).copy(),
+                     proto.draft_cell_ext, proto.draft_v_trans)
+        if not 0 <= dk.stream < dk.n_stream:
+            raise SlotFormatError(f"stored draft stream {dk.stream} is out of range")
+        for j, (kt, kr, vt, vr, vel, vne) in enumerate(proto.draft):
+            dk.kv.append(KvLayer(kt, kr, _raw(parts[f"draft.k.{j}"])[: n * kr], vt, vr,
+                                 _raw(parts[f"draft.v.{j}"])[: n * vr], vel, vne))
+        sf.draft_kv, sf.draft_version = dk, proto.draft_version
     if proto.rec is not None:
         sf.rec_cell = np.frombuffer(parts["rec.cell"], np.int32).copy()
         sf.rec_n_layer = proto.rec_n_layer
@@ -211,6 +249,17 @@ class SlotProto:
     swa: tuple[tuple[int, int, int, int, int, int], ...] | None = None  # the sliding-window cache's layers
     swa_v_trans: int = 0
     swa_cap: int = 0  # the model's window: an exported slot carries up to this + 1 sliding-window cells
+    # the draft context's K/V (SDFT appendix), where the server writes one: layers as ``kv``
+    draft: tuple[tuple[int, int, int, int, int, int], ...] | None = None
+    draft_n_stream: int = 0
+    draft_v_trans: int = 0
+    draft_cell_ext: int = 0
+    draft_version: int = 0
+
+    def base(self) -> SlotProto:
+        """These constants without the draft's: what a file must share to be stored under them
+        (its draft is stored only where it has the same draft constants too)."""
+        return replace(self, draft=None, draft_n_stream=0, draft_v_trans=0, draft_cell_ext=0, draft_version=0)
 
     @property
     def cell_words(self) -> int:
@@ -223,11 +272,14 @@ class SlotProto:
         def kv(layers: list[KvLayer]) -> tuple[tuple[int, int, int, int, int, int], ...]:
             return tuple((x.k_type, x.k_row, x.v_type, x.v_row, x.v_el, x.n_embd_v) for x in layers)
 
+        d = storable_draft(sf)
         return cls(sf.version, sf.n_stream, sf.v_trans, shape.attn_layers, kv(sf.kv),
                    shape.recurrent_layers,
                    None if sf.rec_cell is None else tuple((x.r_type, x.r_row, x.s_type, x.s_row) for x in sf.rec),
                    sf.rec_n_layer, sf.cell_ext, None if sf.swa is None else kv(sf.swa.kv),
-                   0 if sf.swa is None else sf.swa.v_trans, 0 if sf.swa is None else shape.n_swa)
+                   0 if sf.swa is None else sf.swa.v_trans, 0 if sf.swa is None else shape.n_swa,
+                   *((None, 0, 0, 0, 0) if d is None else
+                     (kv(d.kv), d.n_stream, d.v_trans, d.cell_ext, sf.draft_version)))
 
     def to_extra(self) -> dict[str, str]:
         """Identity extra keys that pin these constants (canonical text). The keys of the cell
@@ -246,6 +298,9 @@ class SlotProto:
             out["swa_layout"] = ";".join(",".join(map(str, t)) for t in self.swa)
             out["swa_v_trans"] = str(self.swa_v_trans)
             out["swa_window"] = str(self.swa_cap)
+        if self.draft is not None:
+            out["draft_layout"] = ";".join(",".join(map(str, t)) for t in self.draft)
+            out["draft_form"] = f"{self.draft_version},{self.draft_n_stream},{self.draft_v_trans},{self.draft_cell_ext}"
         return out
 
     @classmethod
@@ -259,9 +314,13 @@ class SlotProto:
             rec = None if not rs else tuple(tuple(int(x) for x in t.split(",")) for t in rs.split(";"))
             sw = extra.get("swa_layout")
             swa = None if sw is None else tuple(tuple(int(x) for x in t.split(",")) for t in str(sw).split(";") if t)
+            dl = extra.get("draft_layout")
+            draft = None if dl is None else tuple(tuple(int(x) for x in t.split(",")) for t in str(dl).split(";") if t)
+            form = [int(x) for x in str(extra.get("draft_form", "0,0,0,0")).split(",")]
             return cls(int(str(extra["state_version"])), int(str(extra["n_stream"])), int(str(extra["v_trans"])),
                        attn, kv, recl, rec,  # type: ignore[arg-type]
                        int(str(extra["rec_n_layer"])), int(str(extra.get("cell_ext", 0))),
-                       swa, int(str(extra.get("swa_v_trans", 0))), int(str(extra.get("swa_window", 0))))  # type: ignore[arg-type]
-        except (KeyError, ValueError) as e:
+                       swa, int(str(extra.get("swa_v_trans", 0))), int(str(extra.get("swa_window", 0))),  # type: ignore[arg-type]
+                       draft, form[1], form[2], form[3], form[0])  # type: ignore[arg-type]
+        except (KeyError, ValueError, IndexError) as e:
             raise SnapstoreError(f"identity is not a llama.cpp slot identity: {e}") from None

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from snapstore._config import Budget
@@ -24,8 +24,9 @@ from snapstore._store import Store
 from snapstore.catalog.rows import identity_fields
 from snapstore.llamacpp._identity import ModelInfo, identity_for, model_info
 from snapstore.llamacpp._served import unseen_runtime
+from snapstore.llamacpp._slotckpt import MAX_WRITTEN, checkpoint_block, checkpoint_slots
 from snapstore.llamacpp._slotfile import SlotFile, decode, encode
-from snapstore.llamacpp._slotparts import SlotProto, empty_parts, from_parts, layout_for, to_parts
+from snapstore.llamacpp._slotparts import DRAFT, SlotProto, empty_parts, from_parts, layout_for, to_parts
 from snapstore.llamacpp._slotwindow import fill_from_parent
 
 log = logging.getLogger("snapstore.llamacpp")
@@ -53,21 +54,54 @@ def _identity_extra_of(root: str, sid: int) -> Identity:
         repo.close()
 
 
-def export_snapshot(root: str, sid: int) -> bytes:
-    """The slot file of snapshot ``sid`` (any llama.cpp identity in the store), verified on restore."""
+def export_snapshot(root: str, sid: int, *, check: Callable[[Mapping[str, Any]], object] | None = None,
+                    draft: bool = True) -> bytes:
+    """The slot file of snapshot ``sid`` (any llama.cpp identity in the store), verified on restore;
+    ``check`` is called with the snapshot's identity keys first and refuses by raising (the
+    ``--for-model`` layout check, ``_formodel``); ``draft``: write the draft context's state
+    (``SDFT``) where the snapshot has it (False: a target that does not run that draft). On a
+    hybrid model the snapshot's stored prefixes are written back as llama-server's context
+    checkpoints (``SCKP``, the deepest ``MAX_WRITTEN``): one restore each, so only here, not on
+    the proxy's restore path, which restores the exact prefix a request needs."""
     ident = _identity_extra_of(root, sid)
     if ident.extra.get("engine") != "llama.cpp":
         raise IdentityError(f"snapshot {sid} is not a llama.cpp slot (identity {ident.key})")
+    if check is not None:
+        check(ident.extra)
     proto = SlotProto.from_extra(ident.extra)
     with Store.open(root, identity=ident, layout=layout_for(proto), drop_stale=False) as store:
-        return _export(store, sid, proto)
+        return _export(store, sid, proto, draft=draft, checkpoints=True)
 
 
-def _export(store: Store, ref: SnapshotRef, proto: SlotProto, session: str | None = None) -> bytes:
+def _export(store: Store, ref: SnapshotRef, proto: SlotProto, session: str | None = None, *,
+            draft: bool = True, checkpoints: bool = False) -> bytes:
     n = _n_tokens_of(store, ref)
     dest = empty_parts(store.layout, n)
-    store.restore(ref, into=dest, session=session)
-    return encode(from_parts(dest, n, proto))
+    # without the draft, the draft parts are not read (a snapshot saved without them restores the
+    # rest and reports the component missing: the file then has no SDFT block, an empty draft)
+    got = store.restore(ref, into=dest, session=session, components=None if draft else [])
+    with_draft = draft and proto.draft is not None and DRAFT not in got.missing_components
+    sf = from_parts(dest, n, proto, draft=with_draft)
+    if checkpoints and proto.rec is not None and proto.swa is None:  # a hybrid: its stored prefixes as checkpoints
+        states = _prefix_states(store, got.chain[:-1], proto, session)
+        sf.checkpoints, sf.n_checkpoints = checkpoint_block(states), len(states)
+    return encode(sf)
+
+
+def _prefix_states(store: Store, chain: list[int], proto: SlotProto, session: str | None) -> list[SlotFile]:
+    """The slot at each of the deepest ``MAX_WRITTEN`` snapshots of ``chain`` (the exported one's stored
+    prefixes): each is the exact state at its own position, which llama-server resumes from as a
+    context checkpoint."""
+    sizes = {info.snapshot_id: info.n_tokens for info in store.snapshots()}
+    out = []
+    for sid in chain[-MAX_WRITTEN:]:
+        n = sizes.get(sid)
+        if n is None:
+            continue
+        dest = empty_parts(store.layout, n)
+        store.restore(sid, into=dest, session=session, components=[])
+        out.append(from_parts(dest, n, proto))
+    return out
 
 
 def _n_tokens_of(store: Store, ref: SnapshotRef) -> int:
@@ -90,6 +124,8 @@ class ImportResult:
     n_tokens: int
     file_bytes: int
     checkpoints_dropped: int
+    draft: str = "none"  # the file's draft state: "none" (no SDFT block), "stored", or "dropped" (not storable here)
+    checkpoints: list[SaveResult] = field(default_factory=list)  # the saves of its context checkpoints
 
 
 class SlotStore:
@@ -158,7 +194,7 @@ class SlotStore:
                 self.proto = proto
                 log.info("store %s: identity %s (model %s, build %s, K/V probe %s)", self.store.path, ident.key,
                          self.model.pack, self.build, self.runtime.get("kv_probe", "")[:16])
-            elif proto != self.proto:
+            elif self.proto is None or proto.base() != self.proto.base():
                 raise IdentityError("this slot file was written with other cache settings (types, streams, "
                                     "flash attention or state version) than the store was opened for")
             return self.store
@@ -169,19 +205,34 @@ class SlotStore:
         ``generation``: the identity generation ``sf`` was read under (refused if it moved on)."""
         store = self.open_for(sf, generation)
         n = sf.n_tokens if n is None else n
-        parts = to_parts(sf, self.model.shape, n)
+        parts = to_parts(sf, self.model.shape, n, draft=self.keeps_draft(sf))
         parent: SnapshotRef | str = "auto"
         if sf.swa is not None and self.proto is not None:  # sliding-window rows below the file's window
             parent = fill_from_parent(store, sf.tokens[:n], parts, self.proto, session)
         return store.save(sf.tokens[:n], parts, session=session, parent=parent)
 
+    def keeps_draft(self, sf: SlotFile) -> bool:
+        """True when ``sf``'s draft state is stored with it: a storable draft with the draft constants
+        the store was opened for (the first file fixes them; otherwise the rest is stored, the draft not)."""
+        return self.proto is not None and self.proto.draft is not None and \
+            SlotProto.of(sf, self.model.shape) == self.proto
+
     def import_bytes(self, data: bytes, *, session: str | None = None, what: str = "slot file") -> ImportResult:
         """Decode (every byte checked) and store a slot file; the store is untouched on any error."""
         sf = self.decode(data, what)
+        # each usable context checkpoint first, shortest first: a snapshot at its own position, a
+        # delta over the shorter ones; the file's own state is then a delta over the deepest
+        kept = [self.save(cp) for cp in checkpoint_slots(sf, self.model.shape)]
         res = self.save(sf, session=session)
-        return ImportResult(res, sf.n_tokens, len(data), sf.n_checkpoints)
+        draft = "none" if sf.draft is None else "stored" if self.keeps_draft(sf) else "dropped"
+        if draft == "dropped":
+            log.info("%s: its draft-context state (%d bytes) is not stored: %s", what, len(sf.draft or b""),
+                     "not one K/V cache of the slot's positions" if sf.draft_kv is None or
+                     SlotProto.of(sf, self.model.shape).draft is None else "other draft settings than the store's")
+        return ImportResult(res, sf.n_tokens, len(data), sf.n_checkpoints - len(kept), draft, kept)
 
-    def export_bytes(self, ref: SnapshotRef, *, session: str | None = None, generation: int | None = None) -> bytes:
+    def export_bytes(self, ref: SnapshotRef, *, session: str | None = None, generation: int | None = None,
+                     draft: bool = True) -> bytes:
         """The slot file of a snapshot (a Match, SaveResult or id) of this store; ``session``: the
         conversation restoring it (its own snapshots stay supersedable, Store.restore)."""
         with self._lock:
@@ -189,7 +240,7 @@ class SlotStore:
             store, proto = self.store, self.proto
         if store is None or proto is None:
             raise NotFoundError("nothing stored yet for this model and build")
-        return _export(store, ref, proto, session)
+        return _export(store, ref, proto, session, draft=draft)
 
     def match(self, tokens: Sequence[int], generation: int | None = None) -> Match | None:
         """The longest stored prefix of ``tokens``, or None (also when the identity left ``generation``)."""
