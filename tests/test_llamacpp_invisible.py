@@ -170,3 +170,44 @@ def test_the_server_still_picks_the_slot_that_holds_the_prompt(model, tmp_path, 
     assert direct["timings"]["cache_n"] == direct["tokens_evaluated"] - 1
     assert via["timings"]["cache_n"] == direct["timings"]["cache_n"]
     assert via["content"] == direct["content"]
+
+
+THROUGHPUT = ("llamacpp:prompt_tokens_seconds", "llamacpp:predicted_tokens_seconds")  # reset by every /metrics read
+
+
+def series(url: str) -> dict[str, float]:
+    """Every ``llamacpp:*`` sample but the throughput gauges (a window since the last /metrics read)."""
+    return {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in get(url, "/metrics").decode().splitlines()
+            if ln.startswith("llamacpp:") and ln.split(" ")[0] not in THROUGHPUT}
+
+
+def assert_same_series(got: dict[str, float], want: dict[str, float]) -> None:
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():  # times and averages as the server prints them (6 decimals): rounding aside
+        assert got[k] == pytest.approx(v, abs=1e-5) if "seconds" in k or "per_decode" in k else got[k] == v, k
+
+
+def test_starting_the_proxy_leaves_slots_and_metrics_as_they_were(model, tmp_path):
+    """Item 2: a client of the proxy sees llama-server's ``/slots`` and ``/metrics`` as they were before
+    the proxy started — no task of the identity probe in a slot, none in the counters — and the
+    counters then count the client's requests only. (The first version's start-up capture showed as
+    slot 0's last task and in the counters.)"""
+    slots = str(tmp_path / "slots")
+    with h.llama_server(model, slots, n_parallel=2) as srv:
+        post(srv.url, "/completion", {"prompt": h.text_of(30, 41), "n_predict": 3, "id_slot": 0})
+        before_slots, before = json.loads(get(srv.url, "/slots")), series(srv.url)
+        bridge = LlamaBridge(srv.url, slots, model, store_dir=str(tmp_path / "store"), build=BUILD)
+        bridge.start()
+        try:
+            with h.proxy(bridge) as (url, _):
+                assert json.loads(get(url, "/slots")) == before_slots
+                assert_same_series(series(url), before)
+                done = post(url, "/completion", {"prompt": h.text_of(40, 42), "n_predict": 4})
+                after = series(url)
+                want = {**before, "llamacpp:prompt_tokens_total": before["llamacpp:prompt_tokens_total"]
+                        + done["tokens_evaluated"] - done["timings"]["cache_n"],
+                        "llamacpp:tokens_predicted_total": before["llamacpp:tokens_predicted_total"] + 4}
+                for k in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total"):
+                    assert after[k] == want[k], k
+        finally:
+            bridge.close()

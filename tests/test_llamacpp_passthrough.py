@@ -30,7 +30,6 @@ import helpers_llamacpp as h  # noqa: E402
 
 from snapstore.llamacpp._bridge import LlamaBridge  # noqa: E402
 from snapstore.llamacpp._prompt import tokens_in  # noqa: E402
-from snapstore.llamacpp._served import PROBE_TOKENS  # noqa: E402
 
 BUILD = "test-build-pt"
 KEY = "sekrit-key"
@@ -129,10 +128,6 @@ def gen(out: dict[str, Any]) -> dict[str, Any]:
     return {k: out.get(k) for k in ("content", "tokens_predicted", "tokens_evaluated", "stop_type", "truncated")}
 
 
-# llama-server's task counters: the start-up K/V identity probe (two evaluations of PROBE_TOKENS
-# tokens, n_predict 0) is counted in these, and shows as its slot's last task in /slots (docs/cli.md)
-PROBE_COUNTED = {"llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total", "llamacpp:n_decode_total",
-                 "llamacpp:n_tokens_max", "llamacpp:n_busy_slots_per_decode"}
 SLOT_STATE = ("id", "n_ctx", "speculative", "is_processing")  # what /slots says of a slot, not of its last task
 
 
@@ -238,7 +233,7 @@ def test_cancel(model, tmp_path, via, stream, caplog):
 def test_slots_tokenize_templates(model, tmp_path, via):
     with target(via, model, tmp_path) as t:
         st, hdrs, body = call(t.url, "GET", "/slots")
-        same("slots.fresh", (st, slot_states(body)))  # the start-up probe's task aside (docs/cli.md)
+        same("slots.fresh", (st, json.loads(body)))  # no start-up probe's task shows
         text = h.text_of(20, 4)
         tok = json.loads(call(t.url, "POST", "/tokenize", {"content": text, "with_pieces": True})[2])
         ids = [p["id"] for p in tok["tokens"]]
@@ -265,10 +260,9 @@ def test_metrics(model, tmp_path, via):
         text = body.decode()
         series = {ln.split(" ")[0]: ln.split(" ")[1] for ln in text.splitlines()
                   if ln.startswith("llamacpp:") and "seconds" not in ln}
-        counts = {k: v for k, v in series.items() if k not in PROBE_COUNTED}
+        counts = {k: v for k, v in series.items() if "per_decode" not in k}
         same("metrics", (st, hdrs.get("content-type"), sorted(series), counts))  # the server's series, its counts
-        probe = 2 * PROBE_TOKENS if via == "proxy" else 0  # the start-up identity probe (docs/cli.md)
-        assert series["llamacpp:prompt_tokens_total"] == str(done["tokens_evaluated"] + probe)
+        assert series["llamacpp:prompt_tokens_total"] == str(done["tokens_evaluated"])  # no probe counted
         if via == "proxy":
             assert text.index("llamacpp:") < text.index("snapstore_llama_requests_total")
 
@@ -366,7 +360,8 @@ def test_no_restore_over_a_slot_that_holds_more(model, tmp_path):
 
 def test_start_leaves_every_slot_cache_as_it_was(model, tmp_path):
     """Starting the proxy (the identity's K/V probe in an idle slot) leaves what every slot holds as it
-    was, no file behind, and no cached-token count changed: only the task counters count the probe."""
+    was, no file behind, and no cached-token count changed (the probe's task, which only the server
+    itself shows, is taken out of what the proxy serves: tests/test_llamacpp_invisible.py)."""
     slots = str(tmp_path / "slots")
 
     def held(srv: Any) -> list[list[int]]:

@@ -5,7 +5,8 @@ Content-Length or chunked, Keep-Alive) and body as they arrive, errors untouched
 ``timings.cache_n`` (and the times) when a restore spared the server some reading. Completion and
 chat completion requests also go through ``LlamaBridge`` (restore before, save after; a request
 with ``cache_prompt: false`` is left alone). A client that disconnects cancels the upstream request
-at once. ``/metrics`` serves llama-server's own series, then the proxy's. With ``--api-key`` the
+at once. ``/metrics`` serves llama-server's own series, then the proxy's; ``/metrics`` and ``/slots`` come
+without what the identity probe left in them (``_trace``). With ``--api-key`` the
 proxy does its own work only for requests carrying the key; any other request is passed through
 as it came, so llama-server answers it (401) itself. aiohttp serves and forwards; the bridge's
 store and slot work runs on a thread pool of its own, where no job waits for another.
@@ -100,8 +101,20 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
         if status != 200:  # the server serves no metrics: the proxy's alone
             return web.Response(body=ours, headers={"Content-Type": ctype})
         out = _response_headers(up_headers)
+        theirs = bridge.watch.trace.metrics(theirs.decode(errors="replace")).encode()  # the probes taken out
         return web.Response(body=theirs + (b"" if theirs.endswith(b"\n") or not theirs else b"\n") + ours,
                             headers=out)
+
+    async def slots_handler(request: web.Request) -> web.StreamResponse:
+        """``GET /slots``: the server's answer, each identity-probe slot shown as it was before its probe."""
+        if not authorized(request.headers, bridge.api_key):
+            return await passthrough(request)
+        client = request.app[client_key]
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_REQUEST}
+        async with client.get(bridge.upstream + request.rel_url.path_qs, headers=headers) as up:
+            theirs, status, up_headers = await up.read(), up.status, up.headers
+        body = bridge.watch.trace.slots(theirs) if status == 200 else theirs
+        return web.Response(status=status, body=body, headers=_response_headers(up_headers))
 
     async def passthrough(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -164,6 +177,7 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/slots", slots_handler)
     app.router.add_route("*", "/{tail:.*}", passthrough)
     return app
 
