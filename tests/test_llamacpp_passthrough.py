@@ -268,6 +268,19 @@ def test_metrics(model, tmp_path, via):
 
 
 @pytest.mark.parametrize("via", VIA)
+def test_metrics_disabled(model, tmp_path, via):
+    """A server without --metrics answers 501 through the proxy too (llama.cpp's test_metrics_disabled;
+    the proxy's own series are served only beside the server's)."""
+    def off(p: Any) -> None:
+        p.endpoint_metrics = False
+
+    with target(via, model, tmp_path, tweak=off) as t:
+        st, hdrs, body = call(t.url, "GET", "/metrics")
+        assert st == 501
+        same("metrics.disabled", (st, json.loads(body), framing(hdrs, body)))
+
+
+@pytest.mark.parametrize("via", VIA)
 def test_api_key(model, tmp_path, via):
     with target(via, model, tmp_path, api_key=KEY) as t:
         bearer, xkey = {"Authorization": f"Bearer {KEY}"}, {"X-Api-Key": KEY}

@@ -92,14 +92,12 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_REQUEST}
         async with client.get(bridge.upstream + request.rel_url.path_qs, headers=headers) as up:
             theirs, status, up_headers = await up.read(), up.status, up.headers
+        if status != 200:  # the server's answer stands: bad credentials, or no --metrics (501)
+            return web.Response(status=status, body=theirs, headers=_response_headers(up_headers))
         store = bridge.slots.store
         stats = await asyncio.to_thread(store.stats) if store is not None else None
         metrics.refresh(stats)
-        ours, ctype = metrics.render()
-        if status in (401, 403):  # the server's answer to these credentials stands
-            return web.Response(status=status, body=theirs, headers=_response_headers(up_headers))
-        if status != 200:  # the server serves no metrics: the proxy's alone
-            return web.Response(body=ours, headers={"Content-Type": ctype})
+        ours, _ = metrics.render()
         out = _response_headers(up_headers)
         theirs = bridge.watch.trace.metrics(theirs.decode(errors="replace")).encode()  # the probes taken out
         return web.Response(body=theirs + (b"" if theirs.endswith(b"\n") or not theirs else b"\n") + ours,
