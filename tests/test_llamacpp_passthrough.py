@@ -412,3 +412,30 @@ def test_storer_thread_ends_with_bridge(model, tmp_path):
     with target("proxy", model, tmp_path) as t:
         call(t.url, "POST", "/completion", {"prompt": h.text_of(30, 13), "n_predict": 2})
     assert not [th for th in threading.enumerate() if th.name == "snapstore-llama-storer"]
+
+
+@pytest.mark.parametrize("via", VIA)
+def test_metrics_read_after_a_response_is_stable(model, tmp_path, via):
+    """A /metrics read right after a response and one a while later (no request between) are equal
+    (llama.cpp's test_server_sleep_read_only_endpoints): the proxy's own series already count that
+    response's save, which lands in the background. The store is held busy by another writer for a
+    moment, so the save lands only after the response; before, the first read did not count it."""
+    import apsw
+
+    def settled(text: str) -> list[str]:  # the throughput gauges: a window since the last read
+        return [ln for ln in text.splitlines() if not ln.startswith(("llamacpp:prompt_tokens_seconds",
+                                                                     "llamacpp:predicted_tokens_seconds"))]
+
+    with target(via, model, tmp_path) as t:
+        hold = None
+        if t.bridge is not None:  # another writer holds the store's database for 0.5 s
+            hold = apsw.Connection(os.path.join(str(tmp_path / "store"), "snapstore.db"))
+            hold.execute("BEGIN IMMEDIATE")
+            threading.Timer(0.5, lambda: hold.execute("COMMIT")).start()
+        call(t.url, "POST", "/completion", {"prompt": h.text_of(120, 50), "n_predict": 2})
+        first = call(t.url, "GET", "/metrics")[2].decode()
+        time.sleep(1.0)  # the save has landed by now either way
+        second = call(t.url, "GET", "/metrics")[2].decode()
+        assert settled(first) == settled(second)
+        if hold is not None:
+            hold.close()

@@ -94,6 +94,10 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
             theirs, status, up_headers = await up.read(), up.status, up.headers
         if status != 200:  # the server's answer stands: bad credentials, or no --metrics (501)
             return web.Response(status=status, body=theirs, headers=_response_headers(up_headers))
+        # the proxy's series count the saves of every request answered before this read (they land
+        # in the background a few ms after the response), so that two reads with no request between
+        # them are equal, as the server's are (llama.cpp's test_server_sleep_read_only_endpoints)
+        await in_pool(bridge.wait_landed, 2.0)
         store = bridge.slots.store
         stats = await asyncio.to_thread(store.stats) if store is not None else None
         metrics.refresh(stats)
