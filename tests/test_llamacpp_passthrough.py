@@ -416,10 +416,11 @@ def test_storer_thread_ends_with_bridge(model, tmp_path):
 
 @pytest.mark.parametrize("via", VIA)
 def test_metrics_read_after_a_response_is_stable(model, tmp_path, via):
-    """A /metrics read right after a response and one a while later (no request between) are equal
-    (llama.cpp's test_server_sleep_read_only_endpoints): the proxy's own series already count that
-    response's save, which lands in the background. The store is held busy by another writer for a
-    moment, so the save lands only after the response; before, the first read did not count it."""
+    """A /metrics read right after a response and one a while later, with only read-only requests
+    between, are equal (llama.cpp's test_server_sleep_read_only_endpoints): the proxy's own series
+    already count that response's save, which lands in the background, and count no /props or
+    /health poll. The store is held busy by another writer for a moment, so the save lands only
+    after the response; before, the first read did not count it (and every poll was counted)."""
     import apsw
 
     def settled(text: str) -> list[str]:  # the throughput gauges: a window since the last read
@@ -435,6 +436,8 @@ def test_metrics_read_after_a_response_is_stable(model, tmp_path, via):
         call(t.url, "POST", "/completion", {"prompt": h.text_of(120, 50), "n_predict": 2})
         first = call(t.url, "GET", "/metrics")[2].decode()
         time.sleep(1.0)  # the save has landed by now either way
+        for path in ("/props", "/health", "/slots", "/v1/models"):  # what polls a server: no task, no count
+            call(t.url, "GET", path)
         second = call(t.url, "GET", "/metrics")[2].decode()
         assert settled(first) == settled(second)
         if hold is not None:

@@ -28,6 +28,7 @@ from ._metrics import BridgeMetrics
 from ._prompt import CHAT_PATHS, COMPLETION_PATHS
 
 if TYPE_CHECKING:
+    from aiohttp import web
     from multidict import CIMultiDict
 
 __all__ = ["make_app", "run_proxy"]
@@ -93,7 +94,8 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
         async with client.get(bridge.upstream + request.rel_url.path_qs, headers=headers) as up:
             theirs, status, up_headers = await up.read(), up.status, up.headers
         if status != 200:  # the server's answer stands: bad credentials, or no --metrics (501)
-            return web.Response(status=status, body=theirs, headers=_response_headers(up_headers))
+            return _answer(web.Response(status=status, body=theirs, headers=_response_headers(up_headers)),
+                           up_headers)
         # the proxy's series count the saves of every request answered before this read (they land
         # in the background a few ms after the response), so that two reads with no request between
         # them are equal, as the server's are (llama.cpp's test_server_sleep_read_only_endpoints)
@@ -104,8 +106,8 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
         ours, _ = metrics.render()
         out = _response_headers(up_headers)
         theirs = bridge.watch.trace.metrics(theirs.decode(errors="replace")).encode()  # the probes taken out
-        return web.Response(body=theirs + (b"" if theirs.endswith(b"\n") or not theirs else b"\n") + ours,
-                            headers=out)
+        return _answer(web.Response(body=theirs + (b"" if theirs.endswith(b"\n") or not theirs else b"\n") + ours,
+                                    headers=out), up_headers)
 
     async def slots_handler(request: web.Request) -> web.StreamResponse:
         """``GET /slots``: the server's answer, each identity-probe slot shown as it was before its probe."""
@@ -116,14 +118,15 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
         async with client.get(bridge.upstream + request.rel_url.path_qs, headers=headers) as up:
             theirs, status, up_headers = await up.read(), up.status, up.headers
         body = bridge.watch.trace.slots(theirs) if status == 200 else theirs
-        return web.Response(status=status, body=body, headers=_response_headers(up_headers))
+        return _answer(web.Response(status=status, body=body, headers=_response_headers(up_headers)), up_headers)
 
     async def passthrough(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         path = request.path
         plan: Plan | None = None
         kind = "chat" if path in CHAT_PATHS else "completion" if path in COMPLETION_PATHS else "other"
-        metrics.requests.labels(kind=kind).inc()
+        if kind != "other":  # the proxy's series move with the requests it works on only, as the
+            metrics.requests.labels(kind=kind).inc()  # server's do with tasks (not /props, /health...)
         if kind != "other" and request.method == "POST" and authorized(request.headers, bridge.api_key):
             try:
                 parsed = json.loads(body or b"null")
@@ -194,6 +197,13 @@ async def _open(client: Any, method: str, url: str, headers: Mapping[str, str], 
     except (ClientOSError, ServerDisconnectedError) as e:
         log.info("upstream connection closed under %s %s (%s): sent again", method, url, e)
         return await client.request(method, url, headers=headers, data=body)
+
+
+def _answer(resp: web.Response, up_headers: Mapping[str, str]) -> web.Response:
+    """``resp`` closing the client's connection after it when the server closed its own (its framing)."""
+    if up_headers.get("Connection", "").lower() == "close":
+        resp.force_close()
+    return resp
 
 
 def _response_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
