@@ -20,13 +20,13 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from .._config import Budget
 from .._errors import InvalidInputError, SnapstoreError, StateError
 from ._identity import ModelInfo
+from ._plan import BridgeEvents, Plan
 from ._prompt import CHAT_PATHS, prompt_of
 from ._prompt import lcp as _lcp
 from ._prompt import tokens_in as _tokens_in
@@ -34,46 +34,13 @@ from ._served import request_unkeyable
 from ._slotfile import SlotFile, SlotFormatError
 from ._slotstore import ImportResult, SlotStore, export_snapshot
 from ._storer import Storer
-from ._upstream import JsonObject, LlamaServer, UpstreamError
+from ._upstream import LlamaServer, UpstreamError
 from ._watch import IdentityWatch
 
 # ImportResult and export_snapshot lived here before the split: kept importable from here
 __all__ = ["BridgeEvents", "ImportResult", "LlamaBridge", "Plan", "SlotStore", "UpstreamError", "export_snapshot"]
 
 log = logging.getLogger("snapstore.llamacpp")
-
-
-@dataclass
-class BridgeEvents:
-    """Callbacks for metrics: each gets the decision's facts (all optional)."""
-
-    on_restore: Callable[[int, float, int], None] | None = None  # tokens, seconds, bytes
-    on_miss: Callable[[], None] | None = None
-    on_save: Callable[[int, float, int], None] | None = None  # tokens, seconds, stored bytes
-    on_skip: Callable[[str], None] | None = None  # reason
-
-
-@dataclass
-class Plan:
-    """One request's prompt tokens and boundaries, from ``LlamaBridge.before``.
-
-    ``slot`` is the slot the bridge put the request in (it restored into it, or the client named
-    it); None: the server picks, and ``after`` learns which from the response or ``/slots``.
-    """
-
-    body: JsonObject
-    slot: int | None = None
-    tokens: list[int] = field(default_factory=list)
-    system_end: int = 0
-    session: str | None = None
-    kind: str = "completion"  # what a save of the whole prompt is logged as: "completion prompt" / "conversation"
-    restored: int = 0
-    done: bool = False
-    reserved: bool = False
-    ticket: int = 0  # 0: not yet open (before() gives it one); -1: released
-    generation: int | None = None  # the identity it was planned under (None: nothing restored or saved)
-    served: str = ""  # the server's signature then (_served.Served.signature)
-    landing: int = 0  # its ticket once answered, until its save has landed or was given up (0: none)
 
 
 class LlamaBridge:
