@@ -30,7 +30,6 @@ import helpers_llamacpp as h  # noqa: E402
 
 from snapstore.llamacpp._bridge import LlamaBridge  # noqa: E402
 from snapstore.llamacpp._prompt import tokens_in  # noqa: E402
-from snapstore.llamacpp._served import PROBE_TOKENS  # noqa: E402
 
 BUILD = "test-build-pt"
 KEY = "sekrit-key"
@@ -129,10 +128,6 @@ def gen(out: dict[str, Any]) -> dict[str, Any]:
     return {k: out.get(k) for k in ("content", "tokens_predicted", "tokens_evaluated", "stop_type", "truncated")}
 
 
-# llama-server's task counters: the start-up K/V identity probe (two evaluations of PROBE_TOKENS
-# tokens, n_predict 0) is counted in these, and shows as its slot's last task in /slots (docs/cli.md)
-PROBE_COUNTED = {"llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total", "llamacpp:n_decode_total",
-                 "llamacpp:n_tokens_max", "llamacpp:n_busy_slots_per_decode"}
 SLOT_STATE = ("id", "n_ctx", "speculative", "is_processing")  # what /slots says of a slot, not of its last task
 
 
@@ -238,7 +233,7 @@ def test_cancel(model, tmp_path, via, stream, caplog):
 def test_slots_tokenize_templates(model, tmp_path, via):
     with target(via, model, tmp_path) as t:
         st, hdrs, body = call(t.url, "GET", "/slots")
-        same("slots.fresh", (st, slot_states(body)))  # the start-up probe's task aside (docs/cli.md)
+        same("slots.fresh", (st, json.loads(body)))  # no start-up probe's task shows
         text = h.text_of(20, 4)
         tok = json.loads(call(t.url, "POST", "/tokenize", {"content": text, "with_pieces": True})[2])
         ids = [p["id"] for p in tok["tokens"]]
@@ -265,12 +260,24 @@ def test_metrics(model, tmp_path, via):
         text = body.decode()
         series = {ln.split(" ")[0]: ln.split(" ")[1] for ln in text.splitlines()
                   if ln.startswith("llamacpp:") and "seconds" not in ln}
-        counts = {k: v for k, v in series.items() if k not in PROBE_COUNTED}
+        counts = {k: v for k, v in series.items() if "per_decode" not in k}
         same("metrics", (st, hdrs.get("content-type"), sorted(series), counts))  # the server's series, its counts
-        probe = 2 * PROBE_TOKENS if via == "proxy" else 0  # the start-up identity probe (docs/cli.md)
-        assert series["llamacpp:prompt_tokens_total"] == str(done["tokens_evaluated"] + probe)
+        assert series["llamacpp:prompt_tokens_total"] == str(done["tokens_evaluated"])  # no probe counted
         if via == "proxy":
             assert text.index("llamacpp:") < text.index("snapstore_llama_requests_total")
+
+
+@pytest.mark.parametrize("via", VIA)
+def test_metrics_disabled(model, tmp_path, via):
+    """A server without --metrics answers 501 through the proxy too (llama.cpp's test_metrics_disabled;
+    the proxy's own series are served only beside the server's)."""
+    def off(p: Any) -> None:
+        p.endpoint_metrics = False
+
+    with target(via, model, tmp_path, tweak=off) as t:
+        st, hdrs, body = call(t.url, "GET", "/metrics")
+        assert st == 501
+        same("metrics.disabled", (st, json.loads(body), framing(hdrs, body)))
 
 
 @pytest.mark.parametrize("via", VIA)
@@ -366,7 +373,8 @@ def test_no_restore_over_a_slot_that_holds_more(model, tmp_path):
 
 def test_start_leaves_every_slot_cache_as_it_was(model, tmp_path):
     """Starting the proxy (the identity's K/V probe in an idle slot) leaves what every slot holds as it
-    was, no file behind, and no cached-token count changed: only the task counters count the probe."""
+    was, no file behind, and no cached-token count changed (the probe's task, which only the server
+    itself shows, is taken out of what the proxy serves: tests/test_llamacpp_invisible.py)."""
     slots = str(tmp_path / "slots")
 
     def held(srv: Any) -> list[list[int]]:
@@ -404,3 +412,33 @@ def test_storer_thread_ends_with_bridge(model, tmp_path):
     with target("proxy", model, tmp_path) as t:
         call(t.url, "POST", "/completion", {"prompt": h.text_of(30, 13), "n_predict": 2})
     assert not [th for th in threading.enumerate() if th.name == "snapstore-llama-storer"]
+
+
+@pytest.mark.parametrize("via", VIA)
+def test_metrics_read_after_a_response_is_stable(model, tmp_path, via):
+    """A /metrics read right after a response and one a while later, with only read-only requests
+    between, are equal (llama.cpp's test_server_sleep_read_only_endpoints): the proxy's own series
+    already count that response's save, which lands in the background, and count no /props or
+    /health poll. The store is held busy by another writer for a moment, so the save lands only
+    after the response; before, the first read did not count it (and every poll was counted)."""
+    import apsw
+
+    def settled(text: str) -> list[str]:  # the throughput gauges: a window since the last read
+        return [ln for ln in text.splitlines() if not ln.startswith(("llamacpp:prompt_tokens_seconds",
+                                                                     "llamacpp:predicted_tokens_seconds"))]
+
+    with target(via, model, tmp_path) as t:
+        hold = None
+        if t.bridge is not None:  # another writer holds the store's database for 0.5 s
+            hold = apsw.Connection(os.path.join(str(tmp_path / "store"), "snapstore.db"))
+            hold.execute("BEGIN IMMEDIATE")
+            threading.Timer(0.5, lambda: hold.execute("COMMIT")).start()
+        call(t.url, "POST", "/completion", {"prompt": h.text_of(120, 50), "n_predict": 2})
+        first = call(t.url, "GET", "/metrics")[2].decode()
+        time.sleep(1.0)  # the save has landed by now either way
+        for path in ("/props", "/health", "/slots", "/v1/models"):  # what polls a server: no task, no count
+            call(t.url, "GET", path)
+        second = call(t.url, "GET", "/metrics")[2].decode()
+        assert settled(first) == settled(second)
+        if hold is not None:
+            hold.close()

@@ -20,13 +20,13 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from snapstore._config import Budget
 from snapstore._errors import InvalidInputError, SnapstoreError, StateError
 from snapstore.llamacpp._identity import ModelInfo
+from snapstore.llamacpp._plan import BridgeEvents, Plan
 from snapstore.llamacpp._prompt import CHAT_PATHS, prompt_of
 from snapstore.llamacpp._prompt import lcp as _lcp
 from snapstore.llamacpp._prompt import tokens_in as _tokens_in
@@ -35,45 +35,13 @@ from snapstore.llamacpp._slotmodel import SlotFile, SlotFormatError
 from snapstore.llamacpp._slotstore import ImportResult, SlotStore, export_snapshot
 from snapstore.llamacpp._slotwindow import capture
 from snapstore.llamacpp._storer import Storer
-from snapstore.llamacpp._upstream import JsonObject, LlamaServer, UpstreamError
+from snapstore.llamacpp._upstream import LlamaServer, UpstreamError
 from snapstore.llamacpp._watch import IdentityWatch
 
 # ImportResult and export_snapshot lived here before the split: kept importable from here
 __all__ = ["BridgeEvents", "ImportResult", "LlamaBridge", "Plan", "SlotStore", "UpstreamError", "export_snapshot"]
 
 log = logging.getLogger("snapstore.llamacpp")
-
-
-@dataclass
-class BridgeEvents:
-    """Callbacks for metrics: each gets the decision's facts (all optional)."""
-
-    on_restore: Callable[[int, float, int], None] | None = None  # tokens, seconds, bytes
-    on_miss: Callable[[], None] | None = None
-    on_save: Callable[[int, float, int], None] | None = None  # tokens, seconds, stored bytes
-    on_skip: Callable[[str], None] | None = None  # reason
-
-
-@dataclass
-class Plan:
-    """One request's prompt tokens and boundaries, from ``LlamaBridge.before``.
-
-    ``slot`` is the slot the bridge put the request in (it restored into it, or the client named
-    it); None: the server picks, and ``after`` learns which from the response or ``/slots``.
-    """
-
-    body: JsonObject
-    slot: int | None = None
-    tokens: list[int] = field(default_factory=list)
-    system_end: int = 0
-    session: str | None = None
-    kind: str = "completion"  # what a save of the whole prompt is logged as: "completion prompt" / "conversation"
-    restored: int = 0
-    done: bool = False
-    reserved: bool = False
-    ticket: int = 0  # 0: not yet open (before() gives it one); -1: released
-    generation: int | None = None  # the identity it was planned under (None: nothing restored or saved)
-    served: str = ""  # the server's signature then (_served.Served.signature)
 
 
 class LlamaBridge:
@@ -104,6 +72,7 @@ class LlamaBridge:
         self._used = [0.0] * self.n_slots
         self._reserved: set[int] = set()  # slots the bridge restored into, until their request is done
         self._answered: dict[int, list[int]] = {}  # prompts answered in a slot the server picked, not yet copied
+        self._landing: set[int] = set()  # answered requests whose save has not landed yet (wait_landed)
         self._tickets = itertools.count(1)
         self._pick = threading.Lock()
         self._settled = threading.Condition(self._pick)
@@ -279,6 +248,23 @@ class LlamaBridge:
         with self._pick:
             if plan.ticket > 0:
                 self._answered[plan.ticket] = plan.tokens
+                plan.landing = plan.ticket
+                self._landing.add(plan.ticket)
+
+    def _landed(self, plan: Plan) -> None:
+        """``plan``'s save is stored, skipped or given up: a ``wait_landed`` need not wait for it."""
+        with self._pick:
+            if plan.landing:
+                self._landing.discard(plan.landing)
+                plan.landing = 0
+                self._settled.notify_all()
+
+    def wait_landed(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until the saves of the requests answered so far have landed, so
+        that the proxy's series in a /metrics read after a response count that response's save."""
+        with self._settled:
+            target = set(self._landing)
+            self._settled.wait_for(lambda: not (target & self._landing), timeout)
 
     def _maybe_restore(self, plan: Plan, wanted: Any) -> None:
         m = self.slots.match(plan.tokens, plan.generation)  # an exact repeat too: the server reads its last token
@@ -392,33 +378,43 @@ class LlamaBridge:
         if plan.done:
             return
         plan.done = True
+        queued = False
+        try:
+            queued = self._copy_and_queue(plan, ok, served_slot, cancelled)
+        finally:
+            if not queued:
+                self._landed(plan)
+
+    def _copy_and_queue(self, plan: Plan, ok: bool, served_slot: int | None, cancelled: bool) -> bool:
+        """``after``'s work: True when a copy of the slot was handed to the storer."""
         try:
             if plan.generation is None:  # declined or refused: what its slot holds now is not known here
                 if plan.slot is not None:
                     self._known[plan.slot] = []
-                return
+                return False
             if not (ok or cancelled) or len(plan.tokens) < 2:
-                return
+                return False
             if self.hybrid:
                 if plan.slot is not None:
                     self._known[plan.slot] = []  # generation moved it on; what exactly, only the server knows
-                return
+                return False
             copied = self._copy_out(plan, served_slot)
             if copied is None:
                 log.info("no save: no idle slot holds the request's prompt")
-                return
+                return False
             slot, data = copied
             if not self.watch.unchanged(plan.generation, plan.served):  # read from another server or setting
                 log.info("slot %d: save skipped: llama-server changed since the request", slot)
                 self._skip("identity_changed")
-                return
+                return False
         except (SnapstoreError, SlotFormatError, InvalidInputError) as e:
             log.warning("slot %s: save skipped: %s", plan.slot, e)
             self._skip("save_error")
-            return
+            return False
         finally:
             self.release(plan)
         self.storer.put((plan, slot, data, cancelled))
+        return True
 
     def _store_job(self, job: tuple[Plan, int, bytes, bool]) -> None:
         """Decode a copied slot and store the boundaries it holds (the storer's thread)."""
@@ -438,10 +434,13 @@ class LlamaBridge:
         except (SnapstoreError, SlotFormatError, InvalidInputError) as e:
             log.warning("slot %d: save skipped: %s", slot, e)
             self._skip("save_error")
+        finally:
+            self._landed(plan)
 
     def _dropped(self, job: tuple[Plan, int, bytes, bool]) -> None:
         log.warning("slot %d: save skipped: the background store is %d saves behind", job[1], Storer.DEPTH)
         self._skip("busy")
+        self._landed(job[0])
 
     def release(self, plan: Plan) -> None:
         """Free the plan's reservation (always call it; twice is harmless)."""

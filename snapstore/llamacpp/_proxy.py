@@ -5,7 +5,8 @@ Content-Length or chunked, Keep-Alive) and body as they arrive, errors untouched
 ``timings.cache_n`` (and the times) when a restore spared the server some reading. Completion and
 chat completion requests also go through ``LlamaBridge`` (restore before, save after; a request
 with ``cache_prompt: false`` is left alone). A client that disconnects cancels the upstream request
-at once. ``/metrics`` serves llama-server's own series, then the proxy's. With ``--api-key`` the
+at once. ``/metrics`` serves llama-server's own series, then the proxy's; ``/metrics`` and ``/slots`` come
+without what the identity probe left in them (``_trace``). With ``--api-key`` the
 proxy does its own work only for requests carrying the key; any other request is passed through
 as it came, so llama-server answers it (401) itself. aiohttp serves and forwards; the bridge's
 store and slot work runs on a thread pool of its own, where no job waits for another.
@@ -27,6 +28,7 @@ from snapstore.llamacpp._metrics import BridgeMetrics
 from snapstore.llamacpp._prompt import CHAT_PATHS, COMPLETION_PATHS
 
 if TYPE_CHECKING:
+    from aiohttp import web
     from multidict import CIMultiDict
 
 __all__ = ["make_app", "run_proxy"]
@@ -91,24 +93,40 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_REQUEST}
         async with client.get(bridge.upstream + request.rel_url.path_qs, headers=headers) as up:
             theirs, status, up_headers = await up.read(), up.status, up.headers
+        if status != 200:  # the server's answer stands: bad credentials, or no --metrics (501)
+            return _answer(web.Response(status=status, body=theirs, headers=_response_headers(up_headers)),
+                           up_headers)
+        # the proxy's series count the saves of every request answered before this read (they land
+        # in the background a few ms after the response), so that two reads with no request between
+        # them are equal, as the server's are (llama.cpp's test_server_sleep_read_only_endpoints)
+        await in_pool(bridge.wait_landed, 2.0)
         store = bridge.slots.store
         stats = await asyncio.to_thread(store.stats) if store is not None else None
         metrics.refresh(stats)
-        ours, ctype = metrics.render()
-        if status in (401, 403):  # the server's answer to these credentials stands
-            return web.Response(status=status, body=theirs, headers=_response_headers(up_headers))
-        if status != 200:  # the server serves no metrics: the proxy's alone
-            return web.Response(body=ours, headers={"Content-Type": ctype})
+        ours, _ = metrics.render()
         out = _response_headers(up_headers)
-        return web.Response(body=theirs + (b"" if theirs.endswith(b"\n") or not theirs else b"\n") + ours,
-                            headers=out)
+        theirs = bridge.watch.trace.metrics(theirs.decode(errors="replace")).encode()  # the probes taken out
+        return _answer(web.Response(body=theirs + (b"" if theirs.endswith(b"\n") or not theirs else b"\n") + ours,
+                                    headers=out), up_headers)
+
+    async def slots_handler(request: web.Request) -> web.StreamResponse:
+        """``GET /slots``: the server's answer, each identity-probe slot shown as it was before its probe."""
+        if not authorized(request.headers, bridge.api_key):
+            return await passthrough(request)
+        client = request.app[client_key]
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_REQUEST}
+        async with client.get(bridge.upstream + request.rel_url.path_qs, headers=headers) as up:
+            theirs, status, up_headers = await up.read(), up.status, up.headers
+        body = bridge.watch.trace.slots(theirs) if status == 200 else theirs
+        return _answer(web.Response(status=status, body=body, headers=_response_headers(up_headers)), up_headers)
 
     async def passthrough(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         path = request.path
         plan: Plan | None = None
         kind = "chat" if path in CHAT_PATHS else "completion" if path in COMPLETION_PATHS else "other"
-        metrics.requests.labels(kind=kind).inc()
+        if kind != "other":  # the proxy's series move with the requests it works on only, as the
+            metrics.requests.labels(kind=kind).inc()  # server's do with tasks (not /props, /health...)
         if kind != "other" and request.method == "POST" and authorized(request.headers, bridge.api_key):
             try:
                 parsed = json.loads(body or b"null")
@@ -164,6 +182,7 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/slots", slots_handler)
     app.router.add_route("*", "/{tail:.*}", passthrough)
     return app
 
@@ -178,6 +197,13 @@ async def _open(client: Any, method: str, url: str, headers: Mapping[str, str], 
     except (ClientOSError, ServerDisconnectedError) as e:
         log.info("upstream connection closed under %s %s (%s): sent again", method, url, e)
         return await client.request(method, url, headers=headers, data=body)
+
+
+def _answer(resp: web.Response, up_headers: Mapping[str, str]) -> web.Response:
+    """``resp`` closing the client's connection after it when the server closed its own (its framing)."""
+    if up_headers.get("Connection", "").lower() == "close":
+        resp.force_close()
+    return resp
 
 
 def _response_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:

@@ -12,6 +12,7 @@ the K/V it changes. What cannot be seen refuses persistence (``Refusal``), never
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ from typing import Any
 from snapstore._errors import SnapstoreError
 from snapstore.llamacpp._identity import ModelInfo, file_sha256, model_info
 from snapstore.llamacpp._slotfile import SlotFile
+from snapstore.llamacpp._trace import ProbeTrace
 from snapstore.llamacpp._upstream import LlamaServer
 
 __all__ = ["PROBE_TOKENS", "Refusal", "Runtime", "Served", "identify", "model_of", "request_unkeyable", "served_now",
@@ -55,6 +57,7 @@ class Served:
     n_slots: int
     loras: tuple[Mapping[str, Any], ...]
     signature: str  # SHA-256 over every reported field but the volatile ones, and the model file's stat
+    process: str = ""  # /props media_marker: random per server process ('' when not reported)
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ def served_now(server: LlamaServer, model_hint: str | None = None) -> Served:
     return Served(model_path=path, build=build if isinstance(build, str) else "",
                   n_slots=int(props.get("total_slots") or 1),
                   loras=tuple(x for x in loras if isinstance(x, dict)),
-                  signature=hashlib.sha256(sig.encode()).hexdigest())
+                  signature=hashlib.sha256(sig.encode()).hexdigest(), process=str(props.get("media_marker") or ""))
 
 
 def model_of(served: Served, model_hint: str | None, hint_path: str | None) -> ModelInfo:
@@ -169,26 +172,29 @@ def _settle(server: LlamaServer, slot: int, data: bytes, decode: Callable[[bytes
 
 def identify(server: LlamaServer, served: Served, slot: int, *, model_hint: str | None, hint_path: str | None,
              decode_with: Callable[[ModelInfo], Callable[[bytes], SlotFile]],
-             keep_slot: Callable[[ModelInfo, Runtime], bool]) -> tuple[ModelInfo, SlotFile, Runtime]:
+             keep_slot: Callable[[ModelInfo, Runtime], bool], trace: ProbeTrace | None = None
+             ) -> tuple[ModelInfo, SlotFile, Runtime]:
     """The model, a probe slot file (its constants) and the runtime the server computes with now.
 
     Runs the probe in ``slot`` (the caller holds it), then puts the slot's earlier content back when
     ``keep_slot(model, runtime)`` says it was computed under this identity, else erases the slot
     (llama-server would reuse state of the previous identity); raises ``Refusal`` for what cannot
-    be seen (the slot erased).
+    be seen (the slot erased). ``trace`` records what the probe leaves in the server's counters and
+    ``/slots`` (the proxy serves both without it).
     """
     model = model_of(served, model_hint, hint_path)
     lora = _lora_of(served)
     decode = decode_with(model)
-    before = server.save_slot(slot)
-    keep = False
-    try:
-        sf, kv = _probe(server, slot, decode)
-        runtime = Runtime(kv_probe=kv, lora=lora)
-        keep = keep_slot(model, runtime)
-        return model, sf, runtime
-    finally:
-        _settle(server, slot, before if keep else b"", decode)
+    with trace.around(server, slot, served.process) if trace is not None else contextlib.nullcontext():
+        before = server.save_slot(slot)
+        keep = False
+        try:
+            sf, kv = _probe(server, slot, decode)
+            runtime = Runtime(kv_probe=kv, lora=lora)
+            keep = keep_slot(model, runtime)
+            return model, sf, runtime
+        finally:
+            _settle(server, slot, before if keep else b"", decode)
 
 
 def _scales(adapters: Any) -> list[tuple[str, str]] | None:

@@ -65,16 +65,25 @@ class LlamaServer:
 
     def get_any(self, path: str, what: str = "") -> Any:
         """GET ``path``'s JSON value (``/slots`` and ``/lora-adapters`` are lists), the api key sent."""
-        req = urllib.request.Request(self.upstream + path, headers=self.auth)  # noqa: S310 - operator URL
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:  # noqa: S310
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise UpstreamError(f"llama-server at {self.upstream} answered GET {path}{_for(what)} with HTTP "
-                                f"{e.code}: {e.read()[:300].decode(errors='replace')}") from None
+            return json.loads(self._get(path, what))
         except ValueError as e:
             raise UpstreamError(f"llama-server at {self.upstream} answered GET {path}{_for(what)} with no JSON: "
                                 f"{e}") from None
+
+    def get_text(self, path: str, what: str = "") -> str:
+        """GET ``path``'s body as text (``/metrics``)."""
+        return self._get(path, what).decode(errors="replace")
+
+    def _get(self, path: str, what: str) -> bytes:
+        req = urllib.request.Request(self.upstream + path, headers=self.auth)  # noqa: S310 - operator URL
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:  # noqa: S310
+                data: bytes = r.read()
+                return data
+        except urllib.error.HTTPError as e:
+            raise UpstreamError(f"llama-server at {self.upstream} answered GET {path}{_for(what)} with HTTP "
+                                f"{e.code}: {e.read()[:300].decode(errors='replace')}") from None
         except (urllib.error.URLError, OSError) as e:
             raise UpstreamError(unreachable(self.upstream, f"GET {path}{_for(what)}", e)) from None
 

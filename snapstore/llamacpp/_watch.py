@@ -18,6 +18,7 @@ from snapstore.llamacpp._identity import BUILD_ENV, ModelInfo, build_warning
 from snapstore.llamacpp._served import Refusal, Served, identify, model_of, served_now
 from snapstore.llamacpp._slotfile import decode
 from snapstore.llamacpp._slotstore import SlotStore
+from snapstore.llamacpp._trace import ProbeTrace
 from snapstore.llamacpp._upstream import LlamaServer
 
 __all__ = ["IdentityWatch"]
@@ -42,6 +43,7 @@ class IdentityWatch:
         self._served: Served | None = None  # what the identity was last taken for
         self._first = True  # no identity taken yet: the probe slot's content is kept whatever it finds
         self._lock = threading.Lock()
+        self.trace = ProbeTrace()  # what the probes left in the server's /metrics and /slots (_trace)
 
     def current(self, slots: SlotStore, hold: Callable[[], AbstractContextManager[int | None]],
                 on_change: Callable[[ModelInfo], None]) -> tuple[int, Served] | None:
@@ -71,7 +73,8 @@ class IdentityWatch:
             model, sf, runtime = identify(self.server, served, slot, model_hint=self.model_hint,
                                           hint_path=self.hint_path,
                                           decode_with=lambda m: lambda b: decode(b, m.shape, what=f"slot {slot}"),
-                                          keep_slot=lambda m, r: first or slots.is_current(m, build, r.to_extra()))
+                                          keep_slot=lambda m, r: first or slots.is_current(m, build, r.to_extra()),
+                                          trace=self.trace)
         except Refusal as e:
             self._first = False
             self.refusal = e
