@@ -144,9 +144,9 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
         sniff = _SlotSniffer()
         status, cancelled = 599, False
         try:
-            resp, status = await _forward(request, body, sniff, plan)
-            return resp
-        except (asyncio.CancelledError, ConnectionResetError):
+            resp, status, cancelled = await _forward(request, body, sniff, plan)
+            return resp  # a client that left: aiohttp's own finish of the response notices it quietly
+        except asyncio.CancelledError:
             cancelled = True  # the client left: the upstream request was closed with it
             raise
         finally:
@@ -154,7 +154,10 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
                 in_pool(_after, bridge, plan, status < 400 and not cancelled, sniff.slot, cancelled)
 
     async def _forward(request: web.Request, body: bytes, sniff: _SlotSniffer, plan: Plan | None
-                       ) -> tuple[web.StreamResponse, int]:
+                       ) -> tuple[web.StreamResponse, int, bool]:
+        """The server's response passed to the client as it comes: (response, status, whether the
+        client left before the end — then the upstream request is closed at once, which cancels the
+        server's task, and nothing is raised: a raise would be logged as a handler error)."""
         client = request.app[client_key]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_REQUEST}
         url = bridge.upstream + request.rel_url.path_qs
@@ -165,15 +168,19 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
                 out.force_close()
             if "chunked" not in up.headers.get("Transfer-Encoding", "").lower() and up.content_length is not None:
                 out.content_length = up.content_length  # the server's framing: no chunking added
-            await out.prepare(request)
-            async for chunk in up.content.iter_any():
-                sniff.feed(chunk)
-                await out.write(chunk)
-            if plan is not None:
-                bridge.answered(plan)  # before the client can see the end (no await in between)
-            await out.write_eof()
+            try:
+                await out.prepare(request)
+                async for chunk in up.content.iter_any():
+                    sniff.feed(chunk)
+                    await out.write(chunk)
+                if plan is not None:
+                    bridge.answered(plan)  # before the client can see the end (no await in between)
+                await out.write_eof()
+            except ConnectionResetError:  # the client went away (aiohttp's ClientConnectionResetError)
+                up.close()
+                return out, up.status, True
             up.release()
-            return out, up.status
+            return out, up.status, False
         except BaseException:
             up.close()  # drop the upstream connection: llama-server cancels a streamed task at once
             raise
