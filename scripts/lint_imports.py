@@ -32,7 +32,8 @@ def package_view(into: Path) -> Path:
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="snapstore-imports-") as tmp:
         view = package_view(Path(tmp))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(view), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        path = os.pathsep.join([str(view), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env = {**os.environ, "PYTHONPATH": path}
         exe = Path(sys.executable).with_name("lint-imports")
         return subprocess.call([str(exe), str(ROOT / "pyproject.toml"), "--no-cache"], env=env, cwd=tmp)
 
