@@ -8,9 +8,10 @@ BENCH_ARGS ?=
 setup:
 	./scripts/bootstrap.sh
 
-# fast tier (no servers, model runtimes, many processes or campaigns; short Hypothesis runs): about a minute on 2 cores
+# fast tier (no servers, model runtimes, many processes or campaigns; short Hypothesis runs), one
+# pytest-xdist worker per core: most of its wall time is fsync and process start, which overlap
 test:
-	HYPOTHESIS_PROFILE=dev ./test.sh -m "not slow"
+	HYPOTHESIS_PROFILE=dev ./test.sh -m "not slow" -n auto
 
 # the slow tier alone: servers, model runtimes, many processes, reliability campaigns
 test-slow:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 _COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
-settings.register_profile("dev", max_examples=10, stateful_step_count=20, **_COMMON)
+settings.register_profile("dev", max_examples=5, stateful_step_count=20, **_COMMON)
 settings.register_profile("ci", max_examples=30, stateful_step_count=30, **_COMMON)
 settings.register_profile("long", max_examples=1000, stateful_step_count=50, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
