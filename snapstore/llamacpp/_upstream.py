@@ -96,8 +96,10 @@ class LlamaServer:
 
     def idle_slots_holding(self, n_tokens: int, known: int | None) -> list[int]:
         """Idle slots that may hold a prompt of ``n_tokens``: slot ``known`` (the one a request was put
-        in or the response named), else those whose last task held at least that many, latest task
-        first. A busy slot is never named: llama-server defers a slot save until the slot is free and
+        in or the response named), else those whose last task held at least that many, the nearest in
+        length first (a slot counts the prompt and what it generated), then the latest task. A chat
+        response names no slot, and with many slots finishing together the latest tasks are often other
+        conversations': the length is what singles out the slot that served this one. A busy slot is never named: llama-server defers a slot save until the slot is free and
         re-queues deferred tasks only as slots are released, so a save queued behind a busy slot can
         wait forever; a slot busy again runs the conversation's next request, whose save covers this."""
         slots = [s for s in self.get_any("/slots", "which slots are idle")
@@ -105,7 +107,7 @@ class LlamaServer:
         if known is not None:
             return [known] if known in {int(s["id"]) for s in slots} else []
         cands = [s for s in slots if int(s.get("n_prompt_tokens") or 0) >= n_tokens]
-        cands.sort(key=lambda s: -int(s.get("id_task") or 0))
+        cands.sort(key=lambda s: (int(s.get("n_prompt_tokens") or 0) - n_tokens, -int(s.get("id_task") or 0)))
         return [int(s["id"]) for s in cands[:2]]
 
     def post(self, path: str, body: Mapping[str, Any]) -> JsonObject:
