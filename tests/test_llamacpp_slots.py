@@ -11,7 +11,6 @@ proxy — a conversation restored into another's slot would be read over foreign
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading

@@ -99,9 +99,10 @@ class LlamaServer:
         in or the response named), else those whose last task held at least that many, the nearest in
         length first (a slot counts the prompt and what it generated), then the latest task. A chat
         response names no slot, and with many slots finishing together the latest tasks are often other
-        conversations': the length is what singles out the slot that served this one. A busy slot is never named: llama-server defers a slot save until the slot is free and
-        re-queues deferred tasks only as slots are released, so a save queued behind a busy slot can
-        wait forever; a slot busy again runs the conversation's next request, whose save covers this."""
+        conversations': the length is what singles out the slot that served this one. A busy slot is
+        never named: llama-server defers a slot save until the slot is free and re-queues deferred
+        tasks only as slots are released, so a save queued behind a busy slot can wait forever; a slot
+        busy again runs the conversation's next request, whose save covers this."""
         slots = [s for s in self.get_any("/slots", "which slots are idle")
                  if isinstance(s, dict) and not s.get("is_processing")]
         if known is not None:
