@@ -6,7 +6,7 @@ prompt, loaded with mlx_lm's load_prompt_cache, and generates exactly what the o
 generates: for llama, a KV cache quantized from token 0, gemma3's sliding window (rotated) and
 falcon_h1's Mamba2 hybrid. Files for another model are refused by what differs. StorePromptCache:
 what one instance inserted, a second one (a restarted server) restores, and generation from it
-equals generation from the cache that was inserted. The server over HTTP is tests/test_mlx_server.py.
+equals generation from the cache that was inserted (llama, falcon_h1, and a target with a draft). The server over HTTP is tests/test_mlx_server.py.
 """
 
 from __future__ import annotations
@@ -165,3 +165,35 @@ def test_store_prompt_cache_restores_what_another_instance_inserted(arch: str, t
     st = second.stats()
     assert (st["store_hits"], st["restored_tokens"]) == (1, len(system))
     second.close()
+
+
+def test_store_prompt_cache_with_a_draft_model_restores_both_caches(tmp_path: Path) -> None:
+    """A speculative server's cache is the target's then the draft's: both are stored and restored, and
+    speculative decoding from the restored cache equals decoding from the inserted one."""
+    target, draft = mlx_models.draft_pair()
+    key = ("model", None, "draft")
+
+    def models(k: Any) -> Any:
+        return (target, draft) if k == key else None
+
+    system = mlx_models.SYSTEM
+    cache = make_prompt_cache(target) + make_prompt_cache(draft)
+    n = len(make_prompt_cache(target))
+    target(mx.array(system)[None], cache=cache[:n])
+    draft(mx.array(system)[None], cache=cache[n:])
+    mx.eval([c.state for c in cache])
+    first = StorePromptCache(4, path=tmp_path, models=models)
+    first.insert_cache(key, list(system), cache, cache_type="system")
+    first.close()
+    second = StorePromptCache(4, path=tmp_path, models=models)
+    got, rest = second.fetch_nearest_cache(key, list(A))
+    second.close()
+    assert got is not None and len(got) == len(cache) and rest == A[len(system):]
+    assert all(c.offset == len(system) for c in got)
+
+    def spec(c: list[Any]) -> list[tuple[int, bool, bytes]]:
+        out = G.speculative_generate_step(mx.array(rest), target, draft, prompt_cache=c, max_tokens=6,
+                                          num_draft_tokens=3)
+        return [(int(t), bool(d), np.array(lp).tobytes()) for t, lp, d in out]
+
+    assert spec(got) == spec(cache)
