@@ -6,7 +6,8 @@ prompt, loaded with mlx_lm's load_prompt_cache, and generates exactly what the o
 generates: for llama, a KV cache quantized from token 0, gemma3's sliding window (rotated) and
 falcon_h1's Mamba2 hybrid. Files for another model are refused by what differs. StorePromptCache:
 what one instance inserted, a second one (a restarted server) restores, and generation from it
-equals generation from the cache that was inserted (llama, falcon_h1, and a target with a draft). The server over HTTP is tests/test_mlx_server.py.
+equals generation from the cache that was inserted (llama, falcon_h1, and a target with a draft).
+The server over HTTP is tests/test_mlx_server.py.
 """
 
 from __future__ import annotations
@@ -197,3 +198,14 @@ def test_store_prompt_cache_with_a_draft_model_restores_both_caches(tmp_path: Pa
         return [(int(t), bool(d), np.array(lp).tobytes()) for t, lp, d in out]
 
     assert spec(got) == spec(cache)
+
+
+def test_mlx_server_passes_mlx_lm_server_arguments_through_in_order() -> None:
+    from snapstore.cli.parser import ArgumentsError, parse_command_line
+
+    args = parse_command_line(["--dir", "/s", "mlx-server", "--model", "m", "--disk-mib", "5", "--port", "8080",
+                               "--prompt-cache-size", "3"])
+    assert (args.command, args.dir, args.disk_mib) == ("mlx-server", "/s", 5)
+    assert args.passthrough == ["--model", "m", "--port", "8080", "--prompt-cache-size", "3"]
+    with pytest.raises(ArgumentsError, match="unrecognized arguments: --model m"):  # only mlx-server passes through
+        parse_command_line(["stats", "--model", "m"])
