@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_mlx.py                # 4K and 16K system prompts, llama + falcon_h1
     .venv/bin/python benchmarks/bench_mlx.py --quick        # 4K only, one repeat
+    .venv/bin/python benchmarks/bench_mlx.py --server 2048  # mlx_lm.server after a restart, with and without the store
 
 Per model and prompt length T: process 1 (a subprocess) answers a T-token system prompt + a
 32-token question through ``PrefixCache`` on a fresh store (``cache_prefix=T``). Process 2, the
@@ -14,6 +15,12 @@ restart, times the first token of the same system prompt + a new question:
 
 ``exact``: the hit's first token and log-probabilities equal mlx_lm's run with the same split.
 Medians of ``--repeat``; speed-up is plain / hit.
+
+``--server T``: the same over HTTP, llama only. Server 1 (``snapstore mlx-server``) answers a chat
+with a T-token system prompt and stops; then server 2 (a restart of it, same store) and a fresh
+plain ``mlx_lm.server`` each answer a warm-up chat (another system prompt: the model load and, for
+server 2, the weights hash) and then a new chat with the same T-token system prompt, timed
+end to end with ``max_tokens`` 1 (the time to the first token as a client sees it).
 """
 
 from __future__ import annotations
@@ -105,14 +112,81 @@ def run(name: str, t: int) -> dict[str, Any]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def write_dir(name: str, path: str) -> None:
+    """The benchmark model as an mlx_lm model directory with the tests' word-level tokenizer and chat template."""
+    import json
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(d / "model.safetensors"), dict(tree_flatten(model_of(name).parameters())))
+    (d / "config.json").write_text(json.dumps(CONFIGS[name]))
+    tok = mlx_models.tokenizer()
+    tok.chat_template = mlx_models.CHAT_TEMPLATE
+    tok.save_pretrained(str(d))
+
+
+def server_run(t: int) -> dict[str, Any]:
+    """TTFT over HTTP after a restart: snapstore mlx-server (restored system prompt) vs plain mlx_lm.server."""
+    from pathlib import Path
+
+    from mlx_http import Server
+
+    work = Path(tempfile.mkdtemp(prefix="bench_mlx_server_"))
+    try:
+        write_dir("llama", str(work / "model"))
+        system = " ".join(f"w{(i * 7919) % 250 + 2}" for i in range(t))
+        ours = [sys.executable, "-m", "snapstore", "--dir", str(work / "store"), "mlx-server",
+                "--model", str(work / "model")]
+        plain = [sys.executable, "-m", "mlx_lm.server", "--model", str(work / "model")]
+        s = Server(ours, work / "s1.log")
+        try:
+            s.chat(system, "w40 w41 w42 w43", 1)
+        finally:
+            s.stop()
+        out: dict[str, Any] = {}
+        for label, argv in (("store", ours), ("plain", plain)):
+            s = Server(argv, work / f"{label}.log")
+            try:
+                t0 = time.perf_counter()
+                s.chat("w5 w6 w7", "w8", 1)  # warm-up: the model load (and the weights hash), another prompt
+                warm = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                doc = s.chat(system, "w60 w61 w62 w63", 1)
+                out[label] = {"ttft": time.perf_counter() - t0, "warm": warm,
+                              "cached": doc["usage"]["prompt_tokens_details"]["cached_tokens"],
+                              "prompt": doc["usage"]["prompt_tokens"],
+                              "answer": [(c["id"], c["logprob"]) for c in doc["choices"][0]["logprobs"]["content"]]}
+            finally:
+                s.stop()
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--child", nargs=3)
+    ap.add_argument("--server", type=int, metavar="T", help="mlx_lm.server after a restart, T-token system prompt")
     args = ap.parse_args()
     if args.child:
         child(args.child[0], int(args.child[1]), args.child[2])
+        return
+    if args.server:
+        print(f"mlx {mx.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, {mx.default_device()}")
+        print("| server | prompt | cached | TTFT | warm-up (load, hash) | same answer |")
+        print("|---|---|---|---|---|---|")
+        for _ in range(args.repeat if not args.quick else 1):
+            r = server_run(args.server)
+            same = r["store"]["answer"] == r["plain"]["answer"]
+            for label in ("plain", "store"):
+                x = r[label]
+                print(f"| {label} | {x['prompt']} | {x['cached']} | {x['ttft']:.2f} s | {x['warm']:.2f} s | {same} |",
+                      flush=True)
         return
     lengths, repeat = ([4096], 1) if args.quick else ([4096, 16384], args.repeat)
     print(f"mlx {mx.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, {mx.default_device()}")

@@ -164,3 +164,28 @@ def spec_reference(target: Any, draft: Any, prompt: list[int], cuts: list[int], 
         pos = c
     return list(g.speculative_generate_step(ids[pos:], target, draft, prompt_cache=tc + dc, max_tokens=max_tokens,
                                             **SPEC_KW))
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
+                 "{% if add_generation_prompt %}w4{% endif %}")
+
+
+def write_model_dir(arch: str, path: Any, *, seed: int = 0, with_tokenizer: bool = False) -> Any:
+    """Write the tiny model of ``arch`` as an mlx_lm model directory (config.json, model.safetensors; with
+    ``with_tokenizer`` the word-level tokenizer and a chat template, for mlx_lm.server). Returns the model."""
+    import json
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    model = build(arch, seed=seed)
+    mx.save_safetensors(str(d / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (d / "config.json").write_text(json.dumps(CONFIGS[arch]))
+    if with_tokenizer:
+        tok = tokenizer()
+        tok.chat_template = CHAT_TEMPLATE
+        tok.save_pretrained(str(d))
+    return model

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from snapstore._errors import NotFoundError, SnapstoreError
 from snapstore.cli.context import EXIT_DAMAGE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliContext, UsageError
-from snapstore.cli.parser import ArgumentsError, build_parser
+from snapstore.cli.parser import ArgumentsError, build_parser, parse_command_line
 
 __all__ = ["UsageError", "build_parser", "main"]
 
@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ctx = CliContext(json="--json" in argv)  # until parsed: a bad command line is reported as asked
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_command_line(argv)
     except ArgumentsError as e:
         if ctx.json:
             ctx.error(None, str(e), EXIT_USAGE)

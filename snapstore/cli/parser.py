@@ -12,7 +12,7 @@ from typing import NoReturn
 from snapstore.cli.commands import cmd_gc, cmd_inspect, cmd_stats, cmd_verify
 from snapstore.cli.context import UsageError
 
-__all__ = ["ArgumentsError", "build_parser"]
+__all__ = ["ArgumentsError", "build_parser", "parse_command_line"]
 
 
 class ArgumentsError(UsageError):
@@ -197,7 +197,21 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(run=run)
     from snapstore.cli.llamacpp import add_commands  # import-slot, export-slot, llama-proxy (no heavy imports)
     add_commands(sub, common)
+    from snapstore.cli.mlx import add_commands as add_mlx  # mlx-server, import-/export-mlx-cache (no mlx import)
+    add_mlx(sub, common)
     return p
+
+
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``. A command that passes arguments on (``mlx-server``: mlx_lm.server's own) gets those it
+    does not know as ``args.passthrough``; for every other command they are an error, as argparse makes them."""
+    p = build_parser()
+    args, extra = p.parse_known_args(argv)
+    if extra and not hasattr(args, "passthrough"):
+        p.error("unrecognized arguments: " + " ".join(extra))
+    if hasattr(args, "passthrough"):
+        args.passthrough = [*args.passthrough, *extra]
+    return args
 
 
 def _version() -> str:
