@@ -1,8 +1,10 @@
 """llama.cpp benchmark: time to first token after a restart, three ways, and the proxy's own cost.
 
-    .venv/bin/python benchmarks/bench_llamacpp.py [--quick] [--system-tokens N] [--repeat R]
+    .venv/bin/python benchmarks/bench_llamacpp.py [--quick] [--system-tokens N] [--repeat R] [--arch A]
 
-A random-weight llama GGUF (written here, no downloads) is served by the real llama-server
+A random-weight GGUF (written here, no downloads: ``--arch llama``, 8 layers x 256, or
+``granitehybrid``, a Mamba2 + attention hybrid ``mamamama`` x 64, whose system-prompt boundary the
+proxy captures exactly) is served by the real llama-server
 (xllamacpp, one process per run, 1 thread). A chat with an N-token system prompt is run once
 through ``snapstore llama-proxy``'s app (which stores the system prompt), then the server is
 restarted and a new chat with the same system prompt is timed (time to first token, streaming):
@@ -64,13 +66,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a 2K-token system prompt, 3 runs")
     ap.add_argument("--system-tokens", type=int, default=0, help="system prompt length (default 8000; quick 2000)")
     ap.add_argument("--repeat", type=int, default=0, help="runs per figure (default 5; quick 3)")
+    ap.add_argument("--arch", choices=("llama", "granitehybrid"), default="llama",
+                    help="the model: plain attention, or a Mamba2 + attention hybrid")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     n_sys = a.system_tokens or (2000 if a.quick else 8000)
     reps = a.repeat or (3 if a.quick else 5)
     d = tempfile.mkdtemp(prefix="bench-llamacpp-")
-    model = h.write_llama(os.path.join(d, "m.gguf"), n_layer=8, n_embd=256, n_head=8, n_head_kv=4, n_ff=512,
-                          n_ctx=16384)
+    if a.arch == "llama":
+        model = h.write_llama(os.path.join(d, "m.gguf"), n_layer=8, n_embd=256, n_head=8, n_head_kv=4, n_ff=512,
+                              n_ctx=16384)
+    else:  # the GGUF says 8192 tokens of context; the server's 16384 is cut to it
+        model = h.write_granitehybrid(os.path.join(d, "m.gguf"), layers="mamamama")
     slots = os.path.join(d, "slots")
     system = h.text_of(n_sys // 7 + 1, seed=3)  # about 7 tokens per word with this vocabulary
     res: dict[str, list[float]] = {"reprefill": [], "slot_restore": [], "proxy": []}
@@ -121,13 +128,14 @@ def main() -> None:
                     out.append(time.perf_counter() - t0)
         b.close()
     med = {k: statistics.median(v) for k, v in res.items()}
-    doc = {"system_tokens_approx": n_sys, "repeat": reps, "ttft_s": med, "cache_n": cache, "bytes": sizes,
+    doc = {"arch": a.arch, "system_tokens_approx": n_sys, "repeat": reps, "ttft_s": med, "cache_n": cache,
+           "bytes": sizes,
            "proxy_start_s": start_s, "added_latency_ms": 1e3 * (statistics.median(via) - statistics.median(direct)),
            "direct_ms": 1e3 * statistics.median(direct), "via_proxy_ms": 1e3 * statistics.median(via)}
     if a.json:
         print(json.dumps(doc, indent=2))
         return
-    print(f"llama.cpp: {n_sys}-token system prompt (approx), model 8x256 f32, 1 thread, median of {reps}")
+    print(f"llama.cpp: {n_sys}-token system prompt (approx), {a.arch} 8 layers f32, 1 thread, median of {reps}")
     for k, label in (("reprefill", "re-prefill (new server)"), ("slot_restore", "llama-server slot restore + request"),
                      ("proxy", "through the proxy (restore from store)")):
         print(f"  {label:<40} TTFT {med[k] * 1e3:8.1f} ms   cache_n {cache[k]}")
