@@ -5,7 +5,9 @@
 Sections (``--only`` picks some): raw (raw write + fsync / read), store (snapstore save and
 restore, cold and warm, RAM tier), alt (safetensors, torch.save/torch.load), delta (stored bytes
 of a depth 1..8 delta chain), codec (raw vs zstd vs zstd-shuffle2 on bf16-like data), chunks
-(chunk size sweep), match (match() over 10,000 snapshots of 128K-token prompts), rss (peak memory
+(chunk size sweep), match (match() over 10,000 snapshots of 128K-token prompts), small (bench_small.py:
+1K/3K/8K-token restores from chains of 1/4/12 links against the raw read of the same bytes, the
+scheduler lookup, and a profile of both: SQL statements, files, reads, checksums, copies), rss (peak memory
 of a 2 GiB save and restore, each in a fresh subprocess), side (bench_side.py: the field workload and
 the 512 MiB one, raw / O_DIRECT / snapstore / safetensors / torch / diskcache + pickle side by side,
 restore time vs prefix length against re-prefill, and a PNG chart).
@@ -919,8 +921,8 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=None, help="state size (default 512 MiB)")
     ap.add_argument("--dir", default=os.environ.get("SNAPSTORE_BENCH_DIR", DEFAULT_DIR),
                     help=f"work directory (same file system as the store would use; default {DEFAULT_DIR})")
-    ap.add_argument("--only", default="core,issue12,alt,side,delta,codec,chunks,match,rss",
-                    help="comma-separated sections: core,issue12,alt,side,delta,codec,chunks,match,rss")
+    ap.add_argument("--only", default="core,issue12,alt,side,delta,codec,chunks,match,small,rss",
+                    help="comma-separated sections: core,issue12,alt,side,delta,codec,chunks,match,small,rss")
     ap.add_argument("--chart", default=None,
                     help="where section side writes its PNG (default: benchmarks-side[-quick].png under --dir)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
@@ -962,6 +964,9 @@ def main() -> None:
             section_codec(args, work)
         if "match" in sections:
             section_match(args, work)
+        if "small" in sections:  # issue 31: small restores and lookups, with their profile (bench_small.py)
+            import bench_small
+            _results["small"] = bench_small.section_small(args, work)
         if "rss" in sections:
             section_rss(args, work)
     finally:
