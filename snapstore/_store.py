@@ -24,6 +24,7 @@ from snapstore._tokens import TokensLike, as_token_array
 from snapstore.calls.batch import StoreBatches
 from snapstore.calls.gate import CallGate, operation
 from snapstore.calls.load import load_prefix
+from snapstore.calls.lookup import lookup_prefix
 from snapstore.calls.names import StoreNames
 from snapstore.calls.reports import StoreReports
 from snapstore.calls.snapshot_ops import (
@@ -379,6 +380,17 @@ class Store(StoreReports, StoreNames, StoreBatches):
             return details_of(c, snap, plan, ns, k)
 
         return self._repo.db.read(run)
+
+    @operation
+    def lookup(self, tokens: TokensLike, *, namespace: str | None = None, exclude: Iterable[SnapshotRef] | None = (),
+               components: Iterable[str] | None = None) -> MatchDetails | None:
+        """``match(tokens)`` and ``describe`` of its hit in one catalog read: the details of the longest
+        committed prefix (``n_tokens`` matched, ``snapshot_tokens`` the snapshot's own), or None (calls/lookup.py)."""
+        if self._remote is not None:  # the shared tier may hold a longer prefix: the two calls
+            m = self.match(tokens, namespace=namespace, exclude=exclude)
+            return None if m is None else self.describe(m, components, namespace=namespace)
+        return lookup_prefix(self._repo.db, self._access, self.layout, tokens, namespace=namespace, exclude=exclude,
+                             components=components, ttl=self.budget.ttl, count=self._ledger.count)
 
     def load(self, tokens: TokensLike, *, allocate: Callable[[MatchDetails], Mapping[str, Destination]],
              release: Callable[[Mapping[str, Destination]], object] | None = None,
