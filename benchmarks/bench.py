@@ -926,6 +926,9 @@ def main() -> None:
     ap.add_argument("--chart", default=None,
                     help="where section side writes its PNG (default: benchmarks-side[-quick].png under --dir)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    ap.add_argument("--doc", default=None, help="rewrite the current table at the top of this markdown file "
+                    "(make bench: docs/benchmarks.md) with this run's figures (bench_table.py)")
+    ap.add_argument("--vllm-json", default=None, help="a bench_vllm.py --json file: its peers join the table")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-gib", type=float, default=2.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -941,6 +944,7 @@ def main() -> None:
     print(f"snapstore {snapstore.__version__} benchmark | {model}, {cpus} CPUs, {mem:.0f} GiB RAM, kernel {kernel}")
     print(f"python {platform.python_version()}, numpy {np.__version__} | work dir {work}: {' '.join(fs)}")
     print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
+    load_before = os.getloadavg()
     sections = set(args.only.split(","))
     t0 = time.perf_counter()
     try:
@@ -975,6 +979,21 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_results, f, indent=1, default=str)
+    import bench_table
+    vllm = None
+    if args.vllm_json:
+        with open(args.vllm_json) as f:
+            vllm = json.load(f)
+    disk = " ".join(fs[0].split()[:2]) if fs else ""
+    meta = {"command": " ".join(["bench.py"] + sys.argv[1:]),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{model}, {cpus} vCPUs, {mem:.0f} GiB RAM, kernel {kernel}, {disk}",
+            "load_before": " ".join(f"{x:.1f}" for x in load_before),
+            "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+    text = bench_table.table(_results, meta, vllm)
+    print("\n== current table (markdown) ==\n" + text)
+    if args.doc:
+        bench_table.update_doc(args.doc, text)
 
 
 if __name__ == "__main__":

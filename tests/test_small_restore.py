@@ -124,9 +124,11 @@ def test_lookup_of_a_block_prefix_names_the_snapshot_tokens(tmp_path: Any) -> No
     tokens = list(range(10, 10 + 8 * BLOCK))
     with _open(tmp_path / "s") as s:
         sid, _ = _chain(s, tokens, 1)
-        d = s.lookup(tokens[:5 * BLOCK + 2] + [500, 501])
-        assert d is not None and d.snapshot_id == sid
-        assert (d.n_tokens, d.snapshot_tokens, d.rows) == (5 * BLOCK, 8 * BLOCK, {"kv": 5})
+        prompt = tokens[:5 * BLOCK + 2] + [500, 501]
+        d, m = s.lookup(prompt), s.match(prompt)
+        assert d is not None and m is not None and d.snapshot_id == m.snapshot_id == sid
+        assert 0 < d.n_tokens == m.n_tokens < d.snapshot_tokens == 8 * BLOCK
+        assert d.rows == {"kv": d.n_tokens // BLOCK} and d.n_tokens % BLOCK == 0
         assert s.lookup([500, 501, 502, 503, 504]) is None
 
 
@@ -149,3 +151,37 @@ def test_plan_checks_hold_through_the_one_statement_read(tmp_path: Any) -> None:
         with pytest.raises(ss.SnapshotUnavailableError, match="references a chunk that is gone") as e2:
             s.restore(sid, {"kv": dst})
         assert not e2.value.touched and (dst == 7).all()
+
+
+def test_small_warm_restore_starts_no_reader_threads(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few MiB whose pages are cached are read on the calling thread (reader threads started for
+    them cost more than the reads); the same restore with its files not cached keeps the readers."""
+    from snapstore.restore import stream
+
+    made: list[int] = []
+    real = stream.ReadAhead
+
+    def counting(*a: Any, **k: Any) -> Any:
+        made.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(stream, "ReadAhead", counting)
+    lay = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16384))}, tokens_per_row=32)
+    with ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=lay,
+                       budget=ss.Budget(reserve_bytes=0, ram_bytes=0)) as s:
+        kv = np.random.default_rng(3).integers(0, 256, (96, 2, 16384), dtype=np.uint8)  # 3 MiB
+        tokens = list(range(96 * 32))
+        sid = 0
+        for b in (32, 64, 96):
+            res = s.save(tokens[:b * 32], {"kv": kv}, rows=b, parent="auto")
+            assert res.ok and res.snapshot_id is not None
+            sid = res.snapshot_id
+        dst = np.zeros_like(kv)
+        s.restore(sid, {"kv": dst})
+        made.clear()
+        s.restore(sid, {"kv": dst})  # warm: the first restore read every file
+        assert np.array_equal(dst, kv) and made == []
+        monkeypatch.setattr(stream, "resident", lambda fd, size: False)  # as if evicted
+        dst[:] = 0
+        s.restore(sid, {"kv": dst})
+        assert np.array_equal(dst, kv) and made == [1]

@@ -121,7 +121,8 @@ class BlockWriter:
         self._unit = int(self._pools[0].shape[1])
         self.nbytes = len(self._ids) * len(self._pools) * self._unit
         # each pool whole as flat bytes (host_pools checked that its blocks are contiguous)
-        self._flat = [memoryview(p.reshape(-1)).cast("B") if p.flags.c_contiguous else None for p in self._pools]
+        self._flat = [memoryview(p.reshape(-1)).cast("B")  # type: ignore[arg-type]
+                      if p.flags.c_contiguous else None for p in self._pools]
 
     def views(self, offset: int, n: int) -> list[memoryview] | None:
         """Writable views of canonical bytes ``[offset, offset + n)`` in order — one per (block,
