@@ -384,13 +384,10 @@ class Store(StoreReports, StoreNames, StoreBatches):
     @operation
     def lookup(self, tokens: TokensLike, *, namespace: str | None = None, exclude: Iterable[SnapshotRef] | None = (),
                components: Iterable[str] | None = None) -> MatchDetails | None:
-        """``match(tokens)`` and ``describe`` of its hit in one catalog read: the details of the longest
-        committed prefix (``n_tokens`` matched, ``snapshot_tokens`` the snapshot's own), or None (calls/lookup.py)."""
-        if self._remote is not None:  # the shared tier may hold a longer prefix: the two calls
-            m = self.match(tokens, namespace=namespace, exclude=exclude)
-            return None if m is None else self.describe(m, components, namespace=namespace)
+        """``describe(match(tokens))`` in one catalog read, or None (calls/lookup.py; docs/api.md "lookup")."""
         return lookup_prefix(self._repo.db, self._access, self.layout, tokens, namespace=namespace, exclude=exclude,
-                             components=components, ttl=self.budget.ttl, count=self._ledger.count)
+                             components=components, ttl=self.budget.ttl, count=self._ledger.count,
+                             two_calls=(self.match, self.describe) if self._remote is not None else None)
 
     def load(self, tokens: TokensLike, *, allocate: Callable[[MatchDetails], Mapping[str, Destination]],
              release: Callable[[Mapping[str, Destination]], object] | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, excluded, namespace_key
@@ -27,9 +28,14 @@ __all__ = ["lookup_prefix"]
 
 def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLike, *, namespace: str | None,
                   exclude: Iterable[SnapshotRef] | None, components: Iterable[str] | None, ttl: float | None,
-                  count: Callable[..., None]) -> MatchDetails | None:
+                  count: Callable[..., None], two_calls: tuple[Any, Any] | None = None) -> MatchDetails | None:
     """The longest committed prefix of ``tokens`` as :class:`MatchDetails` (``n_tokens``: the
-    tokens matched; ``snapshot_tokens``: the snapshot's own), or None; counted like match()."""
+    tokens matched; ``snapshot_tokens``: the snapshot's own), or None; counted like match().
+    ``two_calls``: the store's (match, describe), taken instead when it has a shared tier."""
+    if two_calls is not None:  # the shared tier may hold a longer prefix than the local catalog
+        match, describe = two_calls
+        m = match(tokens, namespace=namespace, exclude=exclude)
+        return None if m is None else describe(m, components, namespace=namespace)
     arr = as_token_array(tokens, borrow=True)  # read only during this call
     ns = namespace_key(namespace)
     skip = excluded(exclude)
