@@ -185,3 +185,25 @@ def test_small_warm_restore_starts_no_reader_threads(tmp_path: Any, monkeypatch:
         dst[:] = 0
         s.restore(sid, {"kv": dst})
         assert np.array_equal(dst, kv) and made == [1]
+
+
+def test_small_chunks_stay_in_the_page_cache_with_direct_io(tmp_path: Any) -> None:
+    """With O_DIRECT saves on, a chunk under DIRECT_SAVE_MIN is written buffered: its pages stay
+    cached, so the next restore of a small prefix (here or in the next process) is a warm one."""
+    import os
+
+    from support.pagecache import cached_pages
+
+    from snapstore.save.chunker import DIRECT_SAVE_MIN
+
+    lay = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16384))}, tokens_per_row=32)
+    with ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=lay, direct_io=True,
+                       budget=ss.Budget(reserve_bytes=0, ram_bytes=0)) as s:
+        if not s._chunker.direct:
+            pytest.skip("this file system refuses O_DIRECT")
+        kv = np.random.default_rng(5).integers(0, 256, (8, 2, 16384), dtype=np.uint8)  # one 256 KiB chunk
+        assert kv.nbytes < DIRECT_SAVE_MIN
+        assert s.save(list(range(8 * 32)), {"kv": kv}, rows=8).ok
+        files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(s.path, "blobs")) for f in fs]
+        pages = sum(-(-os.path.getsize(f) // 4096) for f in files)
+        assert files and sum(cached_pages(f) for f in files) >= pages - len(files)
