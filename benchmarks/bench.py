@@ -929,11 +929,26 @@ def main() -> None:
     ap.add_argument("--doc", default=None, help="rewrite the current table at the top of this markdown file "
                     "(make bench: docs/benchmarks.md) with this run's figures (bench_table.py)")
     ap.add_argument("--vllm-json", default=None, help="a bench_vllm.py --json file: its peers join the table")
+    ap.add_argument("--table-from", default=None, help="measure nothing: print (and with --doc write) the table "
+                    "of an earlier run's --json file")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-gib", type=float, default=2.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
         rss_child(args.rss_child, args.dir, args.rss_gib)
+        return
+    if args.table_from:  # no measuring: the table of an earlier run's --json (and --vllm-json)
+        import bench_table
+        with open(args.table_from) as f:
+            res = json.load(f)
+        vllm = None
+        if args.vllm_json:
+            with open(args.vllm_json) as f:
+                vllm = json.load(f)
+        text = bench_table.table(res, res["meta"], vllm)
+        print(text)
+        if args.doc:
+            bench_table.update_doc(args.doc, text)
         return
     args.repeat = args.repeat or (3 if args.quick else 5)
     size = (args.size_mib or (128 if args.quick else 512)) * MIB
@@ -976,9 +991,6 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(_results, f, indent=1, default=str)
     import bench_table
     vllm = None
     if args.vllm_json:
@@ -990,6 +1002,10 @@ def main() -> None:
             "machine": f"{model}, {cpus} vCPUs, {mem:.0f} GiB RAM, kernel {kernel}, {disk}",
             "load_before": " ".join(f"{x:.1f}" for x in load_before),
             "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+    _results["meta"] = meta
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_results, f, indent=1, default=str)
     text = bench_table.table(_results, meta, vllm)
     print("\n== current table (markdown) ==\n" + text)
     if args.doc:
