@@ -77,6 +77,10 @@ def table(res: dict[str, Any], meta: dict[str, Any], vllm: dict[str, Any] | None
                      f"snapstore {t['snapstore_restored'] * 1e3:.1f} ms",
                      f"ExampleConnector {t['example_restored'] * 1e3:.1f} ms; prefill {t['prefill'] * 1e3:.1f} ms",
                      _x(t["snapstore_restored"] / t["example_restored"]) + " of it", "≤ 1.0x"))
+        w, sch = _get(vllm, "snapstore_connector", "worker"), _get(vllm, "snapstore_connector", "scheduler")
+        if w and sch and w.get("loads") and sch.get("lookups"):
+            rows.append(("vLLM connector, inside the served process", f"load {w['load_us'] / w['loads'] / 1e3:.1f} ms, "
+                         f"lookup {sch['lookup_us'] / sch['lookups'] / 1e3:.1f} ms a request", "—", "—", "—"))
     out = [f"Current figures: `{meta['command']}` on {meta['when']} — {meta['machine']}; load average "
            f"{meta['load_before']} before, {meta['load_after']} after (other work ran beside it: read the ratios)."
            + (f" vLLM row: `bench_vllm.py` at load {vllm['load'][0]:.1f}." if vllm else ""),
