@@ -37,7 +37,7 @@ demo:
 
 # the benchmark compares against torch.save/torch.load and safetensors of the same tensors
 bench: setup
-	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench.py --doc docs/benchmarks.md $(BENCH_ARGS)
 
 bench-quick: setup
 	$(PY) benchmarks/bench.py --quick $(BENCH_ARGS)

@@ -5,7 +5,9 @@
 Sections (``--only`` picks some): raw (raw write + fsync / read), store (snapstore save and
 restore, cold and warm, RAM tier), alt (safetensors, torch.save/torch.load), delta (stored bytes
 of a depth 1..8 delta chain), codec (raw vs zstd vs zstd-shuffle2 on bf16-like data), chunks
-(chunk size sweep), match (match() over 10,000 snapshots of 128K-token prompts), rss (peak memory
+(chunk size sweep), match (match() over 10,000 snapshots of 128K-token prompts), small (bench_small.py:
+1K/3K/8K-token restores from chains of 1/4/12 links against the raw read of the same bytes, the
+scheduler lookup, and a profile of both: SQL statements, files, reads, checksums, copies), rss (peak memory
 of a 2 GiB save and restore, each in a fresh subprocess), side (bench_side.py: the field workload and
 the 512 MiB one, raw / O_DIRECT / snapstore / safetensors / torch / diskcache + pickle side by side,
 restore time vs prefix length against re-prefill, and a PNG chart).
@@ -919,16 +921,34 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=None, help="state size (default 512 MiB)")
     ap.add_argument("--dir", default=os.environ.get("SNAPSTORE_BENCH_DIR", DEFAULT_DIR),
                     help=f"work directory (same file system as the store would use; default {DEFAULT_DIR})")
-    ap.add_argument("--only", default="core,issue12,alt,side,delta,codec,chunks,match,rss",
-                    help="comma-separated sections: core,issue12,alt,side,delta,codec,chunks,match,rss")
+    ap.add_argument("--only", default="core,issue12,alt,side,delta,codec,chunks,match,small,rss",
+                    help="comma-separated sections: core,issue12,alt,side,delta,codec,chunks,match,small,rss")
     ap.add_argument("--chart", default=None,
                     help="where section side writes its PNG (default: benchmarks-side[-quick].png under --dir)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    ap.add_argument("--doc", default=None, help="rewrite the current table at the top of this markdown file "
+                    "(make bench: docs/benchmarks.md) with this run's figures (bench_table.py)")
+    ap.add_argument("--vllm-json", default=None, help="a bench_vllm.py --json file: its peers join the table")
+    ap.add_argument("--table-from", default=None, help="measure nothing: print (and with --doc write) the table "
+                    "of an earlier run's --json file")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-gib", type=float, default=2.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
         rss_child(args.rss_child, args.dir, args.rss_gib)
+        return
+    if args.table_from:  # no measuring: the table of an earlier run's --json (and --vllm-json)
+        import bench_table
+        with open(args.table_from) as f:
+            res = json.load(f)
+        vllm = None
+        if args.vllm_json:
+            with open(args.vllm_json) as f:
+                vllm = json.load(f)
+        text = bench_table.table(res, res["meta"], vllm)
+        print(text)
+        if args.doc:
+            bench_table.update_doc(args.doc, text)
         return
     args.repeat = args.repeat or (3 if args.quick else 5)
     size = (args.size_mib or (128 if args.quick else 512)) * MIB
@@ -939,6 +959,7 @@ def main() -> None:
     print(f"snapstore {snapstore.__version__} benchmark | {model}, {cpus} CPUs, {mem:.0f} GiB RAM, kernel {kernel}")
     print(f"python {platform.python_version()}, numpy {np.__version__} | work dir {work}: {' '.join(fs)}")
     print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
+    load_before = os.getloadavg()
     sections = set(args.only.split(","))
     t0 = time.perf_counter()
     try:
@@ -962,14 +983,33 @@ def main() -> None:
             section_codec(args, work)
         if "match" in sections:
             section_match(args, work)
+        if "small" in sections:  # issue 31: small restores and lookups, with their profile (bench_small.py)
+            import bench_small
+            _results["small"] = bench_small.section_small(args, work)
         if "rss" in sections:
             section_rss(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+    import bench_table
+    vllm = None
+    if args.vllm_json:
+        with open(args.vllm_json) as f:
+            vllm = json.load(f)
+    disk = " ".join(fs[0].split()[:2]) if fs else ""
+    meta = {"command": " ".join(["bench.py"] + sys.argv[1:]),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{model}, {cpus} vCPUs, {mem:.0f} GiB RAM, kernel {kernel}, {disk}",
+            "load_before": " ".join(f"{x:.1f}" for x in load_before),
+            "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+    _results["meta"] = meta
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_results, f, indent=1, default=str)
+    text = bench_table.table(_results, meta, vllm)
+    print("\n== current table (markdown) ==\n" + text)
+    if args.doc:
+        bench_table.update_doc(args.doc, text)
 
 
 if __name__ == "__main__":

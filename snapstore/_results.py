@@ -46,7 +46,8 @@ class MatchDetails:
     ``components``: the components the snapshot holds; ``missing_components``: requested ones it
     lacks (a restore leaves their destinations untouched); ``chain``: snapshot ids root … leaf;
     ``rows_from``: rows the restore skips (the engine holds them): ``part_bytes`` counts only the
-    rest, ``rows`` stays the valid row count.
+    rest, ``rows`` stays the valid row count. ``snapshot_tokens``: the snapshot's own tokens —
+    more than ``n_tokens`` when a block-granular prefix of it was matched (``Store.lookup``).
     """
 
     snapshot_id: int
@@ -60,6 +61,7 @@ class MatchDetails:
     chain: list[int]
     pending: bool = False
     rows_from: int = 0
+    snapshot_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

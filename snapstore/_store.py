@@ -24,6 +24,7 @@ from snapstore._tokens import TokensLike, as_token_array
 from snapstore.calls.batch import StoreBatches
 from snapstore.calls.gate import CallGate, operation
 from snapstore.calls.load import load_prefix
+from snapstore.calls.lookup import lookup_prefix
 from snapstore.calls.names import StoreNames
 from snapstore.calls.reports import StoreReports
 from snapstore.calls.snapshot_ops import (
@@ -379,6 +380,14 @@ class Store(StoreReports, StoreNames, StoreBatches):
             return details_of(c, snap, plan, ns, k)
 
         return self._repo.db.read(run)
+
+    @operation
+    def lookup(self, tokens: TokensLike, *, namespace: str | None = None, exclude: Iterable[SnapshotRef] | None = (),
+               components: Iterable[str] | None = None) -> MatchDetails | None:
+        """``describe(match(tokens))`` in one catalog read, or None (calls/lookup.py; docs/api.md "lookup")."""
+        return lookup_prefix(self._repo.db, self._access, self.layout, tokens, namespace=namespace, exclude=exclude,
+                             components=components, ttl=self.budget.ttl, count=self._ledger.count,
+                             two_calls=(self.match, self.describe) if self._remote is not None else None)
 
     def load(self, tokens: TokensLike, *, allocate: Callable[[MatchDetails], Mapping[str, Destination]],
              release: Callable[[Mapping[str, Destination]], object] | None = None,

@@ -50,6 +50,30 @@ def test_blocks_round_trip_between_block_tables_through_cut_chunks(tmp_path: Any
         assert not dst[layer][untouched].view(torch.int16).any()
 
 
+def test_block_writer_views_are_the_blocks_themselves() -> None:
+    """Issue 31: views() lends the cache blocks for any byte range (a restore reads chunks straight
+    into them): bytes written through the views land exactly where write_from puts them."""
+    rng = np.random.default_rng(31)
+    for _ in range(20):
+        ids = [int(b) for b in rng.permutation(8)[:int(rng.integers(1, 6))]]
+        via_views = [torch.zeros((8, *GEO.block_shape), dtype=torch.bfloat16) for _ in range(GEO.layers)]
+        via_write = [torch.zeros_like(t) for t in via_views]
+        wv, ww = BlockWriter(host_pools(via_views, GEO), ids), BlockWriter(host_pools(via_write, GEO), ids)
+        a, b = sorted(int(x) for x in rng.integers(0, wv.nbytes + 1, 2))
+        data = rng.integers(0, 256, b - a, dtype=np.uint8)
+        views = wv.views(a, b - a)
+        assert views is not None and sum(len(v) for v in views) == b - a
+        pos = 0
+        for v in views:
+            v[:] = data[pos:pos + len(v)].tobytes()
+            pos += len(v)
+        ww.write_from(a, memoryview(data))
+        for x, y in zip(via_views, via_write):
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    with pytest.raises(ss.InvalidInputError):
+        wv.views(0, wv.nbytes + 1)
+
+
 def test_block_writer_any_byte_range() -> None:
     """write_from at offsets that start and end inside a layer's block lands each byte in place."""
     dst = [torch.zeros((8, *GEO.block_shape), dtype=torch.bfloat16) for _ in range(GEO.layers)]

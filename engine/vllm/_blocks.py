@@ -111,13 +111,37 @@ def gather_blocks(pools: Sequence[np.ndarray], block_ids: Sequence[int]) -> np.n
 
 class BlockWriter:
     """A snapstore ``PartWriter``: canonical row bytes (block-major, then layer) scattered into
-    the blocks ``block_ids`` of every layer's pool. Byte ranges may start or end inside a block."""
+    the blocks ``block_ids`` of every layer's pool. Byte ranges may start or end inside a block.
+    :meth:`views` lends the blocks themselves, so a restore reads each chunk straight into vLLM's
+    cache and checks it there (no staging copy, no scatter: issue 31)."""
 
     def __init__(self, pools: Sequence[np.ndarray], block_ids: Sequence[int]):
         self._pools = list(pools)
         self._ids = [int(b) for b in block_ids]
         self._unit = int(self._pools[0].shape[1])
         self.nbytes = len(self._ids) * len(self._pools) * self._unit
+        # each pool whole as flat bytes (host_pools checked that its blocks are contiguous)
+        self._flat = [memoryview(p.reshape(-1)).cast("B")  # type: ignore[arg-type]
+                      if p.flags.c_contiguous else None for p in self._pools]
+
+    def views(self, offset: int, n: int) -> list[memoryview] | None:
+        """Writable views of canonical bytes ``[offset, offset + n)`` in order — one per (block,
+        layer) touched — in the pools themselves; None when a pool is not contiguous (then
+        :meth:`write_from`)."""
+        if offset < 0 or n < 0 or offset + n > self.nbytes:
+            raise ss.InvalidInputError(f"bytes [{offset}, {offset + n}) are outside {self.nbytes}")
+        if any(f is None for f in self._flat):
+            return None
+        flat: list[memoryview] = self._flat  # type: ignore[assignment]
+        layers, unit, out, pos, end = len(self._pools), self._unit, [], offset, offset + n
+        while pos < end:
+            u, within = divmod(pos, unit)
+            row, layer = divmod(u, layers)
+            take = min(unit - within, end - pos)
+            o = self._ids[row] * unit + within
+            out.append(flat[layer][o:o + take])
+            pos += take
+        return out
 
     def write_from(self, offset: int, data: memoryview) -> None:
         """Write ``data`` at byte ``offset`` of the sequence's rows."""

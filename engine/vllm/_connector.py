@@ -3,7 +3,7 @@
 Load it with ``--kv-transfer-config '{"kv_connector": "SnapstoreConnector", "kv_connector_module_path":
 "snapstore.engine.vllm", "kv_role": "kv_both", "kv_connector_extra_config": {"path": ..., "disk_mib": ...}}'``
 (docs/engine.md "vLLM"). Scheduler side: :meth:`get_num_new_matched_tokens` answers from
-``store.match`` (block-granular prefixes) and ``store.describe`` — catalog reads only, no K/V.
+``store.lookup`` (match of a block-granular prefix and describe, one catalog read; no K/V).
 Worker side: :meth:`start_load_kv` restores straight into the allocated blocks of every layer,
 :meth:`wait_for_save` copies a finished prompt's blocks once and saves them with
 ``save(wait=False)`` as a delta over what the store holds (a writer thread does the disk work).
@@ -231,15 +231,14 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         self.stats["lookups"] += 1
         t0 = time.perf_counter()
-        try:
-            m = self._store.match(prompt[:limit], namespace=key.namespace)
-            if m is None:
+        try:  # match + describe in one catalog read: the chain and its chunks are all there (issue 31)
+            d = self._store.lookup(prompt[:limit], namespace=key.namespace)
+            if d is None:
                 return 0, False
-            hit = min(m.n_tokens, limit) // self._bs * self._bs
-            d = self._store.describe(m.snapshot_id, namespace=key.namespace)  # the chain and its chunks are all there
+            hit = min(d.n_tokens, limit) // self._bs * self._bs
             hit = min(hit, min(d.rows.values(), default=0) * self._bs)  # never more blocks than it writes
             # a whole stored snapshot is the explicit parent of this request's first save
-            self._stored[request.request_id] = (m.snapshot_id if hit == d.n_tokens else "auto", hit)
+            self._stored[request.request_id] = (d.snapshot_id if hit == d.snapshot_tokens else "auto", hit)
             if hit <= num_computed_tokens:
                 return 0, False
         except ss.SnapstoreError as e:
@@ -247,7 +246,7 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         finally:
             self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
-        self._matched[request.request_id] = (m.snapshot_id, hit)
+        self._matched[request.request_id] = (d.snapshot_id, hit)
         self.stats["hit_tokens"] += hit - num_computed_tokens
         LAST_STATS[self._side] = dict(self.stats)
         return hit - num_computed_tokens, False

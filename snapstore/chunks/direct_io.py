@@ -11,7 +11,8 @@ File systems that refuse O_DIRECT (tmpfs, some FUSE and network mounts: EINVAL a
 first write) get the buffered path; the caller remembers the refusal for the store's lifetime.
 
 Trade-off (measured, docs/benchmarks.md): a direct write leaves nothing in the page cache, so a
-restore soon after a save reads from the disk (cold rate) instead of memory. Turn it off with
+restore soon after a save reads from the disk (cold rate) instead of memory; the chunker writes
+chunks under ``DIRECT_SAVE_MIN`` (1 MiB) buffered for that reason (small prefixes stay cached). Turn it off with
 ``direct_io=False`` / ``SNAPSTORE_DIRECT_IO=0`` where restores usually follow saves within seconds
 and the disk is not the bottleneck.
 """

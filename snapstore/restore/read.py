@@ -17,6 +17,7 @@ from snapstore.chunks.repo import Repo
 from snapstore.chunks.staging import StagingBuffer
 from snapstore.lifecycle.access import Access
 from snapstore.parts.buffers import Destination
+from snapstore.plan.chain_rows import ChainRows
 from snapstore.plan.prefix import granularity, rows_bound, rows_limit
 from snapstore.plan.restore_plan import RestorePlan, build_plan
 from snapstore.restore.ramtier import RamTier
@@ -47,7 +48,9 @@ def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Map
     if rows_from > bound:  # rows_from counts rows: at tokens_per_row > 1 the tokens bound (readable) is looser
         raise InvalidInputError(f"rows_from={rows_from} is past the {bound} rows (of {granularity(layout)} tokens) "
                                 f"that restoring snapshot {sid} writes; nothing was written")
-    return snap, build_plan(c, sid, access.chain(c, snap), layout, into, wanted, rows_from, rows_to)
+    chain = access.chain(c, snap)
+    rows = ChainRows(c, [link.id for link in chain])  # every link's parts and chunks: one statement
+    return snap, build_plan(rows, sid, chain, layout, into, wanted, rows_from, rows_to)
 
 
 def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int) -> MatchDetails:
@@ -58,7 +61,8 @@ def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int
         snapshot_id=sid, n_tokens=plan.n_tokens, namespace=ns or None, rows=dict(plan.rows),
         components=frozenset(held), missing_components=frozenset(plan.missing_components),
         part_bytes=dict(plan.part_bytes), nbytes=sum(plan.part_bytes.values()),
-        chain=list(plan.chain), pending=snap.state == SnapState.PENDING, rows_from=rows_from)
+        chain=list(plan.chain), pending=snap.state == SnapState.PENDING, rows_from=rows_from,
+        snapshot_tokens=snap.n_tokens)
 
 
 def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: StagingBuffer, ram: RamTier | None,

@@ -192,6 +192,10 @@ _DEPTH = 6  # pieces read ahead of the one being checked
 # shared one file's pieces broke its sequential readahead and were slower than one thread.
 _THREADS = 2
 _PIPELINE_MIN = 2 * (1 << 20)  # below this much raw data a reader thread costs more than it saves
+# Up to this much raw data, reader threads run only when the first or last file's pages are not
+# cached: a small warm restore (a system prompt, issue 31) took 1.5-2 ms on this thread and 3-4 ms
+# with two reader threads started for it (2 vCPUs, loaded); cold, the threads halve it (overlapped reads).
+_SMALL_WARM = 8 * (1 << 20)
 
 
 def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
@@ -301,8 +305,8 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
     except RestoreError as e:  # the writer's views() refused: nothing of this run was read yet
         e.touched = e.touched or touched
         raise
-    big = len(jobs) > 1 and sum(len(t) if isinstance(t, memoryview) else sum(map(len, t))
-                                for _, t, _ in jobs) >= _PIPELINE_MIN
+    total = sum(len(t) if isinstance(t, memoryview) else sum(map(len, t)) for _, t, _ in jobs)
+    big = len(jobs) > 1 and total >= _PIPELINE_MIN and (total > _SMALL_WARM or not _cached(opened))
     reader = ReadAhead(len(jobs), lambda j: read_exact(*jobs[j]), depth=_DEPTH, threads=_THREADS,
                        lanes=_file_lanes([fd for fd, _, _ in jobs])) if big else None
     try:
@@ -379,6 +383,12 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
         if reader is not None:
             reader.stop()  # before the descriptors close, and before an error reaches the caller
     return touched
+
+
+def _cached(opened: list[_Opened]) -> bool:
+    """Are the first and the last chunk file of ``opened`` in the page cache (two mincore probes)?"""
+    files = [(fd, HEADER_SIZE + item.chunk.raw_len) for item, fd, _, data in opened if data is None and fd >= 0]
+    return not files or all(resident(fd, size) for fd, size in {files[0], files[-1]})
 
 
 def _in_place(opened: list[_Opened], targets: list[memoryview | list[memoryview] | None], pieces: list[range],

@@ -57,6 +57,12 @@ from snapstore.parts.buffers import Source
 
 __all__ = ["ChunkRef", "Chunker", "Piece"]
 
+# Raw chunks below this size are written buffered even with direct_io on: they stay in the page
+# cache, so the next restore of a small prefix (a system prompt's boundary deltas, in this process
+# or the next) reads memory, not the disk; O_DIRECT pays off in bandwidth, which small chunks do not
+# need (issue 31: a 3,000-token vLLM prompt is 12 chunks of 256 KiB, restored cold after a direct save).
+DIRECT_SAVE_MIN = 1 << 20
+
 # Test hook: called as _TEST_HOOK(stage, chunker, chunk_id) at "hashed" (address and checksum
 # taken from the private copy), "publish" (the catalog had no healthy row: about to write a file)
 # and "stored" (every chunk of a save durable; chunk_id b""). Tests pause a real thread there to
@@ -320,7 +326,7 @@ class Chunker:
             if path is not None:
                 return path, self.codec, out[0]
         header = ChunkHeader(CODEC_RAW, len(raw), len(raw), csum).pack()
-        if self.direct and slot >= 0:
+        if self.direct and slot >= 0 and len(raw) >= DIRECT_SAVE_MIN:
             frame = self._staging.frame(slot, len(raw))
             frame[:HEADER_SIZE] = header  # in front of the data already in the slot: no payload copy
             path = write_direct(self._tmp, frame, HEADER_SIZE + len(raw), self._disk, written)

@@ -1,0 +1,103 @@
+"""The one current table that opens docs/benchmarks.md (issue 31 item 4), from a run's figures.
+
+``bench.py --doc docs/benchmarks.md`` (what ``make bench`` runs) replaces the text between the
+``<!-- current-table -->`` markers with :func:`table` of the figures just measured; sections not
+run show a dash. ``--vllm-json`` adds the vLLM peers from a ``bench_vllm.py --json`` file.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+BEGIN, END = "<!-- current-table:begin -->", "<!-- current-table:end -->"
+
+
+def _x(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}x"
+
+
+def _get(d: Any, *path: str) -> Any:
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return None
+        d = d[p]
+    return d
+
+
+def table(res: dict[str, Any], meta: dict[str, Any], vllm: dict[str, Any] | None = None) -> str:
+    """Markdown: what was measured, our figure, the baseline measured beside it, the ratio, the target."""
+    rows: list[tuple[str, str, str, str, str]] = []
+    core = res.get("core")
+    if core:
+        g, r, mib = core["GBps"], core["ratios"], core["bytes"] / (1 << 20)
+        rows += [
+            (f"large save, {mib:.0f} MiB", f"{g['save']:.2f} GB/s", f"raw write + fsync {g['raw_write']:.2f} GB/s",
+             _x(r["save"]), "≥ 0.8x"),
+            (f"large restore, cold, {mib:.0f} MiB", f"{g['restore_cold']:.2f} GB/s",
+             f"raw read cold {g['raw_cold']:.2f} GB/s", _x(r["restore_cold"]), "≥ 0.8x"),
+            (f"large restore, warm, {mib:.0f} MiB", f"{g['restore_warm']:.2f} GB/s",
+             f"raw read warm {g['raw_warm']:.2f} GB/s", _x(r["restore_warm"]), "≥ 0.8x"),
+            (f"large restore, RAM tier, {mib:.0f} MiB", f"{g['restore_ram']:.2f} GB/s",
+             f"raw read warm {g['raw_warm']:.2f} GB/s", _x(r["restore_ram"]), "—"),
+        ]
+    alt = res.get("alt")
+    if alt and core:
+        g = core["GBps"]
+        for k, label, ours in (("st_cold", "safetensors load + copy, cold", "restore_cold"),
+                               ("pt_cold", "torch.load + copy, cold", "restore_cold"),
+                               ("st_save", "safetensors save + fsync", "save")):
+            if k in alt:
+                rows.append((f"peer: {label}", f"snapstore {g[ours]:.2f} GB/s", f"{alt[k]['GBps']:.2f} GB/s",
+                             _x(g[ours] / alt[k]["GBps"]) + " of it", "ahead"))
+    small = res.get("small")
+    if small:
+        for key, r in small["restore"].items():
+            if r["tokens"] not in (1024, 3072, 8192) or (r["links"] != 12 and r["tokens"] != 3072):
+                continue
+            mib = r["bytes"] / (1 << 20)
+            what = f"small restore, {r['tokens']} tokens ({mib:.0f} MiB), {r['links']} link{'s' * (r['links'] > 1)}"
+            rows.append((what + ", warm", f"{r['warm']:.2f} ms", f"raw read warm {r['raw_warm']:.2f} ms",
+                         _x(r["warm_x"]), "≤ 2 ms at 3K/12" if key == "3072/12" else "—"))
+            rows.append((what + ", cold", f"{r['cold']:.2f} ms", f"raw read cold {r['raw_cold']:.2f} ms",
+                         _x(r["cold_x"]), "—"))
+        lk = small.get("lookup", {})
+        if "lookup" in lk:
+            base = lk.get("match+describe", {}).get("p50_us")
+            rows.append(("scheduler lookup (Store.lookup), 3K tokens, 12 links", f"p50 {lk['lookup']['p50_us']:.0f} us",
+                         f"match + describe p50 {base:.0f} us" if base else "—",
+                         "—", "≤ 500 us p50"))
+    match = res.get("match")
+    if match:
+        rows.append((f"match() over {match['snapshots']:,} snapshots, 128K-token prompts",
+                     f"p50 {match['median_us']:,.0f} us", f"miss {match['miss_us']:,.0f} us", "—", "≤ 1 ms"))
+    if vllm:
+        t = vllm["ttft_s"]
+        rows.append((f"vLLM TTFT, {vllm['long_tokens']} tokens restored (tiny Llama, CPU)",
+                     f"snapstore {t['snapstore_restored'] * 1e3:.1f} ms",
+                     f"ExampleConnector {t['example_restored'] * 1e3:.1f} ms; prefill {t['prefill'] * 1e3:.1f} ms",
+                     _x(t["snapstore_restored"] / t["example_restored"]) + " of it", "≤ 1.0x"))
+        w, sch = _get(vllm, "snapstore_connector", "worker"), _get(vllm, "snapstore_connector", "scheduler")
+        if w and sch and w.get("loads") and sch.get("lookups"):
+            rows.append(("vLLM connector, inside the served process", f"load {w['load_us'] / w['loads'] / 1e3:.1f} ms, "
+                         f"lookup {sch['lookup_us'] / sch['lookups'] / 1e3:.1f} ms a request", "—", "—", "—"))
+    out = [f"Current figures: `{meta['command']}` on {meta['when']} — {meta['machine']}; load average "
+           f"{meta['load_before']} before, {meta['load_after']} after (other work ran beside it: read the ratios)."
+           + (f" vLLM row: `bench_vllm.py` at load {vllm['load'][0]:.1f}." if vllm else ""),
+           "", "| measured | snapstore | baseline, same run | ratio | target |", "| --- | --- | --- | --- | --- |"]
+    out += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
+    return "\n".join(out) + "\n"
+
+
+def update_doc(path: str, text: str) -> None:
+    """Replace the block between the markers in ``path`` (added after the title when absent)."""
+    with open(path) as f:
+        doc = f.read()
+    block = f"{BEGIN}\n{text}{END}"
+    if BEGIN in doc and END in doc:
+        doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _m: block, doc, count=1, flags=re.S)
+    else:
+        head, _, rest = doc.partition("\n")
+        doc = f"{head}\n\n{block}\n{rest}"
+    with open(path, "w") as f:
+        f.write(doc)

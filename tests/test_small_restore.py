@@ -1,0 +1,209 @@
+"""Issue 31: a small restore and a scheduler lookup cost a fixed, small number of catalog statements,
+whatever the chain's length, with every check unchanged.
+
+- a restore plan reads every link's parts and chunks in one statement (it was two per link and
+  part): the statements a restore runs do not grow with the chain;
+- ``Store.lookup`` is ``match`` + ``describe`` of its hit in one read: the same answer (property
+  test over prompts that share prefixes with stored chains, at block granularity), and fewer
+  statements than the two calls;
+- the plan's checks still hold through the one-statement read: a chunk row gone, a quarantined
+  chunk, a part of another shape — each refused before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import snapstore as ss
+
+BLOCK = 4
+LAYOUT = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16))}, tokens_per_row=BLOCK)
+IDENT = ss.Identity(build="t", pack="p", kv="u8")
+
+
+def _open(path: Any) -> ss.Store:
+    return ss.Store.open(str(path), identity=IDENT, layout=LAYOUT, budget=ss.Budget(reserve_bytes=0, ram_bytes=0))
+
+
+def _chain(s: ss.Store, tokens: list[int], links: int, seed: int = 0) -> tuple[int, np.ndarray]:
+    """Save ``tokens`` as a chain of ``links`` snapshots; (leaf id, the rows saved)."""
+    rows = len(tokens) // BLOCK
+    kv = np.random.default_rng(seed).integers(0, 256, (rows, 2, 16), dtype=np.uint8)
+    sid = 0
+    for b in sorted({max(1, rows * (i + 1) // links) for i in range(links)}):
+        res = s.save(tokens[:b * BLOCK], {"kv": kv}, rows=b, parent="auto")
+        assert res.ok and res.snapshot_id is not None
+        sid = res.snapshot_id
+    return sid, kv
+
+
+@contextmanager
+def statements(s: ss.Store) -> Iterator[list[str]]:
+    """The SQL statements this thread's catalog connection runs inside (apsw's profile hook)."""
+    seen: list[str] = []
+    conn = s._repo.db.conn()
+    conn.set_profile(lambda sql, _ns: seen.append(sql))
+    try:
+        yield seen
+    finally:
+        conn.set_profile(None)
+
+
+def test_restore_statements_do_not_grow_with_the_chain(tmp_path: Any) -> None:
+    """A restore of a 12-link chain runs as many catalog statements as one of a single link."""
+    tokens = list(range(10, 10 + 48 * BLOCK))
+    counts = {}
+    for links in (1, 12):
+        with _open(tmp_path / f"s{links}") as s:
+            sid, kv = _chain(s, tokens, links)
+            dst = np.zeros_like(kv)
+            s.restore(sid, {"kv": dst})  # the connection opened, its statements prepared
+            with statements(s) as seen:
+                s.restore(sid, {"kv": dst})
+            assert np.array_equal(dst, kv)
+            counts[links] = len(seen)
+    assert counts[12] == counts[1], counts
+    # the plan's read (BEGIN, snapshot, identity key, chain, parts and chunks, COMMIT) and the
+    # bookkeeping write of last use (6); before issue 31: 36 reads for 12 links, 14 for one
+    assert counts[12] <= 12, counts
+
+
+def test_lookup_runs_fewer_statements_than_match_and_describe(tmp_path: Any) -> None:
+    tokens = list(range(10, 10 + 48 * BLOCK))
+    with _open(tmp_path / "s") as s:
+        _chain(s, tokens, 12)
+        s.lookup(tokens)
+        with statements(s) as both:
+            m = s.match(tokens)
+            assert m is not None
+            s.describe(m)
+        with statements(s) as one:
+            d = s.lookup(tokens)
+        assert d is not None and d.n_tokens == len(tokens)
+        assert len(one) < len(both), (len(one), len(both))
+        with statements(s) as match_only:
+            s.match(tokens)
+        assert len(one) <= len(match_only) + 6, (len(one), len(match_only))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_lookup_is_match_then_describe(tmp_path_factory: Any, data: st.DataObject) -> None:
+    """For prompts that share any prefix with stored chains: lookup == describe(match(prompt))."""
+    path = tmp_path_factory.mktemp("lk")
+    base = [int(x) for x in data.draw(st.lists(st.integers(0, 9), min_size=8 * BLOCK, max_size=8 * BLOCK))]
+    with _open(path) as s:
+        _chain(s, base, data.draw(st.integers(1, 4)))
+        other = [*base[:data.draw(st.integers(0, len(base)))], 99, 98, 97, 96, 95]
+        _chain(s, other[: len(other) // BLOCK * BLOCK], data.draw(st.integers(1, 3)), seed=1)
+        cut = data.draw(st.integers(0, len(base) + 5))
+        prompt = [*base[:cut], *data.draw(st.lists(st.integers(0, 120), max_size=9))]
+        m = s.match(prompt)
+        d = s.lookup(prompt)
+        if m is None:
+            assert d is None
+            return
+        want = s.describe(m)
+        assert d is not None
+        assert d == want  # every field, snapshot_tokens included
+        assert d.snapshot_tokens is not None and d.snapshot_tokens >= d.n_tokens == m.n_tokens
+        whole = s.describe(m.snapshot_id)
+        assert d.snapshot_tokens == whole.n_tokens
+
+
+def test_lookup_of_a_block_prefix_names_the_snapshot_tokens(tmp_path: Any) -> None:
+    """A prompt sharing only part of a stored snapshot: n_tokens is the block-aligned match,
+    snapshot_tokens the snapshot's own (the vLLM connector takes an explicit parent only when equal)."""
+    tokens = list(range(10, 10 + 8 * BLOCK))
+    with _open(tmp_path / "s") as s:
+        sid, _ = _chain(s, tokens, 1)
+        prompt = tokens[:5 * BLOCK + 2] + [500, 501]
+        d, m = s.lookup(prompt), s.match(prompt)
+        assert d is not None and m is not None and d.snapshot_id == m.snapshot_id == sid
+        assert 0 < d.n_tokens == m.n_tokens < d.snapshot_tokens == 8 * BLOCK
+        assert d.rows == {"kv": d.n_tokens // BLOCK} and d.n_tokens % BLOCK == 0
+        assert s.lookup([500, 501, 502, 503, 504]) is None
+
+
+def test_plan_checks_hold_through_the_one_statement_read(tmp_path: Any) -> None:
+    """A quarantined chunk and a chunk row gone are still refused before a byte is written."""
+    tokens = list(range(10, 10 + 24 * BLOCK))
+    with _open(tmp_path / "s") as s:
+        sid, kv = _chain(s, tokens, 6)
+        chain = s.describe(sid).chain
+        conn = s._repo.db.conn()
+        mid = chain[2]
+        cid = bytes(conn.execute("SELECT chunk_id FROM part_chunks WHERE snapshot_id = ?", (mid,)).fetchone()[0])
+        conn.execute("UPDATE chunks SET quarantined = 1.0 WHERE id = ?", (cid,))
+        dst = np.full_like(kv, 7)
+        with pytest.raises(ss.CorruptChunkError) as e:
+            s.restore(sid, {"kv": dst})
+        assert not e.value.touched and (dst == 7).all()
+        conn.execute("PRAGMA foreign_keys = OFF")
+        conn.execute("DELETE FROM chunks WHERE id = ?", (cid,))
+        with pytest.raises(ss.SnapshotUnavailableError, match="references a chunk that is gone") as e2:
+            s.restore(sid, {"kv": dst})
+        assert not e2.value.touched and (dst == 7).all()
+
+
+def test_small_warm_restore_starts_no_reader_threads(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few MiB whose pages are cached are read on the calling thread (reader threads started for
+    them cost more than the reads); the same restore with its files not cached keeps the readers."""
+    from snapstore.restore import stream
+
+    made: list[int] = []
+    real = stream.ReadAhead
+
+    def counting(*a: Any, **k: Any) -> Any:
+        made.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(stream, "ReadAhead", counting)
+    lay = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16384))}, tokens_per_row=32)
+    with ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=lay,
+                       budget=ss.Budget(reserve_bytes=0, ram_bytes=0)) as s:
+        kv = np.random.default_rng(3).integers(0, 256, (96, 2, 16384), dtype=np.uint8)  # 3 MiB
+        tokens = list(range(96 * 32))
+        sid = 0
+        for b in (32, 64, 96):
+            res = s.save(tokens[:b * 32], {"kv": kv}, rows=b, parent="auto")
+            assert res.ok and res.snapshot_id is not None
+            sid = res.snapshot_id
+        dst = np.zeros_like(kv)
+        s.restore(sid, {"kv": dst})
+        made.clear()
+        s.restore(sid, {"kv": dst})  # warm: the first restore read every file
+        assert np.array_equal(dst, kv) and made == []
+        monkeypatch.setattr(stream, "resident", lambda fd, size: False)  # as if evicted
+        dst[:] = 0
+        s.restore(sid, {"kv": dst})
+        assert np.array_equal(dst, kv) and made == [1]
+
+
+def test_small_chunks_stay_in_the_page_cache_with_direct_io(tmp_path: Any) -> None:
+    """With O_DIRECT saves on, a chunk under DIRECT_SAVE_MIN is written buffered: its pages stay
+    cached, so the next restore of a small prefix (here or in the next process) is a warm one."""
+    import os
+
+    from support.pagecache import cached_pages
+
+    from snapstore.save.chunker import DIRECT_SAVE_MIN
+
+    lay = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16384))}, tokens_per_row=32)
+    with ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=lay, direct_io=True,
+                       budget=ss.Budget(reserve_bytes=0, ram_bytes=0)) as s:
+        if not s._chunker.direct:
+            pytest.skip("this file system refuses O_DIRECT")
+        kv = np.random.default_rng(5).integers(0, 256, (8, 2, 16384), dtype=np.uint8)  # one 256 KiB chunk
+        assert kv.nbytes < DIRECT_SAVE_MIN
+        assert s.save(list(range(8 * 32)), {"kv": kv}, rows=8).ok
+        files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(s.path, "blobs")) for f in fs]
+        pages = sum(-(-os.path.getsize(f) // 4096) for f in files)
+        assert files and sum(cached_pages(f) for f in files) >= pages - len(files)
