@@ -60,13 +60,14 @@ from snapstore.save.chunker import Chunker
 from snapstore.save.run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
 from snapstore.save.run import SaveRun, skipped
 from snapstore.save.stages import Saver, Skip, count_of
+from snapstore.transfer.store import StoreTransfer
 
 __all__ = ["Store"]
 
 T = TypeVar("T")
 
 
-class Store(StoreReports, StoreNames, StoreBatches):
+class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer):
     """An open snapstore directory, bound to one identity and layout. Thread-safe.
 
     Open with :meth:`Store.open` (``__init__`` only assigns); see docs/api.md.
