@@ -34,6 +34,7 @@ from snapstore.calls.snapshot_ops import (
     housekeep,
     retire,
 )
+from snapstore.calls.transfer import StoreTransfer
 from snapstore.calls.turn import Turn
 from snapstore.catalog.queries import SnapRow, Txn
 from snapstore.chunks.chunkfile import CODECS
@@ -60,7 +61,6 @@ from snapstore.save.chunker import Chunker
 from snapstore.save.run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
 from snapstore.save.run import SaveRun, skipped
 from snapstore.save.stages import Saver, Skip, count_of
-from snapstore.transfer.store import StoreTransfer
 
 __all__ = ["Store"]
 

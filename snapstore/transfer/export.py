@@ -129,8 +129,8 @@ def write_export(repo: Repo, sid: int, path: str | os.PathLike[str], *, chain_of
     tmp = os.path.join(folder, f".{os.path.basename(dest)}.{secrets.token_hex(6)}.part")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        raise StoreIOError(e.errno or 5, f"cannot create the export file beside {dest}: {e.strerror}") from None
+    except OSError as err:
+        raise StoreIOError(err.errno or 5, f"cannot create the export file beside {dest}: {err.strerror}") from None
     whole = blake3.blake3()
     size = 0
 
@@ -157,8 +157,8 @@ def write_export(repo: Repo, sid: int, path: str | os.PathLike[str], *, chain_of
         size += 48
         os.fsync(fd)
         ok = True
-    except OSError as e:
-        raise StoreIOError(e.errno or 5, f"cannot write the export file {dest}: {e.strerror}") from None
+    except OSError as err:
+        raise StoreIOError(err.errno or 5, f"cannot write the export file {dest}: {err.strerror}") from None
     finally:
         os.close(fd)
         if not ok:
@@ -166,9 +166,9 @@ def write_export(repo: Repo, sid: int, path: str | os.PathLike[str], *, chain_of
     try:
         os.replace(tmp, dest)
         fsync_dir(folder)
-    except OSError as e:
+    except OSError as err:
         _unlink(tmp)
-        raise StoreIOError(e.errno or 5, f"cannot write the export file {dest}: {e.strerror}") from None
+        raise StoreIOError(err.errno or 5, f"cannot write the export file {dest}: {err.strerror}") from None
     return ExportResult(dest, sid, h.n_tokens, len(h.chain), len(h.chunks), size, h.identity.key,
                         h.namespace or None, name)
 

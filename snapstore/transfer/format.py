@@ -237,31 +237,31 @@ def _layout_of(doc: dict[str, Any]) -> Layout:
                 rows[name] = Rows(_get(p, "dtype", str, where), tuple(shape), comp)
             else:
                 raise _bad(f"{where}kind must be 'fixed' or 'rows'")
-        except LayoutError as e:
-            raise _bad(f"{where}{e}") from None
+        except LayoutError as err:
+            raise _bad(f"{where}{err}") from None
     g = doc.get("tokens_per_row")
     if g is not None and (not isinstance(g, int) or isinstance(g, bool)):
         raise _bad("'tokens_per_row' has the wrong type")
     try:
         return Layout(fixed=fixed, rows=rows, tokens_per_row=g)
-    except LayoutError as e:
-        raise _bad(f"layout: {e}") from None
+    except LayoutError as err:
+        raise _bad(f"layout: {err}") from None
 
 
 def decode_header(data: bytes) -> ExportHeader:
     """Parse and check the header; ExportFileError says what is wrong with it."""
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_no_constants)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _bad(f"not JSON ({e})") from None
+    except (UnicodeDecodeError, ValueError) as err:
+        raise _bad(f"not JSON ({err})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise _bad("not a snapstore export header")
     if doc.get("v") != VERSION:
         raise _bad(f"header version {doc.get('v')!r} is not supported (this snapstore reads {VERSION})")
     try:
         ident = Identity.from_dict(_get(doc, "identity", dict))
-    except Exception as e:  # ConfigError, or a TypeError of a malformed field
-        raise _bad(f"identity: {e}") from None
+    except Exception as err:  # ConfigError, or a TypeError of a malformed field
+        raise _bad(f"identity: {err}") from None
     if ident.key != _get(doc, "identity_key", str):
         raise _bad("identity_key does not match the identity")
     ns = _get(doc, "namespace", str)

@@ -27,6 +27,7 @@ import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import BinaryIO
 
 import numpy as np
@@ -41,7 +42,7 @@ from snapstore._errors import (
 )
 from snapstore._layout import Fixed, Layout
 from snapstore._tokens import TokenIndex, decode_tokens
-from snapstore.catalog.queries import PartKind, SnapRow, Txn
+from snapstore.catalog.queries import ChunkRow, PartKind, SnapRow, Txn
 from snapstore.chunks.chunkfile import header_at, header_matches, scope_key
 from snapstore.chunks.publish import create_temp, discard, finish_temp, fsync_dirs, link_new, write_all
 from snapstore.chunks.repo import Repo
@@ -165,7 +166,7 @@ def _read_frames(repo: Repo, reader: ExportReader, h: ExportHeader, access: Acce
         shape = spec.shape if isinstance(spec, Fixed) else spec.row_shape
         key = scope_key(mine, ns, spec.dtype, shape)
         where = f"{shown}: chunk frame {i} (part {e.part!r})"
-        held = repo.db.read(lambda c, e=e: c.chunk(e.id)) if same_scope else None
+        held = repo.db.read(partial(_chunk_row, e.id)) if same_scope else None
         try:
             if held is not None and held.quarantined is None and held.checksum == e.checksum \
                     and held.raw_len == e.raw_len and held.scope in (key, scope_key(mine, ns)):
@@ -182,6 +183,10 @@ def _read_frames(repo: Repo, reader: ExportReader, h: ExportHeader, access: Acce
             raise ExportFileError(f"{where} is altered: {bad}; nothing imported") from None
         chunks.ids.append(cid)
         chunks.keys.append(key)
+
+
+def _chunk_row(cid: bytes, t: Txn) -> ChunkRow | None:
+    return t.chunk(cid)
 
 
 def _publish(repo: Repo, e: ChunkEntry, key: bytes, pieces: Iterator[memoryview], chunks: _Chunks) -> bytes:
