@@ -26,6 +26,7 @@ import os
 import stat
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import BinaryIO
@@ -115,7 +116,7 @@ def import_export(repo: Repo, path: str | os.PathLike[str], *, access: Access, l
     if name is not None:
         check_name(name)
     shown = os.fspath(path)
-    with open_export(path) as f:
+    with open_export(path) as f, _named_file(shown):
         reader = ExportReader(f, shown)
         h = reader.header
         imported_from = identity_decision(h.identity, access.identity, accept_identity, shown)
@@ -165,7 +166,7 @@ def _read_frames(repo: Repo, reader: ExportReader, h: ExportHeader, access: Acce
         spec = h.spec(e.part)
         shape = spec.shape if isinstance(spec, Fixed) else spec.row_shape
         key = scope_key(mine, ns, spec.dtype, shape)
-        where = f"{shown}: chunk frame {i} (part {e.part!r})"
+        where = f"chunk frame {i} (part {e.part!r})"
         held = repo.db.read(partial(_chunk_row, e.id)) if same_scope else None
         try:
             if held is not None and held.quarantined is None and held.checksum == e.checksum \
@@ -180,9 +181,18 @@ def _read_frames(repo: Repo, reader: ExportReader, h: ExportHeader, access: Acce
                 continue
             cid = _publish(repo, e, key, pieces, chunks)
         except BadChunk as bad:
-            raise ExportFileError(f"{where} is altered: {bad}; nothing imported") from None
+            raise ExportFileError(f"{where} is altered: {bad}") from None
         chunks.ids.append(cid)
         chunks.keys.append(key)
+
+
+@contextmanager
+def _named_file(shown: str) -> Iterator[None]:
+    """Every ExportFileError of one import names the file and says that nothing was imported."""
+    try:
+        yield
+    except ExportFileError as e:
+        raise ExportFileError(f"{shown} is refused: {e}; nothing imported") from None
 
 
 def _chunk_row(cid: bytes, t: Txn) -> ChunkRow | None:
