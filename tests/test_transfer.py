@@ -135,6 +135,34 @@ def test_compressed_chunks_round_trip(tmp_path: Any, codec: str) -> None:
         assert r.chunks_written == r.chunks and exact(s, r.snapshot_id)
 
 
+def test_export_and_import_stream_in_bounded_memory(tmp_path: Any) -> None:
+    """A 32 MiB chain goes out and back in with a few MiB of Python memory at most: a piece at a time."""
+    import tracemalloc
+
+    lay = ss.Layout(rows={"kv": ss.Rows("uint8", (4096,))})
+    kv = np.random.default_rng(1).integers(0, 256, (8192, 4096), dtype=np.uint8)  # 32 MiB
+    toks = list(range(8192))
+    kw: dict[str, Any] = {"chunk_bytes": 1 << 20, "staging_bytes": 4 << 20}
+    with ss.Store.open(str(tmp_path / "src"), identity=IDENT, layout=lay, **kw) as s:
+        leaf = s.save(toks, {"kv": kv})
+        tracemalloc.start()
+        try:
+            s.export(leaf, str(tmp_path / "big.snapx"))
+            out_peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    del kv
+    with ss.Store.open(str(tmp_path / "dst"), identity=IDENT, layout=lay, **kw) as s:
+        tracemalloc.start()
+        try:
+            r = s.import_file(str(tmp_path / "big.snapx"))
+            in_peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert r.chunks_written == 32
+    assert out_peak < 8 << 20 and in_peak < 8 << 20, (out_peak, in_peak)
+
+
 # -- dedup -----------------------------------------------------------------------------------------
 def test_second_import_writes_no_chunk_bytes(tmp_path: Any, exported: tuple[str, bytes]) -> None:
     dst = str(tmp_path / "dst")
@@ -207,36 +235,41 @@ def test_a_truncated_file_is_refused(tmp_path: Any, exported: tuple[str, bytes])
         _assert_nothing_imported(s, str(tmp_path / "dst"))
 
 
-_FAULT = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_FAULT = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture
+def sink(tmp_path: Any) -> Any:
+    """One store that every example of a property test imports into (a refused import leaves it as it was)."""
+    with open_store(str(tmp_path / "sink")) as s:
+        yield s, str(tmp_path / "sink")
 
 
 @_FAULT
 @given(cut=st.data())
-def test_property_every_cut_point_is_refused(tmp_path: Any, exported: tuple[str, bytes], cut: Any) -> None:
+def test_property_every_cut_point_is_refused(tmp_path: Any, exported: tuple[str, bytes], sink: Any,
+                                             cut: Any) -> None:
     n = cut.draw(st.integers(0, len(exported[1]) - 1), label="kept bytes")
-    d = tmp_path / f"cut{n}"
-    d.mkdir(exist_ok=True)
-    (d / "f.snapx").write_bytes(exported[1][:n])
-    with open_store(str(d / "dst")) as s:
-        with pytest.raises(ss.ExportFileError):
-            s.import_file(str(d / "f.snapx"))
-        _assert_nothing_imported(s, str(d / "dst"))
+    (tmp_path / "f.snapx").write_bytes(exported[1][:n])
+    s, path = sink
+    with pytest.raises(ss.ExportFileError, match="nothing imported"):
+        s.import_file(str(tmp_path / "f.snapx"))
+    _assert_nothing_imported(s, path)
 
 
 @_FAULT
 @given(flip=st.data())
-def test_property_every_flipped_byte_is_refused(tmp_path: Any, exported: tuple[str, bytes], flip: Any) -> None:
+def test_property_every_flipped_byte_is_refused(tmp_path: Any, exported: tuple[str, bytes], sink: Any,
+                                               flip: Any) -> None:
     at = flip.draw(st.integers(0, len(exported[1]) - 1), label="offset")
     bit = flip.draw(st.integers(0, 7), label="bit")
     data = bytearray(exported[1])
     data[at] ^= 1 << bit
-    d = tmp_path / f"flip{at}-{bit}"
-    d.mkdir(exist_ok=True)
-    (d / "f.snapx").write_bytes(bytes(data))
-    with open_store(str(d / "dst")) as s:
-        with pytest.raises(ss.ExportFileError):
-            s.import_file(str(d / "f.snapx"))
-        _assert_nothing_imported(s, str(d / "dst"))
+    (tmp_path / "f.snapx").write_bytes(bytes(data))
+    s, path = sink
+    with pytest.raises(ss.ExportFileError, match="nothing imported"):
+        s.import_file(str(tmp_path / "f.snapx"))
+    _assert_nothing_imported(s, path)
 
 
 def test_trailing_bytes_and_other_files_are_refused(tmp_path: Any, exported: tuple[str, bytes]) -> None:
