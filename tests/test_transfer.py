@@ -366,6 +366,21 @@ def test_a_store_of_another_layout_refuses_the_file(tmp_path: Any, exported: tup
         assert s.snapshots() == []
 
 
+def test_the_budget_holds_an_import(tmp_path: Any, exported: tuple[str, bytes]) -> None:
+    """Too large for the budget: refused, nothing imported. Room made by evicting LRU leaves otherwise."""
+    with open_store(str(tmp_path / "tiny"), budget=ss.Budget(disk_bytes=8 << 10, reserve_bytes=0)) as s:
+        with pytest.raises(ss.StateError, match="budget"):
+            s.import_file(exported[0])
+        assert s.snapshots() == [] and blobs(str(tmp_path / "tiny")) == {}
+    with open_store(str(tmp_path / "full"), budget=ss.Budget(disk_bytes=32 << 10, reserve_bytes=0)) as s:
+        old = s.save([1] * 300, {"rec": REC1, "kv": KV[::-1].copy()})  # ~20 KiB of other state
+        assert old.snapshot_id is not None
+        r = s.import_file(exported[0])
+        assert [i.snapshot_id for i in s.snapshots()][-1] == r.snapshot_id and exact(s, r.snapshot_id)
+        assert s.match([1] * 300) is None  # evicted to make room (the imported chain never is)
+        assert s.stats().stored_bytes <= 32 << 10
+
+
 # -- named exports --------------------------------------------------------------------------------------
 def test_named_export_and_the_name_given_on_import(tmp_path: Any, exported: tuple[str, bytes]) -> None:
     with open_store(str(tmp_path / "dst")) as s:
