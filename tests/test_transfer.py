@@ -179,6 +179,26 @@ def test_second_import_writes_no_chunk_bytes(tmp_path: Any, exported: tuple[str,
         assert s.stats().stored_bytes == stored and len(s.snapshots()) == 2
 
 
+def test_a_session_chain_with_superseded_links_round_trips_and_dedups(tmp_path: Any) -> None:
+    """Within a session a longer save supersedes the shorter (a chain link only, fixed parts dropped):
+    the link stays a link in the importing store, and a second import reuses every link."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    with open_store(src) as s:
+        s.save(TOKENS[:100], {"rec": REC1, "kv": KV[:100]}, session="c")
+        leaf = s.save(TOKENS, {"rec": REC2, "kv": KV}, session="c")
+        assert [i.matchable for i in s.snapshots()] == [False, True]
+        with pytest.raises(ss.StateError, match="superseded"):
+            s.export(leaf.parent_id, str(tmp_path / "link.snapx"))
+        s.export(leaf, str(tmp_path / "c.snapx"))
+    with open_store(dst) as s:
+        first = s.import_file(str(tmp_path / "c.snapx"))
+        assert [i.matchable for i in s.snapshots()] == [False, True]
+        assert s.match(TOKENS[:100]) is None and exact(s, s.match(TOKENS) or 0)
+        second = s.import_file(str(tmp_path / "c.snapx"))
+        assert second.snapshot_id == first.snapshot_id and second.links_added == 0 and second.chunks_written == 0
+        assert len(s.snapshots()) == 2
+
+
 def test_import_into_the_exporting_store_dedups_onto_its_own_chain(tmp_path: Any) -> None:
     src = str(tmp_path / "src")
     leaf = make_chain(src)

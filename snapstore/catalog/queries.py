@@ -184,6 +184,16 @@ class Txn(ChunkQueries, AdmissionQueries):
             (identity_id, namespace, prefix_key, content_key)).fetchone()
         return snap_row(row) if row else None
 
+    def same_link(self, identity_id: int, namespace: str, parent_id: int | None, prefix_key: bytes,
+                  content_key: bytes) -> SnapRow | None:
+        """A committed snapshot of equal tokens and content over ``parent_id``, superseded chain links
+        included (an import reuses the links a chain already has: :mod:`snapstore.transfer.importer`)."""
+        row = self._c.execute(
+            f"SELECT {SNAP_COLS} FROM snapshots WHERE identity_id = ? AND namespace = ? AND prefix_key = ? "
+            "AND content_key = ? AND state = 1 AND parent_id IS ? ORDER BY matchable DESC, id LIMIT 1",
+            (identity_id, namespace, prefix_key, content_key, parent_id)).fetchone()
+        return snap_row(row) if row else None
+
     def chain(self, sid: int) -> list[SnapRow]:
         """The snapshot and its ancestors, root first."""
         rows = self._c.execute(

@@ -63,8 +63,10 @@ def _plan(c: Txn, sid: int, chain_of: ChainCheck, name: str | None) -> _Plan:
     if snap is None:
         raise SnapshotUnavailableError(f"snapshot {sid} does not exist (evicted, deleted or never saved)",
                                        snapshot_id=sid)
-    if snap.state != SnapState.COMMITTED:
-        raise StateError(f"snapshot {sid} is a pending capture: only a committed snapshot can be exported")
+    if snap.state != SnapState.COMMITTED or not snap.matchable:
+        what = "a pending capture" if snap.state != SnapState.COMMITTED else "superseded (a chain link only)"
+        raise StateError(f"snapshot {sid} is {what}: only a committed, matchable snapshot can be exported "
+                         "(export the longer one over it)")
     chain = chain_of(c, snap)
     canonical = {i: canon for i, _key, canon, _c, _o in c.identities()}.get(snap.identity_id)
     if canonical is None:
@@ -102,7 +104,7 @@ def _plan(c: Txn, sid: int, chain_of: ChainCheck, name: str | None) -> _Plan:
                 idx.append(index[key])
             parts.append(LinkPart(p.name, p.row_start, p.row_end, p.nbytes, p.tokens_per_row, tuple(idx)))
         links.append(ChainLink(link.n_tokens, link.base_tokens, link.token_width, bytes(link.tokens),
-                               link.logical_bytes, tuple(parts)))
+                               link.logical_bytes, tuple(parts), bool(link.matchable)))
     if len(grains) > 1:
         raise CorruptionError(f"snapshot {sid}: its row streams were saved at several granularities {sorted(grains)}")
     g = next(iter(grains), 1)

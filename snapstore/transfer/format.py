@@ -130,6 +130,7 @@ class ChainLink:
     tokens: bytes  # tokens [base_tokens, n_tokens), little-endian of token_width bytes each
     logical_bytes: int
     parts: tuple[LinkPart, ...]
+    matchable: bool = True  # False: a superseded chain link (its fixed parts dropped), kept for its children
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ def encode_header(h: ExportHeader) -> bytes:
         "snapshot_id": h.snapshot_id, "layout": _layout_doc(h.layout), "tokens_per_row": h.layout.tokens_per_row,
         "chain": [{"n_tokens": ln.n_tokens, "base_tokens": ln.base_tokens, "token_width": ln.token_width,
                    "tokens": base64.b64encode(ln.tokens).decode(), "logical_bytes": ln.logical_bytes,
+                   "matchable": ln.matchable,
                    "parts": [{"name": p.name, "row_start": p.row_start, "row_end": p.row_end, "nbytes": p.nbytes,
                               "tokens_per_row": p.tokens_per_row, "chunks": list(p.chunks)} for p in ln.parts]}
                   for ln in h.chain],
@@ -346,7 +348,10 @@ def decode_header(data: bytes) -> ExportHeader:
             if total != nbytes:
                 raise _bad(f"{pw}its chunks hold {total} bytes, the part {nbytes}")
             parts.append(LinkPart(pname, r0, r1, nbytes, per, tuple(idx)))
-        chain.append(ChainLink(n, base, width, toks, _count(ln, "logical_bytes", where), tuple(parts)))
+        matchable = ln.get("matchable", True)
+        if not isinstance(matchable, bool) or (not matchable and j == len(links) - 1):
+            raise _bad(f"{where}'matchable' must be a bool, and true for the leaf")
+        chain.append(ChainLink(n, base, width, toks, _count(ln, "logical_bytes", where), tuple(parts), matchable))
     if not all(used):
         raise _bad(f"chunk {used.index(False)} is referenced by no part")
     created = _get(doc, "created", (int, float))

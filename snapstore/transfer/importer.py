@@ -261,9 +261,9 @@ def _commit(t: Txn, repo: Repo, h: ExportHeader, access: Access, layout: Layout,
                                        [chunks.ids[x] for x in p.chunks]))
         ckey = content_key_of(parent.content_key if parent else None, tag, segs)
         pkey = index.prefix_key(ln.n_tokens)
-        same = t.same_content(iid, ns, pkey, ckey)
-        if same is not None and same.parent_id == (parent.id if parent else None) and (
-                same.imported_from is None or same.imported_from == imported_from):
+        same = t.same_link(iid, ns, parent.id if parent else None, pkey, ckey)
+        if same is not None and (same.imported_from is None or same.imported_from == imported_from) and (
+                same.matchable or not ln.matchable):
             t.touch(same.id, now, False)  # already here (equal tokens and content): reused
             sid = same.id
         else:
@@ -278,7 +278,9 @@ def _commit(t: Txn, repo: Repo, h: ExportHeader, access: Access, layout: Layout,
                 t.insert_part(sid, p.name, PartKind.FIXED if seg.kind == 0 else PartKind.ROWS, seg.dtype, seg.shape,
                               h.spec(p.name).component, p.row_start, p.row_end, p.nbytes, seg.chunk_ids,
                               p.tokens_per_row)
-            if imported_from is None:  # an import under an override is never matched: no prefix index
+            if not ln.matchable:
+                t.set_unmatchable(sid)  # a superseded chain link stays one (its fixed parts are not in the file)
+            elif imported_from is None:  # an import under an override is never matched: no prefix index
                 record_prefixes(t, layout, sid, toks[:ln.n_tokens])
             added += 1
         parent = t.snapshot(sid)
