@@ -469,3 +469,23 @@ def test_an_override_import_is_never_published_to_the_shared_tier(tmp_path: Any,
         assert b.match(TOKENS + list(range(20))) is None and b.match(TOKENS) is None
         m = b.match([9] * 50)
         assert m is not None and m.n_tokens == 50  # the shared tier works: only the override stayed home
+
+
+def test_namespaces_and_ownership(tmp_path: Any) -> None:
+    """A snapshot travels in its namespace; a store exports only its own identity's snapshots."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    with open_store(src) as s:
+        r = s.save(TOKENS, {"rec": REC2, "kv": KV}, namespace="tenant-a")
+        s.name(r, "doc", namespace="tenant-a")
+        with pytest.raises(ss.NotFoundError):
+            s.export("doc", str(tmp_path / "x.snapx"))  # no such name in the default namespace
+        out = s.export("doc", str(tmp_path / "x.snapx"), namespace="tenant-a")
+        assert out.namespace == "tenant-a"
+    with open_store(src, identity=OTHER) as o:
+        with pytest.raises(ss.IdentityError):
+            o.export(r.snapshot_id or 0, str(tmp_path / "y.snapx"), namespace="tenant-a")
+    with open_store(dst) as s:
+        got = s.import_file(str(tmp_path / "x.snapx"))
+        assert got.namespace == "tenant-a" and s.match(TOKENS) is None
+        m = s.match(TOKENS, namespace="tenant-a")
+        assert m is not None and exact(s, m) and s.named("doc", namespace="tenant-a") is not None
