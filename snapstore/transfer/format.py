@@ -34,7 +34,7 @@ import blake3
 from snapstore._errors import ExportFileError, LayoutError
 from snapstore._identity import Identity, canonical_json
 from snapstore._layout import Fixed, Layout, Rows
-from snapstore.chunks.chunkfile import CODEC_NAMES, HEADER_SIZE, MAX_RAW
+from snapstore.chunks.chunkfile import CODEC_NAMES, HEADER_SIZE
 
 __all__ = ["FORMAT", "FRAME_HEAD", "FRAME_TAIL", "PREAMBLE", "TRAILER", "VERSION", "ChainLink", "ChunkEntry",
            "ExportHeader", "ExportReader", "LinkPart", "Preamble", "Trailer", "decode_header", "encode_header",
@@ -45,6 +45,7 @@ VERSION = 1  # a reader refuses any other major version (docs/format.md "Version
 MAGIC, FRAME_MAGIC, END_MAGIC = b"SNAPEXP\x00", b"SNAPFRM\x00", b"SNAPEND\x00"
 PREAMBLE, FRAME_HEAD, FRAME_TAIL, TRAILER = 64, 16, 32, 48
 MAX_HEADER = 256 << 20  # a header longer than this is refused unread
+MAX_CHUNK = 1 << 30  # no store writes a larger chunk (chunk_bytes <= 1 GiB): a compressed one is decoded whole
 PIECE = 4 << 20  # bytes read or written at once
 _PRE = struct.Struct("<8sHHIQ32s")  # magic, version, flags, reserved, header length, header BLAKE3
 _FRAME = struct.Struct("<8sQ")
@@ -283,8 +284,8 @@ def decode_header(data: bytes) -> ExportHeader:
         part = _get(c, "part", str, where)
         if part not in specs:
             raise _bad(f"{where}part {part!r} is not in the layout")
-        raw_len = _count(c, "raw_len", where, MAX_RAW)
-        stored = _count(c, "stored_len", where, MAX_RAW + 2048)
+        raw_len = _count(c, "raw_len", where, MAX_CHUNK)
+        stored = _count(c, "stored_len", where, MAX_CHUNK + 2048)
         if stored < HEADER_SIZE:
             raise _bad(f"{where}stored_len is shorter than a chunk header")
         table.append(ChunkEntry(raw_len, stored, codec, _hexb(c, "checksum", 16, where), _hexb(c, "id", 32, where),
