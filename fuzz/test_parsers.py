@@ -257,3 +257,63 @@ def test_bogus_chunk_id_length(bogus: bytes, op: str) -> None:
 
 def test_checksum_is_stable() -> None:
     assert checksum(b"abc") == checksum(memoryview(b"abc"))
+
+
+# -- export file headers (docs/format.md §14): a checksummed header may still be hostile ---------------
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats(allow_nan=False)
+                     | st.text(max_size=20), lambda kids: st.lists(kids, max_size=4)
+                     | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=8)
+
+
+def _export_doc() -> dict[str, Any]:
+    import base64
+    import json
+
+    from snapstore.transfer.format import ChainLink, ChunkEntry, ExportHeader, LinkPart, encode_header
+    lay = ss.Layout(fixed={"rec": ss.Fixed("float32", (4,))}, rows={"kv": ss.Rows("uint8", (8,))})
+    h = ExportHeader(IDENT, "", "n", lay, (
+        ChainLink(2, 0, 4, base64.b64decode("AQAAAAIAAAA="), 32, (LinkPart("kv", 0, 2, 16, 1, (0,)),
+                                                                 LinkPart("rec", 0, 0, 16, None, (1,)))),),
+        (ChunkEntry(16, 80, 0, bytes(16), bytes(32), "kv"), ChunkEntry(16, 80, 0, bytes(16), bytes(32), "rec")),
+        1, "w", 0.0)
+    doc: dict[str, Any] = json.loads(encode_header(h))
+    return doc
+
+
+def _paths(node: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [at]
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += _paths(v, at + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _paths(v, at + (i,))
+    return out
+
+
+@FUZZ
+@given(st.data())
+def test_export_header_mutations_raise_only_export_file_error(data: Any) -> None:
+    import json
+
+    from snapstore._identity import canonical_json
+    from snapstore.transfer.format import decode_header
+    doc = _export_doc()
+    decode_header(canonical_json(doc).encode())  # the unmutated header parses
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(_paths(doc)[1:]))
+        node = doc
+        for k in path[:-1]:
+            node = node[k]
+        if data.draw(st.booleans()) and isinstance(node, dict):
+            del node[path[-1]]
+        else:
+            node[path[-1]] = data.draw(_JSON)
+    try:
+        text = json.dumps(doc, sort_keys=True)
+    except (TypeError, ValueError):
+        return
+    try:
+        decode_header(text.encode())
+    except ss.ExportFileError:
+        pass

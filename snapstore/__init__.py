@@ -12,6 +12,7 @@ from snapstore._errors import (
     CorruptChunkError,
     CorruptionError,
     DestinationError,
+    ExportFileError,
     IdentityError,
     InvalidInputError,
     LayoutError,
@@ -50,6 +51,7 @@ from snapstore.parts.paged import PagedRows
 from snapstore.parts.rowspan import RowSpan, row_span
 from snapstore.remote.uploader import FlushResult
 from snapstore.save.asynchronous import SaveHandle
+from snapstore.transfer.results import ExportResult, ImportResult
 
 __version__ = "0.1.0"
 
@@ -63,11 +65,14 @@ __all__ = [
     "Destination",
     "DestinationError",
     "EngineMeta",
+    "ExportFileError",
+    "ExportResult",
     "Fixed",
     "FlushResult",
     "GcReport",
     "Identity",
     "IdentityError",
+    "ImportResult",
     "InvalidInputError",
     "Layout",
     "LayoutError",

@@ -14,6 +14,7 @@ also subclasses it so generic handlers keep working::
     ├── StoreFormatError                   not a snapstore store, a newer format, an old SQLite
     ├── StoreIOError(OSError)              the file system failed (disk full, EIO, permissions)
     ├── CorruptionError                    stored bytes fail their checksum or do not parse
+    │   └── ExportFileError                an export file is truncated, altered or not one; nothing imported
     ├── RemoteError(OSError)               the shared tier (object storage) failed or is misconfigured
     ├── SourceError                        a save's source (device, reader) failed; nothing was saved
     └── RestoreError                       a restore failed; .touched says if the destination was written
@@ -29,6 +30,7 @@ __all__ = [
     "CorruptChunkError",
     "CorruptionError",
     "DestinationError",
+    "ExportFileError",
     "IdentityError",
     "InvalidInputError",
     "LayoutError",
@@ -90,6 +92,14 @@ class StoreIOError(SnapstoreError, OSError):
 
 class CorruptionError(SnapstoreError):
     """Stored bytes fail their checksum or do not parse as the format says."""
+
+
+class ExportFileError(CorruptionError):
+    """An export file (``Store.export``) is truncated, altered or not one; the message names the section.
+
+    Raised by ``Store.import_file`` before anything is imported: the catalog is unchanged and the
+    chunk files the import wrote are removed again (or left as orphans for gc).
+    """
 
 
 class RestoreError(SnapstoreError):

@@ -131,6 +131,9 @@ class SnapshotInfo:
     components: list[str] = field(default_factory=list)
     # it (or its chain) reads a quarantined chunk: not matched (``matchable`` False) until a save heals it
     quarantined: bool = False
+    # imported under an identity override (Store.import_file(accept_identity=KEY), or saved over such a
+    # snapshot): the identity key whose state it holds; never matched, restored by id or name only
+    imported_from: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""

@@ -35,6 +35,7 @@ from snapstore.calls.snapshot_ops import (
     housekeep,
     retire,
 )
+from snapstore.calls.transfer import StoreTransfer
 from snapstore.calls.turn import Turn
 from snapstore.catalog.queries import SnapRow, Txn
 from snapstore.chunks.chunkfile import CODECS
@@ -67,7 +68,7 @@ __all__ = ["Store"]
 T = TypeVar("T")
 
 
-class Store(StoreReports, StoreNames, StoreBatches):
+class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer):
     """An open snapstore directory, bound to one identity and layout. Thread-safe.
 
     Open with :meth:`Store.open` (``__init__`` only assigns); see docs/api.md.

@@ -15,8 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CORE = {
     "Budget", "ConfigError", "CorruptChunkError", "CorruptionError", "DTYPE_NAMES", "DeleteResult",
-    "DestinationError", "EngineMeta", "Fixed", "FlushResult", "GcReport", "Identity", "IdentityError",
-    "InvalidInputError", "Layout", "LayoutError", "LoadResult", "Match", "MatchDetails", "NotFoundError", "PagedRows",
+    "DestinationError", "EngineMeta", "ExportFileError", "ExportResult", "Fixed", "FlushResult", "GcReport",
+    "Identity", "IdentityError", "ImportResult", "InvalidInputError", "Layout", "LayoutError", "LoadResult",
+    "Match", "MatchDetails", "NotFoundError", "PagedRows",
     "PartReader", "PartWriter", "RemoteError", "RestoreError", "RestoreResult", "RowSpan", "Rows", "SaveHandle",
     "SaveResult", "SnapshotInfo", "SnapshotUnavailableError", "SnapstoreError", "SourceError", "StateError",
     "Stats", "Store", "StoreFormatError", "StoreIOError", "Turn", "UnsupportedCacheError", "VerifyReport",

@@ -100,7 +100,8 @@ _COMPAT_VIEWS: dict[int, list[str]] = {
          "snapshot_id INTEGER NOT NULL, created REAL NOT NULL, expires REAL, "
          "PRIMARY KEY (identity_id, namespace, name))"],  # no names before schema 10
 }
-_COMPAT_SNAPSHOT_COLS: dict[int, str] = {4: "0 AS shared", 8: "NULL AS find_key", 9: "NULL AS layout_key"}
+_COMPAT_SNAPSHOT_COLS: dict[int, str] = {4: "0 AS shared", 8: "NULL AS find_key", 9: "NULL AS layout_key",
+                                          11: "NULL AS imported_from"}
 
 
 def _compat_views(c: Raw) -> None:

@@ -152,7 +152,8 @@ class Txn(ChunkQueries, AdmissionQueries):
         sql = ("SELECT id, n_tokens, prefix_key, find_key, tokens, token_width, base_tokens, layout_key FROM snapshots "
                "WHERE identity_id = "
                "(SELECT id FROM identities WHERE key = ?) AND namespace = ? AND find_key IN {keys} "
-               "AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1")
+               "AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1 "
+               "AND imported_from IS NULL")  # an import under an identity override is never matched (v11)
         hi = min(len(keys), max_tokens // BLOCK + 1) if max_tokens >= 0 else 0
         batch_size = _FIRST_BATCH
         while hi > 0:
@@ -181,6 +182,16 @@ class Txn(ChunkQueries, AdmissionQueries):
             f"SELECT {SNAP_COLS} FROM snapshots WHERE identity_id = ? AND namespace = ? AND prefix_key = ? "
             "AND content_key = ? AND state = 1 AND matchable = 1 LIMIT 1",
             (identity_id, namespace, prefix_key, content_key)).fetchone()
+        return snap_row(row) if row else None
+
+    def same_link(self, identity_id: int, namespace: str, parent_id: int | None, prefix_key: bytes,
+                  content_key: bytes) -> SnapRow | None:
+        """A committed snapshot of equal tokens and content over ``parent_id``, superseded chain links
+        included (an import reuses the links a chain already has: :mod:`snapstore.transfer.importer`)."""
+        row = self._c.execute(
+            f"SELECT {SNAP_COLS} FROM snapshots WHERE identity_id = ? AND namespace = ? AND prefix_key = ? "
+            "AND content_key = ? AND state = 1 AND parent_id IS ? ORDER BY matchable DESC, id LIMIT 1",
+            (identity_id, namespace, prefix_key, content_key, parent_id)).fetchone()
         return snap_row(row) if row else None
 
     def chain(self, sid: int) -> list[SnapRow]:
@@ -252,12 +263,14 @@ class Txn(ChunkQueries, AdmissionQueries):
         v["find_key"] = self.derive_find_key(v["parent_id"], v["base_tokens"], v["n_tokens"], v["token_width"],
                                              v["tokens"])
         v.setdefault("layout_key", None)  # schema v9: the saver names its parts' layout (plan.fit)
+        v.setdefault("imported_from", None)  # schema v11: set by an import under an identity override
         self._c.execute(
             "INSERT INTO snapshots(identity_id, namespace, parent_id, depth, n_tokens, base_tokens, "
             "token_width, tokens, anchor, prefix_key, content_key, session, state, owner, matchable, "
-            "created, last_used, hits, logical_bytes, find_key, layout_key) VALUES (:identity_id, :namespace, "
-            ":parent_id, :depth, :n_tokens, :base_tokens, :token_width, :tokens, :anchor, :prefix_key, :content_key, "
-            ":session, :state, :owner, 1, :now, :now, 0, :logical_bytes, :find_key, :layout_key)", v)
+            "created, last_used, hits, logical_bytes, find_key, layout_key, imported_from) VALUES (:identity_id, "
+            ":namespace, :parent_id, :depth, :n_tokens, :base_tokens, :token_width, :tokens, :anchor, :prefix_key, "
+            ":content_key, :session, :state, :owner, 1, :now, :now, 0, :logical_bytes, :find_key, :layout_key, "
+            ":imported_from)", v)
         return int(self._c.last_insert_rowid())
 
     # -- find keys (schema v8, see catalog/find_keys.py) --------------------------------------------
@@ -329,7 +342,8 @@ class Txn(ChunkQueries, AdmissionQueries):
         rows = self._c.execute(
             "SELECT s.id FROM row_prefixes r JOIN snapshots s ON s.id = r.snapshot_id WHERE r.key = ? "
             "AND r.n_tokens = ? AND s.identity_id = (SELECT id FROM identities WHERE key = ?) "
-            "AND s.namespace = ? AND s.state = 1 ORDER BY s.last_used DESC, s.id DESC LIMIT ?",
+            "AND s.namespace = ? AND s.state = 1 AND s.imported_from IS NULL "
+            "ORDER BY s.last_used DESC, s.id DESC LIMIT ?",
             (key, n_tokens, identity_key, namespace, limit)).fetchall()
         return [int(str(r[0])) for r in rows]
 

@@ -41,7 +41,7 @@ class PartKind(enum.IntEnum):
 CHUNK_COLS = "id, raw_len, stored_len, codec, checksum, refs, created, scope, quarantined"
 SNAP_COLS = ("id, identity_id, namespace, parent_id, depth, n_tokens, base_tokens, token_width, tokens, "
               "anchor, prefix_key, content_key, session, state, owner, matchable, created, last_used, "
-              "hits, logical_bytes, shared, layout_key")
+              "hits, logical_bytes, shared, layout_key, imported_from")
 N_SNAP = len(SNAP_COLS.split(","))  # columns of a snapshot row (a query may select more after them)
 
 
@@ -71,6 +71,9 @@ class SnapRow:
     logical_bytes: int
     shared: int = 0  # used outside its session (schema v4): supersede detaches it instead (lifecycle.rules)
     layout_key: bytes | None = None  # its parts' specs (schema v9, _layout_fit); None: saved before v9
+    # schema v11: the identity key whose state an import under an override brought in (or that a
+    # parent's import did); None: this identity's own state. Never matched (transfer.policy).
+    imported_from: str | None = None
 
 
 @dataclass(frozen=True)

@@ -68,11 +68,13 @@ def snapshot_info(t: Txn, s: SnapRow, identity: str, pinned: bool, parts: list[P
     return SnapshotInfo(
         snapshot_id=s.id, identity=identity, namespace=s.namespace or None, parent_id=s.parent_id,
         n_tokens=s.n_tokens, depth=s.depth, session=s.session, pending=s.state == SnapState.PENDING,
-        matchable=bool(s.matchable) and not quarantined, pinned=pinned, created=s.created, last_used=s.last_used,
+        matchable=bool(s.matchable) and not quarantined and s.imported_from is None, pinned=pinned,
+        created=s.created, last_used=s.last_used,
         hits=s.hits,
         logical_bytes=s.logical_bytes, segment_bytes=sum(p.nbytes for p in parts),
         rows={p.name: p.row_end for p in parts if p.kind == PartKind.ROWS},
-        components=sorted({p.component for p in parts if p.component is not None}), quarantined=quarantined)
+        components=sorted({p.component for p in parts if p.component is not None}), quarantined=quarantined,
+        imported_from=s.imported_from)
 
 
 def snapshot_infos(t: Txn, identity_key: str) -> list[SnapshotInfo]:

@@ -84,6 +84,7 @@ class SnapshotEntry:
             "logical_bytes": i.logical_bytes, "segment_bytes": i.segment_bytes,
             "stored_bytes": self.stored_bytes, "exclusive_bytes": self.exclusive_bytes,
             "pinned": i.pinned, "pending": i.pending, "matchable": i.matchable, "quarantined": i.quarantined,
+            "imported_from": i.imported_from,
             "session": i.session, "created": i.created, "last_used": i.last_used, "hits": i.hits,
         }
 

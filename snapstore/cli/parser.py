@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_remote_flags(sp, name)
     for sp, run in ((pi, cmd_inspect), (pv, cmd_verify), (pg, cmd_gc), (ps, cmd_stats)):
         sp.set_defaults(run=run)
+    from snapstore.cli.transfer import add_commands as add_transfer  # export, import (issue 32)
+    add_transfer(sub, common)
     from snapstore.cli.llamacpp import add_commands  # import-slot, export-slot, llama-proxy (no heavy imports)
     add_commands(sub, common)
     from snapstore.cli.mlx import add_commands as add_mlx  # mlx-server, import-/export-mlx-cache (no mlx import)

@@ -44,9 +44,11 @@ def _snap_line(d: dict[str, Any], now: float) -> str:
     flags = []
     if d["pending"]:
         flags.append("pending")
+    if d.get("imported_from"):
+        flags.append(f"imported under an identity override from {d['imported_from']} (never matched)")
     if d["quarantined"]:
         flags.append("quarantined (not matched until a save heals it)")
-    elif not d["matchable"]:
+    elif not d["matchable"] and not d.get("imported_from"):
         flags.append("superseded")
     if d["pinned"]:
         flags.append("pinned")
@@ -121,7 +123,9 @@ def inspect_one(doc: dict[str, Any], out: CliContext) -> None:
              f"{d['namespace'] if d['namespace'] is not None else '(default)'}  session {d['session']}")
     state = "pending" if d["pending"] else "committed"
     state += (", matchable" if d["matchable"] else ", quarantined: reads a damaged chunk, not matched until a save "
-              "of the same state heals it" if d["quarantined"] else ", superseded (a chain link only)")
+              "of the same state heals it" if d["quarantined"] else
+              f", imported under an identity override from {d['imported_from']}: restored by id or name, never "
+              "matched" if d.get("imported_from") else ", superseded (a chain link only)")
     if d["pinned"]:
         state += ", pinned (has children: " + ", ".join(f"#{k}" for k in d["children"]) + ")"
     out.line(f"  tokens {d['n_tokens']} (this segment {d['base_tokens']}..{d['n_tokens']}), depth {d['depth']}, "

@@ -12,6 +12,8 @@ the target server's ``-ctk``/``-ctv``), so the caller says which the target runs
 Agreement makes the file restorable, not exact: the K/V and state were computed with other
 weights. Such an export is an approximation the operator chose; it writes nothing into the store
 (the snapshot stays under its own identity, and no snapshot is ever matched across identities).
+The same policy governs the store-to-store move, ``Store.import_file(..., accept_identity=KEY)``:
+:mod:`snapstore.transfer.policy` states it once for both.
 """
 
 from __future__ import annotations

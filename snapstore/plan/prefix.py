@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import blake3
 import numpy as np
@@ -41,7 +41,8 @@ from snapstore._results import Match
 from snapstore.catalog.queries import PartRow, SnapRow, Txn
 from snapstore.parts.buffers import Sink
 
-__all__ = ["ClippedSink", "PrefixHit", "content_tag", "find_prefix", "granularity", "granularity_fits", "index_keys",
+__all__ = ["ClippedSink", "ContentSegment", "PrefixHit", "content_key_of", "content_tag", "find_prefix", "granularity",
+           "granularity_fits", "index_keys",
            "match_tokens", "prefix_step", "record_prefixes", "rows_bound", "rows_limit"]
 
 _MIN_STEP = 16  # tokens: finer steps would index a 128K-token prompt under >8K keys
@@ -69,6 +70,33 @@ def content_tag(layout: Layout) -> bytes:
     other state. Empty at one row per token, so content keys saved before v7 stay the same."""
     g = granularity(layout)
     return b"" if g == 1 else b"|tokens_per_row:%d" % g
+
+
+class ContentSegment(NamedTuple):
+    """One part of a chain link as its content key names it: the spec, the rows and the chunk ids."""
+
+    name: str
+    kind: int  # 0 fixed, 1 rows
+    dtype: str
+    shape: tuple[int, ...]  # a fixed part's shape, a stream's row shape
+    row_start: int
+    row_end: int
+    chunk_ids: list[bytes]
+
+
+def content_key_of(parent_key: bytes | None, tag: bytes, segments: Iterable[ContentSegment]) -> bytes:
+    """What a whole chain holds, independent of snapshot ids: the same state saved again (through
+    an equal chain) has the same key however its links are numbered. ``parent_key``: the parent
+    link's content key (None for a root); ``tag``: :func:`content_tag` of the saving layout. The
+    one definition, used by a save and by an import (which recomputes it, never trusting a file)."""
+    h = blake3.blake3(b"content v2")
+    h.update(parent_key if parent_key is not None else bytes(16))
+    h.update(tag)  # rows of another granularity are other state (schema v7)
+    for seg in sorted(segments, key=lambda s: s.name):
+        h.update(f"|{seg.name}:{seg.kind}:{seg.dtype}:{list(seg.shape)}:{seg.row_start}:{seg.row_end}:".encode())
+        for cid in seg.chunk_ids:
+            h.update(cid)
+    return h.digest(16)
 
 
 def prefix_step(layout: Layout) -> int | None:

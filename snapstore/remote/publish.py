@@ -63,6 +63,8 @@ class Publisher:
             snap = c.snapshot(sid)
             if snap is None or snap.state != 1:
                 return None
+            if snap.imported_from is not None:
+                return []  # imported under an identity override: a manifest could not carry the mark (never shared)
             out = []
             for link in c.chain(sid):
                 parts = [(p, c.part_chunks(link.id, p.name)) for p in c.parts(link.id)]
@@ -77,6 +79,9 @@ class Publisher:
         chain = self._local_chain(sid)
         if chain is None:
             self._count("remote_upload_gone", 1)
+            return
+        if not chain:
+            self._count("remote_upload_override", 1)  # docs/api.md "Export and import": never published
             return
         ns = chain[-1][0].namespace
         scope = self._scope(ns)

@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import blake3
 import numpy as np
 
 from snapstore._errors import CorruptionError, InvalidInputError, LayoutError
@@ -29,7 +28,14 @@ from snapstore.lifecycle.capacity import Capacity
 from snapstore.lifecycle.rules import evict_until, new_outside_use, supersede
 from snapstore.parts.buffers import Source, as_source
 from snapstore.plan.fit import saved_layout_key
-from snapstore.plan.prefix import content_tag, granularity, granularity_fits, record_prefixes
+from snapstore.plan.prefix import (
+    ContentSegment,
+    content_key_of,
+    content_tag,
+    granularity,
+    granularity_fits,
+    record_prefixes,
+)
 from snapstore.plan.restore_plan import needs_quarantined
 from snapstore.save.chunker import Chunker, ChunkRef, Piece
 from snapstore.save.delta import RowsAbove
@@ -235,16 +241,12 @@ class Saver:
         (through an equal chain) has the same key however its links are numbered."""
         specs = self.layout.parts
         par = plan.parent
-        h = blake3.blake3(b"content v2")
-        h.update(par.content_key if par else bytes(16))
-        h.update(content_tag(self.layout))  # rows of another granularity are other state (schema v7)
-        for (name, r0, r1), rs in sorted(zip(plan.segments, refs), key=lambda x: x[0]):
+        segs = []
+        for (name, r0, r1), rs in zip(plan.segments, refs):
             spec = specs[name]
             kind, shape = (0, spec.shape) if isinstance(spec, Fixed) else (1, spec.row_shape)
-            h.update(f"|{name}:{kind}:{spec.dtype}:{list(shape)}:{r0}:{r1}:".encode())
-            for r in rs:
-                h.update(r.id)
-        return h.digest(16)
+            segs.append(ContentSegment(name, kind, spec.dtype, tuple(shape), r0, r1, [r.id for r in rs]))
+        return content_key_of(par.content_key if par else None, content_tag(self.layout), segs)
 
     # -- stage 5: the commit -------------------------------------------------------------------
     def commit(self, t: Txn, *, iid: int, plan: SavePlan, refs: list[list[ChunkRef]], arr: np.ndarray,
@@ -254,10 +256,12 @@ class Saver:
         n = len(arr)
         now = time.time()
         keys = {r.id: p.key for p, rs in zip(plan.pieces, refs) for r in rs}
+        inherited: str | None = None  # a child of an import under an identity override is one too (schema v11)
         if par is not None:
             p = t.snapshot(par.id)
             if p is None or (p.state == SnapState.PENDING and (p.owner != self.owner or commit)):
                 raise Retry(parent_gone=True)
+            inherited = p.imported_from
         if not t.quarantined_ids().isdisjoint(keys):
             raise Retry()  # a chunk found damaged since this save looked: the retry republishes it
         if not commit:
@@ -281,7 +285,8 @@ class Saver:
             content_key=content_key, session=session,
             state=SnapState.COMMITTED if commit else SnapState.PENDING,
             owner=None if commit else self.owner, now=now, logical_bytes=plan.logical_bytes,
-            layout_key=saved_layout_key(self.layout, [name for name, _r0, _r1 in plan.segments]))
+            layout_key=saved_layout_key(self.layout, [name for name, _r0, _r1 in plan.segments]),
+            imported_from=inherited)
         specs = self.layout.parts
         for (name, r0, r1), rs in zip(plan.segments, refs):
             spec = specs[name]

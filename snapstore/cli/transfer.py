@@ -1,0 +1,144 @@
+"""``snapstore export`` and ``snapstore import``: one snapshot chain as a portable file, and back.
+
+``export (--name NAME | --id ID) FILE`` reads the store (read-only: nothing in it is written) and
+writes FILE (docs/format.md "Export files"). ``import FILE [--name NAME]`` opens the store for the
+file's own identity (or, with ``--identity KEY``, for an identity the store already holds) and the
+file's layout, and calls :meth:`snapstore.Store.import_file`; ``--accept-identity KEY`` is the
+override that takes a file of another identity (docs/api.md "Export and import").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+from snapstore._errors import NotFoundError
+from snapstore._identity import Identity
+from snapstore._store import Store
+from snapstore.catalog.queries import SnapRow, Txn
+from snapstore.check.inspect import resolve_identity
+from snapstore.chunks.repo import Repo
+from snapstore.cli.commands import _store_dir
+from snapstore.cli.context import EXIT_OK, FORMAT, CliContext, UsageError
+from snapstore.lifecycle.names import check_name
+from snapstore.transfer.export import write_export
+from snapstore.transfer.importer import read_header
+
+__all__ = ["add_commands", "cmd_export", "cmd_import"]
+
+_EXPORT_HELP = """\
+Write one committed snapshot and its chain (root to leaf) as one portable file: identity, layout,
+tokens, every chunk, and checksums of everything (docs/format.md "Export files"). The store is only
+read. With --name the file records the name, and an import names the snapshot so by default."""
+
+_IMPORT_HELP = """\
+Load an export file into this store, deduplicating against the chunks already here; every byte is
+checked before anything is committed (a truncated or altered file is refused, exit 2, nothing
+imported). The snapshot goes under the file's own identity, or with --identity KEY under an identity
+this store holds: a file of another identity is then refused unless --accept-identity names the
+file's identity key (such a snapshot is restored only by id or name, never matched)."""
+
+
+def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``export`` and ``import`` to the snapstore parser, each with its handler as ``run``."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    pe = sub.add_parser("export", parents=[common], formatter_class=fmt, description=_EXPORT_HELP,
+                        help="write a snapshot's chain as one portable, checksummed file")
+    which = pe.add_mutually_exclusive_group(required=True)
+    which.add_argument("--name", metavar="NAME", help="the snapshot this name pins (Store.name)")
+    which.add_argument("--id", type=int, metavar="ID", help="a snapshot id (as inspect lists them)")
+    pe.add_argument("--identity", metavar="KEY", help="with --name: the identity whose name it is (a key or a "
+                    "prefix of 6+ characters), when several identities use the name")
+    pe.add_argument("--namespace", metavar="NS", help="with --name: the namespace whose name it is")
+    pe.add_argument("file", metavar="FILE")
+    pe.set_defaults(run=cmd_export)
+    pi = sub.add_parser("import", parents=[common], formatter_class=fmt, description=_IMPORT_HELP,
+                        help="load an export file into this store (checked, deduplicated)")
+    pi.add_argument("file", metavar="FILE")
+    pi.add_argument("--name", metavar="NAME", help="name the imported snapshot (default: the name it was exported by)")
+    pi.add_argument("--identity", metavar="KEY", help="import under this identity of the store (default: the file's)")
+    pi.add_argument("--accept-identity", metavar="KEY", help="accept a file of this other identity key (an override: "
+                    "the snapshot is marked, restored by id or name only)")
+    pi.set_defaults(run=cmd_import)
+
+
+def _plain_chain(t: Txn, snap: SnapRow) -> list[SnapRow]:
+    return t.chain(snap.id)
+
+
+def _named(repo: Repo, name: str, identity: str | None, namespace: str | None) -> int:
+    """The snapshot ``name`` pins; UsageError when it is ambiguous, NotFoundError when none."""
+    now = time.time()
+
+    def find(t: Txn) -> list[tuple[str, str, int]]:
+        keys = {i: k for i, k, *_ in t.identities()}
+        want = resolve_identity(t, identity) if identity is not None else None
+        return [(keys.get(iid, "?"), ns, sid) for iid, ns, nm, sid, _c, exp in t.all_names()
+                if nm == name and (exp is None or exp > now) and (want is None or keys.get(iid) == want)
+                and (namespace is None or ns == namespace)]
+
+    hits = repo.db.read(find)
+    if not hits:
+        raise NotFoundError(f"no snapshot is named {name!r}" + (" there" if identity or namespace else ""))
+    if len(hits) > 1:
+        listed = "; ".join(f"identity {k} namespace {ns or '(default)'}: #{sid}" for k, ns, sid in hits)
+        raise UsageError(f"the name {name!r} is used by several identities or namespaces ({listed}); "
+                         "pass --identity and/or --namespace")
+    return hits[0][2]
+
+
+def cmd_export(args: argparse.Namespace, ctx: CliContext) -> int:
+    """``export (--name NAME | --id ID) FILE``."""
+    root = _store_dir(args)
+    name = check_name(args.name) if args.name is not None else None
+    repo = Repo.open(root, readonly=True, create=False)
+    try:
+        sid = _named(repo, name, args.identity, args.namespace) if name is not None else int(args.id)
+        res = write_export(repo, sid, args.file, chain_of=_plain_chain, name=name)
+    finally:
+        repo.close()
+    doc = {"format": FORMAT, "command": "export", **res.to_dict()}
+    if ctx.json:
+        ctx.emit_json(doc)
+    else:
+        ctx.line(f"exported #{res.snapshot_id} ({res.n_tokens} tokens, {res.links} links, {res.chunks} chunks) "
+                 f"to {res.path}: {res.file_bytes} bytes")
+    return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace, ctx: CliContext) -> int:
+    """``import FILE [--name NAME] [--identity KEY] [--accept-identity KEY]``."""
+    root = _store_dir(args)
+    if not os.path.isfile(args.file):
+        raise UsageError(f"no export file at {args.file}")
+    header = read_header(args.file)  # checked: a damaged header is refused before the store is opened
+    identity = header.identity
+    if args.identity is not None:
+        repo = Repo.open(root, readonly=True, create=False)
+        try:
+            identity = repo.db.read(lambda t: _identity_of(t, args.identity))
+        finally:
+            repo.close()
+    # drop_stale=False: opening for the file's identity must not drop another build's snapshots here
+    with Store.open(root, identity=identity, layout=header.layout, drop_stale=False) as store:
+        res = store.import_file(args.file, args.name, accept_identity=args.accept_identity)
+    doc = {"format": FORMAT, "command": "import", **res.to_dict()}
+    if ctx.json:
+        ctx.emit_json(doc)
+    else:
+        over = f" (imported under an identity override from {res.imported_from})" if res.imported_from else ""
+        named = f" named {res.name!r}" if res.name else ""
+        ctx.line(f"imported #{res.snapshot_id}{named} ({res.n_tokens} tokens): {res.links_added} of {res.links} "
+                 f"links added, {res.chunks_written} of {res.chunks} chunks written ({res.bytes_written} bytes){over}")
+    return EXIT_OK
+
+
+def _identity_of(t: Txn, key: str) -> Identity:
+    full = resolve_identity(t, key)
+    for _i, k, canonical, *_ in t.identities():
+        if k == full:
+            return Identity.from_dict(json.loads(canonical))
+    raise UsageError(f"no identity {key} in this store")  # resolve_identity raised already; kept for mypy

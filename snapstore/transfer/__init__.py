@@ -1,0 +1,1 @@
+"""Export and import: one snapshot chain as a portable, checksummed file (docs/format.md "Export files")."""
