@@ -92,6 +92,10 @@ def build_hybrid(path: str) -> None:
     model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
     with torch.no_grad():  # larger logits: greedy choices far from ties
         model.lm_head.weight.mul_(8.0)
+        for layer in model.model.layers:  # a louder recurrent path: output depends on the state, not only K/V
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.out_proj.weight.mul_(16.0)
+                layer.linear_attn.A_log.fill_(-6.0)  # slow decay: the state carries the whole prefix
     model.save_pretrained(path, safe_serialization=True)
 
 
