@@ -180,8 +180,11 @@ def _plan_groups(model_config: Any, kv_cache_config: Any) -> HybridLayout | None
 
 def _hybrid_geometry(hy: HybridLayout, kv_cache_config: Any) -> BlockGeometry:
     """The target's first attention group as a block geometry (the identity's kernel fields)."""
-    part = next(p for p in hy.parts if p.kind == "attn" and not p.draft)
+    part = hy.parts[hy.main]
     spec = kv_cache_config.kv_cache_groups[part.group].kv_cache_spec
+    if part.kind != "attn":  # a model without attention: no kernel packs its blocks
+        return BlockGeometry(layers=len(part.layers), kv_heads=0, block_size=hy.block_size, entry=0,
+                             dtype=spec.dtypes[0])
     return BlockGeometry(layers=len(part.layers), kv_heads=int(spec.num_kv_heads), block_size=hy.block_size,
                          entry=2 * int(spec.head_size), dtype=spec.dtype)
 
@@ -241,7 +244,8 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             ident = self._geo.identity(
                 build=f"vllm-{vllm.__version__}", kv=torch_dtype_name(self._geo.dtype),
                 pack=str(extra.get("weights_hash") or weights_hash(str(mc.model))),
-                backend=_backend(vllm_config, self._geo), tp=(rank, int(pc.tensor_parallel_size)),
+                backend=_backend(vllm_config, self._geo) if self._geo.entry else "none",
+                tp=(rank, int(pc.tensor_parallel_size)),
                 extra={"cache_dtype": str(vllm_config.cache_config.cache_dtype),
                        "config": config_digest(vllm_config), **extra_keys})
             layout = self._geo.layout()
@@ -346,7 +350,7 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             n, at = hit // self._bs, state_block_index(hit, self._bs)
             groups = [list(per_group[p.group][:n]) if p.kind == "attn" else [int(per_group[p.group][at])]
                       for p in self._hy.parts]
-            main = next(i for i, p in enumerate(self._hy.parts) if p.kind == "attn" and not p.draft)
+            main = self._hy.main
             self._to_load[request.request_id] = LoadOp(request.request_id, sid, hit,
                                                        (hit - num_external_tokens) // self._bs, groups[main],
                                                        self._keys[request.request_id].namespace, groups)
@@ -438,7 +442,7 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 continue
             if any(p.kind == "state" and g == [0] for p, g in zip(self._hy.parts, groups)):
                 continue  # vLLM's null block: no state was kept at this boundary
-            main = next(i for i, p in enumerate(self._hy.parts) if p.kind == "attn" and not p.draft)
+            main = self._hy.main
             meta.saves.append(SaveOp(rid, tr.key.tokens[:at], groups[main], [at], tr.key.namespace, tr.parent,
                                      tr.failed, groups))
             tr.parent, tr.last = "auto", at

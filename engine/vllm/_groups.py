@@ -14,7 +14,8 @@ own block ids. The connector stores, per group:
 A draft (EAGLE / MTP) group is saved and restored with the target as the ``draft`` component.
 Accepted: every group full attention or Mamba in vLLM's ``align`` cache mode (prefix caching on:
 vLLM then keeps the state at block boundaries, in the block that ends there), one block size for
-all groups, no speculative state blocks. Everything else raises ``ss.LayoutError`` naming the
+all groups, no speculative state blocks. A model without attention (Mamba2) stores the states
+alone. Everything else raises ``ss.LayoutError`` naming the
 group. :func:`describe_groups` is the group layout for the identity: spec kinds, block sizes,
 dtypes, shapes and page sizes, so a store never serves one layout's pages to another.
 """
@@ -82,6 +83,12 @@ class HybridLayout:
         """Row streams for attention groups, fixed parts for state groups (exact boundaries)."""
         return ss.Layout(fixed={p.name: p.spec() for p in self.parts if p.kind == "state"},  # type: ignore[misc]
                          rows={p.name: p.spec() for p in self.parts if p.kind == "attn"})  # type: ignore[misc]
+
+    @property
+    def main(self) -> int:
+        """The index (in ``parts``) of the part whose blocks name a load or save in logs and
+        checks: the target's first attention group, else the first group (a pure Mamba model)."""
+        return next((i for i, p in enumerate(self.parts) if p.kind == "attn" and not p.draft), 0)
 
     def rows(self, n_tokens: int) -> dict[str, int]:
         """Rows per stream of a snapshot at ``n_tokens`` (an aligned boundary)."""
@@ -173,8 +180,6 @@ def hybrid_layout(kv_cache_config: Any, *, use_mla: bool = False) -> HybridLayou
     if len(sizes) != 1:
         raise ss.LayoutError(f"KV cache groups with block sizes {sorted(sizes)}: the connector needs one block size "
                              "for every group (vLLM aligns them when prefix caching is on)")
-    if not any(p.kind == "attn" and not p.draft for p in parts):
-        raise ss.LayoutError("no full-attention KV cache group of the target model: nothing anchors the token rows")
     bs = sizes.pop()
     align = bs
     for g in groups:  # vLLM may checkpoint recurrent states at a coarser alignment than the block
