@@ -37,7 +37,7 @@ class FullAttentionSpec:  # vllm.v1.kv_cache_interface.FullAttentionSpec's field
 
     @property
     def page_size_bytes(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+        return int(2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize)
 
 
 @dataclass(frozen=True)
@@ -302,8 +302,9 @@ def test_a_hybrid_store_hits_only_where_a_state_was_saved(tmp_path: Path) -> Non
         for b in (32, 64):
             res = store.save(tokens[:b], {"g0.state": states[b], "g1.kv": rows}, rows=hy.rows(b), parent=parent)
             parent = res.snapshot_id
-        assert store.describe(res.snapshot_id).rows == {"g1.kv": 4}
-        assert store.match(tokens[:60]).n_tokens == 32  # a part of the 64 boundary is never offered
+        assert store.describe(res).rows == {"g1.kv": 4}
+        short = store.match(tokens[:60])
+        assert short is not None and short.n_tokens == 32  # a part of the 64 boundary is never offered
         m = store.match(tokens[:70] + [1, 2, 3])
         assert m is not None and m.n_tokens == 64
         st_out = np.zeros((1, hy.parts[0].unit_bytes), np.uint8)
