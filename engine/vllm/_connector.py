@@ -51,6 +51,7 @@ __all__ = ["LAST_STATS", "SnapstoreConnector", "SnapstoreConnectorMetadata"]
 log = logging.getLogger("snapstore.vllm")
 #: the counters of this process's last connector of each role, "scheduler" / "worker" (tests read them)
 LAST_STATS: dict[str, dict[str, int]] = {}
+_NULL_BLOCK = 0  # vLLM's null block (block_pool.null_block): a placeholder, never a request's state
 _SAVE_EVERY = 256  # tokens between saved boundaries: a later prompt stores only rows past the last shared one
 
 
@@ -440,7 +441,7 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             except IndexError:
                 log.warning("snapstore: request %s has fewer blocks than its boundary %d needs; not saved", rid, at)
                 continue
-            if any(p.kind == "state" and g == [0] for p, g in zip(self._hy.parts, groups)):
+            if any(p.kind == "state" and g == [_NULL_BLOCK] for p, g in zip(self._hy.parts, groups)):
                 continue  # vLLM's null block: no state was kept at this boundary
             main = self._hy.main
             meta.saves.append(SaveOp(rid, tr.key.tokens[:at], groups[main], [at], tr.key.namespace, tr.parent,
@@ -529,6 +530,8 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         finished (or failed) by :meth:`get_transfer_results`."""
         assert self._store is not None and self._hy is not None
         self._recv_done.add(op.req_id)
+        if any(p.kind == "state" and ids[0] == _NULL_BLOCK for p, ids in zip(self._hy.parts, op.groups)):
+            raise ss.DestinationError(f"vLLM allocated no state block for request {op.req_id} at token {op.n_tokens}")
         into = {p.name: PageWriter(self._views[p.name], ids) for p, ids in zip(self._hy.parts, op.groups)}
         res = self._store.restore(ss.Match(op.snapshot_id, op.n_tokens, op.namespace), into=into,
                                   rows_from=op.rows_from)
