@@ -70,6 +70,35 @@ def build_sliding(path: str, window: int) -> None:
     MistralForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
 
 
+def build_hybrid(path: str) -> None:
+    """A tiny random Qwen3-Next (gated delta net layers 0-2, full attention layer 3, a 4-expert
+    MoE), bfloat16 (the CPU gated-delta-net kernel needs it, with a linear-attention head dim of
+    128), and the same tokenizer. vLLM gives its attention layers 544-token blocks."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    build(path)  # the tokenizer (and a Llama, replaced below)
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, linear_conv_kernel_dim=4,
+                          linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
+                          linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                          shared_expert_intermediate_size=64, max_position_embeddings=8192,
+                          tie_word_embeddings=False, full_attention_interval=4,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    for f in os.listdir(path):
+        if f.endswith((".safetensors", "config.json")) and "tokenizer" not in f:
+            os.remove(os.path.join(path, f))
+    model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # larger logits: greedy choices far from ties
+        model.lm_head.weight.mul_(8.0)
+        for layer in model.model.layers:  # a louder recurrent path: output depends on the state, not only K/V
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.out_proj.weight.mul_(16.0)
+                layer.linear_attn.A_log.fill_(-6.0)  # slow decay: the state carries the whole prefix
+    model.save_pretrained(path, safe_serialization=True)
+
+
 def serve(spec_path: str) -> None:
     """Serve the spec's prompts in order with one vLLM; write the results."""
     with open(spec_path) as f:
@@ -90,8 +119,10 @@ def serve(spec_path: str) -> None:
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=int(spec["chunked"]))
     if spec.get("hf_overrides"):
         kw["hf_overrides"] = spec["hf_overrides"]
-    llm = LLM(model=spec["model"], dtype="float32", block_size=spec.get("block_size", 32),
-              enable_prefix_caching=bool(spec.get("prefix_cache", False)), max_model_len=4096,
+    if spec.get("block_size", 32) is not None:  # None: vLLM's default
+        kw["block_size"] = spec.get("block_size", 32)
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"),
+              enable_prefix_caching=bool(spec.get("prefix_cache", False)), max_model_len=int(spec.get("max_len", 4096)),
               kv_transfer_config=kv, seed=0, kv_cache_memory_bytes=int(spec.get("kv_mib", 64)) << 20,
               compilation_config={"mode": 0}, **kw)  # eager: starts faster, writes no compile cache
     params = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 8)), ignore_eos=True)
@@ -220,7 +251,9 @@ def keys(out_path: str) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if sys.argv[1] == "build":
-        if len(sys.argv) > 3 and sys.argv[3] == "--sliding-window":
+        if len(sys.argv) > 3 and sys.argv[3] == "--hybrid":
+            build_hybrid(sys.argv[2])
+        elif len(sys.argv) > 3 and sys.argv[3] == "--sliding-window":
             build_sliding(sys.argv[2], int(sys.argv[4]))
         else:
             build(sys.argv[2])

@@ -2,8 +2,9 @@
 
 Configure vLLM with ``kv_connector="SnapstoreConnector"`` and ``kv_connector_module_path=
 "snapstore.engine.vllm"``. The connector is :mod:`snapstore.engine.vllm._connector` (it needs vLLM);
-the block copies and the weights digest are in ``_blocks``, the per-request key in ``_key`` (both
-work without vLLM, so the connector is imported when one of its names is first asked for).
+the block copies and the weights digest are in ``_blocks``, the per-request key in ``_key``, a
+hybrid model's groups and pages in ``_groups`` and ``_hybrid`` (all work without vLLM, so the
+connector is imported when one of its names is first asked for).
 """
 
 from __future__ import annotations

@@ -11,12 +11,21 @@ A load that fails (damaged or missing chunk, evicted snapshot) reports its block
 :meth:`get_block_ids_with_load_errors`, so vLLM recomputes them; a store that cannot be opened
 disables the connector with one log line. The vLLM objects are typed ``Any``: this module is
 imported only where vLLM is installed (its own venv, scripts/vllm_venv.sh).
+
+Hybrid models (more than one KV cache group, e.g. gated delta net / Mamba + attention) go through
+``SupportsHMA``: each attention group is a row stream and each Mamba group's state page at a block
+boundary a fixed part of the snapshot at that boundary (``_groups``, ``_hybrid``). Their loads are
+asynchronous (vLLM cannot map a failed block of one group back to a request, but it can recompute
+a request whose load failed), a hit is an exact stored boundary, and a save is planned at every
+block boundary vLLM holds a state for (each aligned chunk end and the prompt's last boundary).
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,11 +35,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 import snapstore as ss
 
 from ._blocks import BlockGeometry, BlockWriter, gather_blocks, host_pools, torch_dtype_name, weights_hash
+from ._groups import HybridLayout, describe_groups, hybrid_layout, state_block_index
+from ._hybrid import PageWriter, gather_pages, group_views
 from ._key import RequestKey, config_digest, request_key
 
 __all__ = ["LAST_STATS", "SnapstoreConnector", "SnapstoreConnectorMetadata"]
@@ -38,6 +51,7 @@ __all__ = ["LAST_STATS", "SnapstoreConnector", "SnapstoreConnectorMetadata"]
 log = logging.getLogger("snapstore.vllm")
 #: the counters of this process's last connector of each role, "scheduler" / "worker" (tests read them)
 LAST_STATS: dict[str, dict[str, int]] = {}
+_NULL_BLOCK = 0  # vLLM's null block (block_pool.null_block): a placeholder, never a request's state
 _SAVE_EVERY = 256  # tokens between saved boundaries: a later prompt stores only rows past the last shared one
 
 
@@ -52,6 +66,7 @@ class LoadOp:
     rows_from: int
     block_ids: list[int]
     namespace: str | None = None
+    groups: list[list[int]] = field(default_factory=list)  # hybrid: each part's blocks (a state part: one)
 
 
 @dataclass
@@ -70,6 +85,7 @@ class SaveOp:
     namespace: str | None = None
     parent: int | str | None = "auto"
     recomputed: bool = False
+    groups: list[list[int]] = field(default_factory=list)  # hybrid: each part's blocks (a state part: one)
 
 
 @dataclass
@@ -90,6 +106,8 @@ class _Track:
     parent: int | str | None  # what its first saved boundary is a delta over (SaveOp.parent)
     saved: bool = False
     failed: bool = False  # a load of it failed: its blocks were recomputed, saves start over
+    groups: list[list[int]] = field(default_factory=list)  # hybrid: every group's blocks
+    last: int = 0  # hybrid: the last boundary a save was planned at
 
 
 def _backend(vllm_config: Any, geo: BlockGeometry) -> str:
@@ -148,7 +166,31 @@ def exact_layout(model_config: Any, kv_cache_config: Any) -> None:
                              ": only models with one full-attention KV cache group are supported")
 
 
-class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
+def _plan_groups(model_config: Any, kv_cache_config: Any) -> HybridLayout | None:
+    """None for a cache of one full-attention group (the single-group path, :func:`exact_layout`);
+    the hybrid parts for several groups or a Mamba group; ``ss.LayoutError`` for what neither
+    saves exactly."""
+    try:
+        exact_layout(model_config, kv_cache_config)
+        return None
+    except ss.LayoutError:
+        if getattr(kv_cache_config, "kv_cache_groups", None) is None:
+            raise
+    return hybrid_layout(kv_cache_config, use_mla=bool(getattr(model_config, "use_mla", False)))
+
+
+def _hybrid_geometry(hy: HybridLayout, kv_cache_config: Any) -> BlockGeometry:
+    """The target's first attention group as a block geometry (the identity's kernel fields)."""
+    part = hy.parts[hy.main]
+    spec = kv_cache_config.kv_cache_groups[part.group].kv_cache_spec
+    if part.kind != "attn":  # a model without attention: no kernel packs its blocks
+        return BlockGeometry(layers=len(part.layers), kv_heads=0, block_size=hy.block_size, entry=0,
+                             dtype=spec.dtypes[0])
+    return BlockGeometry(layers=len(part.layers), kv_heads=int(spec.num_kv_heads), block_size=hy.block_size,
+                         entry=2 * int(spec.head_size), dtype=spec.dtype)
+
+
+class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """``KVConnectorBase_V1`` over a snapstore store (one per scheduler and per worker)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
@@ -169,19 +211,31 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._reqs: dict[str, _Track] = {}
         self._keys: dict[str, RequestKey] = {}  # req -> its key (tokens, namespace) or why it is declined
         self._matched: dict[str, tuple[int, int]] = {}  # req -> (snapshot id, tokens) of its last lookup
-        self._stored: dict[str, tuple[int | str, int]] = {}  # req -> (its first save's parent, tokens matched)
+        self._stored: dict[str, tuple[int | str | None, int]] = {}  # req -> (its first save's parent, tokens matched)
         self._failed_now: set[str] = set()  # worker: requests whose load failed this step
         self._bad_now: set[int] = set()  # worker: blocks whose load failed this step
         self._failed: set[str] = set()  # worker: requests with a failed load whose saves must be recomputed ones
         self._to_load: dict[str, LoadOp] = {}  # req -> its planned load (built in update_state_after_alloc)
+        self._hy: HybridLayout | None = None  # the parts of a multi-group cache; None: one attention group
+        self._views: dict[str, list[Any]] = {}  # worker, hybrid: part name -> page views of its layers
+        self._no_hit: set[str] = set()  # scheduler, hybrid: requests whose load failed: computed, not loaded
+        self._recv_done: set[str] = set()  # worker, hybrid: async loads finished this step (failed ones too)
+        self._recv_failed: set[str] = set()  # worker, hybrid: async loads that failed this step
         if role == KVConnectorRole.SCHEDULER and extra.get("on_load_error", "recompute") == "recompute":
             cfg.kv_load_failure_policy = "recompute"  # a failed load recomputes its blocks: never junk
         try:
             mc, pc = vllm_config.model_config, vllm_config.parallel_config
-            exact_layout(mc, kv_cache_config)
-            self._geo = BlockGeometry(layers=int(mc.get_num_layers(pc)), kv_heads=int(mc.get_num_kv_heads(pc)),
-                                      block_size=self._bs, entry=2 * int(mc.get_head_size()),
-                                      dtype=_kv_dtype(vllm_config))
+            self._hy = _plan_groups(mc, kv_cache_config)
+            extra_keys: dict[str, str] = {}
+            if self._hy is None:
+                self._geo = BlockGeometry(layers=int(mc.get_num_layers(pc)), kv_heads=int(mc.get_num_kv_heads(pc)),
+                                          block_size=self._bs, entry=2 * int(mc.get_head_size()),
+                                          dtype=_kv_dtype(vllm_config))
+            else:  # the group layout and the state tensors' memory layout change the stored bytes
+                self._bs = self._hy.block_size
+                self._geo = _hybrid_geometry(self._hy, kv_cache_config)
+                extra_keys = {"kv_groups": describe_groups(kv_cache_config), "alignment": str(self._hy.alignment),
+                              "ssm_conv_layout": os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "")}
             rank = 0
             if role == KVConnectorRole.WORKER:
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -191,11 +245,16 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             ident = self._geo.identity(
                 build=f"vllm-{vllm.__version__}", kv=torch_dtype_name(self._geo.dtype),
                 pack=str(extra.get("weights_hash") or weights_hash(str(mc.model))),
-                backend=_backend(vllm_config, self._geo), tp=(rank, int(pc.tensor_parallel_size)),
+                backend=_backend(vllm_config, self._geo) if self._geo.entry else "none",
+                tp=(rank, int(pc.tensor_parallel_size)),
                 extra={"cache_dtype": str(vllm_config.cache_config.cache_dtype),
-                       "config": config_digest(vllm_config)})
+                       "config": config_digest(vllm_config), **extra_keys})
+            layout = self._geo.layout()
+            if self._hy is not None:
+                layout = self._hy.layout()
+                ident = dataclasses.replace(ident, mtp=any(p.draft for p in self._hy.parts))
             budget = ss.Budget(disk_bytes=int(extra["disk_mib"]) << 20 if "disk_mib" in extra else None)
-            self._store = ss.Store.open(extra.get("path"), identity=ident, layout=self._geo.layout(), budget=budget,
+            self._store = ss.Store.open(extra.get("path"), identity=ident, layout=layout, budget=budget,
                                         drop_stale=bool(extra.get("drop_stale", False)))
             atexit.register(self._close)  # queued saves land even when vLLM exits without shutdown()
         except Exception as e:  # any failure to open disables the connector; vLLM serves on without it
@@ -225,6 +284,8 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         key = self._key(request)
         if key.declined is not None:
             return 0, False
+        if self._hy is not None:
+            return self._lookup_hybrid(request, key, num_computed_tokens)
         prompt = key.tokens
         limit = (len(prompt) - 1) // self._bs * self._bs
         if limit <= 0:
@@ -251,9 +312,49 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         LAST_STATS[self._side] = dict(self.stats)
         return hit - num_computed_tokens, False
 
+    def _lookup_hybrid(self, request: Any, key: RequestKey, num_computed_tokens: int) -> tuple[int, bool]:
+        """A hybrid's hit: the longest stored boundary that is a prefix of the prompt (exact: a
+        state is valid only where it was captured), aligned, its chain and chunks all there, and
+        not a request whose load failed before. Loaded asynchronously (True): a failed load is
+        then reported per request and vLLM recomputes it."""
+        assert self._store is not None and self._hy is not None
+        rid = request.request_id
+        limit = self._hy.boundary(len(key.tokens) - 1)  # at least one prompt token is computed
+        if limit <= num_computed_tokens or rid in self._no_hit:
+            return 0, False
+        self.stats["lookups"] += 1
+        t0 = time.perf_counter()
+        try:
+            m = self._store.match(key.tokens[:limit], namespace=key.namespace)
+            if m is None or m.n_tokens % self._hy.alignment or m.n_tokens <= num_computed_tokens:
+                return 0, False
+            d = self._store.describe(m.snapshot_id, namespace=key.namespace)
+            if d.n_tokens != m.n_tokens or dict(d.rows) != self._hy.rows(m.n_tokens):
+                return 0, False  # never attention rows without the state at their end, nor a part of one
+        except ss.SnapstoreError as e:
+            log.warning("snapstore: lookup for request %s failed (%s); computing it", rid, e)
+            return 0, False
+        finally:
+            self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
+        self._stored[rid] = (m.snapshot_id, m.n_tokens)
+        self._matched[rid] = (m.snapshot_id, m.n_tokens)
+        self.stats["hit_tokens"] += m.n_tokens - num_computed_tokens
+        LAST_STATS[self._side] = dict(self.stats)
+        return m.n_tokens - num_computed_tokens, True
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of the matched blocks once vLLM allocated them."""
-        if num_external_tokens > 0 and request.request_id in self._matched:
+        if num_external_tokens > 0 and request.request_id in self._matched and self._hy is not None:
+            sid, hit = self._matched[request.request_id]
+            per_group = blocks.get_block_ids()
+            n, at = hit // self._bs, state_block_index(hit, self._bs)
+            groups = [list(per_group[p.group][:n]) if p.kind == "attn" else [int(per_group[p.group][at])]
+                      for p in self._hy.parts]
+            main = self._hy.main
+            self._to_load[request.request_id] = LoadOp(request.request_id, sid, hit,
+                                                       (hit - num_external_tokens) // self._bs, groups[main],
+                                                       self._keys[request.request_id].namespace, groups)
+        elif num_external_tokens > 0 and request.request_id in self._matched:
             sid, hit = self._matched[request.request_id]
             ids = list(blocks.get_block_ids()[0])  # every block of the request, resumed ones too
             self._to_load[request.request_id] = LoadOp(request.request_id, sid, hit,
@@ -272,6 +373,11 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue  # never looked up (nothing to key it by) or declined: no save
             parent, stored = self._stored.get(rid, ("auto", 0))
             self._reqs[rid] = _Track(key, list(new.block_ids[0]), stored, parent)
+            if self._hy is not None:
+                self._reqs[rid].groups = [list(ids) for ids in new.block_ids]
+                if rid in self._no_hit:  # its load failed: vLLM recomputes it, its saves are recomputed ones
+                    t = self._reqs[rid]
+                    t.failed, t.stored, t.parent = True, 0, None
             computed[rid] = int(new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -281,11 +387,17 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 tr.blocks = list(ids[0]) if ids is not None else []
+                tr.groups = [list(g) for g in ids] if ids is not None else []
             elif ids is not None:
                 tr.blocks.extend(ids[0])
+                for have, more in zip(tr.groups, ids):
+                    have.extend(more)
             computed[rid] = int(cached.num_computed_tokens[i])
         meta.loads.extend(self._to_load.values())
         self._to_load.clear()
+        if self._hy is not None:
+            self._plan_hybrid_saves(meta, computed, scheduler_output)
+            computed = {}
         for rid, done in computed.items():
             tr = self._reqs[rid]
             n_save = len(tr.key.tokens) // self._bs * self._bs
@@ -300,10 +412,49 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._forget(rid)
         return meta
 
+    def _plan_hybrid_saves(self, meta: SnapstoreConnectorMetadata, computed: dict[str, int],
+                           scheduler_output: Any) -> None:
+        """A save at each boundary whose state vLLM holds after this step: the end of this step's
+        chunk when it is aligned (the state lies in the block that ends there), or, when the chunk
+        ends the prompt, the prompt's last aligned boundary (vLLM's prefill checkpoint). Each is a
+        delta over the one before it; rows only above the request's stored prefix."""
+        assert self._hy is not None
+        for rid, done in computed.items():
+            tr = self._reqs[rid]
+            n_prompt = len(tr.key.tokens)
+            end = done + int(scheduler_output.num_scheduled_tokens.get(rid, 0))
+            if tr.saved or end <= done:
+                continue
+            if end >= n_prompt:
+                at, tr.saved = self._hy.boundary(n_prompt), True
+            elif end % self._hy.alignment == 0:
+                at = end
+            else:
+                continue
+            if at <= max(done, tr.stored, tr.last) or at < self._bs:
+                continue
+            n, idx = at // self._bs, state_block_index(at, self._bs)
+            try:
+                groups = [list(tr.groups[p.group][:n]) if p.kind == "attn" else [int(tr.groups[p.group][idx])]
+                          for p in self._hy.parts]
+            except IndexError:
+                log.warning("snapstore: request %s has fewer blocks than its boundary %d needs; not saved", rid, at)
+                continue
+            if any(p.kind == "state" and g == [_NULL_BLOCK] for p, g in zip(self._hy.parts, groups)):
+                continue  # vLLM's null block: no state was kept at this boundary
+            main = self._hy.main
+            meta.saves.append(SaveOp(rid, tr.key.tokens[:at], groups[main], [at], tr.key.namespace, tr.parent,
+                                     tr.failed, groups))
+            tr.parent, tr.last = "auto", at
+
     def update_connector_output(self, connector_output: Any) -> None:
         """A failed load (blocks the workers reported): vLLM recomputes the request's blocks, so
         its save starts over — planned again once they are computed, every row, no parent (the
         save the failing step planned was dropped by the worker)."""
+        for rid in getattr(connector_output, "failed_recving", None) or ():  # a hybrid's failed async load
+            self._no_hit.add(rid)
+            self._stored[rid] = (None, 0)
+            self._matched.pop(rid, None)
         bad = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not bad:
             return
@@ -314,11 +465,17 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _forget(self, rid: str) -> None:
         for table in (self._reqs, self._matched, self._stored, self._keys):
             table.pop(rid, None)
+        self._no_hit.discard(rid)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saves copy the blocks at once, so vLLM may free them now."""
         self._forget(request.request_id)
         return False, None
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: as :meth:`request_finished` (saves copied the pages they need)."""
+        return self.request_finished(request, [])
 
     # -- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -327,6 +484,10 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._store is None:
             return
         try:
+            if self._hy is not None:
+                self._views = {p.name: group_views(p, kv_caches) for p in self._hy.parts}
+                self._pools = [True]  # registered (the hybrid path reads self._views)
+                return
             if len(kv_caches) != self._geo.layers:
                 raise ss.LayoutError(f"{len(kv_caches)} cache tensors for {self._geo.layers} layers")
             self._pools = host_pools(list(kv_caches.values()), self._geo)
@@ -346,6 +507,9 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         t0 = time.perf_counter()
         for op in meta.loads:
             try:
+                if self._hy is not None:
+                    self._load_hybrid(op)
+                    continue
                 self._store.restore(ss.Match(op.snapshot_id, op.n_tokens, op.namespace),
                                     into={"kv": BlockWriter(self._pools, op.block_ids)}, rows_from=op.rows_from)
                 self.stats["loads"] += 1
@@ -359,9 +523,33 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.stats["load_us"] += int((time.perf_counter() - t0) * 1e6)
         LAST_STATS[self._side] = dict(self.stats)
 
+    def _load_hybrid(self, op: LoadOp) -> None:
+        """Restore every group's part of a hybrid snapshot (attention rows above ``rows_from``,
+        each state page into the block that ends at the boundary); an asynchronous load, reported
+        finished (or failed) by :meth:`get_transfer_results`."""
+        assert self._store is not None and self._hy is not None
+        self._recv_done.add(op.req_id)
+        if any(p.kind == "state" and ids[0] == _NULL_BLOCK for p, ids in zip(self._hy.parts, op.groups)):
+            raise ss.DestinationError(f"vLLM allocated no state block for request {op.req_id} at token {op.n_tokens}")
+        into = {p.name: PageWriter(self._views[p.name], ids) for p, ids in zip(self._hy.parts, op.groups)}
+        res = self._store.restore(ss.Match(op.snapshot_id, op.n_tokens, op.namespace), into=into,
+                                  rows_from=op.rows_from)
+        if res.missing_components:  # an older snapshot without the draft: the target's state is whole
+            log.info("snapstore: snapshot %d lacks %s; drafts for request %s start empty", op.snapshot_id,
+                     sorted(res.missing_components), op.req_id)
+        self.stats["loads"] += 1
+        self.stats["loaded_blocks"] += len(op.block_ids) - op.rows_from
+
     def _load_failed(self, op: LoadOp) -> None:
         """Report the blocks (vLLM recomputes them) and keep this step's saves off them: the
-        forward that follows read whatever the blocks held."""
+        forward that follows read whatever the blocks held. A hybrid's load is reported per
+        request (vLLM cannot map one group's block ids back to requests): it recomputes it whole."""
+        if self._hy is not None:
+            self._recv_done.add(op.req_id)
+            self._recv_failed.add(op.req_id)
+            self._failed_now.add(op.req_id)
+            self._failed.add(op.req_id)
+            return
         self._invalid.update(op.block_ids[op.rows_from:])
         self._bad_now.update(op.block_ids[op.rows_from:])
         self._failed_now.add(op.req_id)
@@ -394,6 +582,9 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.stats["saves_dropped"] += 1
                 log.warning("snapstore: not saving request %s: a load of it failed, vLLM recomputes it", op.req_id)
                 continue
+            if self._hy is not None:
+                self._save_hybrid(op)
+                continue
             t0 = time.perf_counter()
             rows = gather_blocks(self._pools, op.block_ids)
             self.stats["save_copy_us"] += int((time.perf_counter() - t0) * 1e6)
@@ -408,6 +599,33 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     log.warning("snapstore: save for request %s failed: %s", op.req_id, e)
                     break
         LAST_STATS[self._side] = dict(self.stats)
+
+    def _save_hybrid(self, op: SaveOp) -> None:
+        """Copy a hybrid boundary's pages (attention blocks below it, the state page at it) and
+        queue its save: a delta over ``op.parent``, rows only above it, the state whole."""
+        assert self._store is not None and self._hy is not None
+        t0 = time.perf_counter()
+        parts: dict[str, Any] = {}
+        for p, ids in zip(self._hy.parts, op.groups):
+            pages = gather_pages(self._views[p.name], ids, len(p.layers))
+            parts[p.name] = pages if p.kind == "attn" else pages[0]
+        self.stats["save_copy_us"] += int((time.perf_counter() - t0) * 1e6)
+        at = op.boundaries[-1]
+        try:
+            self._handles.append(self._store.save(op.tokens[:at], parts, rows=self._hy.rows(at), parent=op.parent,
+                                                  namespace=op.namespace, wait=False))
+        except ss.SnapstoreError as e:
+            self.stats["save_errors"] += 1
+            log.warning("snapstore: save for request %s failed: %s", op.req_id, e)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """A hybrid's loads finished this step, and the ones that failed (vLLM recomputes those)."""
+        if self._hy is None:
+            return super().get_transfer_results(finished_req_ids)
+        out = KVConnectorTransferResults(finished_recving=set(self._recv_done), failed_recving=set(self._recv_failed))
+        self._recv_done.clear()
+        self._recv_failed.clear()
+        return out
 
     def _reap(self) -> None:
         """Count the saves that finished (errors are logged, never raised into vLLM)."""

@@ -1,0 +1,139 @@
+"""The vLLM connector on a hybrid model (issue 28), real vLLM on the CPU: a tiny random
+Qwen3-Next (three gated-delta-net layers, one attention layer; bfloat16; vLLM gives its attention
+544-token blocks and keeps a recurrent state per block boundary with prefix caching on). A store
+written by one vLLM process serves the next: a prompt that shares 3 x 544 tokens with a stored
+one restores its attention blocks and the state pages at that boundary and generates exactly what
+the same vLLM generates without the connector; a damaged state chunk makes vLLM recompute the
+request (never attention without its state). Four vLLM processes, ~40 s each: slow tier.
+
+Every process prefills in 544-token chunks (``max_num_batched_tokens``): vLLM holds a state only
+where a chunk ends (and at a prompt's last block boundary), so that is where the connector saves
+them; the baseline runs the same configuration, so the outputs compare exactly."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_vllm_connector import DRIVER, serve, snapstore_json, vllm_python  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.slow
+BS = 544  # vLLM's attention block for this model (its page must hold a GDN state page)
+SPEC: dict[str, Any] = {"dtype": "bfloat16", "prefix_cache": True, "chunked": BS, "max_len": 8192, "kv_mib": 256}
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> str:  # noqa: F811
+    path = tmp_path_factory.mktemp("vllm-hybrid") / "model"
+    subprocess.run([str(vllm_python), str(DRIVER), "build", str(path), "--hybrid"], check=True, timeout=600,
+                   capture_output=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> dict[str, list[int]]:
+    """P1: a 3 x 544-token prefix S and 300 more tokens; P2: S and 200 other tokens."""
+    rng = random.Random(7)
+    s = [rng.randrange(4, 512) for _ in range(3 * BS)]
+    p1 = s + [rng.randrange(4, 512) for _ in range(300)]
+    p2 = s + [rng.randrange(4, 512) for _ in range(200)]
+    assert p1[3 * BS] != p2[3 * BS]
+    return {"P1": p1, "P2": p2}
+
+
+@pytest.fixture(scope="module")
+def baseline(hybrid_model: str, prompts: dict[str, list[int]],
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Greedy outputs without a connector; P2 under a cache salt, so vLLM computes it whole."""
+    res = serve(hybrid_model, tmp_path_factory.mktemp("hy-base"), "base",
+                [prompts["P1"], {"tokens": prompts["P2"], "salt": "fresh"}], **SPEC)
+    assert [r["num_cached_tokens"] for r in res["results"]] == [0, 0]
+    return {"P1": res["results"][0]["tokens"], "P2": res["results"][1]["tokens"]}
+
+
+@pytest.fixture(scope="module")
+def saved_store(hybrid_model: str, prompts: dict[str, list[int]], baseline: dict[str, list[int]],
+                tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Process 1 serves P1 through the connector: snapshots at 544, 1088 and 1632 tokens, a delta
+    chain (each: one attention block and the three state pages at its boundary)."""
+    tmp = tmp_path_factory.mktemp("hy-saved")
+    store = tmp / "store"
+    res = serve(hybrid_model, tmp, "p1", [prompts["P1"]], connector="snapstore", extra={"path": str(store)}, **SPEC)
+    assert res["results"][0]["tokens"] == baseline["P1"]
+    assert res["stats"]["worker"]["saves"] == 3 and res["stats"]["worker"]["save_errors"] == 0
+    return store
+
+
+def _snapshots(store: Path) -> list[dict[str, Any]]:
+    doc = snapstore_json(store, "inspect")
+    snaps: list[dict[str, Any]] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if "n_tokens" in node and "id" in node:
+                snaps.append(node)
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+    walk(doc)
+    return snaps
+
+
+def test_stored_boundaries_are_a_delta_chain_with_a_state_each(saved_store: Path) -> None:
+    snaps = {s["n_tokens"]: s for s in _snapshots(saved_store)}
+    assert sorted(snaps) == [BS, 2 * BS, 3 * BS]
+    leaf = snapstore_json(saved_store, "inspect", str(snaps[3 * BS]["id"]))["snapshot"]
+    parts = {p["name"]: p for p in leaf["parts"]}
+    assert sorted(parts) == ["g0.state", "g1.state", "g2.state", "g3.kv"]
+    assert leaf["rows"] == {"g3.kv": 3} and leaf["base_tokens"] == 2 * BS  # rows only above the parent
+    assert parts["g3.kv"]["row_start"] == 2 and parts["g3.kv"]["row_end"] == 3
+    assert all(parts[f"g{i}.state"]["kind"] == "fixed" for i in range(3))
+
+
+def test_new_process_restores_the_shared_prefix_with_identical_output(
+        hybrid_model: str, prompts: dict[str, list[int]], baseline: dict[str, list[int]], saved_store: Path,
+        tmp_path: Path) -> None:
+    """Process 2 serves P2, which shares only S (1632 tokens) with the stored P1: it is offered
+    the 1632 boundary, restores 3 attention blocks and the state pages, and generates exactly what
+    vLLM generates without the connector; P1 then hits vLLM's own prefix cache. The store verifies
+    clean."""
+    store = tmp_path / "store"
+    shutil.copytree(saved_store, store)
+    p2 = serve(hybrid_model, tmp_path, "p2", [prompts["P2"], prompts["P1"]], connector="snapstore",
+               extra={"path": str(store)}, **SPEC)
+    assert [r["num_cached_tokens"] for r in p2["results"]] == [3 * BS, 3 * BS]
+    assert [r["tokens"] for r in p2["results"]] == [baseline["P2"], baseline["P1"]]
+    worker = p2["stats"]["worker"]
+    assert worker["loads"] == 1 and worker["loaded_blocks"] == 3 and worker["load_errors"] == 0
+    assert snapstore_json(store, "verify", "--deep")["status"] == "clean"
+
+
+def test_damaged_state_chunk_recomputes_never_wrong_output(
+        hybrid_model: str, prompts: dict[str, list[int]], baseline: dict[str, list[int]], saved_store: Path,
+        tmp_path: Path) -> None:
+    """One flipped byte in the state page of the 1632 boundary: the load fails its checksum, the
+    connector reports the request's load failed, vLLM recomputes it (output identical to the run
+    without the connector) and is not offered the damaged boundary again; the recomputed request's
+    saves heal the store."""
+    store = tmp_path / "store"
+    shutil.copytree(saved_store, store)
+    leaf = next(s for s in _snapshots(store) if s["n_tokens"] == 3 * BS)
+    detail = snapstore_json(store, "inspect", str(leaf["id"]))["snapshot"]
+    cid = next(p for p in detail["parts"] if p["name"] == "g1.state")["chunks"][0]["id"]
+    victim = next(p for p in (store / "blobs").rglob(f"*{cid}*") if p.is_file())
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    p3 = serve(hybrid_model, tmp_path, "p3", [prompts["P2"]], connector="snapstore", extra={"path": str(store)},
+               **SPEC)
+    assert p3["results"][0]["tokens"] == baseline["P2"]
+    worker = p3["stats"]["worker"]
+    assert worker["load_errors"] == 1 and worker["loads"] == 0
+    stats = snapstore_json(store, "stats")["stats"]
+    assert stats["quarantined"] + stats["healed"] >= 1
