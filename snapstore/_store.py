@@ -8,6 +8,7 @@ Writes go through :meth:`Repo.write`, which unlinks the files a transaction free
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -19,12 +20,21 @@ from snapstore._errors import ConfigError, StateError
 from snapstore._identity import Identity
 from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
-from snapstore._results import DeleteResult, LoadResult, Match, MatchDetails, RestoreResult, SaveResult
+from snapstore._results import (
+    DeleteResult,
+    LoadResult,
+    Match,
+    MatchDetails,
+    RestoreEstimate,
+    RestoreResult,
+    SaveResult,
+)
 from snapstore._tokens import TokensLike, as_token_array
 from snapstore.calls.batch import StoreBatches
 from snapstore.calls.gate import CallGate, operation
 from snapstore.calls.load import load_prefix
 from snapstore.calls.names import StoreNames
+from snapstore.calls.recompute import choose_match, estimate_of, restored
 from snapstore.calls.reports import StoreReports
 from snapstore.calls.snapshot_ops import (
     abandon_capture,
@@ -49,10 +59,12 @@ from snapstore.lifecycle.owner import Owner
 from snapstore.lifecycle.rules import log_drops, new_outside_use
 from snapstore.parts.buffers import Destination, PartSource
 from snapstore.plan.match import best_match
-from snapstore.plan.prefix import match_tokens
+from snapstore.plan.prefix import granularity, match_tokens
+from snapstore.plan.recompute import check_rate
 from snapstore.plan.restore_plan import RestorePlan
 from snapstore.remote.uploader import FlushResult, flush_all
 from snapstore.restore.ramtier import RamTier
+from snapstore.restore.rates import RestoreRates
 from snapstore.restore.read import details_of, plan_of, planned_destination, stream_checked, wanted_components
 from snapstore.save.asynchronous import AsyncSaver, SaveHandle, copy_budget
 from snapstore.save.chain import parent_after
@@ -87,7 +99,8 @@ class Store(StoreReports, StoreNames, StoreBatches):
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingBuffer(options.staging_bytes, options.chunk_bytes)
         self._ram = RamTier(budget.ram_bytes or 0) if budget.ram_bytes else None
-        self._ledger = Ledger(self._ram.take_hits if self._ram is not None else None)
+        self._rates = RestoreRates()  # restore throughput per tier (issue 32); loaded from the catalog by open()
+        self._ledger = Ledger(self._ram.take_hits if self._ram is not None else None, self._rates)
         self._capacity = Capacity(repo.root, budget, repo.blob_path)
         self._saver = AsyncSaver(async_copy_bytes)  # issue 12: save(wait=False); no thread until a save queues
         self._remote: Any = None  # the shared tier (snapstore.remote.tier.RemoteTier) when remote= is set
@@ -141,6 +154,7 @@ class Store(StoreReports, StoreNames, StoreBatches):
         store = cls(repo, identity, layout, budget, options, direct_io=direct, async_copy_bytes=copy, direct_reads=rd)
         store._admission = admission
         try:
+            store._rates.load(repo.db.read(lambda t: t.restore_rates()))  # read-only stores too
             if not read_only:  # read-only: nothing to start (no owner, lease, housekeeping or writer threads)
                 store._start(drop_stale=drop_stale, remote=remote, remote_wait=remote_wait)
         except BaseException:
@@ -296,12 +310,16 @@ class Store(StoreReports, StoreNames, StoreBatches):
     # -- match -------------------------------------------------------------------------------
     @operation
     def match(self, tokens: TokensLike, *, namespace: str | None = None,
-              exclude: Iterable[SnapshotRef] | None = ()) -> Match | None:
+              exclude: Iterable[SnapshotRef] | None = (), prefill_tokens_per_s: float | None = None) -> Match | None:
         """The longest committed snapshot whose tokens are a prefix of ``tokens``, or None.
 
         ``exclude``: snapshot ids (or Match / SaveResult) to pass over (None: none) — after a failed restore,
-        match again excluding it to fall back to the next-longest prefix.
+        match again excluding it to fall back to the next-longest prefix. ``prefill_tokens_per_s``: the
+        engine's measured prefill rate; then the prefix whose estimated restore saves the most time over
+        reading its tokens (maybe a shorter one in a faster tier), or None when reading is faster; the
+        Match's ``why`` says why (docs/api.md "Restore or recompute").
         """
+        rate = check_rate(prefill_tokens_per_s) if prefill_tokens_per_s is not None else None
         arr = as_token_array(tokens, borrow=True)  # read only during this call: an int64 prompt is not copied
         ns = namespace_key(namespace)
         skip = excluded(exclude)
@@ -310,10 +328,14 @@ class Store(StoreReports, StoreNames, StoreBatches):
         not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
         found = self._repo.db.read(lambda c: best_match(c, self.layout, self.identity.key, ns, arr, skip,
                                                         not_before))
+        far = None
         if self._remote is not None:  # the shared tier, when it may hold something longer
             far = self._remote.lookup(arr, ns, found[1] if found is not None else 0)
-            if far is not None:
-                return far  # type: ignore[no-any-return]
+        if rate is not None:  # restore or recompute: calls/recompute.py weighs the prefixes
+            return choose_match(self, arr, ns, namespace, skip, not_before, found, far, rate,
+                                lambda m: self.estimate_restore(m))
+        if far is not None:
+            return far  # type: ignore[no-any-return]
         if found is None:
             self._ledger.count("misses")
             return None
@@ -321,6 +343,16 @@ class Store(StoreReports, StoreNames, StoreBatches):
         self._ledger.count("hits")
         self._ledger.count("hit_tokens", n_hit)
         return Match(hit.id, n_hit, namespace)
+
+    @operation
+    def estimate_restore(self, m: SnapshotRef, components: Iterable[str] | None = None, *,
+                         namespace: str | None = None) -> RestoreEstimate:
+        """What restoring ``m`` should take: its chunk bytes per tier (RAM tier, page cache, disk, shared
+        tier; probed, nothing read) at the rates this store measured, or stated guesses for a tier not yet
+        seen (``measured=False``). docs/api.md "Restore or recompute"."""
+        wanted = wanted_components(self.layout, components)
+        return estimate_of(self, m, wanted, namespace,
+                           lambda r: int(self._remote.nbytes(r, self.layout, wanted)) if self._remote else 0)
 
     # -- restore -----------------------------------------------------------------------------
     def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
@@ -344,11 +376,15 @@ class Store(StoreReports, StoreNames, StoreBatches):
         """
         k = count_of(rows_from, "rows_from")
         wanted = wanted_components(self.layout, components)
+        asked, t_far = m, None
         if self._remote is not None and getattr(m, "remote", None) is not None:
             # a shared-tier match: fetched into the local tier (then restored below), or streamed (remote.tier)
+            t_far = time.perf_counter()
             m = self._remote.restore(m, into, self.layout, wanted, k, lambda t, _freed: self._capacity.excess(t)
                                      is None, lambda n: self._capacity.precheck(n, 0) is None, self._access.iid)
             if isinstance(m, RestoreResult):
+                restored(self._rates, self._ledger.count, asked, {"remote": m.bytes_restored},
+                         time.perf_counter() - t_far, m.n_tokens - k * granularity(self.layout))
                 return m
         sid = snapshot_id(m)
         ns = ref_namespace(m, namespace)
@@ -356,8 +392,12 @@ class Store(StoreReports, StoreNames, StoreBatches):
         sess = session_key(session)
         dest = planned_destination(into, lambda: self.describe(m, components, namespace=ns or None, rows_from=k))
         upto = match_tokens(m)  # a block-granular prefix match restores rows [0, upto // g) only
+        t_read, tiers = time.perf_counter(), dict[str, int]()  # the restore's own time: after `into` is allocated
         snap, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k, upto))
-        stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count, self._reads)
+        stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count, self._reads, tiers)
+        took = time.perf_counter() - (t_far if t_far is not None else t_read)
+        restored(self._rates, self._ledger.count, asked, tiers if t_far is None else {"remote": plan.nbytes}, took,
+                 plan.n_tokens - k * granularity(self.layout))
         # last use and the hit are bookkeeping: recorded in memory and written now only if the
         # write lock is free; a restore queues behind a writer only for a first outside use
         record_use(self._repo, self._ledger, [(sid, new_outside_use(snap, sess))])
@@ -378,7 +418,9 @@ class Store(StoreReports, StoreNames, StoreBatches):
             snap, plan = self._plan(c, sid, ns, None, wanted, k, match_tokens(m))
             return details_of(c, snap, plan, ns, k)
 
-        return self._repo.db.read(run)
+        details = self._repo.db.read(run)
+        why = getattr(m, "why", None)  # a match made with prefill_tokens_per_s: its decision travels along
+        return dataclasses.replace(details, why=why) if why is not None else details
 
     def load(self, tokens: TokensLike, *, allocate: Callable[[MatchDetails], Mapping[str, Destination]],
              release: Callable[[Mapping[str, Destination]], object] | None = None,
@@ -425,6 +467,7 @@ class Store(StoreReports, StoreNames, StoreBatches):
                 remote.close()  # finishes the queued uploads first
             if owner is None:
                 return  # read-only: nothing was started, nothing to retire
+            self._rates.flush_next()  # the restore rates measured since the last hand-over: written by retire's txn
             owner.stop()  # no renewal may re-register the row this transaction deletes
             if not owner.inherited:  # a forked child's copy: the parent's captures and row stay
                 dead_owners = self._write(lambda t: retire(t, owner, root=self._repo.root, lease=self.pending_lease))

@@ -21,6 +21,7 @@ from snapstore.plan.prefix import granularity, rows_bound, rows_limit
 from snapstore.plan.restore_plan import RestorePlan, build_plan
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.stream import Damage, quarantine, stream_plan
+from snapstore.restore.tiers import Tiers
 
 __all__ = ["details_of", "plan_of", "planned_destination", "stream_checked", "wanted_components"]
 
@@ -62,13 +63,13 @@ def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int
 
 
 def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: StagingBuffer, ram: RamTier | None,
-                   count: Callable[[str], None], reads: DirectReads | None = None) -> None:
+                   count: Callable[[str], None], reads: DirectReads | None = None, tiers: Tiers | None = None) -> None:
     """Stream ``plan``; on a RestoreError count it, name snapshot ``sid`` (None: a batch), and
     quarantine the chunks found damaged in the same call (snapshots using them stop matching until
     a save heals them). The one copy of this policy: restore() and restore_many() both use it."""
     damage: Damage = []
     try:
-        stream_plan(plan, repo.blob_path, staging, ram, damage, reads)
+        stream_plan(plan, repo.blob_path, staging, ram, damage, reads, tiers)
     except RestoreError as e:
         if e.snapshot_id is None and sid is not None:
             e.snapshot_id = sid
