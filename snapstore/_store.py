@@ -45,7 +45,7 @@ from snapstore.calls.snapshot_ops import (
     retire,
 )
 from snapstore.calls.turn import Turn
-from snapstore.catalog.queries import SnapRow, Txn
+from snapstore.catalog.queries import ChunkRow, SnapRow, Txn
 from snapstore.chunks.chunkfile import CODECS
 from snapstore.chunks.direct_io import DirectReads, direct_default, direct_reads_default
 from snapstore.chunks.repo import Repo
@@ -356,9 +356,10 @@ class Store(StoreReports, StoreNames, StoreBatches):
 
     # -- restore -----------------------------------------------------------------------------
     def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
-              wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
+              wanted: set[str], rows_from: int = 0, upto: int | None = None,
+              chunks: list[ChunkRow] | None = None) -> tuple[SnapRow, RestorePlan]:
         """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
-        return plan_of(c, self._access, self.layout, sid, ns, into, wanted, rows_from, upto)
+        return plan_of(c, self._access, self.layout, sid, ns, into, wanted, rows_from, upto, chunks)
 
     @operation
     def restore(self, m: SnapshotRef,

@@ -16,12 +16,12 @@ import numpy as np
 from snapstore._errors import SnapstoreError
 from snapstore._refs import ref_namespace, snapshot_id
 from snapstore._results import Match, RecomputeDecision, RestoreEstimate
-from snapstore.catalog.queries import SnapRow
+from snapstore.catalog.queries import ChunkRow, SnapRow
 from snapstore.plan.match import best_match
 from snapstore.plan.prefix import match_tokens
 from snapstore.plan.recompute import MAX_CONSIDERED, Option, decide
 from snapstore.restore.rates import RestoreRates
-from snapstore.restore.tiers import probe_plan
+from snapstore.restore.tiers import probe_chunks
 
 __all__ = ["choose_match", "estimate_of", "restored"]
 
@@ -31,14 +31,15 @@ Found = tuple[SnapRow, int]
 def estimate_of(store: Any, m: Any, wanted: set[str], namespace: str | None,
                 remote_bytes: Callable[[Any], int] | None) -> RestoreEstimate:
     """``Store.estimate_restore``: a shared-tier match costs its bytes at the remote rate; a local one
-    its plan's chunk bytes at the rate of the tier each chunk is in now (:func:`probe_plan`)."""
+    its plan's chunk bytes at the rate of the tier each chunk is in now (:func:`probe_chunks`)."""
     rates: RestoreRates = store._rates
     if getattr(m, "remote", None) is not None and remote_bytes is not None:
         return rates.estimate({"remote": remote_bytes(m)})
     sid = snapshot_id(m)
     ns = ref_namespace(m, namespace)
-    _, plan = store._repo.db.read(lambda c: store._plan(c, sid, ns, None, wanted, 0, match_tokens(m)))
-    return rates.estimate(probe_plan(plan, store._repo.blob_path, store._ram))
+    chunks: list[ChunkRow] = []
+    store._repo.db.read(lambda c: store._plan(c, sid, ns, None, wanted, 0, match_tokens(m), chunks))
+    return rates.estimate(probe_chunks(chunks, store._repo.blob_path, store._ram))
 
 
 def choose_match(store: Any, arr: np.ndarray, ns: str, namespace: str | None, skip: set[int], not_before: float,

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from snapstore._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
 from snapstore._layout import Layout
 from snapstore._results import MatchDetails
-from snapstore.catalog.queries import SnapRow, SnapState, Txn
+from snapstore.catalog.queries import ChunkRow, SnapRow, SnapState, Txn
 from snapstore.chunks.direct_io import DirectReads
 from snapstore.chunks.repo import Repo
 from snapstore.chunks.staging import StagingBuffer
@@ -39,7 +39,8 @@ def wanted_components(layout: Layout, components: Iterable[str] | None) -> set[s
 
 
 def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Mapping[str, Destination] | None,
-            wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
+            wanted: set[str], rows_from: int = 0, upto: int | None = None,
+            chunks: list[ChunkRow] | None = None) -> tuple[SnapRow, RestorePlan]:
     """Check that ``sid`` is this store's to restore and build (and validate) its plan; ``upto``:
     the tokens of a block-granular prefix match (rows [0, upto // g) only, :mod:`snapstore.plan.prefix`)."""
     snap = access.readable(c, sid, ns, rows_from)
@@ -48,7 +49,7 @@ def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Map
     if rows_from > bound:  # rows_from counts rows: at tokens_per_row > 1 the tokens bound (readable) is looser
         raise InvalidInputError(f"rows_from={rows_from} is past the {bound} rows (of {granularity(layout)} tokens) "
                                 f"that restoring snapshot {sid} writes; nothing was written")
-    return snap, build_plan(c, sid, access.chain(c, snap), layout, into, wanted, rows_from, rows_to)
+    return snap, build_plan(c, sid, access.chain(c, snap), layout, into, wanted, rows_from, rows_to, chunks)
 
 
 def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int) -> MatchDetails:

@@ -12,15 +12,16 @@ pulls the page in on this kernel. A file at least half cached counts as warm.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from snapstore._errors import CorruptionError
+from snapstore.catalog.queries import ChunkRow
 from snapstore.chunks.chunkfile import HEADER_SIZE, open_chunk
 from snapstore.chunks.direct_io import resident
-from snapstore.plan.restore_plan import PlanItem, RestorePlan
+from snapstore.plan.restore_plan import PlanItem
 from snapstore.restore.ramtier import RamTier
 
-__all__ = ["Tiers", "probe_plan", "tally_opened"]
+__all__ = ["Tiers", "probe_chunks", "tally_opened"]
 
 Tiers = dict[str, int]  # tier -> chunk bytes
 
@@ -40,13 +41,13 @@ def tally_opened(opened: Sequence[tuple[PlanItem, int, object, object]], tiers: 
         tiers[key] = tiers.get(key, 0) + n
 
 
-def probe_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], ram: RamTier | None) -> Tiers:
-    """Where ``plan``'s chunks are now, without reading them (``Store.estimate_restore``). A chunk
+def probe_chunks(chunks: Iterable[ChunkRow], blob_path: Callable[[bytes], str], ram: RamTier | None) -> Tiers:
+    """Where a plan's chunks are now, without reading them (``Store.estimate_restore``). A chunk
     file that cannot be opened counts as cold: the restore itself reports what is wrong with it."""
     tiers: Tiers = {}
     seen: dict[bytes, str] = {}
-    for item in plan.items:
-        cid, n = item.chunk.id, item.chunk.raw_len
+    for chunk in chunks:
+        cid, n = chunk.id, chunk.raw_len
         key = seen.get(cid)
         if key is None:
             key = "ram" if ram is not None and ram.holds(cid) else _probe_file(blob_path, cid, n)
