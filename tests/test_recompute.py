@@ -322,3 +322,31 @@ def test_no_rate_no_change(tmp_path: object) -> None:
         m = s.match(list(range(100)))
         assert m is not None and m.why is None and s.describe(m).why is None
         assert s.stats().recompute_skipped == 0
+
+
+# -- the integrations' own prefill rates ----------------------------------------------------------
+def test_the_vllm_scheduler_times_prefill_steps() -> None:
+    from snapstore.engine.vllm._rate import StepRate
+
+    r = StepRate(min_tokens=64, max_gap_s=5.0)
+    r.step(512, now=10.0)
+    assert r.tokens_per_s is None  # a step is timed when the next begins
+    r.step(8, now=10.5)  # 512 tokens in 0.5 s
+    assert r.tokens_per_s == pytest.approx(1024.0)
+    r.step(1024, now=10.6)  # the decode-only step (8 tokens) is not a rate
+    r.step(0, now=100.0)  # an idle gap after it: not timed
+    assert r.tokens_per_s == pytest.approx(1024.0)
+
+
+def test_the_proxy_reads_the_servers_prompt_timing_across_chunks() -> None:
+    pytest.importorskip("aiohttp")
+    from snapstore.llamacpp._proxy import _SlotSniffer
+
+    body = b'data: {"id_slot":1,"timings":{"prompt_n":600,"prompt_ms":300.0,"predicted_n":4}}\n\n'
+    for cut in range(1, len(body)):
+        s = _SlotSniffer()
+        s.feed(body[:cut])
+        s.feed(body[cut:])
+        rate = PrefillRate()
+        s.timed(rate)
+        assert s.slot == 1 and rate.tokens_per_s == pytest.approx(2000.0), cut

@@ -32,6 +32,7 @@ import snapstore as ss
 
 from ._blocks import BlockGeometry, BlockWriter, gather_blocks, host_pools, torch_dtype_name, weights_hash
 from ._key import RequestKey, config_digest, request_key
+from ._rate import StepRate
 
 __all__ = ["LAST_STATS", "SnapstoreConnector", "SnapstoreConnectorMetadata"]
 
@@ -174,6 +175,7 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._bad_now: set[int] = set()  # worker: blocks whose load failed this step
         self._failed: set[str] = set()  # worker: requests with a failed load whose saves must be recomputed ones
         self._to_load: dict[str, LoadOp] = {}  # req -> its planned load (built in update_state_after_alloc)
+        self._rate = StepRate()  # scheduler: the engine's prefill rate, for match(prefill_tokens_per_s=)
         if role == KVConnectorRole.SCHEDULER and extra.get("on_load_error", "recompute") == "recompute":
             cfg.kv_load_failure_policy = "recompute"  # a failed load recomputes its blocks: never junk
         try:
@@ -232,7 +234,7 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.stats["lookups"] += 1
         t0 = time.perf_counter()
         try:
-            m = self._store.match(prompt[:limit], namespace=key.namespace)
+            m = self._store.match(prompt[:limit], namespace=key.namespace, prefill_tokens_per_s=self._rate.tokens_per_s)
             if m is None:
                 return 0, False
             hit = min(m.n_tokens, limit) // self._bs * self._bs
@@ -265,6 +267,7 @@ class SnapstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """This step's loads (newly scheduled requests with a match) and saves (requests whose
         prompt blocks are all computed after this step)."""
         meta = SnapstoreConnectorMetadata()
+        self._rate.step(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             rid = new.req_id

@@ -242,13 +242,15 @@ class SlotStore:
             raise NotFoundError("nothing stored yet for this model and build")
         return _export(store, ref, proto, session, draft=draft)
 
-    def match(self, tokens: Sequence[int], generation: int | None = None) -> Match | None:
-        """The longest stored prefix of ``tokens``, or None (also when the identity left ``generation``)."""
+    def match(self, tokens: Sequence[int], generation: int | None = None,
+              prefill_tokens_per_s: float | None = None) -> Match | None:
+        """The longest stored prefix of ``tokens``, or None (also when the identity left ``generation``);
+        with ``prefill_tokens_per_s``, the one whose restore saves the most time, or None (Store.match)."""
         with self._lock:
             store = self.store
             if generation is not None and generation != self.generation:
                 return None
-        return None if store is None else store.match(list(tokens))
+        return None if store is None else store.match(list(tokens), prefill_tokens_per_s=prefill_tokens_per_s)
 
     def holds(self, tokens: Sequence[int]) -> bool:
         """True when exactly ``tokens`` are stored (a save of them would add nothing)."""
