@@ -25,6 +25,12 @@ LAY = ss.Layout(fixed={}, rows={"kv": ss.Rows("uint8", (ROW,))})
 open_store = store_factory(layout=LAY, chunk_bytes=64 * 1024, budget=ss.Budget(reserve_bytes=0, ram_bytes=0))
 
 
+def rate_row(tier: str, bytes_per_s: float, samples: int = 3) -> RateRow:
+    """A tier's recorded figures: one restore of 1 GB at ``bytes_per_s`` (as the catalog would hold it)."""
+    u, v = 1e-9, 1.0 / bytes_per_s
+    return RateRow(tier, 1.0, u, v, u * u, u * v, samples, 0.0)
+
+
 def est(seconds: float, tier: str = "warm", measured: bool = True) -> ss.RestoreEstimate:
     return ss.RestoreEstimate(seconds, tier, 1, measured, {tier: 1})
 
@@ -119,27 +125,25 @@ def test_an_unseen_tier_is_the_stated_guess(tier: str, nbytes: int) -> None:
 @settings(max_examples=200, deadline=None)
 def test_recorded_figures_on_a_line_give_that_line(a: float, b: float, sizes: list[int], probe: int) -> None:
     """Restores taking a + b × bytes (recorded, not timed): the estimate of any size is a + b × size when the
-    sizes vary enough to separate the fixed cost, else the ratio of the decayed sums."""
+    sizes vary enough to separate the fixed cost, else the mean seconds per byte of the decayed samples."""
     rates = RestoreRates()
     for x in sizes:
         rates.observe({"cold": x}, a + b * x)
     e = rates.estimate({"cold": probe})
     assert e.measured and e.tier == "cold"
-    w = sum(DECAY ** k for k in range(len(sizes)))
     ws = [DECAY ** (len(sizes) - 1 - k) for k in range(len(sizes))]
-    mx = sum(wi * x for wi, x in zip(ws, sizes, strict=True)) / w
-    var = sum(wi * x * x for wi, x in zip(ws, sizes, strict=True)) / w - mx * mx
-    if var > (0.25 * mx) ** 2 * 1.001:
+    w = sum(ws)
+    mu = sum(wi / x for wi, x in zip(ws, sizes, strict=True)) / w
+    var = sum(wi / x / x for wi, x in zip(ws, sizes, strict=True)) / w - mu * mu
+    if var > (0.25 * mu) ** 2 * 1.001 and a > 0:
         assert e.seconds == pytest.approx(a + b * probe, rel=1e-4, abs=1e-9)
-    elif var < (0.25 * mx) ** 2 * 0.999:
-        sy = sum(wi * (a + b * x) for wi, x in zip(ws, sizes, strict=True))
-        sx = sum(wi * x for wi, x in zip(ws, sizes, strict=True))
-        assert e.seconds == pytest.approx(probe * sy / sx, rel=1e-6)
+    elif var < (0.25 * mu) ** 2 * 0.999:
+        mean = sum(wi * (a + b * x) / x for wi, x in zip(ws, sizes, strict=True)) / w
+        assert e.seconds == pytest.approx(probe * mean, rel=1e-6)
 
 
 def test_a_chain_across_tiers_sums_its_tiers() -> None:
-    rates = RestoreRates([RateRow("ram", 1.0, 1e9, 0.1, 1e18, 1e8, 5, 0.0),     # 10 GB/s
-                          RateRow("cold", 1.0, 1e9, 1.0, 1e18, 1e9, 5, 0.0)])   # 1 GB/s
+    rates = RestoreRates([rate_row("ram", 1e10), rate_row("cold", 1e9)])
     e = rates.estimate({"ram": 2 * 10**9, "cold": 10**8})
     assert e.measured and e.bytes == 21 * 10**8 and e.tiers == {"ram": 2 * 10**9, "cold": 10**8}
     assert e.seconds == pytest.approx(0.2 + 0.1) and e.tier == "ram"  # the ram part costs the most here
@@ -148,11 +152,11 @@ def test_a_chain_across_tiers_sums_its_tiers() -> None:
 
 
 def test_a_restore_across_tiers_is_shared_by_prediction() -> None:
-    rates = RestoreRates([RateRow("ram", 1.0, 1e9, 0.1, 1e18, 1e8, 1, 0.0),
-                          RateRow("cold", 1.0, 1e9, 1.0, 1e18, 1e9, 1, 0.0)])
+    rates = RestoreRates([rate_row("ram", 1e10, 1), rate_row("cold", 1e9, 1)])
     rates.observe({"ram": 10**9, "cold": 10**9}, 2.2)  # predicted 0.1 + 1.0: each tier took twice that
-    assert rates.estimate({"ram": 10**9}).seconds == pytest.approx((0.1 * DECAY + 0.2) / (1e9 * DECAY + 1e9) * 1e9)
-    assert rates.estimate({"cold": 10**9}).seconds == pytest.approx((1.0 * DECAY + 2.0) / (1e9 * DECAY + 1e9) * 1e9)
+    # one size only: the mean seconds per byte of the decayed samples (0.1 s then 0.2 s a GB; 1 s then 2 s)
+    assert rates.estimate({"ram": 10**9}).seconds == pytest.approx((0.1 * DECAY + 0.2) / (DECAY + 1))
+    assert rates.estimate({"cold": 10**9}).seconds == pytest.approx((1.0 * DECAY + 2.0) / (DECAY + 1))
 
 
 def test_rates_are_handed_over_rarely() -> None:
@@ -289,8 +293,7 @@ def test_match_takes_a_shorter_prefix_in_a_faster_tier(tmp_path: object) -> None
     with open_store(path) as s:
         toks, leaf, root = chain(s, path)
         # recorded figures: the page cache at 4 GB/s, the disk at 1 MB/s (a very slow network disk)
-        s._rates.load([RateRow("warm", 1.0, 4e9, 1.0, 1.6e19, 4e9, 3, 0.0),
-                       RateRow("cold", 1.0, 1e6, 1.0, 1e12, 1e6, 3, 0.0)])
+        s._rates.load([rate_row("warm", 4e9), rate_row("cold", 1e6)])
         # 768 more tokens at 100 tokens/s: 7.7 s to read; their 3 MiB from the disk: 3.1 s → the leaf
         m = s.match(toks, prefill_tokens_per_s=100.0)
         assert m is not None and m.snapshot_id == leaf.snapshot_id and m.why is not None

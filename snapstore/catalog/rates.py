@@ -18,10 +18,10 @@ class RateRow(NamedTuple):
 
     tier: str
     w: float
-    sx: float
-    sy: float
-    sxx: float
-    sxy: float
+    su: float
+    sv: float
+    suu: float
+    suv: float
     samples: int
     updated: float
 
@@ -36,11 +36,11 @@ class RateQueries:
         """Every tier's row (none before the first restore was measured)."""
         return [RateRow(str(r[0]), float(r[1]), float(r[2]), float(r[3]), float(r[4]), float(r[5]), int(r[6]),
                         float(r[7]))
-                for r in self._c.execute("SELECT tier, w, sx, sy, sxx, sxy, samples, updated FROM restore_rates")]
+                for r in self._c.execute("SELECT tier, w, su, sv, suu, suv, samples, updated FROM restore_rates")]
 
     def set_restore_rate(self, row: RateRow) -> None:
         """Write (or replace) one tier's row."""
-        self._c.execute("INSERT INTO restore_rates(tier, w, sx, sy, sxx, sxy, samples, updated) "
+        self._c.execute("INSERT INTO restore_rates(tier, w, su, sv, suu, suv, samples, updated) "
                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(tier) DO UPDATE SET w = excluded.w, "
-                        "sx = excluded.sx, sy = excluded.sy, sxx = excluded.sxx, sxy = excluded.sxy, "
+                        "su = excluded.su, sv = excluded.sv, suu = excluded.suu, suv = excluded.suv, "
                         "samples = excluded.samples, updated = excluded.updated", tuple(row))

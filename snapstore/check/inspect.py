@@ -55,7 +55,7 @@ def stats_of(c: Txn, disk_budget: int, ram_used: int) -> Stats:
         remote={k[7:]: v for k, v in sorted(counters.items()) if k.startswith("remote_")},
         recompute_skipped=counters.get("recompute_skipped", 0),
         restore_saved_s=counters.get("restore_saved_us", 0) / 1e6,
-        restore_rates={r.tier: r.sx / r.sy for r in sorted(c.restore_rates()) if r.sy > 0})
+        restore_rates={r.tier: r.w / r.sv for r in sorted(c.restore_rates()) if r.sv > 0})
 
 
 def snapshot_info(t: Txn, s: SnapRow, identity: str, pinned: bool, parts: list[PartRow] | None = None,

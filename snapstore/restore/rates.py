@@ -1,12 +1,11 @@
 """How fast this store restores, per tier, measured from its own restores (issue 32, part 1).
 
 Each successful restore reports the chunk bytes it read per tier (:mod:`snapstore.restore.tiers`)
-and the seconds it took. Per tier the model keeps exponentially decayed sums (weight, bytes,
-seconds, bytes², bytes·seconds: five numbers) and fits ``seconds = a + b × bytes`` to them by least
-squares — a fixed cost per restore (plan, file opens) plus a rate — or, when the sizes seen are too
-alike to separate the two (or the fit is not sensible), the plain ratio of seconds to bytes.
-Decayed sums follow a drifting machine (a neighbour's load, a page cache that fills) and weigh big
-restores, whose timing is least noisy, the most.
+and the seconds it took. Per tier the model keeps exponentially decayed sums (five numbers, see
+:class:`TierFit`) and fits ``seconds = a + b × bytes`` to them, least relative error — a fixed cost
+per restore (plan, file opens) plus a rate — or, when the sizes seen are too alike to separate the
+two (or the fit is not sensible), the mean seconds per byte. Decayed sums follow a drifting
+machine (a neighbour's load, a page cache that fills).
 
 A restore spanning tiers (a chain whose root sits in the RAM tier and leaf on disk) is estimated as
 the largest fixed cost of its tiers plus each tier's bytes at that tier's rate; its measured time is
@@ -38,47 +37,53 @@ TIERS = ("ram", "warm", "cold", "remote")
 # only where recomputing is clearly faster.
 GUESS_BYTES_PER_S: dict[str, float] = {"ram": 4e9, "warm": 2e9, "cold": 1e9, "remote": 1e8}
 GUESS_FIXED_S = 0.001
-DECAY = 0.8  # the weight an earlier restore keeps at each new one of its tier (about the last 5 count)
+DECAY = 0.9  # the weight an earlier restore keeps at each new one of its tier (about the last 10 count)
 STAGE_EVERY_S = 30.0  # persisted at most this often (and at close)
-_SPREAD = 0.25  # sizes must vary by this fraction of their mean (std dev) before a fixed cost is fitted
+_SPREAD = 0.25  # 1/size must vary by this fraction of its mean (std dev) before a fixed cost is fitted
 
 
 class TierFit:
-    """One tier's decayed sums and the line fitted to them."""
+    """One tier's decayed sums and the line fitted to them.
 
-    __slots__ = ("samples", "sx", "sxx", "sxy", "sy", "w")
+    The fit minimises the *relative* error of ``seconds = a + b × bytes`` (each restore weighs the
+    same whatever its size): with ``u = 1 / bytes`` and ``v = seconds / bytes`` it is the ordinary
+    least-squares line ``v = b + a × u``, kept as the sums of ``u``, ``v``, ``u²`` and ``u·v``.
+    An absolute fit let the big restores decide alone, and a small one's estimate was off by 5×.
+    """
 
-    def __init__(self, w: float = 0.0, sx: float = 0.0, sy: float = 0.0, sxx: float = 0.0, sxy: float = 0.0,
+    __slots__ = ("samples", "su", "suu", "suv", "sv", "w")
+
+    def __init__(self, w: float = 0.0, su: float = 0.0, sv: float = 0.0, suu: float = 0.0, suv: float = 0.0,
                  samples: int = 0) -> None:
-        self.w, self.sx, self.sy, self.sxx, self.sxy, self.samples = w, sx, sy, sxx, sxy, samples
+        self.w, self.su, self.sv, self.suu, self.suv, self.samples = w, su, sv, suu, suv, samples
 
     def add(self, x: float, y: float) -> None:
         """One restore of ``x`` bytes in ``y`` seconds; earlier ones decay by :data:`DECAY`."""
-        d = DECAY
+        d, u, v = DECAY, 1.0 / x, y / x
         self.w = self.w * d + 1.0
-        self.sx = self.sx * d + x
-        self.sy = self.sy * d + y
-        self.sxx = self.sxx * d + x * x
-        self.sxy = self.sxy * d + x * y
+        self.su = self.su * d + u
+        self.sv = self.sv * d + v
+        self.suu = self.suu * d + u * u
+        self.suv = self.suv * d + u * v
         self.samples += 1
 
     def line(self) -> tuple[float, float]:
         """``(a, b)``: fixed seconds per restore and seconds per byte."""
-        if self.sx <= 0.0 or self.w <= 0.0:
+        if self.w <= 0.0:
             return 0.0, 0.0
-        mx, my = self.sx / self.w, self.sy / self.w
-        var = self.sxx / self.w - mx * mx
-        cov = self.sxy / self.w - mx * my
-        if var > (_SPREAD * mx) ** 2 and cov > 0.0:
-            b = cov / var
-            a = my - b * mx
-            if a >= 0.0:
+        mu, mv = self.su / self.w, self.sv / self.w
+        var = self.suu / self.w - mu * mu
+        cov = self.suv / self.w - mu * mv
+        if var > (_SPREAD * mu) ** 2 and cov > 0.0:
+            a = cov / var
+            b = mv - a * mu
+            if b > 0.0:
                 return a, b
-        return 0.0, self.sy / self.sx  # sizes too alike (or a line through negative time): the ratio
+        return 0.0, mv  # sizes too alike (or no sensible line): the mean seconds per byte
 
     def bytes_per_s(self) -> float:
-        """The measured average rate (bytes over seconds of the decayed sums)."""
-        return self.sx / self.sy if self.sy > 0.0 else 0.0
+        """The measured rate: bytes per second of the mean seconds per byte."""
+        return self.w / self.sv if self.sv > 0.0 else 0.0
 
 
 def _guess(tier: str) -> tuple[float, float]:
@@ -100,7 +105,7 @@ class RestoreRates:
         with self._lock:
             for r in rows:
                 if r.tier in TIERS and r.w > 0.0:
-                    self._fits[r.tier] = TierFit(r.w, r.sx, r.sy, r.sxx, r.sxy, r.samples)
+                    self._fits[r.tier] = TierFit(r.w, r.su, r.sv, r.suu, r.suv, r.samples)
 
     def _line(self, tier: str) -> tuple[tuple[float, float], bool]:
         fit = self._fits.get(tier)
@@ -153,7 +158,7 @@ class RestoreRates:
             if not self._dirty or (not force and self._staged_at and t - self._staged_at < STAGE_EVERY_S):
                 return []
             wall = time.time()
-            rows = [RateRow(k, f.w, f.sx, f.sy, f.sxx, f.sxy, f.samples, wall)
+            rows = [RateRow(k, f.w, f.su, f.sv, f.suu, f.suv, f.samples, wall)
                     for k, f in sorted(self._fits.items()) if k in self._dirty]
             self._dirty.clear()
             self._staged_at = t
