@@ -18,7 +18,7 @@ from support import store_factory
 import snapstore as ss
 from snapstore.catalog.rates import RateRow
 from snapstore.plan.recompute import MAX_CONSIDERED, PrefillRate, decide
-from snapstore.restore.rates import DECAY, GUESS_BYTES_PER_S, GUESS_FIXED_S, STAGE_EVERY_S, RestoreRates
+from snapstore.restore.rates import DECAY, GUESS_BYTES_PER_S, GUESS_FIXED_S, STAGE_EVERY_S, RestoreRates, TierFit
 
 ROW = 4096  # bytes a token
 LAY = ss.Layout(fixed={}, rows={"kv": ss.Rows("uint8", (ROW,))})
@@ -125,10 +125,12 @@ def test_an_unseen_tier_is_the_stated_guess(tier: str, nbytes: int) -> None:
 @settings(max_examples=200, deadline=None)
 def test_recorded_figures_on_a_line_give_that_line(a: float, b: float, sizes: list[int], probe: int) -> None:
     """Restores taking a + b × bytes (recorded, not timed): the estimate of any size is a + b × size when the
-    sizes vary enough to separate the fixed cost, else the mean seconds per byte of the decayed samples."""
-    rates = RestoreRates()
+    sizes vary enough to separate the fixed cost, else the mean seconds per byte of the decayed samples.
+    (The fit's arithmetic: the sums as the catalog keeps them; observe() also bounds outliers, tested below.)"""
+    fit = TierFit()
     for x in sizes:
-        rates.observe({"cold": x}, a + b * x)
+        fit.add(x, a + b * x)
+    rates = RestoreRates([RateRow("cold", fit.w, fit.su, fit.sv, fit.suu, fit.suv, fit.samples, 0.0)])
     e = rates.estimate({"cold": probe})
     assert e.measured and e.tier == "cold"
     ws = [DECAY ** (len(sizes) - 1 - k) for k in range(len(sizes))]
@@ -353,3 +355,15 @@ def test_the_proxy_reads_the_servers_prompt_timing_across_chunks() -> None:
         rate = PrefillRate()
         s.timed(rate)
         assert s.slot == 1 and rate.tokens_per_s == pytest.approx(2000.0), cut
+
+
+def test_an_outlier_moves_a_settled_tier_boundedly() -> None:
+    rates = RestoreRates()
+    for _ in range(5):
+        rates.observe({"cold": 10**9}, 1.0)  # 1 GB/s, settled
+    rates.observe({"cold": 10**9}, 30.0)  # one stall: counted as twice the prediction, not 30x
+    w = sum(DECAY ** k for k in range(6))
+    assert rates.estimate({"cold": 10**9}).seconds == pytest.approx((w - 1 + 2.0) / w)
+    for _ in range(40):
+        rates.observe({"cold": 10**9}, 4.0)  # a real change (the disk is 4x slower now): followed
+    assert rates.estimate({"cold": 10**9}).seconds == pytest.approx(4.0, rel=0.05)
