@@ -367,3 +367,21 @@ def test_an_outlier_moves_a_settled_tier_boundedly() -> None:
     for _ in range(40):
         rates.observe({"cold": 10**9}, 4.0)  # a real change (the disk is 4x slower now): followed
     assert rates.estimate({"cold": 10**9}).seconds == pytest.approx(4.0, rel=0.05)
+
+
+def test_the_cli_reports_the_counters_and_rates(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from snapstore.cli.main import main
+
+    path = os.path.join(str(tmp_path), "s")
+    with open_store(path) as s:
+        s.save(list(range(64)), state(64))
+        s._rates.observe({"cold": 10**9}, 0.5)
+        assert s.match(list(range(64)), prefill_tokens_per_s=1e12) is None
+    assert main(["--dir", path, "stats", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["stats"]
+    assert doc["recompute_skipped"] == 1 and doc["restore_rates"] == {"cold": pytest.approx(2e9)}
+    assert main(["--dir", path, "stats"]) == 0
+    out = capsys.readouterr().out
+    assert "1 matches passed over a restore slower than reading" in out and "cold 2.00 GB/s" in out
