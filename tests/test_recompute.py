@@ -385,3 +385,12 @@ def test_the_cli_reports_the_counters_and_rates(tmp_path: object, capsys: pytest
     assert main(["--dir", path, "stats"]) == 0
     out = capsys.readouterr().out
     assert "1 matches passed over a restore slower than reading" in out and "cold 2.00 GB/s" in out
+
+
+def test_a_batch_of_restores_is_measured_too(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "s")
+    with open_store(path) as s:
+        a, b = s.save(list(range(64)), state(64)), s.save(list(range(100, 164)), state(64, 1))
+        drop_cache(path)
+        s.restore_many([(a, {"kv": np.zeros((64, ROW), np.uint8)}), (b, {"kv": np.zeros((64, ROW), np.uint8)})])
+        assert set(s._rates.rates()) == {"cold"}
