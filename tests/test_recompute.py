@@ -394,3 +394,25 @@ def test_a_batch_of_restores_is_measured_too(tmp_path: object) -> None:
         drop_cache(path)
         s.restore_many([(a, {"kv": np.zeros((64, ROW), np.uint8)}), (b, {"kv": np.zeros((64, ROW), np.uint8)})])
         assert set(s._rates.rates()) == {"cold"}
+
+
+def test_a_v10_catalog_reads_read_only_and_migrates_on_open(tmp_path: object) -> None:
+    """A catalog from before schema 11: a read-only open estimates with the guesses (a TEMP table
+    stands in for restore_rates); a read-write open migrates it and keeps what it measures."""
+    import apsw
+    from support.catalogs import UNDO_RESTORE_RATES
+
+    path = os.path.join(str(tmp_path), "s")
+    toks = list(range(64))
+    with open_store(path) as s:
+        s.save(toks, state(64))
+    c = apsw.Connection(os.path.join(path, "snapstore.db"))
+    c.execute(UNDO_RESTORE_RATES + "PRAGMA user_version = 10")
+    c.close()
+    with open_store(path, read_only=True) as r:
+        assert not r.estimate_restore(r.match(toks)).measured  # type: ignore[arg-type]
+        assert r.stats().restore_rates == {}
+    with open_store(path) as s:
+        s._rates.observe({"warm": 10**9}, 1.0)
+    with open_store(path, read_only=True) as r:
+        assert r.stats().restore_rates == {"warm": pytest.approx(1e9)}

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from snapstore.catalog.db import migrations_dir
 
-# Schema v10 (0010_admission.sql) taken out: no sightings, write_bucket or names.
-UNDO_ADMISSION = "DROP TABLE sightings; DROP TABLE write_bucket; DROP TABLE names; "
+# Schema v11 (0011_restore_rates.sql) taken out: no restore_rates.
+UNDO_RESTORE_RATES = "DROP TABLE restore_rates; "
+# Schema v10 (0010_admission.sql) taken out too: no sightings, write_bucket or names.
+UNDO_ADMISSION = UNDO_RESTORE_RATES + "DROP TABLE sightings; DROP TABLE write_bucket; DROP TABLE names; "
 # Schema v9 (0009_layout_keys.sql) taken out too: no snapshots.layout_key.
 UNDO_LAYOUT_KEYS = UNDO_ADMISSION + "ALTER TABLE snapshots DROP COLUMN layout_key; "
 # Schema v8 (0008_find_keys.sql) taken out too: no snapshots.find_key, the anchor index back.
