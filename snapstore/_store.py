@@ -8,7 +8,6 @@ Writes go through :meth:`Repo.write`, which unlinks the files a transaction free
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -20,21 +19,13 @@ from snapstore._errors import ConfigError, StateError
 from snapstore._identity import Identity
 from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
-from snapstore._results import (
-    DeleteResult,
-    LoadResult,
-    Match,
-    MatchDetails,
-    RestoreEstimate,
-    RestoreResult,
-    SaveResult,
-)
+from snapstore._results import DeleteResult, LoadResult, Match, MatchDetails, RestoreResult, SaveResult
 from snapstore._tokens import TokensLike, as_token_array
 from snapstore.calls.batch import StoreBatches
 from snapstore.calls.gate import CallGate, operation
 from snapstore.calls.load import load_prefix
 from snapstore.calls.names import StoreNames
-from snapstore.calls.recompute import choose_match, estimate_of, restored
+from snapstore.calls.recompute import RestoreRates, RestoreTimer, StoreRecompute, choose_match
 from snapstore.calls.reports import StoreReports
 from snapstore.calls.snapshot_ops import (
     abandon_capture,
@@ -45,7 +36,7 @@ from snapstore.calls.snapshot_ops import (
     retire,
 )
 from snapstore.calls.turn import Turn
-from snapstore.catalog.queries import ChunkRow, SnapRow, Txn
+from snapstore.catalog.queries import SnapRow, Txn
 from snapstore.chunks.chunkfile import CODECS
 from snapstore.chunks.direct_io import DirectReads, direct_default, direct_reads_default
 from snapstore.chunks.repo import Repo
@@ -59,12 +50,10 @@ from snapstore.lifecycle.owner import Owner
 from snapstore.lifecycle.rules import log_drops, new_outside_use
 from snapstore.parts.buffers import Destination, PartSource
 from snapstore.plan.match import best_match
-from snapstore.plan.prefix import granularity, match_tokens
-from snapstore.plan.recompute import check_rate
+from snapstore.plan.prefix import match_tokens
 from snapstore.plan.restore_plan import RestorePlan
 from snapstore.remote.uploader import FlushResult, flush_all
 from snapstore.restore.ramtier import RamTier
-from snapstore.restore.rates import RestoreRates
 from snapstore.restore.read import details_of, plan_of, planned_destination, stream_checked, wanted_components
 from snapstore.save.asynchronous import AsyncSaver, SaveHandle, copy_budget
 from snapstore.save.chain import parent_after
@@ -78,7 +67,7 @@ __all__ = ["Store"]
 T = TypeVar("T")
 
 
-class Store(StoreReports, StoreNames, StoreBatches):
+class Store(StoreReports, StoreNames, StoreBatches, StoreRecompute):
     """An open snapstore directory, bound to one identity and layout. Thread-safe.
 
     Open with :meth:`Store.open` (``__init__`` only assigns); see docs/api.md.
@@ -314,12 +303,8 @@ class Store(StoreReports, StoreNames, StoreBatches):
         """The longest committed snapshot whose tokens are a prefix of ``tokens``, or None.
 
         ``exclude``: snapshot ids (or Match / SaveResult) to pass over (None: none) — after a failed restore,
-        match again excluding it to fall back to the next-longest prefix. ``prefill_tokens_per_s``: the
-        engine's measured prefill rate; then the prefix whose estimated restore saves the most time over
-        reading its tokens (maybe a shorter one in a faster tier), or None when reading is faster; the
-        Match's ``why`` says why (docs/api.md "Restore or recompute").
+        match again excluding it to fall back to the next-longest prefix. ``prefill_tokens_per_s``: calls/recompute.py.
         """
-        rate = check_rate(prefill_tokens_per_s) if prefill_tokens_per_s is not None else None
         arr = as_token_array(tokens, borrow=True)  # read only during this call: an int64 prompt is not copied
         ns = namespace_key(namespace)
         skip = excluded(exclude)
@@ -328,12 +313,9 @@ class Store(StoreReports, StoreNames, StoreBatches):
         not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
         found = self._repo.db.read(lambda c: best_match(c, self.layout, self.identity.key, ns, arr, skip,
                                                         not_before))
-        far = None
-        if self._remote is not None:  # the shared tier, when it may hold something longer
-            far = self._remote.lookup(arr, ns, found[1] if found is not None else 0)
-        if rate is not None:  # restore or recompute: calls/recompute.py weighs the prefixes
-            return choose_match(self, arr, ns, namespace, skip, not_before, found, far, rate,
-                                lambda m: self.estimate_restore(m))
+        far = self._remote.lookup(arr, ns, found[1] if found is not None else 0) if self._remote is not None else None
+        if prefill_tokens_per_s is not None:  # restore or recompute: calls/recompute.py weighs the prefixes
+            return choose_match(self, arr, ns, namespace, skip, not_before, found, far, prefill_tokens_per_s)
         if far is not None:
             return far  # type: ignore[no-any-return]
         if found is None:
@@ -344,22 +326,11 @@ class Store(StoreReports, StoreNames, StoreBatches):
         self._ledger.count("hit_tokens", n_hit)
         return Match(hit.id, n_hit, namespace)
 
-    @operation
-    def estimate_restore(self, m: SnapshotRef, components: Iterable[str] | None = None, *,
-                         namespace: str | None = None) -> RestoreEstimate:
-        """What restoring ``m`` should take: its chunk bytes per tier (RAM tier, page cache, disk, shared
-        tier; probed, nothing read) at the rates this store measured, or stated guesses for a tier not yet
-        seen (``measured=False``). docs/api.md "Restore or recompute"."""
-        wanted = wanted_components(self.layout, components)
-        return estimate_of(self, m, wanted, namespace,
-                           lambda r: int(self._remote.nbytes(r, self.layout, wanted)) if self._remote else 0)
-
     # -- restore -----------------------------------------------------------------------------
     def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
-              wanted: set[str], rows_from: int = 0, upto: int | None = None,
-              chunks: list[ChunkRow] | None = None) -> tuple[SnapRow, RestorePlan]:
+              wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
         """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
-        return plan_of(c, self._access, self.layout, sid, ns, into, wanted, rows_from, upto, chunks)
+        return plan_of(c, self._access, self.layout, sid, ns, into, wanted, rows_from, upto)
 
     @operation
     def restore(self, m: SnapshotRef,
@@ -377,15 +348,13 @@ class Store(StoreReports, StoreNames, StoreBatches):
         """
         k = count_of(rows_from, "rows_from")
         wanted = wanted_components(self.layout, components)
-        asked, t_far = m, None
+        timer = RestoreTimer(self, m, k)  # its time and tiers, for the restore rates (calls/recompute.py)
         if self._remote is not None and getattr(m, "remote", None) is not None:
             # a shared-tier match: fetched into the local tier (then restored below), or streamed (remote.tier)
-            t_far = time.perf_counter()
             m = self._remote.restore(m, into, self.layout, wanted, k, lambda t, _freed: self._capacity.excess(t)
                                      is None, lambda n: self._capacity.precheck(n, 0) is None, self._access.iid)
             if isinstance(m, RestoreResult):
-                restored(self._rates, self._ledger.count, asked, {"remote": m.bytes_restored},
-                         time.perf_counter() - t_far, m.n_tokens - k * granularity(self.layout))
+                timer.done(m.n_tokens, m.bytes_restored)
                 return m
         sid = snapshot_id(m)
         ns = ref_namespace(m, namespace)
@@ -393,12 +362,10 @@ class Store(StoreReports, StoreNames, StoreBatches):
         sess = session_key(session)
         dest = planned_destination(into, lambda: self.describe(m, components, namespace=ns or None, rows_from=k))
         upto = match_tokens(m)  # a block-granular prefix match restores rows [0, upto // g) only
-        t_read, tiers = time.perf_counter(), dict[str, int]()  # the restore's own time: after `into` is allocated
+        timer.reading()  # a local restore is timed from here: after `into` is allocated
         snap, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k, upto))
-        stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count, self._reads, tiers)
-        took = time.perf_counter() - (t_far if t_far is not None else t_read)
-        restored(self._rates, self._ledger.count, asked, tiers if t_far is None else {"remote": plan.nbytes}, took,
-                 plan.n_tokens - k * granularity(self.layout))
+        stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count, self._reads, timer.tiers)
+        timer.done(plan.n_tokens, plan.nbytes)
         # last use and the hit are bookkeeping: recorded in memory and written now only if the
         # write lock is free; a restore queues behind a writer only for a first outside use
         record_use(self._repo, self._ledger, [(sid, new_outside_use(snap, sess))])
@@ -417,11 +384,9 @@ class Store(StoreReports, StoreNames, StoreBatches):
 
         def run(c: Txn) -> MatchDetails:
             snap, plan = self._plan(c, sid, ns, None, wanted, k, match_tokens(m))
-            return details_of(c, snap, plan, ns, k)
+            return details_of(c, snap, plan, ns, k, getattr(m, "why", None))  # a match's decision travels along
 
-        details = self._repo.db.read(run)
-        why = getattr(m, "why", None)  # a match made with prefill_tokens_per_s: its decision travels along
-        return dataclasses.replace(details, why=why) if why is not None else details
+        return self._repo.db.read(run)
 
     def load(self, tokens: TokensLike, *, allocate: Callable[[MatchDetails], Mapping[str, Destination]],
              release: Callable[[Mapping[str, Destination]], object] | None = None,

@@ -8,22 +8,27 @@ Kept apart from ``Store.match`` so that match's own path is unchanged when no pr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from snapstore._errors import SnapstoreError
-from snapstore._refs import ref_namespace, snapshot_id
+from snapstore._layout import Layout
+from snapstore._refs import SnapshotRef, ref_namespace, snapshot_id
 from snapstore._results import Match, RecomputeDecision, RestoreEstimate
+from snapstore.calls.gate import CallGate, operation
 from snapstore.catalog.queries import ChunkRow, SnapRow
+from snapstore.lifecycle.bookkeeping import Ledger
 from snapstore.plan.match import best_match
-from snapstore.plan.prefix import match_tokens
-from snapstore.plan.recompute import MAX_CONSIDERED, Option, decide
+from snapstore.plan.prefix import granularity, match_tokens
+from snapstore.plan.recompute import MAX_CONSIDERED, Option, check_rate, decide
 from snapstore.restore.rates import RestoreRates
+from snapstore.restore.read import plan_of, wanted_components
 from snapstore.restore.tiers import probe_chunks
 
-__all__ = ["choose_match", "estimate_of", "restored"]
+__all__ = ["RestoreRates", "RestoreTimer", "StoreRecompute", "choose_match", "estimate_of", "restored"]
 
 Found = tuple[SnapRow, int]
 
@@ -38,18 +43,20 @@ def estimate_of(store: Any, m: Any, wanted: set[str], namespace: str | None,
     sid = snapshot_id(m)
     ns = ref_namespace(m, namespace)
     chunks: list[ChunkRow] = []
-    store._repo.db.read(lambda c: store._plan(c, sid, ns, None, wanted, 0, match_tokens(m), chunks))
+    store._repo.db.read(lambda c: plan_of(c, store._access, store.layout, sid, ns, None, wanted, 0, match_tokens(m),
+                                          chunks))
     return rates.estimate(probe_chunks(chunks, store._repo.blob_path, store._ram))
 
 
 def choose_match(store: Any, arr: np.ndarray, ns: str, namespace: str | None, skip: set[int], not_before: float,
-                 found: Found | None, far: Match | None, rate: float,
-                 estimate: Callable[[Match], RestoreEstimate]) -> Match | None:
+                 found: Found | None, far: Match | None, prefill_tokens_per_s: float) -> Match | None:
     """``match(prefill_tokens_per_s=rate)``: the shared tier's longer match (``far``) and the local
     prefixes, longest first (the next found by matching again past the previous), weighed by
     :func:`snapstore.plan.recompute.decide`. Counts the hit or miss, and ``recompute_skipped`` when a
     longer prefix was passed over (or all were)."""
+    rate = check_rate(prefill_tokens_per_s)
     by_id: dict[int, Match] = {}
+    estimate: Callable[[Match], RestoreEstimate] = store.estimate_restore
 
     def options() -> Iterator[Option]:
         if far is not None:
@@ -94,3 +101,51 @@ def restored(rates: RestoreRates, count: Callable[[str, int], None], m: object, 
     why = getattr(m, "why", None)
     if isinstance(why, RecomputeDecision):
         count("restore_saved_us", round((new_tokens / why.prefill_tokens_per_s - seconds) * 1e6))
+
+
+class StoreRecompute:
+    """``estimate_restore`` and what a restore records: a base of :class:`snapstore.Store`, which
+    supplies the attributes declared here."""
+
+    _gate: CallGate
+    _remote: Any
+    _rates: RestoreRates
+    _ledger: Ledger
+    layout: Layout
+
+    @operation
+    def estimate_restore(self, m: SnapshotRef, components: Iterable[str] | None = None, *,
+                         namespace: str | None = None) -> RestoreEstimate:
+        """What restoring ``m`` should take: its chunk bytes per tier (RAM tier, page cache, disk, shared
+        tier; probed, nothing read) at the rates this store measured, or stated guesses for a tier not yet
+        seen (``measured=False``). docs/api.md "Restore or recompute"."""
+        wanted = wanted_components(self.layout, components)
+        remote = self._remote
+        return estimate_of(self, m, wanted, namespace,
+                           lambda r: int(remote.nbytes(r, self.layout, wanted)) if remote is not None else 0)
+
+
+
+class RestoreTimer:
+    """One restore's measurement for :func:`restored`: a shared-tier match is timed whole (fetch
+    included, its bytes credited to "remote"); a local one from :meth:`reading` (after the engine's
+    destinations are allocated), its bytes per tier tallied by the stream into :attr:`tiers`."""
+
+    __slots__ = ("m", "remote", "rows_from", "store", "t0", "tiers")
+
+    def __init__(self, store: StoreRecompute, m: object, rows_from: int) -> None:
+        self.store, self.m, self.rows_from = store, m, rows_from
+        self.remote = store._remote is not None and getattr(m, "remote", None) is not None
+        self.t0 = time.perf_counter()
+        self.tiers: dict[str, int] = {}
+
+    def reading(self) -> None:
+        """The local restore begins (a shared-tier one keeps its start: the fetch counts)."""
+        if not self.remote:
+            self.t0 = time.perf_counter()
+
+    def done(self, n_tokens: int, nbytes: int) -> None:
+        """It succeeded: ``n_tokens`` restored (the engine held ``rows_from`` rows), ``nbytes`` written."""
+        st = self.store
+        restored(st._rates, st._ledger.count, self.m, {"remote": nbytes} if self.remote else self.tiers,
+                 time.perf_counter() - self.t0, n_tokens - self.rows_from * granularity(st.layout))

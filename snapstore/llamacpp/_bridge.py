@@ -37,7 +37,6 @@ from snapstore.llamacpp._slotwindow import capture
 from snapstore.llamacpp._storer import Storer
 from snapstore.llamacpp._upstream import LlamaServer, UpstreamError
 from snapstore.llamacpp._watch import IdentityWatch
-from snapstore.plan.recompute import PrefillRate
 
 # ImportResult and export_snapshot lived here before the split: kept importable from here
 __all__ = ["BridgeEvents", "ImportResult", "LlamaBridge", "Plan", "SlotStore", "UpstreamError", "export_snapshot"]
@@ -79,9 +78,6 @@ class LlamaBridge:
         self._settled = threading.Condition(self._pick)
         self._open = 0  # plans given out and not yet released
         self.storer = Storer(self._store_job, on_drop=self._dropped)
-        # llama-server's prefill rate, from the ``timings`` of its responses (the proxy feeds it): restores
-        # estimated slower than reading their tokens are not made (docs/api.md "Restore or recompute")
-        self.prefill_rate = PrefillRate()
 
     def start(self) -> None:
         """Take the identity and open the store (drops stale identities): the K/V probe runs in an idle
@@ -271,10 +267,9 @@ class LlamaBridge:
             self._settled.wait_for(lambda: not (target & self._landing), timeout)
 
     def _maybe_restore(self, plan: Plan, wanted: Any) -> None:
-        rate = self.prefill_rate.tokens_per_s  # None until a response was timed: the longest prefix
-        m = self.slots.match(plan.tokens, plan.generation, rate)  # an exact repeat too: the server reads its last token
+        m = self.slots.match(plan.tokens, plan.generation, weigh=True)  # an exact repeat too: it reads its last token
         if self.hybrid and m is not None and m.n_tokens >= len(plan.tokens):
-            m = self.slots.match(plan.tokens[:-1], plan.generation, rate)  # a recurrent state cannot give back its last
+            m = self.slots.match(plan.tokens[:-1], plan.generation, weigh=True)  # a recurrent state cannot give it back
         if m is None:
             if self.events.on_miss:
                 self.events.on_miss()

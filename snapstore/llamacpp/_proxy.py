@@ -168,7 +168,7 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
             cancelled = True  # the client left: the upstream request was closed with it
             raise
         finally:
-            sniff.timed(bridge.prefill_rate)
+            sniff.timed(bridge.slots.prefill_rate)
             if plan is not None:  # not awaited: a cancelled handler must not wait for the save
                 in_pool(_after, bridge, plan, status < 400 and not cancelled, sniff.slot, cancelled)
 

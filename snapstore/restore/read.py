@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from snapstore._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
 from snapstore._layout import Layout
-from snapstore._results import MatchDetails
+from snapstore._results import MatchDetails, RecomputeDecision
 from snapstore.catalog.queries import ChunkRow, SnapRow, SnapState, Txn
 from snapstore.chunks.direct_io import DirectReads
 from snapstore.chunks.repo import Repo
@@ -52,15 +52,17 @@ def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Map
     return snap, build_plan(c, sid, access.chain(c, snap), layout, into, wanted, rows_from, rows_to, chunks)
 
 
-def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int) -> MatchDetails:
-    """What restoring ``snap`` by ``plan`` writes, as describe() returns it."""
+def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int,
+               why: RecomputeDecision | None = None) -> MatchDetails:
+    """What restoring ``snap`` by ``plan`` writes, as describe() returns it (``why``: the decision of the
+    match it describes, made with ``prefill_tokens_per_s``)."""
     sid = snap.id
     held = {p.component for p in c.parts(sid) if p.component is not None}
     return MatchDetails(
         snapshot_id=sid, n_tokens=plan.n_tokens, namespace=ns or None, rows=dict(plan.rows),
         components=frozenset(held), missing_components=frozenset(plan.missing_components),
         part_bytes=dict(plan.part_bytes), nbytes=sum(plan.part_bytes.values()),
-        chain=list(plan.chain), pending=snap.state == SnapState.PENDING, rows_from=rows_from)
+        chain=list(plan.chain), pending=snap.state == SnapState.PENDING, rows_from=rows_from, why=why)
 
 
 def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: StagingBuffer, ram: RamTier | None,
