@@ -31,10 +31,13 @@ from snapstore._identity import Identity
 from snapstore._layout import DTYPE_NAMES, Fixed, Layout, Rows, dtype_size
 from snapstore._refs import SnapshotRef
 from snapstore._results import (
+    Considered,
     DeleteResult,
     LoadResult,
     Match,
     MatchDetails,
+    RecomputeDecision,
+    RestoreEstimate,
     RestoreResult,
     SaveResult,
     SnapshotInfo,
@@ -49,6 +52,7 @@ from snapstore.parts.buffers import Destination, PartReader, PartSource, PartWri
 from snapstore.parts.meta import EngineMeta
 from snapstore.parts.paged import PagedRows
 from snapstore.parts.rowspan import RowSpan, row_span
+from snapstore.plan.recompute import PrefillRate
 from snapstore.remote.uploader import FlushResult
 from snapstore.save.asynchronous import SaveHandle
 from snapstore.transfer.results import ExportResult, ImportResult
@@ -59,6 +63,7 @@ __all__ = [
     "DTYPE_NAMES",
     "Budget",
     "ConfigError",
+    "Considered",
     "CorruptChunkError",
     "CorruptionError",
     "DeleteResult",
@@ -85,7 +90,10 @@ __all__ = [
     "PartReader",
     "PartSource",
     "PartWriter",
+    "PrefillRate",
+    "RecomputeDecision",
     "RestoreError",
+    "RestoreEstimate",
     "RestoreResult",
     "RowSpan",
     "Rows",

@@ -5,8 +5,48 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["DeleteResult", "LoadResult", "Match", "MatchDetails", "RestoreResult", "SaveResult", "SnapshotInfo",
-           "Stats"]
+__all__ = ["Considered", "DeleteResult", "LoadResult", "Match", "MatchDetails", "RecomputeDecision",
+           "RestoreEstimate", "RestoreResult", "SaveResult", "SnapshotInfo", "Stats"]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreEstimate:
+    """What restoring a snapshot should cost (``Store.estimate_restore``), from the store's own measurements.
+
+    ``seconds``: the estimate; ``bytes``: the chunk bytes the restore reads; ``tiers``: those bytes per
+    tier ("ram": the store's RAM tier, "warm": chunk files in the page cache, "cold": chunk files on
+    disk, "remote": the shared tier); ``tier``: the tier that costs the most of ``seconds``;
+    ``measured``: every tier in ``tiers`` has been measured by this store (False: a default guess
+    for at least one, docs/api.md "Restore or recompute").
+    """
+
+    seconds: float
+    tier: str
+    bytes: int
+    measured: bool
+    tiers: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Considered:
+    """One stored prefix a match with ``prefill_tokens_per_s`` weighed: its restore estimate and the
+    time restoring it saves over reading its tokens (``saved_s``: tokens / rate - restore seconds)."""
+
+    snapshot_id: int
+    n_tokens: int
+    estimate: RestoreEstimate
+    saved_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RecomputeDecision:
+    """Why ``match(..., prefill_tokens_per_s=R)`` returned what it did: the prefixes weighed (longest
+    first), the one chosen (None: reading the prompt is faster than any restore) and a sentence."""
+
+    prefill_tokens_per_s: float
+    considered: tuple[Considered, ...]
+    chosen: int | None
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +75,8 @@ class Match:
     snapshot_id: int
     n_tokens: int
     namespace: str | None = None
+    # set by match(prefill_tokens_per_s=R): why this prefix (docs/api.md "Restore or recompute")
+    why: RecomputeDecision | None = field(default=None, compare=False, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +104,7 @@ class MatchDetails:
     pending: bool = False
     rows_from: int = 0
     snapshot_tokens: int | None = None
+    why: RecomputeDecision | None = None  # the match's decision, when it was made with prefill_tokens_per_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +214,12 @@ class Stats:
     # the shared tier's counters without their "remote_" prefix (hits, fetched_bytes, corrupt_chunks, ...)
     # and, from an open Store with remote=, its upload queue now (upload_queue, uploading); docs/api.md
     remote: dict[str, int] = field(default_factory=dict)
+    # restore or recompute (issue 32): matches that passed over a longer prefix (or returned None) because
+    # reading its tokens was estimated faster than restoring it; the time restores saved (estimated
+    # prefill of the restored tokens minus the measured restore, seconds); measured restore rates (bytes/s per tier)
+    recompute_skipped: int = 0
+    restore_saved_s: float = 0.0
+    restore_rates: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""

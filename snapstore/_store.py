@@ -19,13 +19,13 @@ from snapstore._errors import ConfigError, StateError
 from snapstore._identity import Identity
 from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
-from snapstore._results import DeleteResult, LoadResult, Match, MatchDetails, RestoreResult, SaveResult
+from snapstore._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult
 from snapstore._tokens import TokensLike, as_token_array
 from snapstore.calls.batch import StoreBatches
 from snapstore.calls.gate import CallGate, operation
-from snapstore.calls.load import load_prefix
-from snapstore.calls.lookup import lookup_prefix
+from snapstore.calls.lookup import StoreLookup
 from snapstore.calls.names import StoreNames
+from snapstore.calls.recompute import RestoreRates, RestoreTimer, StoreRecompute, choose_match
 from snapstore.calls.reports import StoreReports
 from snapstore.calls.snapshot_ops import (
     abandon_capture,
@@ -68,7 +68,7 @@ __all__ = ["Store"]
 T = TypeVar("T")
 
 
-class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer):
+class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecompute, StoreLookup):
     """An open snapstore directory, bound to one identity and layout. Thread-safe.
 
     Open with :meth:`Store.open` (``__init__`` only assigns); see docs/api.md.
@@ -89,7 +89,8 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer):
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingBuffer(options.staging_bytes, options.chunk_bytes)
         self._ram = RamTier(budget.ram_bytes or 0) if budget.ram_bytes else None
-        self._ledger = Ledger(self._ram.take_hits if self._ram is not None else None)
+        self._rates = RestoreRates()  # restore throughput per tier (issue 32); loaded from the catalog by open()
+        self._ledger = Ledger(self._ram.take_hits if self._ram is not None else None, self._rates)
         self._capacity = Capacity(repo.root, budget, repo.blob_path)
         self._saver = AsyncSaver(async_copy_bytes)  # issue 12: save(wait=False); no thread until a save queues
         self._remote: Any = None  # the shared tier (snapstore.remote.tier.RemoteTier) when remote= is set
@@ -143,6 +144,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer):
         store = cls(repo, identity, layout, budget, options, direct_io=direct, async_copy_bytes=copy, direct_reads=rd)
         store._admission = admission
         try:
+            store._rates.load(repo.db.read(lambda t: t.restore_rates()))  # read-only stores too
             if not read_only:  # read-only: nothing to start (no owner, lease, housekeeping or writer threads)
                 store._start(drop_stale=drop_stale, remote=remote, remote_wait=remote_wait)
         except BaseException:
@@ -298,11 +300,11 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer):
     # -- match -------------------------------------------------------------------------------
     @operation
     def match(self, tokens: TokensLike, *, namespace: str | None = None,
-              exclude: Iterable[SnapshotRef] | None = ()) -> Match | None:
+              exclude: Iterable[SnapshotRef] | None = (), prefill_tokens_per_s: float | None = None) -> Match | None:
         """The longest committed snapshot whose tokens are a prefix of ``tokens``, or None.
 
         ``exclude``: snapshot ids (or Match / SaveResult) to pass over (None: none) — after a failed restore,
-        match again excluding it to fall back to the next-longest prefix.
+        match again excluding it to fall back to the next-longest prefix. ``prefill_tokens_per_s``: calls/recompute.py.
         """
         arr = as_token_array(tokens, borrow=True)  # read only during this call: an int64 prompt is not copied
         ns = namespace_key(namespace)
@@ -312,10 +314,11 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer):
         not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
         found = self._repo.db.read(lambda c: best_match(c, self.layout, self.identity.key, ns, arr, skip,
                                                         not_before))
-        if self._remote is not None:  # the shared tier, when it may hold something longer
-            far = self._remote.lookup(arr, ns, found[1] if found is not None else 0)
-            if far is not None:
-                return far  # type: ignore[no-any-return]
+        far = self._remote.lookup(arr, ns, found[1] if found is not None else 0) if self._remote is not None else None
+        if prefill_tokens_per_s is not None:  # restore or recompute: calls/recompute.py weighs the prefixes
+            return choose_match(self, arr, ns, namespace, skip, not_before, found, far, prefill_tokens_per_s)
+        if far is not None:
+            return far  # type: ignore[no-any-return]
         if found is None:
             self._ledger.count("misses")
             return None
@@ -346,11 +349,13 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer):
         """
         k = count_of(rows_from, "rows_from")
         wanted = wanted_components(self.layout, components)
+        timer = RestoreTimer(self, m, k)  # its time and tiers, for the restore rates (calls/recompute.py)
         if self._remote is not None and getattr(m, "remote", None) is not None:
             # a shared-tier match: fetched into the local tier (then restored below), or streamed (remote.tier)
             m = self._remote.restore(m, into, self.layout, wanted, k, lambda t, _freed: self._capacity.excess(t)
                                      is None, lambda n: self._capacity.precheck(n, 0) is None, self._access.iid)
             if isinstance(m, RestoreResult):
+                timer.done(m.n_tokens, m.bytes_restored)
                 return m
         sid = snapshot_id(m)
         ns = ref_namespace(m, namespace)
@@ -358,8 +363,10 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer):
         sess = session_key(session)
         dest = planned_destination(into, lambda: self.describe(m, components, namespace=ns or None, rows_from=k))
         upto = match_tokens(m)  # a block-granular prefix match restores rows [0, upto // g) only
+        timer.reading()  # a local restore is timed from here: after `into` is allocated
         snap, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k, upto))
-        stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count, self._reads)
+        stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count, self._reads, timer.tiers)
+        timer.done(plan.n_tokens, plan.nbytes)
         # last use and the hit are bookkeeping: recorded in memory and written now only if the
         # write lock is free; a restore queues behind a writer only for a first outside use
         record_use(self._repo, self._ledger, [(sid, new_outside_use(snap, sess))])
@@ -378,25 +385,9 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer):
 
         def run(c: Txn) -> MatchDetails:
             snap, plan = self._plan(c, sid, ns, None, wanted, k, match_tokens(m))
-            return details_of(c, snap, plan, ns, k)
+            return details_of(c, snap, plan, ns, k, getattr(m, "why", None))  # a match's decision travels along
 
         return self._repo.db.read(run)
-
-    @operation
-    def lookup(self, tokens: TokensLike, *, namespace: str | None = None, exclude: Iterable[SnapshotRef] | None = (),
-               components: Iterable[str] | None = None) -> MatchDetails | None:
-        """``describe(match(tokens))`` in one catalog read, or None (calls/lookup.py; docs/api.md "lookup")."""
-        return lookup_prefix(self._repo.db, self._access, self.layout, tokens, namespace=namespace, exclude=exclude,
-                             components=components, ttl=self.budget.ttl, count=self._ledger.count,
-                             two_calls=(self.match, self.describe) if self._remote is not None else None)
-
-    def load(self, tokens: TokensLike, *, allocate: Callable[[MatchDetails], Mapping[str, Destination]],
-             release: Callable[[Mapping[str, Destination]], object] | None = None,
-             components: Iterable[str] | None = None, namespace: str | None = None,
-             exclude: Iterable[SnapshotRef] | None = (), session: str | None = None) -> LoadResult | None:
-        """Match, allocate(details), restore; None on a miss; an error: release, raise (calls/load.py)."""
-        return load_prefix(self, tokens, allocate, release, components=components, namespace=namespace,
-                           exclude=exclude, session=session)
 
     # -- turns (logic in calls/turn.py; batches: calls/batch.py) ----------------------------
     def turn(self, *, session: str | None = None, namespace: str | None = None,
@@ -435,6 +426,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer):
                 remote.close()  # finishes the queued uploads first
             if owner is None:
                 return  # read-only: nothing was started, nothing to retire
+            self._rates.flush_next()  # the restore rates measured since the last hand-over: written by retire's txn
             owner.stop()  # no renewal may re-register the row this transaction deletes
             if not owner.inherited:  # a forked child's copy: the parent's captures and row stay
                 dead_owners = self._write(lambda t: retire(t, owner, root=self._repo.root, lease=self.pending_lease))

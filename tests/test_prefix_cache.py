@@ -432,3 +432,25 @@ def test_readme_prefix_cache_example_runs(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "child":
     _child_main(sys.argv[2:])
+
+
+def test_the_cache_measures_its_prefill_rate_and_passes_it_to_match(llama: Any, tmp_path: Any) -> None:
+    """Restore or recompute (issue 32): the first call's prompt read is timed; later matches carry the rate."""
+    a, b = prompts("llama")["a1"], prompts("llama")["b"]
+    with _pc(llama, tmp_path) as pc:
+        assert pc.prefill_rate.tokens_per_s is None
+        seen: list[Any] = []
+        match = pc.store.match
+
+        def spy(*args: Any, **kwargs: Any) -> Any:  # records what the cache asks; the store answers
+            seen.append(kwargs.get("prefill_tokens_per_s"))
+            return match(*args, **kwargs)
+
+        pc.store.match = spy  # type: ignore[method-assign]
+        pc.generate(a, cache_prefix=S, **kw())
+        assert seen and seen[0] is None  # nothing measured before the first read
+        rate = pc.prefill_rate.tokens_per_s
+        assert rate is not None and rate > 0
+        out = pc.generate(b, cache_prefix=S, **kw())
+        assert seen[-1] is not None and seen[-1] > 0
+        assert _same(out, reference(llama, b, cuts(b.shape[1], [S]), **kw()))  # restored or read: the same bytes

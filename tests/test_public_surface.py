@@ -22,6 +22,8 @@ CORE = {
     "SaveResult", "SnapshotInfo", "SnapshotUnavailableError", "SnapstoreError", "SourceError", "StateError",
     "Stats", "Store", "StoreFormatError", "StoreIOError", "Turn", "UnsupportedCacheError", "VerifyReport",
     "__version__", "dtype_size", "row_span",
+    # restore or recompute (issue 32): Store.estimate_restore, match(prefill_tokens_per_s=), Match.why
+    "Considered", "PrefillRate", "RecomputeDecision", "RestoreEstimate",
     # type aliases for annotating calls (docs/api.md "Type aliases")
     "Destination", "PartSource", "SnapshotRef", "TokensLike",
 }

@@ -33,6 +33,7 @@ from snapstore import (
     InvalidInputError,
     Match,
     NotFoundError,
+    PrefillRate,
     RestoreError,
     SaveResult,
     StateError,
@@ -109,6 +110,9 @@ class PrefixCache:
         self._n: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._told: set[str] = set()
         self._closed = False
+        # this cache's own prefill rate (tokens/s, timed around the model's reads of each prompt), passed to
+        # match() so a restore estimated slower than reading its tokens is not made (docs/api.md)
+        self.prefill_rate = PrefillRate()
 
     # -- the split ------------------------------------------------------------------------------
     def split(self, n_tokens: int, cache_prefix: CachePrefix = None) -> list[int]:
@@ -152,13 +156,20 @@ class PrefixCache:
         self._add(calls=1, hits=int(start > 0), misses=int(start == 0), prompt_tokens=n, restored_tokens=start,
                   prefilled_tokens=n - start)
         caps = Captures(self.store.layout, self._save, lambda: self._add(captures=1), parent, namespace)
+        clock = [time.perf_counter(), 0.0]  # when the prompt's read began; seconds spent capturing at cuts
+
+        def at_cut(c: int) -> None:
+            t = time.perf_counter()
+            caps.add(cache, tokens[:c], None)
+            clock[1] += time.perf_counter() - t
 
         def prompt_end() -> None:
+            self.prefill_rate.observe(n - start, time.perf_counter() - clock[0] - clock[1])  # the read, less captures
             if not prompt_stored and cache.get_seq_length() == n:
                 caps.add(cache, tokens, session)
 
         try:
-            prefill(self.model, ids, cache, start, cuts, lambda c: caps.add(cache, tokens[:c], None))
+            prefill(self.model, ids, cache, start, cuts, at_cut)
             out = generate_rest(self.model, ids, cache, generate_kwargs, PromptEnd(prompt_end))
             caps.wait()
         except BaseException:
@@ -246,7 +257,8 @@ class PrefixCache:
     def _lookup(self, tokens: list[int], cuts: list[int], namespace: str | None) -> tuple[Match | None, bool]:
         """The snapshot to resume from (deepest at a cut, or the longest), and whether the whole prompt is stored."""
         n = len(tokens)
-        m = self.store.match(tokens, namespace=namespace)
+        rate = self.prefill_rate.tokens_per_s  # None until measured: the longest prefix, as before
+        m = self.store.match(tokens, namespace=namespace, prefill_tokens_per_s=rate)
         prompt_stored = m is not None and m.n_tokens == n
         while m is not None:
             if m.n_tokens < n and (self.resume == "longest" or m.n_tokens in cuts):
@@ -256,7 +268,7 @@ class PrefixCache:
             below = n - 1 if self.resume == "longest" else max((c for c in cuts if c < m.n_tokens), default=0)
             if below <= 0:
                 break
-            m = self.store.match(tokens[:below], namespace=namespace)
+            m = self.store.match(tokens[:below], namespace=namespace, prefill_tokens_per_s=rate)
         return None, prompt_stored
 
     def _restore(self, m: Match, session: str | None) -> tuple[DynamicCache | None, int, int | None]:

@@ -24,7 +24,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from snapstore import Budget, InvalidInputError, Match, NotFoundError, RestoreError, StateError, Store, StoreIOError
+from snapstore import (
+    Budget,
+    InvalidInputError,
+    Match,
+    NotFoundError,
+    PrefillRate,
+    RestoreError,
+    StateError,
+    Store,
+    StoreIOError,
+)
 
 from .._prefix_policy import COUNTERS, CachePrefix, PrefixCacheStats, check_boundary, cuts, default_boundary
 from ._arrays import dtype_name
@@ -68,6 +78,9 @@ class PrefixCache:
         self._n: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._told: set[str] = set()
         self._closed = False
+        # this cache's own prefill rate (tokens/s of its reads of prompt pieces), passed to match() so a
+        # restore estimated slower than reading its tokens is not made (docs/api.md "Restore or recompute")
+        self.prefill_rate = PrefillRate()
         default = self._stores_for(settings_of(model, {}))
         self.store: Store = default.store("p")
         self._boundary = boundary
@@ -186,7 +199,9 @@ class PrefixCache:
                         continue
                     if draft is not None:
                         read(st.draft, draft, prompt[pos:c], st.settings)
+                    t = time.perf_counter()
                     read(self.model, cache, prompt[pos:c], st.settings, progress if cb is not None else None)
+                    self.prefill_rate.observe(c - pos, time.perf_counter() - t)  # read() evaluates the cache
                     pos = caught_up = c
                     self._capture(caps, st, cache, draft, tokens[:c], session if c == n - 1 else None)
             if draft is not None:  # mlx_lm's speculative decoding hands its processors only what it read
@@ -224,10 +239,11 @@ class PrefixCache:
         for phase in sorted({st.phase(c) for c in stops}):
             allowed = [c for c in stops if st.phase(c) == phase]
             store = st.store(phase)
-            m = store.match(tokens[:allowed[-1]], namespace=namespace)
+            rate = self.prefill_rate.tokens_per_s  # None until measured: the longest prefix, as before
+            m = store.match(tokens[:allowed[-1]], namespace=namespace, prefill_tokens_per_s=rate)
             while m is not None and m.n_tokens not in allowed:
                 below = max((c for c in allowed if c < m.n_tokens), default=0)
-                m = store.match(tokens[:below], namespace=namespace) if below > 0 else None
+                m = store.match(tokens[:below], namespace=namespace, prefill_tokens_per_s=rate) if below > 0 else None
             if m is not None and (best is None or m.n_tokens > best[1].n_tokens):
                 best = (store, m)
         return best

@@ -45,6 +45,7 @@ from ._blocks import BlockGeometry, BlockWriter, gather_blocks, host_pools, torc
 from ._groups import HybridLayout, describe_groups, hybrid_layout, state_block_index
 from ._hybrid import PageWriter, gather_pages, group_views
 from ._key import RequestKey, config_digest, request_key
+from ._rate import StepRate
 
 __all__ = ["LAST_STATS", "SnapstoreConnector", "SnapstoreConnectorMetadata"]
 
@@ -221,6 +222,7 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._no_hit: set[str] = set()  # scheduler, hybrid: requests whose load failed: computed, not loaded
         self._recv_done: set[str] = set()  # worker, hybrid: async loads finished this step (failed ones too)
         self._recv_failed: set[str] = set()  # worker, hybrid: async loads that failed this step
+        self._rate = StepRate()  # scheduler: the engine's prefill rate, for match(prefill_tokens_per_s=)
         if role == KVConnectorRole.SCHEDULER and extra.get("on_load_error", "recompute") == "recompute":
             cfg.kv_load_failure_policy = "recompute"  # a failed load recomputes its blocks: never junk
         try:
@@ -292,8 +294,9 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return 0, False
         self.stats["lookups"] += 1
         t0 = time.perf_counter()
-        try:  # match + describe in one catalog read: the chain and its chunks are all there (issue 31)
-            d = self._store.lookup(prompt[:limit], namespace=key.namespace)
+        try:  # match + describe in one catalog read (issue 31); weighed against prefill once its rate is known
+            d = self._store.lookup(prompt[:limit], namespace=key.namespace,
+                                   prefill_tokens_per_s=self._rate.tokens_per_s)
             if d is None:
                 return 0, False
             hit = min(d.n_tokens, limit) // self._bs * self._bs
@@ -365,6 +368,7 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """This step's loads (newly scheduled requests with a match) and saves (requests whose
         prompt blocks are all computed after this step)."""
         meta = SnapstoreConnectorMetadata()
+        self._rate.step(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             rid = new.req_id

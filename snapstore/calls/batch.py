@@ -24,6 +24,7 @@ from snapstore.lifecycle.rules import new_outside_use
 from snapstore.parts.buffers import Destination, Sink
 from snapstore.plan.prefix import match_tokens
 from snapstore.plan.restore_plan import PlanItem, RestorePlan
+from snapstore.restore.rates import RestoreRates
 from snapstore.restore.read import stream_checked, wanted_components
 from snapstore.save.stages import count_of
 
@@ -48,6 +49,7 @@ class BatchStore(Protocol):
     _ram: RamTier | None
     _ledger: Ledger
     _reads: DirectReads
+    _rates: RestoreRates
 
     def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
               wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]: ...
@@ -108,14 +110,16 @@ def restore_batch(store: BatchStore, requests: list[tuple[Any, Any]], wanted: se
 
     built = store._repo.db.read(build)
     plans = [p for _, p in built]
+    tiers: dict[str, int] = {}
     try:
         stream_checked(_merged(plans), None, store._repo, store._staging, store._ram, store._ledger.count,
-                       store._reads)
+                       store._reads, tiers)
     except RestoreError as e:
         e.args = (f"restore_many ({len(plans)} requests, failed as one; every destination counts as "
                   f"touched={e.touched}): {e}",)
         raise
     dt = time.perf_counter() - t0
+    store._rates.observe(tiers, dt)  # one restore of the batch's bytes, as the restore rates count it
     record_use(store._repo, store._ledger, [(p.snapshot_id, outside) for outside, p in built])
     return [RestoreResult(p.n_tokens, p.rows, frozenset(p.missing_components), p.chain, p.nbytes, dt)
             for p in plans]
@@ -131,6 +135,7 @@ class StoreBatches:
     _ram: RamTier | None
     _ledger: Ledger
     _reads: DirectReads
+    _rates: RestoreRates
     _gate: CallGate
     layout: Layout
 

@@ -4,26 +4,35 @@ A scheduler asks, per request, how many tokens the store holds for a prompt and 
 them writes, before it allocates anything. As two calls that is two transactions, and describe
 walks the chain the match just walked; here both run in one consistent snapshot of the catalog
 (the plan's own checks unchanged: a chain that would not restore is an error, not a hit).
-A store with a shared tier takes the two calls (the tier may hold a longer prefix).
+A store with a shared tier takes the two calls (the tier may hold a longer prefix), and so does a
+lookup weighed against prefill (``prefill_tokens_per_s``: match weighs shorter prefixes and their
+tiers, calls/recompute.py). ``Store.load`` (calls/load.py) is here too: both are the Store's
+prefix-to-plan calls.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from snapstore._config import Budget
 from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, excluded, namespace_key
-from snapstore._results import MatchDetails
+from snapstore._results import LoadResult, Match, MatchDetails
 from snapstore._tokens import TokensLike, as_token_array
+from snapstore.calls.gate import CallGate, operation
+from snapstore.calls.load import load_prefix
 from snapstore.catalog.db import Database
 from snapstore.catalog.queries import Txn
+from snapstore.chunks.repo import Repo
 from snapstore.lifecycle.access import Access
+from snapstore.lifecycle.bookkeeping import Ledger
+from snapstore.parts.buffers import Destination
 from snapstore.plan.match import best_match
 from snapstore.restore.read import details_of, plan_of, wanted_components
 
-__all__ = ["lookup_prefix"]
+__all__ = ["StoreLookup", "lookup_prefix"]
 
 
 def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLike, *, namespace: str | None,
@@ -60,3 +69,40 @@ def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLi
     count("hits")
     count("hit_tokens", details.n_tokens)
     return details
+
+
+class StoreLookup:
+    """``lookup`` and ``load``: a base of :class:`snapstore.Store`, which supplies what is declared here."""
+
+    _gate: CallGate
+    _repo: Repo
+    _access: Access
+    _ledger: Ledger
+    _remote: Any
+    layout: Layout
+    budget: Budget
+    match: Callable[..., Match | None]
+    describe: Callable[..., MatchDetails]
+
+    @operation
+    def lookup(self, tokens: TokensLike, *, namespace: str | None = None, exclude: Iterable[SnapshotRef] | None = (),
+               components: Iterable[str] | None = None,
+               prefill_tokens_per_s: float | None = None) -> MatchDetails | None:
+        """``describe(match(tokens))`` in one catalog read, or None (docs/api.md "lookup"); with
+        ``prefill_tokens_per_s`` the two calls, the match weighed against prefill (``why`` set)."""
+        two = self._remote is not None or prefill_tokens_per_s is not None
+
+        def match(t: TokensLike, **kw: Any) -> Match | None:
+            return self.match(t, prefill_tokens_per_s=prefill_tokens_per_s, **kw)
+
+        return lookup_prefix(self._repo.db, self._access, self.layout, tokens, namespace=namespace, exclude=exclude,
+                             components=components, ttl=self.budget.ttl, count=self._ledger.count,
+                             two_calls=(match, self.describe) if two else None)
+
+    def load(self, tokens: TokensLike, *, allocate: Callable[[MatchDetails], Mapping[str, Destination]],
+             release: Callable[[Mapping[str, Destination]], object] | None = None,
+             components: Iterable[str] | None = None, namespace: str | None = None,
+             exclude: Iterable[SnapshotRef] | None = (), session: str | None = None) -> LoadResult | None:
+        """Match, allocate(details), restore; None on a miss; an error: release, raise (calls/load.py)."""
+        return load_prefix(self, tokens, allocate, release, components=components, namespace=namespace,  # type: ignore[arg-type]
+                           exclude=exclude, session=session)

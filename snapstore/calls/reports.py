@@ -17,6 +17,7 @@ from snapstore.check.verify import VerifyReport
 from snapstore.chunks.repo import Repo
 from snapstore.lifecycle.gc import GcReport
 from snapstore.restore.ramtier import RamTier
+from snapstore.restore.rates import RestoreRates
 
 __all__ = ["StoreReports"]
 
@@ -30,6 +31,7 @@ class StoreReports:
     _gate: CallGate
     _ram: RamTier | None
     _remote: Any
+    _rates: RestoreRates
     identity: Identity
     budget: Budget
     pending_lease: float
@@ -48,6 +50,8 @@ class StoreReports:
         if not self._repo.readonly:  # a read-only store keeps this session's counters in memory only
             self._write(lambda t: None, durable=False)
         st = self._repo.db.read(lambda t: stats_of(t, self.budget.disk_bytes or 0, self._ram.used if self._ram else 0))
+        # this process's restore rates are newer than the catalog's (written at most every 30 s, and at close)
+        st = dataclasses.replace(st, restore_rates={**st.restore_rates, **self._rates.rates()})
         if self._remote is not None:  # the shared tier's live upload queue, next to its counters
             st = dataclasses.replace(st, remote={**st.remote, **self._remote.uploads()})
         return st

@@ -99,6 +99,9 @@ _COMPAT_VIEWS: dict[int, list[str]] = {
     10: ["CREATE TEMP TABLE names(identity_id INTEGER NOT NULL, namespace TEXT NOT NULL, name TEXT NOT NULL, "
          "snapshot_id INTEGER NOT NULL, created REAL NOT NULL, expires REAL, "
          "PRIMARY KEY (identity_id, namespace, name))"],  # no names before schema 10
+    12: ["CREATE TEMP TABLE restore_rates(tier TEXT PRIMARY KEY, w REAL NOT NULL, su REAL NOT NULL, "
+         "sv REAL NOT NULL, suu REAL NOT NULL, suv REAL NOT NULL, samples INTEGER NOT NULL, "
+         "updated REAL NOT NULL)"],  # nothing measured before schema 12
 }
 _COMPAT_SNAPSHOT_COLS: dict[int, str] = {4: "0 AS shared", 8: "NULL AS find_key", 9: "NULL AS layout_key",
                                           11: "NULL AS imported_from"}

@@ -24,6 +24,7 @@ from snapstore._tokens import BLOCK, Link, Segment, decode_tokens
 from snapstore.catalog.admission import AdmissionQueries
 from snapstore.catalog.chunk_queries import QUARANTINED_USERS_SQL, ChunkQueries
 from snapstore.catalog.find_keys import FIND_SEED, extend
+from snapstore.catalog.rates import RateQueries
 from snapstore.catalog.rows import (
     N_SNAP,
     SNAP_COLS,
@@ -73,7 +74,7 @@ _WALK = ("WITH RECURSIVE ch(x, lvl, want) AS (SELECT ?1, 0, NULL UNION ALL "
          "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?1), 100000))")
 
 
-class Txn(ChunkQueries, AdmissionQueries):
+class Txn(ChunkQueries, AdmissionQueries, RateQueries):
     """One open transaction on the catalog: its queries, and the chunk ids it freed (``freed``)."""
 
     __slots__ = ("_c", "freed")

@@ -52,7 +52,10 @@ def stats_of(c: Txn, disk_budget: int, ram_used: int) -> Stats:
         dedup_ratio=(raw / stored) if stored else 1.0,
         ram_hits=counters.get("ram_hits", 0), ram_bytes=ram_used, disk_budget=disk_budget, chunks=nchunks,
         quarantined=quarantined, healed=counters.get("healed", 0), detached=counters.get("detached", 0),
-        remote={k[7:]: v for k, v in sorted(counters.items()) if k.startswith("remote_")})
+        remote={k[7:]: v for k, v in sorted(counters.items()) if k.startswith("remote_")},
+        recompute_skipped=counters.get("recompute_skipped", 0),
+        restore_saved_s=counters.get("restore_saved_us", 0) / 1e6,
+        restore_rates={r.tier: r.w / r.sv for r in sorted(c.restore_rates()) if r.sv > 0})
 
 
 def snapshot_info(t: Txn, s: SnapRow, identity: str, pinned: bool, parts: list[PartRow] | None = None,

@@ -262,6 +262,10 @@ def stats(root: str, d: dict[str, Any], out: CliContext) -> None:
                    f"(disk budget {human_bytes(d['disk_budget'])})"),
         ("logical", f"{human_bytes(d['logical_bytes'])}; dedup {d['dedup_ratio']:.2f}x"),
         ("ram tier hits", str(d["ram_hits"])),
+        ("recompute", f"{d.get('recompute_skipped', 0)} matches passed over a restore slower than reading; "
+                      f"restores saved {d.get('restore_saved_s', 0.0):.3f} s"),
+        ("restore rates", ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in sorted(d.get("restore_rates", {}).items()))
+                          or "none measured yet"),
     ]
     out.line(f"stats {root}")
     for k, v in rows:

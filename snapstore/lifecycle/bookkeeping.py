@@ -12,10 +12,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from snapstore._errors import SnapstoreError
 from snapstore.catalog.queries import Txn
+from snapstore.catalog.rates import RateRow
 
 if TYPE_CHECKING:
     from snapstore.chunks.repo import Repo
@@ -25,15 +26,25 @@ __all__ = ["Batch", "Ledger", "flush_if_free", "record_use", "write_with"]
 T = TypeVar("T")
 
 
+class RateSource(Protocol):
+    """What hands restore-rate rows over for persisting (:class:`snapstore.restore.rates.RestoreRates`)."""
+
+    def staged(self, *, force: bool = False, now: float | None = None) -> list[RateRow]: ...
+
+    def unstage(self, rows: Iterable[RateRow]) -> None: ...
+
+
 class Batch:
     """Bookkeeping taken by one transaction: written inside it by :meth:`apply`."""
 
-    __slots__ = ("counts", "shared", "touches")
+    __slots__ = ("counts", "rates", "shared", "touches")
 
-    def __init__(self, counts: dict[str, int], touches: dict[int, tuple[float, int]], shared: set[int]) -> None:
+    def __init__(self, counts: dict[str, int], touches: dict[int, tuple[float, int]], shared: set[int],
+                 rates: list[RateRow] | None = None) -> None:
         self.counts = counts
         self.touches = touches
         self.shared = shared
+        self.rates = rates or []
 
     def apply(self, t: Txn) -> None:
         """Write the counters, the restores' last use and hits, and outside uses in transaction ``t``."""
@@ -43,12 +54,15 @@ class Batch:
             t.mark_shared(sid)
         for k, v in self.counts.items():
             t.add_counter(k, v)
+        for row in self.rates:  # restore rates: handed over at most every STAGE_EVERY_S (restore.rates)
+            t.set_restore_rate(row)
 
 
 class Ledger:
     """Counters and touches recorded in memory, thread-safe."""
 
-    def __init__(self, ram_hits: Callable[[], int] | None = None) -> None:
+    def __init__(self, ram_hits: Callable[[], int] | None = None, rates: RateSource | None = None) -> None:
+        self._rates = rates
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._touches: dict[int, tuple[float, int]] = {}  # sid -> (latest use, hits)
@@ -76,12 +90,15 @@ class Ledger:
         with self._lock:
             if hits:
                 self._counts["ram_hits"] = self._counts.get("ram_hits", 0) + hits
-            batch = Batch(self._counts, self._touches, self._shared)
+            batch = Batch(self._counts, self._touches, self._shared,
+                          self._rates.staged() if self._rates is not None else None)
             self._counts, self._touches, self._shared = {}, {}, set()
         return batch
 
     def give_back(self, batch: Batch) -> None:
         """Return a batch whose transaction did not commit, merged with what was recorded since."""
+        if batch.rates and self._rates is not None:
+            self._rates.unstage(batch.rates)
         with self._lock:
             self._shared |= batch.shared
             for k, v in batch.counts.items():

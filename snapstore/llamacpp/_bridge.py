@@ -267,9 +267,9 @@ class LlamaBridge:
             self._settled.wait_for(lambda: not (target & self._landing), timeout)
 
     def _maybe_restore(self, plan: Plan, wanted: Any) -> None:
-        m = self.slots.match(plan.tokens, plan.generation)  # an exact repeat too: the server reads its last token
+        m = self.slots.match(plan.tokens, plan.generation, weigh=True)  # an exact repeat too: it reads its last token
         if self.hybrid and m is not None and m.n_tokens >= len(plan.tokens):
-            m = self.slots.match(plan.tokens[:-1], plan.generation)  # a recurrent state cannot give back its last
+            m = self.slots.match(plan.tokens[:-1], plan.generation, weigh=True)  # a recurrent state cannot give it back
         if m is None:
             if self.events.on_miss:
                 self.events.on_miss()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from snapstore.llamacpp._bridge import LlamaBridge, Plan
 from snapstore.llamacpp._metrics import BridgeMetrics
 from snapstore.llamacpp._prompt import CHAT_PATHS, COMPLETION_PATHS
+from snapstore.plan.recompute import PrefillRate
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -40,6 +41,9 @@ _HOP_REQUEST = {"connection", "keep-alive", "proxy-authenticate", "proxy-authori
 _HOP_RESPONSE = {"connection", "proxy-authenticate", "proxy-authorization", "te", "trailers", "transfer-encoding",
                  "upgrade", "content-length"}
 _ID_SLOT = re.compile(rb'(?<!\\)"id_slot":(\d+)')
+# llama-server's own timing of the prompt it read (``timings``): the proxy's measured prefill rate
+_PROMPT_N = re.compile(rb'(?<!\\)"prompt_n":(\d+)')
+_PROMPT_MS = re.compile(rb'(?<!\\)"prompt_ms":([0-9.eE+-]+)[,}]')
 
 
 def authorized(headers: Mapping[str, str], key: str | None) -> bool:
@@ -56,13 +60,27 @@ class _SlotSniffer:
 
     def __init__(self) -> None:
         self.slot: int | None = None
+        self.prompt_n: int | None = None  # and the server's timing of the prompt it read (``timings``)
+        self.prompt_ms: float | None = None
         self._tail = b""
 
     def feed(self, chunk: bytes) -> None:
         buf = self._tail + chunk
         for m in _ID_SLOT.finditer(buf):
             self.slot = int(m.group(1))
-        self._tail = buf[-24:]
+        for m in _PROMPT_N.finditer(buf):
+            self.prompt_n = int(m.group(1))
+        for m in _PROMPT_MS.finditer(buf):
+            try:
+                self.prompt_ms = float(m.group(1))
+            except ValueError:
+                pass
+        self._tail = buf[-40:]
+
+    def timed(self, rate: PrefillRate) -> None:
+        """Give the prompt's timing to the bridge's prefill rate (passed to its store's match)."""
+        if self.prompt_n and self.prompt_ms:
+            rate.observe(self.prompt_n, self.prompt_ms / 1e3)
 
 
 def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
@@ -150,6 +168,7 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
             cancelled = True  # the client left: the upstream request was closed with it
             raise
         finally:
+            sniff.timed(bridge.slots.prefill_rate)
             if plan is not None:  # not awaited: a cancelled handler must not wait for the save
                 in_pool(_after, bridge, plan, status < 400 and not cancelled, sniff.slot, cancelled)
 

@@ -28,6 +28,7 @@ from snapstore.llamacpp._slotckpt import MAX_WRITTEN, checkpoint_block, checkpoi
 from snapstore.llamacpp._slotfile import SlotFile, decode, encode
 from snapstore.llamacpp._slotparts import DRAFT, SlotProto, empty_parts, from_parts, layout_for, to_parts
 from snapstore.llamacpp._slotwindow import fill_from_parent
+from snapstore.plan.recompute import PrefillRate
 
 log = logging.getLogger("snapstore.llamacpp")
 
@@ -152,6 +153,9 @@ class SlotStore:
         self.store: Store | None = None
         self.proto: SlotProto | None = None
         self.generation = 0
+        # llama-server's prefill rate, from the ``timings`` of its responses (llama-proxy feeds it): with
+        # match(weigh=True) a restore estimated slower than reading its tokens is not made (docs/api.md)
+        self.prefill_rate = PrefillRate()
         self._lock = threading.Lock()
 
     def switch(self, model: ModelInfo, build: str, runtime: Mapping[str, str]) -> bool:
@@ -242,13 +246,16 @@ class SlotStore:
             raise NotFoundError("nothing stored yet for this model and build")
         return _export(store, ref, proto, session, draft=draft)
 
-    def match(self, tokens: Sequence[int], generation: int | None = None) -> Match | None:
-        """The longest stored prefix of ``tokens``, or None (also when the identity left ``generation``)."""
+    def match(self, tokens: Sequence[int], generation: int | None = None, *, weigh: bool = False) -> Match | None:
+        """The longest stored prefix of ``tokens``, or None (also when the identity left ``generation``);
+        ``weigh``: the one whose restore saves the most time at :attr:`prefill_rate` once it is measured,
+        or None (Store.match's ``prefill_tokens_per_s``)."""
         with self._lock:
             store = self.store
             if generation is not None and generation != self.generation:
                 return None
-        return None if store is None else store.match(list(tokens))
+        rate = self.prefill_rate.tokens_per_s if weigh else None  # None until a response was timed: the longest
+        return None if store is None else store.match(list(tokens), prefill_tokens_per_s=rate)
 
     def holds(self, tokens: Sequence[int]) -> bool:
         """True when exactly ``tokens`` are stored (a save of them would add nothing)."""

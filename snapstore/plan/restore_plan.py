@@ -113,7 +113,8 @@ def _chunks(c: PlanSource, sid: int, part: PartRow) -> list[ChunkRow]:
 
 
 def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, into: Mapping[str, Any] | None,
-               components: set[str], rows_from: int = 0, rows_to: int | None = None) -> RestorePlan:
+               components: set[str], rows_from: int = 0, rows_to: int | None = None,
+               chunks: list[ChunkRow] | None = None) -> RestorePlan:
     """Validate the chain and the destinations and list every chunk to write, in order.
 
     ``into=None`` describes instead (``Store.describe``): the same checks of the chain and its
@@ -122,6 +123,7 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
     not read at all, one that straddles it is read and checked whole and written from that row.
     ``rows_to``: a block-granular prefix match (``plan.prefix``) — only rows ``[0, rows_to)`` of
     every stream are restored; chunks wholly above are not read, one that straddles is clipped.
+    ``chunks`` (with ``into=None``): gets the chunk rows a restore would read (``Store.estimate_restore``).
     """
     leaf = chain[-1]
     prev_n = 0
@@ -176,7 +178,9 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
                 raise SnapshotUnavailableError(f"snapshot {sid} part {name!r} has a wrong size", snapshot_id=sid)
             plan.part_bytes[name] = spec.nbytes
             if into is None:
-                _chunks(c, leaf.id, leaf_part)
+                got = _chunks(c, leaf.id, leaf_part)
+                if chunks is not None:
+                    chunks.extend(got)
                 continue
             sink = as_sink(name, into[name], spec, 0)
             off = 0
@@ -206,8 +210,13 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
         plan.rows[name] = rows
         plan.part_bytes[name] = (rows - min(rows_from, rows)) * spec.row_bytes
         if into is None:
+            keep, end = min(rows_from, rows) * spec.row_bytes, rows * spec.row_bytes
             for link_id, p in segments:
-                _chunks(c, link_id, p)  # every chunk row present and sized: what a restore checks
+                off = p.row_start * spec.row_bytes
+                for ch in _chunks(c, link_id, p):  # every chunk row present and sized: what a restore checks
+                    if chunks is not None and off + ch.raw_len > keep and off < end:
+                        chunks.append(ch)  # the ones a restore would read (as the items below)
+                    off += ch.raw_len
             continue
         sink = as_sink(name, into[name], spec, rows)
         if rows_to is not None:

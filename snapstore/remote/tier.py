@@ -177,6 +177,10 @@ class RemoteTier:
             out.append(pair)
         return out
 
+    def nbytes(self, m: RemoteMatch, layout: Layout, wanted: set[str]) -> int:
+        """The bytes restoring shared-tier match ``m`` writes (``Store.estimate_restore``)."""
+        return describe_remote(_hit(m), layout, wanted, 0).nbytes
+
     def restore(self, m: RemoteMatch, into: Any, layout: Layout, wanted: set[str], rows_from: int,
                 fits: Callable[[Conn, list[bytes]], bool], room: Callable[[int], bool],
                 identity_id: Callable[[Conn], int]) -> Match | RestoreResult:

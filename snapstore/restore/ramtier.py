@@ -106,6 +106,11 @@ class RamTier:
                 self.hits += 1
             return data
 
+    def holds(self, cid: bytes) -> bool:
+        """Whether the chunk is held now (an estimate's probe: no hit counted, its place unchanged)."""
+        with self._lock:
+            return cid in self._items
+
     def _wanted(self, cid: bytes, n: int) -> bool:
         """Under the lock: should this restore of ``cid`` lead to admitting it (second sighting)?"""
         if n == 0 or n > self.capacity // 2:

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 from snapstore._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
 from snapstore._layout import Layout
-from snapstore._results import MatchDetails
-from snapstore.catalog.queries import SnapRow, SnapState, Txn
+from snapstore._results import MatchDetails, RecomputeDecision
+from snapstore.catalog.queries import ChunkRow, SnapRow, SnapState, Txn
 from snapstore.chunks.direct_io import DirectReads
 from snapstore.chunks.repo import Repo
 from snapstore.chunks.staging import StagingBuffer
@@ -22,6 +22,7 @@ from snapstore.plan.prefix import granularity, rows_bound, rows_limit
 from snapstore.plan.restore_plan import RestorePlan, build_plan
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.stream import Damage, quarantine, stream_plan
+from snapstore.restore.tiers import Tiers
 
 __all__ = ["details_of", "plan_of", "planned_destination", "stream_checked", "wanted_components"]
 
@@ -39,7 +40,8 @@ def wanted_components(layout: Layout, components: Iterable[str] | None) -> set[s
 
 
 def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Mapping[str, Destination] | None,
-            wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
+            wanted: set[str], rows_from: int = 0, upto: int | None = None,
+            chunks: list[ChunkRow] | None = None) -> tuple[SnapRow, RestorePlan]:
     """Check that ``sid`` is this store's to restore and build (and validate) its plan; ``upto``:
     the tokens of a block-granular prefix match (rows [0, upto // g) only, :mod:`snapstore.plan.prefix`)."""
     snap = access.readable(c, sid, ns, rows_from)
@@ -50,11 +52,13 @@ def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Map
                                 f"that restoring snapshot {sid} writes; nothing was written")
     chain = access.chain(c, snap)
     rows = ChainRows(c, [link.id for link in chain])  # every link's parts and chunks: one statement
-    return snap, build_plan(rows, sid, chain, layout, into, wanted, rows_from, rows_to)
+    return snap, build_plan(rows, sid, chain, layout, into, wanted, rows_from, rows_to, chunks)
 
 
-def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int) -> MatchDetails:
-    """What restoring ``snap`` by ``plan`` writes, as describe() returns it."""
+def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int,
+               why: RecomputeDecision | None = None) -> MatchDetails:
+    """What restoring ``snap`` by ``plan`` writes, as describe() returns it (``why``: the decision of the
+    match it describes, made with ``prefill_tokens_per_s``)."""
     sid = snap.id
     held = {p.component for p in c.parts(sid) if p.component is not None}
     return MatchDetails(
@@ -62,17 +66,17 @@ def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int
         components=frozenset(held), missing_components=frozenset(plan.missing_components),
         part_bytes=dict(plan.part_bytes), nbytes=sum(plan.part_bytes.values()),
         chain=list(plan.chain), pending=snap.state == SnapState.PENDING, rows_from=rows_from,
-        snapshot_tokens=snap.n_tokens)
+        snapshot_tokens=snap.n_tokens, why=why)
 
 
 def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: StagingBuffer, ram: RamTier | None,
-                   count: Callable[[str], None], reads: DirectReads | None = None) -> None:
+                   count: Callable[[str], None], reads: DirectReads | None = None, tiers: Tiers | None = None) -> None:
     """Stream ``plan``; on a RestoreError count it, name snapshot ``sid`` (None: a batch), and
     quarantine the chunks found damaged in the same call (snapshots using them stop matching until
     a save heals them). The one copy of this policy: restore() and restore_many() both use it."""
     damage: Damage = []
     try:
-        stream_plan(plan, repo.blob_path, staging, ram, damage, reads)
+        stream_plan(plan, repo.blob_path, staging, ram, damage, reads, tiers)
     except RestoreError as e:
         if e.snapshot_id is None and sid is not None:
             e.snapshot_id = sid

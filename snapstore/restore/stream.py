@@ -51,6 +51,7 @@ from snapstore.restore.direct import DIRECT_MIN, DirectItem, Targets, direct_tar
 from snapstore.restore.fail import Damage, corrupt, outcome, read_failed
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.read_ahead import ReadAhead
+from snapstore.restore.tiers import Tiers, tally_opened
 
 __all__ = ["Damage", "quarantine", "stream_plan"]
 
@@ -199,19 +200,21 @@ _SMALL_WARM = 8 * (1 << 20)
 
 
 def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
-                ram: RamTier | None, damage: Damage | None = None, reads: DirectReads | None = None) -> None:
+                ram: RamTier | None, damage: Damage | None = None, reads: DirectReads | None = None,
+                tiers: Tiers | None = None) -> None:
     """Write every chunk of ``plan``; RestoreError(touched=...) on any failure.
 
     Chunks found damaged or missing are added to ``damage`` (for :func:`quarantine`). With
     ``reads`` on, raw chunks whose pages are not cached are read with O_DIRECT (restore.direct).
+    ``tiers``: gets the chunk bytes read per tier (:mod:`snapstore.restore.tiers`), for the restore rates.
     """
     found: Damage = damage if damage is not None else []
     with ram.restoring() if ram is not None else contextlib.nullcontext():  # admission waits meanwhile
-        _stream_windows(plan, blob_path, staging, ram, found, reads)
+        _stream_windows(plan, blob_path, staging, ram, found, reads, tiers)
 
 
 def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
-                    ram: RamTier | None, found: Damage, reads: DirectReads | None) -> None:
+                    ram: RamTier | None, found: Damage, reads: DirectReads | None, tiers: Tiers | None) -> None:
     """stream_plan's body: the plan in windows of at most _MAX_OPEN open chunk files."""
     windows = _windows(plan.items)
     if len(windows) > 1:  # check every header before a byte is written, holding few files at once
@@ -220,6 +223,8 @@ def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], stagin
     touched = False
     for items in windows:
         opened = _open_all(plan, items, blob_path, ram, touched, found)
+        if tiers is not None:
+            tally_opened(opened, tiers)  # before a byte of the window is read: cached or not, as found
         try:
             touched = _stream_window(plan, opened, staging, ram, touched, found, blob_path, reads)
         finally:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from snapstore.catalog.db import migrations_dir
 
-# Schema v11 (0011_imports.sql) taken out: no snapshots.imported_from.
-UNDO_IMPORTS = "ALTER TABLE snapshots DROP COLUMN imported_from; "
+# Schema v12 (0012_restore_rates.sql) taken out: no restore_rates.
+UNDO_RESTORE_RATES = "DROP TABLE restore_rates; "
+# Schema v11 (0011_imports.sql) taken out too: no snapshots.imported_from.
+UNDO_IMPORTS = UNDO_RESTORE_RATES + "ALTER TABLE snapshots DROP COLUMN imported_from; "
 # Schema v10 (0010_admission.sql) taken out too: no sightings, write_bucket or names.
 UNDO_ADMISSION = UNDO_IMPORTS + "DROP TABLE sightings; DROP TABLE write_bucket; DROP TABLE names; "
 # Schema v9 (0009_layout_keys.sql) taken out too: no snapshots.layout_key.

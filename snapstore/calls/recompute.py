@@ -1,0 +1,151 @@
+"""The Store's side of restore or recompute (issue 32, part 1): estimates of its matches' restores,
+the choice among a prompt's stored prefixes (:mod:`snapstore.plan.recompute` decides), and what each
+restore records (its rate per tier, :mod:`snapstore.restore.rates`; the time it saved).
+
+Kept apart from ``Store.match`` so that match's own path is unchanged when no prefill rate is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from snapstore._errors import SnapstoreError
+from snapstore._layout import Layout
+from snapstore._refs import SnapshotRef, ref_namespace, snapshot_id
+from snapstore._results import Match, RecomputeDecision, RestoreEstimate
+from snapstore.calls.gate import CallGate, operation
+from snapstore.catalog.queries import ChunkRow, SnapRow
+from snapstore.lifecycle.bookkeeping import Ledger
+from snapstore.plan.match import best_match
+from snapstore.plan.prefix import granularity, match_tokens
+from snapstore.plan.recompute import MAX_CONSIDERED, Option, check_rate, decide
+from snapstore.restore.rates import RestoreRates
+from snapstore.restore.read import plan_of, wanted_components
+from snapstore.restore.tiers import probe_chunks
+
+__all__ = ["RestoreRates", "RestoreTimer", "StoreRecompute", "choose_match", "estimate_of", "restored"]
+
+Found = tuple[SnapRow, int]
+
+
+def estimate_of(store: Any, m: Any, wanted: set[str], namespace: str | None,
+                remote_bytes: Callable[[Any], int] | None) -> RestoreEstimate:
+    """``Store.estimate_restore``: a shared-tier match costs its bytes at the remote rate; a local one
+    its plan's chunk bytes at the rate of the tier each chunk is in now (:func:`probe_chunks`)."""
+    rates: RestoreRates = store._rates
+    if getattr(m, "remote", None) is not None and remote_bytes is not None:
+        return rates.estimate({"remote": remote_bytes(m)})
+    sid = snapshot_id(m)
+    ns = ref_namespace(m, namespace)
+    chunks: list[ChunkRow] = []
+    store._repo.db.read(lambda c: plan_of(c, store._access, store.layout, sid, ns, None, wanted, 0, match_tokens(m),
+                                          chunks))
+    return rates.estimate(probe_chunks(chunks, store._repo.blob_path, store._ram))
+
+
+def choose_match(store: Any, arr: np.ndarray, ns: str, namespace: str | None, skip: set[int], not_before: float,
+                 found: Found | None, far: Match | None, prefill_tokens_per_s: float) -> Match | None:
+    """``match(prefill_tokens_per_s=rate)``: the shared tier's longer match (``far``) and the local
+    prefixes, longest first (the next found by matching again past the previous), weighed by
+    :func:`snapstore.plan.recompute.decide`. Counts the hit or miss, and ``recompute_skipped`` when a
+    longer prefix was passed over (or all were)."""
+    rate = check_rate(prefill_tokens_per_s)
+    by_id: dict[int, Match] = {}
+    estimate: Callable[[Match], RestoreEstimate] = store.estimate_restore
+
+    def options() -> Iterator[Option]:
+        if far is not None:
+            by_id[far.snapshot_id] = far
+            yield far.snapshot_id, far.n_tokens, lambda: _guarded(estimate, far)
+        got, passed = found, set(skip)
+        for _ in range(MAX_CONSIDERED):
+            if got is None:
+                return
+            snap, n = got
+            m = by_id[snap.id] = Match(snap.id, n, namespace)
+            yield snap.id, n, lambda m=m: _guarded(estimate, m)  # type: ignore[misc]
+            passed.add(snap.id)
+            got = store._repo.db.read(lambda c: best_match(c, store.layout, store.identity.key, ns, arr, passed,
+                                                           not_before))
+
+    decision = decide(options(), rate)
+    count = store._ledger.count
+    if decision.considered and decision.chosen != decision.considered[0].snapshot_id:
+        count("recompute_skipped")
+    chosen = next((c for c in decision.considered if c.snapshot_id == decision.chosen), None)
+    if chosen is None:
+        count("misses")
+        return None
+    count("hits")
+    count("hit_tokens", chosen.n_tokens)
+    return dataclasses.replace(by_id[chosen.snapshot_id], why=decision)
+
+
+def _guarded(estimate: Callable[[Match], RestoreEstimate], m: Match) -> RestoreEstimate | None:
+    try:
+        return estimate(m)
+    except SnapstoreError:
+        return None  # gone or unreadable since it matched: not a choice (its restore would fail alike)
+
+
+def restored(rates: RestoreRates, count: Callable[[str, int], None], m: object, tiers: Mapping[str, int],
+             seconds: float, new_tokens: int) -> None:
+    """After a successful restore: its rate per tier, and the time it saved when the match that led
+    to it carried a prefill rate (``restore_saved_us``: estimated prefill of its tokens minus its time)."""
+    rates.observe(tiers, seconds)
+    why = getattr(m, "why", None)
+    if isinstance(why, RecomputeDecision):
+        count("restore_saved_us", round((new_tokens / why.prefill_tokens_per_s - seconds) * 1e6))
+
+
+class StoreRecompute:
+    """``estimate_restore`` and what a restore records: a base of :class:`snapstore.Store`, which
+    supplies the attributes declared here."""
+
+    _gate: CallGate
+    _remote: Any
+    _rates: RestoreRates
+    _ledger: Ledger
+    layout: Layout
+
+    @operation
+    def estimate_restore(self, m: SnapshotRef, components: Iterable[str] | None = None, *,
+                         namespace: str | None = None) -> RestoreEstimate:
+        """What restoring ``m`` should take: its chunk bytes per tier (RAM tier, page cache, disk, shared
+        tier; probed, nothing read) at the rates this store measured, or stated guesses for a tier not yet
+        seen (``measured=False``). docs/api.md "Restore or recompute"."""
+        wanted = wanted_components(self.layout, components)
+        remote = self._remote
+        return estimate_of(self, m, wanted, namespace,
+                           lambda r: int(remote.nbytes(r, self.layout, wanted)) if remote is not None else 0)
+
+
+
+class RestoreTimer:
+    """One restore's measurement for :func:`restored`: a shared-tier match is timed whole (fetch
+    included, its bytes credited to "remote"); a local one from :meth:`reading` (after the engine's
+    destinations are allocated), its bytes per tier tallied by the stream into :attr:`tiers`."""
+
+    __slots__ = ("m", "remote", "rows_from", "store", "t0", "tiers")
+
+    def __init__(self, store: StoreRecompute, m: object, rows_from: int) -> None:
+        self.store, self.m, self.rows_from = store, m, rows_from
+        self.remote = store._remote is not None and getattr(m, "remote", None) is not None
+        self.t0 = time.perf_counter()
+        self.tiers: dict[str, int] = {}
+
+    def reading(self) -> None:
+        """The local restore begins (a shared-tier one keeps its start: the fetch counts)."""
+        if not self.remote:
+            self.t0 = time.perf_counter()
+
+    def done(self, n_tokens: int, nbytes: int) -> None:
+        """It succeeded: ``n_tokens`` restored (the engine held ``rows_from`` rows), ``nbytes`` written."""
+        st = self.store
+        restored(st._rates, st._ledger.count, self.m, {"remote": nbytes} if self.remote else self.tiers,
+                 time.perf_counter() - self.t0, n_tokens - self.rows_from * granularity(st.layout))

@@ -1,0 +1,418 @@
+"""Restore or recompute (issue 32, part 1): the decision against a reference model of it, the restore
+model's arithmetic from recorded figures, the tier a restore's chunks come from, and the measured
+rates kept in the catalog across a reopen (read-only opens read them). Real stores throughout; no
+timing decides a pass or a failure (the estimate-vs-measured check is benchmarks/bench_recompute.py)."""
+
+from __future__ import annotations
+
+import math
+import os
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from support import store_factory
+
+import snapstore as ss
+from snapstore.catalog.rates import RateRow
+from snapstore.plan.recompute import MAX_CONSIDERED, PrefillRate, decide
+from snapstore.restore.rates import DECAY, GUESS_BYTES_PER_S, GUESS_FIXED_S, STAGE_EVERY_S, RestoreRates, TierFit
+
+ROW = 4096  # bytes a token
+LAY = ss.Layout(fixed={}, rows={"kv": ss.Rows("uint8", (ROW,))})
+open_store = store_factory(layout=LAY, chunk_bytes=64 * 1024, budget=ss.Budget(reserve_bytes=0, ram_bytes=0))
+
+
+def rate_row(tier: str, bytes_per_s: float, samples: int = 3) -> RateRow:
+    """A tier's recorded figures: one restore of 1 GB at ``bytes_per_s`` (as the catalog would hold it)."""
+    u, v = 1e-9, 1.0 / bytes_per_s
+    return RateRow(tier, 1.0, u, v, u * u, u * v, samples, 0.0)
+
+
+def est(seconds: float, tier: str = "warm", measured: bool = True) -> ss.RestoreEstimate:
+    return ss.RestoreEstimate(seconds, tier, 1, measured, {tier: 1})
+
+
+# -- the decision against a reference model ------------------------------------------------------
+def reference(prompt: int, options: list[tuple[int, float]], rate: float) -> Fraction:
+    """The least time to serve a prompt of ``prompt`` tokens: read it all, or restore one option
+    (tokens, restore seconds) and read the rest — exact arithmetic."""
+    r = Fraction(rate)
+    serve = [Fraction(prompt) / r] + [Fraction(s) + Fraction(prompt - n) / r for n, s in options]
+    return min(serve)
+
+
+@st.composite
+def weighed(draw: st.DrawFn) -> tuple[int, list[tuple[int, float]], float]:
+    lengths = sorted(draw(st.sets(st.integers(1, 100_000), min_size=0, max_size=MAX_CONSIDERED)), reverse=True)
+    seconds = [draw(st.floats(0.0, 50.0, allow_nan=False)) for _ in lengths]
+    prompt = (lengths[0] if lengths else 0) + draw(st.integers(0, 10_000))
+    rate = draw(st.floats(1.0, 1e6, allow_nan=False))
+    return prompt, list(zip(lengths, seconds, strict=True)), rate
+
+
+@given(weighed())
+@settings(max_examples=400, deadline=None)
+def test_decide_serves_a_prompt_as_fast_as_the_reference_model(case: tuple[int, list[tuple[int, float]], float]
+                                                                ) -> None:
+    prompt, options, rate = case
+    asked: list[int] = []
+
+    def option(i: int, n: int, s: float) -> tuple[int, int, object]:
+        def estimate() -> ss.RestoreEstimate:
+            asked.append(i)
+            return est(s)
+        return i + 1, n, estimate
+
+    d = decide([option(i, n, s) for i, (n, s) in enumerate(options)], rate)  # type: ignore[misc]
+    best = reference(prompt, options, rate)
+    if d.chosen is None:
+        took = Fraction(prompt) / Fraction(rate)
+    else:
+        n, s = options[d.chosen - 1]
+        took = Fraction(s) + Fraction(prompt - n) / Fraction(rate)
+        assert Fraction(n) / Fraction(rate) > Fraction(s) * (1 - Fraction(1, 10**9))  # a restore that saves time
+    assert float(took - best) <= 1e-9 * max(1.0, float(best))
+    # longest first, never estimated again, and a prefix that could not win (n / R <= best saving) is never estimated
+    assert asked == sorted(set(asked))
+    assert [c.snapshot_id for c in d.considered] == [i + 1 for i in asked]
+    if d.chosen is not None:
+        won = next(c for c in d.considered if c.snapshot_id == d.chosen)
+        for i in range(len(options)):
+            if i not in asked:
+                assert options[i][0] / rate <= won.saved_s
+
+
+@given(st.sets(st.integers(0, 1000), min_size=2, max_size=MAX_CONSIDERED), st.sampled_from([1.0, 4.0, 1024.0]),
+       st.integers(1, 800))
+@settings(max_examples=200, deadline=None)
+def test_decide_breaks_exact_ties_toward_the_longest(shorter: set[int], rate: float, eighths: int) -> None:
+    """Options saving exactly the same time (dyadic figures: the float arithmetic is exact): the longest wins."""
+    saving = eighths / 8
+    lengths = sorted((10_000 - k for k in shorter), reverse=True)
+    assume(lengths[-1] / rate > saving)
+    options = [(i + 1, n, (lambda n=n: est(n / rate - saving))) for i, n in enumerate(lengths)]
+    d = decide(options, rate)  # type: ignore[arg-type]
+    assert d.chosen == 1 and d.considered[0].saved_s == saving
+    assert len(d.considered) == 1 or d.considered[1].saved_s == saving  # the next could only tie: it is not weighed
+
+
+def test_decide_without_options_and_with_vanished_ones() -> None:
+    assert decide([], 100.0).chosen is None
+    d = decide([(1, 1000, lambda: None), (2, 500, lambda: est(0.1))], 100.0)
+    assert d.chosen == 2 and [c.snapshot_id for c in d.considered] == [2]
+
+
+def test_bad_prefill_rates_are_refused(tmp_path: object) -> None:
+    with open_store(os.path.join(str(tmp_path), "s")) as s:
+        for bad in (0, -1.0, math.nan, math.inf, "100", True):
+            with pytest.raises(ss.InvalidInputError, match="prefill_tokens_per_s"):
+                s.match([1, 2, 3], prefill_tokens_per_s=bad)  # type: ignore[arg-type]
+
+
+# -- the restore model: arithmetic from recorded figures ----------------------------------------
+@given(st.sampled_from(["ram", "warm", "cold", "remote"]), st.integers(1, 1 << 34))
+def test_an_unseen_tier_is_the_stated_guess(tier: str, nbytes: int) -> None:
+    e = RestoreRates().estimate({tier: nbytes})
+    assert not e.measured and e.tier == tier and e.bytes == nbytes
+    assert e.seconds == pytest.approx(GUESS_FIXED_S + nbytes / GUESS_BYTES_PER_S[tier])
+
+
+@given(st.floats(0.0, 0.01), st.floats(1e-11, 1e-8), st.lists(st.integers(1 << 16, 1 << 30), min_size=3, max_size=12),
+       st.integers(1, 1 << 32))
+@settings(max_examples=200, deadline=None)
+def test_recorded_figures_on_a_line_give_that_line(a: float, b: float, sizes: list[int], probe: int) -> None:
+    """Restores taking a + b × bytes (recorded, not timed): the estimate of any size is a + b × size when the
+    sizes vary enough to separate the fixed cost, else the mean seconds per byte of the decayed samples.
+    (The fit's arithmetic: the sums as the catalog keeps them; observe() also bounds outliers, tested below.)"""
+    fit = TierFit()
+    for x in sizes:
+        fit.add(x, a + b * x)
+    rates = RestoreRates([RateRow("cold", fit.w, fit.su, fit.sv, fit.suu, fit.suv, fit.samples, 0.0)])
+    e = rates.estimate({"cold": probe})
+    assert e.measured and e.tier == "cold"
+    ws = [DECAY ** (len(sizes) - 1 - k) for k in range(len(sizes))]
+    w = sum(ws)
+    mu = sum(wi / x for wi, x in zip(ws, sizes, strict=True)) / w
+    var = sum(wi / x / x for wi, x in zip(ws, sizes, strict=True)) / w - mu * mu
+    if var > (0.25 * mu) ** 2 * 1.001 and a > 0:
+        assert e.seconds == pytest.approx(a + b * probe, rel=1e-4, abs=1e-9)
+    elif var < (0.25 * mu) ** 2 * 0.999:
+        mean = sum(wi * (a + b * x) / x for wi, x in zip(ws, sizes, strict=True)) / w
+        assert e.seconds == pytest.approx(probe * mean, rel=1e-6)
+
+
+def test_a_chain_across_tiers_sums_its_tiers() -> None:
+    rates = RestoreRates([rate_row("ram", 1e10), rate_row("cold", 1e9)])
+    e = rates.estimate({"ram": 2 * 10**9, "cold": 10**8})
+    assert e.measured and e.bytes == 21 * 10**8 and e.tiers == {"ram": 2 * 10**9, "cold": 10**8}
+    assert e.seconds == pytest.approx(0.2 + 0.1) and e.tier == "ram"  # the ram part costs the most here
+    mixed = rates.estimate({"ram": 10**9, "remote": 10**6})
+    assert not mixed.measured  # the remote tier is a guess still
+
+
+def test_a_restore_across_tiers_is_shared_by_prediction() -> None:
+    rates = RestoreRates([rate_row("ram", 1e10, 1), rate_row("cold", 1e9, 1)])
+    rates.observe({"ram": 10**9, "cold": 10**9}, 2.2)  # predicted 0.1 + 1.0: each tier took twice that
+    # one size only: the mean seconds per byte of the decayed samples (0.1 s then 0.2 s a GB; 1 s then 2 s)
+    assert rates.estimate({"ram": 10**9}).seconds == pytest.approx((0.1 * DECAY + 0.2) / (DECAY + 1))
+    assert rates.estimate({"cold": 10**9}).seconds == pytest.approx((1.0 * DECAY + 2.0) / (DECAY + 1))
+
+
+def test_rates_are_handed_over_rarely() -> None:
+    rates = RestoreRates()
+    assert rates.staged(now=100.0) == []  # nothing measured
+    rates.observe({"warm": 10**6}, 0.001)
+    first = rates.staged(now=100.0)
+    assert [r.tier for r in first] == ["warm"]  # the first measurement at once
+    rates.observe({"warm": 10**6}, 0.001)
+    assert rates.staged(now=100.0 + STAGE_EVERY_S / 2) == []  # then at most every STAGE_EVERY_S
+    assert [r.samples for r in rates.staged(now=100.0 + STAGE_EVERY_S)] == [2]
+    rates.observe({"cold": 10**6}, 0.01)
+    rates.flush_next()  # close(): whatever is new, now
+    back = rates.staged(now=100.0 + STAGE_EVERY_S + 1)
+    assert [r.tier for r in back] == ["cold"]
+    rates.unstage(back)  # not written: handed over again next time
+    assert [r.tier for r in rates.staged(now=1e6)] == ["cold"]
+
+
+def test_prefill_rate_is_the_ratio_of_decayed_sums() -> None:
+    r = PrefillRate(decay=0.5, min_tokens=16)
+    assert r.tokens_per_s is None
+    r.observe(8, 1.0)  # too short to time the rate
+    assert r.tokens_per_s is None
+    r.observe(1000, 1.0)
+    r.observe(3000, 1.0)
+    assert r.tokens_per_s == pytest.approx((1000 * 0.5 + 3000) / (1.0 * 0.5 + 1.0))
+
+
+# -- real stores: tiers, persistence, the decision on a chain ------------------------------------
+def state(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    return {"kv": np.random.default_rng(seed).integers(0, 255, (n, ROW), dtype=np.uint8)}
+
+
+def drop_cache(root: str) -> None:
+    """Evict the store's chunk files from the page cache (clean pages: POSIX_FADV_DONTNEED drops them)."""
+    for d, _, files in os.walk(os.path.join(root, "blobs")):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def restore(s: ss.Store, m: ss.Match, n: int) -> None:
+    s.restore(m, {"kv": np.zeros((n, ROW), np.uint8)})
+
+
+def test_the_tier_a_restore_reads_from_is_probed_and_measured(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "s")
+    toks = list(range(256))
+    with open_store(path) as s:
+        s.save(toks, state(256))
+        m = s.match(toks)
+        assert m is not None
+        drop_cache(path)
+        cold = s.estimate_restore(m)
+        assert cold.tiers == {"cold": 256 * ROW} and cold.tier == "cold" and not cold.measured
+        restore(s, m, 256)  # read through the page cache: its chunks are warm after it
+        assert set(s._rates.rates()) == {"cold"}
+        warm = s.estimate_restore(m)
+        assert warm.tiers == {"warm": 256 * ROW} and not warm.measured
+        restore(s, m, 256)
+        assert set(s._rates.rates()) == {"cold", "warm"}
+        assert s.estimate_restore(m).measured
+
+
+def test_the_ram_tier_is_a_tier(tmp_path: object) -> None:
+    with open_store(os.path.join(str(tmp_path), "s"), budget=ss.Budget(reserve_bytes=0, ram_bytes=8 << 20)) as s:
+        toks = list(range(64))
+        s.save(toks, state(64))
+        m = s.match(toks)
+        assert m is not None
+        for _ in range(40):  # a chunk is admitted at its second sighting, off the restore's thread
+            restore(s, m, 64)
+            if s.estimate_restore(m).tiers.get("ram"):
+                break
+        assert s.estimate_restore(m).tiers == {"ram": 64 * ROW}
+        restore(s, m, 64)
+        assert "ram" in s._rates.rates()
+
+
+def test_measured_rates_persist_across_reopen_and_read_only_opens_read_them(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "s")
+    toks = list(range(128))
+    with open_store(path) as s:
+        s.save(toks, state(128))
+        s._rates.observe({"cold": 10**9}, 0.5)  # known figures: 2 GB/s
+        s._rates.observe({"cold": 10**9}, 0.5)  # (the second is staged by close(), not by the restore path)
+    drop_cache(path)
+    with open_store(path, read_only=True) as r:
+        assert r.stats().restore_rates == {"cold": pytest.approx(2e9)}
+        e = r.estimate_restore(r.match(toks))  # type: ignore[arg-type]
+        assert e.tier == "cold" and e.measured and e.seconds == pytest.approx(128 * ROW / 2e9)
+        r._rates.observe({"warm": 10**9}, 0.1)
+        restore(r, r.match(toks), 128)  # type: ignore[arg-type]
+        assert set(r._rates.rates()) == {"cold", "warm"}  # measured here, in memory
+    with open_store(path) as s:
+        rows = s._repo.db.read(lambda t: t.restore_rates())
+        assert {row.tier for row in rows} == {"cold"}  # the read-only store persisted nothing
+        assert rows[0].samples == 2
+
+
+def test_a_restore_persists_its_rate_without_a_write_of_its_own(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "s")
+    toks = list(range(64))
+    with open_store(path) as s:
+        s.save(toks, state(64))
+        m = s.match(toks)
+        assert m is not None
+        restore(s, m, 64)  # the first measurement goes out with the restore's own bookkeeping (if the lock is free)
+        rows = s._repo.db.read(lambda t: t.restore_rates())
+        assert len(rows) == 1 and rows[0].samples == 1
+
+
+def chain(s: ss.Store, path: str) -> tuple[list[int], ss.Match, ss.Match]:
+    """A root of 256 tokens and a delta leaf of 1024 over it; the leaf's own chunks cold, the root's warm."""
+    toks = list(range(1024))
+    full = state(1024)
+    s.save(toks[:256], {"kv": full["kv"][:256]})
+    s.save(toks, full)
+    leaf, root = s.match(toks), s.match(toks[:300])
+    assert leaf is not None and root is not None and root.n_tokens == 256
+    drop_cache(path)
+    restore(s, root, 256)  # the root's chunks are in the page cache now, the leaf's own are not
+    assert s.estimate_restore(leaf).tiers == {"warm": 256 * ROW, "cold": 768 * ROW}
+    return toks, leaf, root
+
+
+def test_match_takes_a_shorter_prefix_in_a_faster_tier(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "s")
+    with open_store(path) as s:
+        toks, leaf, root = chain(s, path)
+        # recorded figures: the page cache at 4 GB/s, the disk at 1 MB/s (a very slow network disk)
+        s._rates.load([rate_row("warm", 4e9), rate_row("cold", 1e6)])
+        # 768 more tokens at 100 tokens/s: 7.7 s to read; their 3 MiB from the disk: 3.1 s → the leaf
+        m = s.match(toks, prefill_tokens_per_s=100.0)
+        assert m is not None and m.snapshot_id == leaf.snapshot_id and m.why is not None
+        assert m.why.reason.startswith("restore the longest")
+        # at 1,000 tokens/s reading the 768 takes 0.77 s: the root alone (warm, 1 MiB: ~0.26 ms) wins
+        m = s.match(toks, prefill_tokens_per_s=1000.0)
+        assert m is not None and m.snapshot_id == root.snapshot_id and m.n_tokens == 256
+        assert m.why is not None and m.why.chosen == root.snapshot_id and "shorter" in m.why.reason
+        assert [c.snapshot_id for c in m.why.considered] == [leaf.snapshot_id, root.snapshot_id]
+        assert s.describe(m).why == m.why
+        st0 = s.stats()
+        assert st0.recompute_skipped == 1
+        restore(s, m, 256)
+        saved = s.stats().restore_saved_s
+        assert 0 < saved <= 256 / 1000.0  # the root's estimated prefill less its (measured) restore
+        # at 10M tokens/s reading beats any restore: None, counted as a skip and a miss
+        misses = s.stats().misses
+        assert s.match(toks, prefill_tokens_per_s=1e7) is None
+        st1 = s.stats()
+        assert st1.recompute_skipped == 2 and st1.misses == misses + 1
+        # without a rate, match() is as it was: the longest
+        assert s.match(toks) == leaf
+
+
+def test_no_rate_no_change(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "s")
+    with open_store(path) as s:
+        s.save(list(range(64)), state(64))
+        m = s.match(list(range(100)))
+        assert m is not None and m.why is None and s.describe(m).why is None
+        assert s.stats().recompute_skipped == 0
+
+
+# -- the integrations' own prefill rates ----------------------------------------------------------
+def test_the_vllm_scheduler_times_prefill_steps() -> None:
+    from snapstore.engine.vllm._rate import StepRate
+
+    r = StepRate(min_tokens=64, max_gap_s=5.0)
+    r.step(512, now=10.0)
+    assert r.tokens_per_s is None  # a step is timed when the next begins
+    r.step(8, now=10.5)  # 512 tokens in 0.5 s
+    assert r.tokens_per_s == pytest.approx(1024.0)
+    r.step(1024, now=10.6)  # the decode-only step (8 tokens) is not a rate
+    r.step(0, now=100.0)  # an idle gap after it: not timed
+    assert r.tokens_per_s == pytest.approx(1024.0)
+
+
+def test_the_proxy_reads_the_servers_prompt_timing_across_chunks() -> None:
+    pytest.importorskip("aiohttp")
+    from snapstore.llamacpp._proxy import _SlotSniffer
+
+    body = b'data: {"id_slot":1,"timings":{"prompt_n":600,"prompt_ms":300.0,"predicted_n":4}}\n\n'
+    for cut in range(1, len(body)):
+        s = _SlotSniffer()
+        s.feed(body[:cut])
+        s.feed(body[cut:])
+        rate = PrefillRate()
+        s.timed(rate)
+        assert s.slot == 1 and rate.tokens_per_s == pytest.approx(2000.0), cut
+
+
+def test_an_outlier_moves_a_settled_tier_boundedly() -> None:
+    rates = RestoreRates()
+    for _ in range(5):
+        rates.observe({"cold": 10**9}, 1.0)  # 1 GB/s, settled
+    rates.observe({"cold": 10**9}, 30.0)  # one stall: counted as twice the prediction, not 30x
+    w = sum(DECAY ** k for k in range(6))
+    assert rates.estimate({"cold": 10**9}).seconds == pytest.approx((w - 1 + 2.0) / w)
+    for _ in range(40):
+        rates.observe({"cold": 10**9}, 4.0)  # a real change (the disk is 4x slower now): followed
+    assert rates.estimate({"cold": 10**9}).seconds == pytest.approx(4.0, rel=0.05)
+
+
+def test_the_cli_reports_the_counters_and_rates(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from snapstore.cli.main import main
+
+    path = os.path.join(str(tmp_path), "s")
+    with open_store(path) as s:
+        s.save(list(range(64)), state(64))
+        s._rates.observe({"cold": 10**9}, 0.5)
+        assert s.match(list(range(64)), prefill_tokens_per_s=1e12) is None
+    assert main(["--dir", path, "stats", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["stats"]
+    assert doc["recompute_skipped"] == 1 and doc["restore_rates"] == {"cold": pytest.approx(2e9)}
+    assert main(["--dir", path, "stats"]) == 0
+    out = capsys.readouterr().out
+    assert "1 matches passed over a restore slower than reading" in out and "cold 2.00 GB/s" in out
+
+
+def test_a_batch_of_restores_is_measured_too(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "s")
+    with open_store(path) as s:
+        a, b = s.save(list(range(64)), state(64)), s.save(list(range(100, 164)), state(64, 1))
+        drop_cache(path)
+        s.restore_many([(a, {"kv": np.zeros((64, ROW), np.uint8)}), (b, {"kv": np.zeros((64, ROW), np.uint8)})])
+        assert set(s._rates.rates()) == {"cold"}
+
+
+def test_a_v11_catalog_reads_read_only_and_migrates_on_open(tmp_path: object) -> None:
+    """A catalog from before schema 12: a read-only open estimates with the guesses (a TEMP table
+    stands in for restore_rates); a read-write open migrates it and keeps what it measures."""
+    import apsw
+    from support.catalogs import UNDO_RESTORE_RATES
+
+    path = os.path.join(str(tmp_path), "s")
+    toks = list(range(64))
+    with open_store(path) as s:
+        s.save(toks, state(64))
+    c = apsw.Connection(os.path.join(path, "snapstore.db"))
+    c.execute(UNDO_RESTORE_RATES + "PRAGMA user_version = 11")
+    c.close()
+    with open_store(path, read_only=True) as r:
+        assert not r.estimate_restore(r.match(toks)).measured  # type: ignore[arg-type]
+        assert r.stats().restore_rates == {}
+    with open_store(path) as s:
+        s._rates.observe({"warm": 10**9}, 1.0)
+    with open_store(path, read_only=True) as r:
+        assert r.stats().restore_rates == {"warm": pytest.approx(1e9)}
