@@ -27,13 +27,11 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
-    KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     SupportsHMA,
@@ -42,156 +40,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import snapstore as ss
 
 from ._blocks import BlockGeometry, BlockWriter, gather_blocks, host_pools, torch_dtype_name, weights_hash
-from ._groups import HybridLayout, describe_groups, hybrid_layout, state_block_index
-from ._hybrid import PageWriter, gather_pages, group_views
+from ._checks import attn_backend, hybrid_geometry, kv_dtype, plan_groups
+from ._groups import HybridLayout, describe_groups, state_block_index
+from ._hybrid import group_views
+from ._hybrid_side import HybridSide
 from ._key import RequestKey, config_digest, request_key
+from ._ops import LAST_STATS, LoadOp, SaveOp, SnapstoreConnectorMetadata, Track
 from ._rate import StepRate
 
 __all__ = ["LAST_STATS", "SnapstoreConnector", "SnapstoreConnectorMetadata"]
 
 log = logging.getLogger("snapstore.vllm")
-#: the counters of this process's last connector of each role, "scheduler" / "worker" (tests read them)
-LAST_STATS: dict[str, dict[str, int]] = {}
-_NULL_BLOCK = 0  # vLLM's null block (block_pool.null_block): a placeholder, never a request's state
 _SAVE_EVERY = 256  # tokens between saved boundaries: a later prompt stores only rows past the last shared one
 
 
-@dataclass
-class LoadOp:
-    """Restore rows ``[rows_from, n_tokens // block_size)`` of snapshot ``snapshot_id`` (in
-    ``namespace``) into ``block_ids``."""
-
-    req_id: str
-    snapshot_id: int
-    n_tokens: int
-    rows_from: int
-    block_ids: list[int]
-    namespace: str | None = None
-    groups: list[list[int]] = field(default_factory=list)  # hybrid: each part's blocks (a state part: one)
-
-
-@dataclass
-class SaveOp:
-    """Save ``tokens`` (whole blocks, the request's key) from ``block_ids``, as snapshots at each
-    of ``boundaries`` in ``namespace``: the first a delta over ``parent`` (the id of the whole
-    stored snapshot the request matched; ``"auto"`` when it matched part of one or nothing; None,
-    every row, after a failed load), each later one over the one before it.
-    ``recomputed``: planned after the scheduler learnt of a failed load of this request, so its
-    blocks were computed again (a save planned before that is dropped by the worker)."""
-
-    req_id: str
-    tokens: list[int]
-    block_ids: list[int]
-    boundaries: list[int]
-    namespace: str | None = None
-    parent: int | str | None = "auto"
-    recomputed: bool = False
-    groups: list[list[int]] = field(default_factory=list)  # hybrid: each part's blocks (a state part: one)
-
-
-@dataclass
-class SnapstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """What the scheduler tells the workers this step: loads before the forward, saves after it."""
-
-    loads: list[LoadOp] = field(default_factory=list)
-    saves: list[SaveOp] = field(default_factory=list)
-
-
-@dataclass
-class _Track:
-    """Scheduler-side view of one running request."""
-
-    key: RequestKey
-    blocks: list[int]
-    stored: int  # tokens the store already held for it (its match)
-    parent: int | str | None  # what its first saved boundary is a delta over (SaveOp.parent)
-    saved: bool = False
-    failed: bool = False  # a load of it failed: its blocks were recomputed, saves start over
-    groups: list[list[int]] = field(default_factory=list)  # hybrid: every group's blocks
-    last: int = 0  # hybrid: the last boundary a save was planned at
-
-
-def _backend(vllm_config: Any, geo: BlockGeometry) -> str:
-    """The attention backend and kernel variant that pack a block's bytes."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        cache = vllm_config.cache_config.cache_dtype
-        return f"CPU_ATTN:{_get_attn_isa(geo.dtype, geo.block_size, geo.entry // 2, cache)}"
-    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    return f"{current_platform.device_name}:{chosen or 'auto'}"
-
-
-def _kv_dtype(vllm_config: Any) -> torch.dtype:
-    cache = vllm_config.cache_config.cache_dtype
-    if cache in (None, "auto"):
-        dtype: torch.dtype = vllm_config.model_config.dtype
-        return dtype
-    return {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
-            "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cache, torch.uint8)
-
-
-def _spec_name(spec: Any) -> str:
-    window = getattr(spec, "sliding_window", None)
-    return f"{type(spec).__name__}" + (f" (sliding window {window})" if window is not None else "")
-
-
-def exact_layout(model_config: Any, kv_cache_config: Any) -> None:
-    """Accept only caches the connector saves exactly: one KV cache group of full attention,
-    where vLLM keeps every block of a request until it finishes. ``ss.LayoutError`` naming the
-    group otherwise: a sliding-window (or chunked-local, Mamba, MLA…) group frees or overwrites
-    blocks that leave the window while the connector saves the block ids it planned with."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
-
-    if getattr(model_config, "use_mla", False):
-        raise ss.LayoutError("the model uses MLA: only full-attention K/V caches are supported")
-    groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if groups is None:
-        raise ss.LayoutError("vLLM gave the connector no KV cache config: the connector cannot check that it "
-                             "can save the cache exactly")
-    for i, g in enumerate(groups):
-        spec = g.kv_cache_spec
-        specs = dict(spec.kv_cache_specs) if isinstance(spec, UniformTypeKVCacheSpecs) else \
-            {name: spec for name in g.layer_names}
-        bad = {name: s for name, s in specs.items() if type(s) is not FullAttentionSpec}
-        if bad:
-            name, s = next(iter(bad.items()))
-            raise ss.LayoutError(
-                f"KV cache group {i} ({len(g.layer_names)} layer(s), e.g. {name}) is {_spec_name(s)}: vLLM frees or "
-                "reuses its blocks during a request, so the connector cannot save it exactly; only models whose "
-                "layers all use full attention (one KV cache group) are supported")
-    if len(groups) != 1:
-        raise ss.LayoutError(f"{len(groups)} KV cache groups ({', '.join(_spec_name(g.kv_cache_spec) for g in groups)})"
-                             ": only models with one full-attention KV cache group are supported")
-
-
-def _plan_groups(model_config: Any, kv_cache_config: Any) -> HybridLayout | None:
-    """None for a cache of one full-attention group (the single-group path, :func:`exact_layout`);
-    the hybrid parts for several groups or a Mamba group; ``ss.LayoutError`` for what neither
-    saves exactly."""
-    try:
-        exact_layout(model_config, kv_cache_config)
-        return None
-    except ss.LayoutError:
-        if getattr(kv_cache_config, "kv_cache_groups", None) is None:
-            raise
-    return hybrid_layout(kv_cache_config, use_mla=bool(getattr(model_config, "use_mla", False)))
-
-
-def _hybrid_geometry(hy: HybridLayout, kv_cache_config: Any) -> BlockGeometry:
-    """The target's first attention group as a block geometry (the identity's kernel fields)."""
-    part = hy.parts[hy.main]
-    spec = kv_cache_config.kv_cache_groups[part.group].kv_cache_spec
-    if part.kind != "attn":  # a model without attention: no kernel packs its blocks
-        return BlockGeometry(layers=len(part.layers), kv_heads=0, block_size=hy.block_size, entry=0,
-                             dtype=spec.dtypes[0])
-    return BlockGeometry(layers=len(part.layers), kv_heads=int(spec.num_kv_heads), block_size=hy.block_size,
-                         entry=2 * int(spec.head_size), dtype=spec.dtype)
-
-
-class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """``KVConnectorBase_V1`` over a snapstore store (one per scheduler and per worker)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
@@ -209,7 +72,7 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._pools: list[Any] = []
         self._invalid: set[int] = set()
         self._handles: list[Any] = []
-        self._reqs: dict[str, _Track] = {}
+        self._reqs: dict[str, Track] = {}
         self._keys: dict[str, RequestKey] = {}  # req -> its key (tokens, namespace) or why it is declined
         self._matched: dict[str, tuple[int, int]] = {}  # req -> (snapshot id, tokens) of its last lookup
         self._stored: dict[str, tuple[int | str | None, int]] = {}  # req -> (its first save's parent, tokens matched)
@@ -227,15 +90,15 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             cfg.kv_load_failure_policy = "recompute"  # a failed load recomputes its blocks: never junk
         try:
             mc, pc = vllm_config.model_config, vllm_config.parallel_config
-            self._hy = _plan_groups(mc, kv_cache_config)
+            self._hy = plan_groups(mc, kv_cache_config)
             extra_keys: dict[str, str] = {}
             if self._hy is None:
                 self._geo = BlockGeometry(layers=int(mc.get_num_layers(pc)), kv_heads=int(mc.get_num_kv_heads(pc)),
                                           block_size=self._bs, entry=2 * int(mc.get_head_size()),
-                                          dtype=_kv_dtype(vllm_config))
+                                          dtype=kv_dtype(vllm_config))
             else:  # the group layout and the state tensors' memory layout change the stored bytes
                 self._bs = self._hy.block_size
-                self._geo = _hybrid_geometry(self._hy, kv_cache_config)
+                self._geo = hybrid_geometry(self._hy, kv_cache_config)
                 extra_keys = {"kv_groups": describe_groups(kv_cache_config), "alignment": str(self._hy.alignment),
                               "ssm_conv_layout": os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "")}
             rank = 0
@@ -247,7 +110,7 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             ident = self._geo.identity(
                 build=f"vllm-{vllm.__version__}", kv=torch_dtype_name(self._geo.dtype),
                 pack=str(extra.get("weights_hash") or weights_hash(str(mc.model))),
-                backend=_backend(vllm_config, self._geo) if self._geo.entry else "none",
+                backend=attn_backend(vllm_config, self._geo) if self._geo.entry else "none",
                 tp=(rank, int(pc.tensor_parallel_size)),
                 extra={"cache_dtype": str(vllm_config.cache_config.cache_dtype),
                        "config": config_digest(vllm_config), **extra_keys})
@@ -315,36 +178,6 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         LAST_STATS[self._side] = dict(self.stats)
         return hit - num_computed_tokens, False
 
-    def _lookup_hybrid(self, request: Any, key: RequestKey, num_computed_tokens: int) -> tuple[int, bool]:
-        """A hybrid's hit: the longest stored boundary that is a prefix of the prompt (exact: a
-        state is valid only where it was captured), aligned, its chain and chunks all there, and
-        not a request whose load failed before. Loaded asynchronously (True): a failed load is
-        then reported per request and vLLM recomputes it."""
-        assert self._store is not None and self._hy is not None
-        rid = request.request_id
-        limit = self._hy.boundary(len(key.tokens) - 1)  # at least one prompt token is computed
-        if limit <= num_computed_tokens or rid in self._no_hit:
-            return 0, False
-        self.stats["lookups"] += 1
-        t0 = time.perf_counter()
-        try:
-            m = self._store.match(key.tokens[:limit], namespace=key.namespace)
-            if m is None or m.n_tokens % self._hy.alignment or m.n_tokens <= num_computed_tokens:
-                return 0, False
-            d = self._store.describe(m.snapshot_id, namespace=key.namespace)
-            if d.n_tokens != m.n_tokens or dict(d.rows) != self._hy.rows(m.n_tokens):
-                return 0, False  # never attention rows without the state at their end, nor a part of one
-        except ss.SnapstoreError as e:
-            log.warning("snapstore: lookup for request %s failed (%s); computing it", rid, e)
-            return 0, False
-        finally:
-            self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
-        self._stored[rid] = (m.snapshot_id, m.n_tokens)
-        self._matched[rid] = (m.snapshot_id, m.n_tokens)
-        self.stats["hit_tokens"] += m.n_tokens - num_computed_tokens
-        LAST_STATS[self._side] = dict(self.stats)
-        return m.n_tokens - num_computed_tokens, True
-
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of the matched blocks once vLLM allocated them."""
         if num_external_tokens > 0 and request.request_id in self._matched and self._hy is not None:
@@ -376,7 +209,7 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             if key is None or key.declined is not None:
                 continue  # never looked up (nothing to key it by) or declined: no save
             parent, stored = self._stored.get(rid, ("auto", 0))
-            self._reqs[rid] = _Track(key, list(new.block_ids[0]), stored, parent)
+            self._reqs[rid] = Track(key, list(new.block_ids[0]), stored, parent)
             if self._hy is not None:
                 self._reqs[rid].groups = [list(ids) for ids in new.block_ids]
                 if rid in self._no_hit:  # its load failed: vLLM recomputes it, its saves are recomputed ones
@@ -415,41 +248,6 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         for rid in scheduler_output.finished_req_ids:
             self._forget(rid)
         return meta
-
-    def _plan_hybrid_saves(self, meta: SnapstoreConnectorMetadata, computed: dict[str, int],
-                           scheduler_output: Any) -> None:
-        """A save at each boundary whose state vLLM holds after this step: the end of this step's
-        chunk when it is aligned (the state lies in the block that ends there), or, when the chunk
-        ends the prompt, the prompt's last aligned boundary (vLLM's prefill checkpoint). Each is a
-        delta over the one before it; rows only above the request's stored prefix."""
-        assert self._hy is not None
-        for rid, done in computed.items():
-            tr = self._reqs[rid]
-            n_prompt = len(tr.key.tokens)
-            end = done + int(scheduler_output.num_scheduled_tokens.get(rid, 0))
-            if tr.saved or end <= done:
-                continue
-            if end >= n_prompt:
-                at, tr.saved = self._hy.boundary(n_prompt), True
-            elif end % self._hy.alignment == 0:
-                at = end
-            else:
-                continue
-            if at <= max(done, tr.stored, tr.last) or at < self._bs:
-                continue
-            n, idx = at // self._bs, state_block_index(at, self._bs)
-            try:
-                groups = [list(tr.groups[p.group][:n]) if p.kind == "attn" else [int(tr.groups[p.group][idx])]
-                          for p in self._hy.parts]
-            except IndexError:
-                log.warning("snapstore: request %s has fewer blocks than its boundary %d needs; not saved", rid, at)
-                continue
-            if any(p.kind == "state" and g == [_NULL_BLOCK] for p, g in zip(self._hy.parts, groups)):
-                continue  # vLLM's null block: no state was kept at this boundary
-            main = self._hy.main
-            meta.saves.append(SaveOp(rid, tr.key.tokens[:at], groups[main], [at], tr.key.namespace, tr.parent,
-                                     tr.failed, groups))
-            tr.parent, tr.last = "auto", at
 
     def update_connector_output(self, connector_output: Any) -> None:
         """A failed load (blocks the workers reported): vLLM recomputes the request's blocks, so
@@ -527,23 +325,6 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.stats["load_us"] += int((time.perf_counter() - t0) * 1e6)
         LAST_STATS[self._side] = dict(self.stats)
 
-    def _load_hybrid(self, op: LoadOp) -> None:
-        """Restore every group's part of a hybrid snapshot (attention rows above ``rows_from``,
-        each state page into the block that ends at the boundary); an asynchronous load, reported
-        finished (or failed) by :meth:`get_transfer_results`."""
-        assert self._store is not None and self._hy is not None
-        self._recv_done.add(op.req_id)
-        if any(p.kind == "state" and ids[0] == _NULL_BLOCK for p, ids in zip(self._hy.parts, op.groups)):
-            raise ss.DestinationError(f"vLLM allocated no state block for request {op.req_id} at token {op.n_tokens}")
-        into = {p.name: PageWriter(self._views[p.name], ids) for p, ids in zip(self._hy.parts, op.groups)}
-        res = self._store.restore(ss.Match(op.snapshot_id, op.n_tokens, op.namespace), into=into,
-                                  rows_from=op.rows_from)
-        if res.missing_components:  # an older snapshot without the draft: the target's state is whole
-            log.info("snapstore: snapshot %d lacks %s; drafts for request %s start empty", op.snapshot_id,
-                     sorted(res.missing_components), op.req_id)
-        self.stats["loads"] += 1
-        self.stats["loaded_blocks"] += len(op.block_ids) - op.rows_from
-
     def _load_failed(self, op: LoadOp) -> None:
         """Report the blocks (vLLM recomputes them) and keep this step's saves off them: the
         forward that follows read whatever the blocks held. A hybrid's load is reported per
@@ -603,24 +384,6 @@ class SnapstoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                     log.warning("snapstore: save for request %s failed: %s", op.req_id, e)
                     break
         LAST_STATS[self._side] = dict(self.stats)
-
-    def _save_hybrid(self, op: SaveOp) -> None:
-        """Copy a hybrid boundary's pages (attention blocks below it, the state page at it) and
-        queue its save: a delta over ``op.parent``, rows only above it, the state whole."""
-        assert self._store is not None and self._hy is not None
-        t0 = time.perf_counter()
-        parts: dict[str, Any] = {}
-        for p, ids in zip(self._hy.parts, op.groups):
-            pages = gather_pages(self._views[p.name], ids, len(p.layers))
-            parts[p.name] = pages if p.kind == "attn" else pages[0]
-        self.stats["save_copy_us"] += int((time.perf_counter() - t0) * 1e6)
-        at = op.boundaries[-1]
-        try:
-            self._handles.append(self._store.save(op.tokens[:at], parts, rows=self._hy.rows(at), parent=op.parent,
-                                                  namespace=op.namespace, wait=False))
-        except ss.SnapstoreError as e:
-            self.stats["save_errors"] += 1
-            log.warning("snapstore: save for request %s failed: %s", op.req_id, e)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """A hybrid's loads finished this step, and the ones that failed (vLLM recomputes those)."""
