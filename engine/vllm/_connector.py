@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import snapstore as ss
 
 from ._blocks import BlockGeometry, BlockWriter, gather_blocks, host_pools, torch_dtype_name, weights_hash
-from ._checks import attn_backend, hybrid_geometry, kv_dtype, plan_groups
+from ._checks import attn_backend, exact_layout, hybrid_geometry, kv_dtype, plan_groups
 from ._groups import HybridLayout, describe_groups, state_block_index
 from ._hybrid import group_views
 from ._hybrid_side import HybridSide
@@ -48,7 +48,7 @@ from ._key import RequestKey, config_digest, request_key
 from ._ops import LAST_STATS, LoadOp, SaveOp, SnapstoreConnectorMetadata, Track
 from ._rate import StepRate
 
-__all__ = ["LAST_STATS", "SnapstoreConnector", "SnapstoreConnectorMetadata"]
+__all__ = ["LAST_STATS", "SnapstoreConnector", "SnapstoreConnectorMetadata", "exact_layout"]
 
 log = logging.getLogger("snapstore.vllm")
 _SAVE_EVERY = 256  # tokens between saved boundaries: a later prompt stores only rows past the last shared one
