@@ -155,6 +155,7 @@ def _build(args: argparse.Namespace, ctx: CliContext) -> str:
 def cmd_import_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     """import-slot FILE --model MODEL: store a slot file; print the snapshot id."""
     from snapstore.check.inspect import FORMAT
+    from snapstore.cli.render import stored_file
     from snapstore.llamacpp._slotstore import SlotStore
 
     with open(args.file, "rb") as f:
@@ -175,15 +176,7 @@ def cmd_import_slot(args: argparse.Namespace, ctx: CliContext) -> int:
            "parent_id": sv.parent_id, "n_tokens": res.n_tokens, "file_bytes": res.file_bytes,
            "stored_bytes": sv.stored_bytes, "logical_bytes": sv.logical_bytes,
            "checkpoints_dropped": res.checkpoints_dropped, "draft": res.draft}
-    if ctx.json:
-        ctx.emit_json(doc)
-    elif sv.snapshot_id is None:
-        ctx.line(f"skipped: {sv.skipped}")
-    else:
-        ctx.line(str(sv.snapshot_id))
-        ctx.note(f"snapshot {sv.snapshot_id}: {res.n_tokens} tokens, {sv.stored_bytes} new bytes stored "
-                 f"(file {res.file_bytes} bytes), parent {sv.parent_id}")
-    return 0 if sv.snapshot_id is not None else 1
+    return stored_file(doc, ctx)
 
 
 def _server_slotstore(args: argparse.Namespace, ctx: CliContext) -> Any:

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from snapstore.cli.context import CliContext
+from snapstore.cli.render import stored_file
 
 __all__ = ["add_commands"]
 
@@ -135,18 +136,10 @@ def cmd_import(args: argparse.Namespace, ctx: CliContext) -> int:
                               tokens=_token_list(args.tokens), model_name=args.name or args.model,
                               session=args.session)
     sv = res.save
-    if ctx.json:
-        ctx.emit_json({"format": FORMAT, "command": "import-mlx-cache", "snapshot_id": sv.snapshot_id,
-                       "skipped": sv.skipped, "parent_id": sv.parent_id, "n_tokens": res.n_tokens,
-                       "file_bytes": res.file_bytes, "stored_bytes": sv.stored_bytes,
-                       "logical_bytes": sv.logical_bytes, "identity": res.identity})
-    elif sv.snapshot_id is None:
-        ctx.line(f"skipped: {sv.skipped}")
-    else:
-        ctx.line(str(sv.snapshot_id))
-        ctx.note(f"snapshot {sv.snapshot_id}: {res.n_tokens} tokens, {sv.stored_bytes} new bytes stored "
-                 f"(file {res.file_bytes} bytes), parent {sv.parent_id}")
-    return 0 if sv.snapshot_id is not None else 1
+    return stored_file({"format": FORMAT, "command": "import-mlx-cache", "snapshot_id": sv.snapshot_id,
+                        "skipped": sv.skipped, "parent_id": sv.parent_id, "n_tokens": res.n_tokens,
+                        "file_bytes": res.file_bytes, "stored_bytes": sv.stored_bytes,
+                        "logical_bytes": sv.logical_bytes, "identity": res.identity}, ctx)
 
 
 def cmd_export(args: argparse.Namespace, ctx: CliContext) -> int:
