@@ -223,10 +223,10 @@ def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], stagin
     touched = False
     for items in windows:
         opened = _open_all(plan, items, blob_path, ram, touched, found)
-        if tiers is not None:
-            tally_opened(opened, tiers)  # before a byte of the window is read: cached or not, as found
+        # before a byte of the window is read: cached or not, as found (the stream reuses the probes)
+        warm = tally_opened(opened, tiers) if tiers is not None else None
         try:
-            touched = _stream_window(plan, opened, staging, ram, touched, found, blob_path, reads)
+            touched = _stream_window(plan, opened, staging, ram, touched, found, blob_path, reads, warm)
         finally:
             for fd in {entry[1] for entry in opened if entry[1] >= 0}:
                 try:
@@ -252,9 +252,10 @@ def _cold_targets(entry: _Opened, reads: DirectReads | None, cold: dict[int, boo
 
 def _stream_window(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ram: RamTier | None,
                    touched: bool, damage: Damage, blob_path: Callable[[bytes], str],
-                   reads: DirectReads | None) -> bool:
+                   reads: DirectReads | None, warm: dict[int, bool] | None = None) -> bool:
     """Write one window's chunks in order, as runs of cold chunks (read with O_DIRECT) and runs of
-    the others (buffered: cached, compressed, RAM-tier or writer destinations); returns touched."""
+    the others (buffered: cached, compressed, RAM-tier or writer destinations); returns touched.
+    ``warm``: the window's files found cached, per descriptor, where the tier tally probed them."""
     cold: dict[int, bool] = {}
     runs: list[tuple[bool, list[_Opened], list[DirectItem]]] = []
     for entry in opened:
@@ -274,7 +275,8 @@ def _stream_window(plan: RestorePlan, opened: list[_Opened], staging: StagingBuf
         done = None
         if direct and reads is not None:
             done = stream_direct(plan, items, staging, reads, ram, touched, damage, blob_path)
-        touched = done if done is not None else _stream(plan, entries, staging, ram, touched, damage, blob_path)
+        touched = done if done is not None else _stream(plan, entries, staging, ram, touched, damage, blob_path,
+                                                                 warm)
     return touched
 
 
@@ -298,8 +300,10 @@ def _file_lanes(fds: list[int]) -> list[int]:
 
 
 def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ram: RamTier | None,
-            touched: bool, damage: Damage, blob_path: Callable[[bytes], str]) -> bool:
-    """Write ``opened`` chunks through the page cache, in order (the caller closes their files); returns touched."""
+            touched: bool, damage: Damage, blob_path: Callable[[bytes], str],
+            warm: dict[int, bool] | None = None) -> bool:
+    """Write ``opened`` chunks through the page cache, in order (the caller closes their files); returns
+    touched. ``warm``: files known cached or not (the tier tally's probes), else probed here."""
     # Raw chunks with a contiguous destination are read in place by reader threads (a lane per file)
     # while this thread checks the previous one (preadv releases the GIL); the rest goes in order here.
     targets: list[memoryview | list[memoryview] | None] = []
@@ -311,7 +315,7 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
         e.touched = e.touched or touched
         raise
     total = sum(len(t) if isinstance(t, memoryview) else sum(map(len, t)) for _, t, _ in jobs)
-    big = len(jobs) > 1 and total >= _PIPELINE_MIN and (total > _SMALL_WARM or not _cached(opened))
+    big = len(jobs) > 1 and total >= _PIPELINE_MIN and (total > _SMALL_WARM or not _cached(opened, warm))
     reader = ReadAhead(len(jobs), lambda j: read_exact(*jobs[j]), depth=_DEPTH, threads=_THREADS,
                        lanes=_file_lanes([fd for fd, _, _ in jobs])) if big else None
     try:
@@ -390,10 +394,12 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
     return touched
 
 
-def _cached(opened: list[_Opened]) -> bool:
-    """Are the first and the last chunk file of ``opened`` in the page cache (two mincore probes)?"""
+def _cached(opened: list[_Opened], warm: dict[int, bool] | None) -> bool:
+    """Are the first and the last chunk file of ``opened`` in the page cache (``warm``'s answers, else
+    two mincore probes)?"""
     files = [(fd, HEADER_SIZE + item.chunk.raw_len) for item, fd, _, data in opened if data is None and fd >= 0]
-    return not files or all(resident(fd, size) for fd, size in {files[0], files[-1]})
+    known = warm or {}
+    return not files or all(known[fd] if fd in known else resident(fd, size) for fd, size in {files[0], files[-1]})
 
 
 def _in_place(opened: list[_Opened], targets: list[memoryview | list[memoryview] | None], pieces: list[range],
