@@ -123,6 +123,7 @@ class BlockWriter:
         # each pool whole as flat bytes (host_pools checked that its blocks are contiguous)
         self._flat = [memoryview(p.reshape(-1)).cast("B")  # type: ignore[arg-type]
                       if p.flags.c_contiguous else None for p in self._pools]
+        self._units: list[memoryview] | None = None  # built by the first views() call
 
     def views(self, offset: int, n: int) -> list[memoryview] | None:
         """Writable views of canonical bytes ``[offset, offset + n)`` in order — one per (block,
@@ -130,18 +131,31 @@ class BlockWriter:
         :meth:`write_from`)."""
         if offset < 0 or n < 0 or offset + n > self.nbytes:
             raise ss.InvalidInputError(f"bytes [{offset}, {offset + n}) are outside {self.nbytes}")
-        if any(f is None for f in self._flat):
+        units = self._unit_views()
+        if units is None:
             return None
-        flat: list[memoryview] = self._flat  # type: ignore[assignment]
-        layers, unit, out, pos, end = len(self._pools), self._unit, [], offset, offset + n
-        while pos < end:
-            u, within = divmod(pos, unit)
-            row, layer = divmod(u, layers)
-            take = min(unit - within, end - pos)
-            o = self._ids[row] * unit + within
-            out.append(flat[layer][o:o + take])
-            pos += take
+        if n == 0:
+            return []
+        unit = self._unit
+        u0, w0 = divmod(offset, unit)
+        u1, w1 = divmod(offset + n - 1, unit)  # the unit holding the last byte, and its offset there
+        out = units[u0:u1 + 1]  # a restore asks for a chunk's rows: whole units but at its ends
+        if u0 == u1:
+            out[0] = out[0][w0:w1 + 1]
+        else:
+            out[0], out[-1] = out[0][w0:], out[-1][:w1 + 1]
         return out
+
+    def _unit_views(self) -> list[memoryview] | None:
+        """Every (block, layer) unit as a writable view, in canonical order, made once: a restore
+        asks for them chunk by chunk, and slicing a ready list costs far less than locating each."""
+        if self._units is None:
+            if any(f is None for f in self._flat):
+                return None
+            flat: list[memoryview] = self._flat  # type: ignore[assignment]
+            unit = self._unit
+            self._units = [f[b * unit:(b + 1) * unit] for b in self._ids for f in flat]
+        return self._units
 
     def write_from(self, offset: int, data: memoryview) -> None:
         """Write ``data`` at byte ``offset`` of the sequence's rows."""

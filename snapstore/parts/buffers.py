@@ -162,6 +162,9 @@ class Sink:
         before) when it is not one, so a wrong type is the destination's error, never a bare one.
         A numpy array is taken as its bytes (any dtype: one numpy exports no buffer format for, such
         as a bfloat16 extension type, too); memory of Python objects (object dtype) is refused."""
+        if type(obj) is memoryview and obj.format == "B" and obj.ndim == 1 and not obj.readonly \
+                and obj.c_contiguous and not (isinstance(obj.obj, np.ndarray) and obj.obj.dtype.hasobject):
+            return obj  # already flat writable bytes (a paged writer's views: hundreds a restore)
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:  # pointers to Python objects: writing bytes there corrupts the process
                 raise DestinationError(f"part {self.name!r}: the destination's {what} returned a numpy array of "
