@@ -50,7 +50,7 @@ from snapstore.lifecycle.liveness import reap_lock_files
 from snapstore.lifecycle.owner import Owner
 from snapstore.lifecycle.rules import log_drops, new_outside_use
 from snapstore.parts.buffers import Destination, PartSource
-from snapstore.plan.match import best_match
+from snapstore.plan.match import Prompt, best_match
 from snapstore.plan.prefix import match_tokens
 from snapstore.plan.restore_plan import RestorePlan
 from snapstore.remote.uploader import FlushResult, flush_all
@@ -312,11 +312,12 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         if len(arr) == 0:
             return None
         not_before = time.time() - self.budget.ttl if self.budget.ttl else 0.0
-        found = self._repo.db.read(lambda c: best_match(c, self.layout, self.identity.key, ns, arr, skip,
+        prompt = Prompt(arr)  # kept: restore or recompute matches it again past each prefix it weighs
+        found = self._repo.db.read(lambda c: best_match(c, self.layout, self.identity.key, ns, prompt, skip,
                                                         not_before))
         far = self._remote.lookup(arr, ns, found[1] if found is not None else 0) if self._remote is not None else None
         if prefill_tokens_per_s is not None:  # restore or recompute: calls/recompute.py weighs the prefixes
-            return choose_match(self, arr, ns, namespace, skip, not_before, found, far, prefill_tokens_per_s)
+            return choose_match(self, prompt, ns, namespace, skip, not_before, found, far, prefill_tokens_per_s)
         if far is not None:
             return far  # type: ignore[no-any-return]
         if found is None:

@@ -4,10 +4,11 @@ A scheduler asks, per request, how many tokens the store holds for a prompt and 
 them writes, before it allocates anything. As two calls that is two transactions, and describe
 walks the chain the match just walked; here both run in one consistent snapshot of the catalog
 (the plan's own checks unchanged: a chain that would not restore is an error, not a hit).
-A store with a shared tier takes the two calls (the tier may hold a longer prefix), and so does a
-lookup weighed against prefill (``prefill_tokens_per_s``: match weighs shorter prefixes and their
-tiers, calls/recompute.py). ``Store.load`` (calls/load.py) is here too: both are the Store's
-prefix-to-plan calls.
+A lookup weighed against prefill (``prefill_tokens_per_s``) weighs the prefixes in that same read:
+each option's plan is built once, for its estimate and then for the details of the one chosen
+(:func:`snapstore.calls.recompute.weigh` decides, as match() does). A store with a shared tier
+takes the two calls (the tier may hold a longer prefix). ``Store.load`` (calls/load.py) is here
+too: both are the Store's prefix-to-plan calls.
 """
 
 from __future__ import annotations
@@ -17,30 +18,41 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from snapstore._config import Budget
+from snapstore._errors import SnapstoreError
 from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, excluded, namespace_key
-from snapstore._results import LoadResult, Match, MatchDetails
+from snapstore._results import LoadResult, Match, MatchDetails, RecomputeDecision, RestoreEstimate
 from snapstore._tokens import TokensLike, as_token_array
 from snapstore.calls.gate import CallGate, operation
 from snapstore.calls.load import load_prefix
+from snapstore.calls.recompute import chosen_match, weigh
 from snapstore.catalog.db import Database
-from snapstore.catalog.queries import Txn
+from snapstore.catalog.queries import ChunkRow, SnapRow, Txn
 from snapstore.chunks.repo import Repo
 from snapstore.lifecycle.access import Access
 from snapstore.lifecycle.bookkeeping import Ledger
 from snapstore.parts.buffers import Destination
-from snapstore.plan.match import best_match
+from snapstore.plan.match import Prompt, best_match
+from snapstore.plan.recompute import check_rate
+from snapstore.plan.restore_plan import RestorePlan
+from snapstore.restore.ramtier import RamTier
+from snapstore.restore.rates import RestoreRates
 from snapstore.restore.read import details_of, plan_of, wanted_components
+from snapstore.restore.tiers import probe_chunks
 
 __all__ = ["StoreLookup", "lookup_prefix"]
 
 
 def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLike, *, namespace: str | None,
                   exclude: Iterable[SnapshotRef] | None, components: Iterable[str] | None, ttl: float | None,
-                  count: Callable[..., None], two_calls: tuple[Any, Any] | None = None) -> MatchDetails | None:
+                  count: Callable[..., None], two_calls: tuple[Any, Any] | None = None,
+                  weighed: tuple[float, Callable[[list[ChunkRow]], RestoreEstimate]] | None = None,
+                  ) -> MatchDetails | None:
     """The longest committed prefix of ``tokens`` as :class:`MatchDetails` (``n_tokens``: the
     tokens matched; ``snapshot_tokens``: the snapshot's own), or None; counted like match().
-    ``two_calls``: the store's (match, describe), taken instead when it has a shared tier."""
+    ``two_calls``: the store's (match, describe), taken instead when it has a shared tier.
+    ``weighed``: (prefill tokens per second, the estimate of a plan's chunks): the prefix that saves
+    the most time, or None when reading the prompt is faster than any restore (``why`` says)."""
     if two_calls is not None:  # the shared tier may hold a longer prefix than the local catalog
         match, describe = two_calls
         m = match(tokens, namespace=namespace, exclude=exclude)
@@ -62,12 +74,39 @@ def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLi
         snap, plan = plan_of(c, access, layout, hit.id, ns, None, wanted, 0, n_hit)
         return details_of(c, snap, plan, ns, 0)
 
-    details = db.read(run)
-    if details is None:
-        count("misses")
-        return None
-    count("hits")
-    count("hit_tokens", details.n_tokens)
+    if weighed is None:
+        details = db.read(run)
+        if details is None:
+            count("misses")
+            return None
+        count("hits")
+        count("hit_tokens", details.n_tokens)
+        return details
+    rate, estimate_chunks = weighed
+    prompt = Prompt(arr)
+
+    def run_weighed(c: Txn) -> tuple[RecomputeDecision, dict[int, Match], MatchDetails | None]:
+        plans: dict[int, tuple[SnapRow, RestorePlan]] = {}
+
+        def estimate(m: Match) -> RestoreEstimate | None:
+            chunks: list[ChunkRow] = []
+            try:
+                plans[m.snapshot_id] = plan_of(c, access, layout, m.snapshot_id, ns, None, wanted, 0, m.n_tokens,
+                                               chunks)
+            except SnapstoreError:
+                return None  # unreadable since it matched: not a choice (its restore would fail alike)
+            return estimate_chunks(chunks)
+
+        decision, by_id = weigh(best_match(c, layout, key, ns, prompt, skip, not_before),
+                                lambda passed: best_match(c, layout, key, ns, prompt, passed, not_before),
+                                skip, estimate, None, rate, namespace)
+        if decision.chosen is None:
+            return decision, by_id, None
+        snap, plan = plans[decision.chosen]
+        return decision, by_id, details_of(c, snap, plan, ns, 0, decision)
+
+    decision, by_id, details = db.read(run_weighed)
+    chosen_match(count, decision, by_id)  # counted as match() counts it
     return details
 
 
@@ -79,6 +118,8 @@ class StoreLookup:
     _access: Access
     _ledger: Ledger
     _remote: Any
+    _rates: RestoreRates
+    _ram: RamTier | None
     layout: Layout
     budget: Budget
     match: Callable[..., Match | None]
@@ -89,15 +130,17 @@ class StoreLookup:
                components: Iterable[str] | None = None,
                prefill_tokens_per_s: float | None = None) -> MatchDetails | None:
         """``describe(match(tokens))`` in one catalog read, or None (docs/api.md "lookup"); with
-        ``prefill_tokens_per_s`` the two calls, the match weighed against prefill (``why`` set)."""
-        two = self._remote is not None or prefill_tokens_per_s is not None
-
+        ``prefill_tokens_per_s`` the match weighed against prefill, in the same read (``why`` set)."""
         def match(t: TokensLike, **kw: Any) -> Match | None:
             return self.match(t, prefill_tokens_per_s=prefill_tokens_per_s, **kw)
 
+        def estimate(chunks: list[ChunkRow]) -> RestoreEstimate:
+            return self._rates.estimate(probe_chunks(chunks, self._repo.blob_path, self._ram))
+
+        weighed = (check_rate(prefill_tokens_per_s), estimate) if prefill_tokens_per_s is not None else None
         return lookup_prefix(self._repo.db, self._access, self.layout, tokens, namespace=namespace, exclude=exclude,
                              components=components, ttl=self.budget.ttl, count=self._ledger.count,
-                             two_calls=(match, self.describe) if two else None)
+                             two_calls=(match, self.describe) if self._remote is not None else None, weighed=weighed)
 
     def load(self, tokens: TokensLike, *, allocate: Callable[[MatchDetails], Mapping[str, Destination]],
              release: Callable[[Mapping[str, Destination]], object] | None = None,

@@ -12,8 +12,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
-
 from snapstore._errors import SnapstoreError
 from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, ref_namespace, snapshot_id
@@ -21,14 +19,15 @@ from snapstore._results import Match, RecomputeDecision, RestoreEstimate
 from snapstore.calls.gate import CallGate, operation
 from snapstore.catalog.queries import ChunkRow, SnapRow
 from snapstore.lifecycle.bookkeeping import Ledger
-from snapstore.plan.match import best_match
+from snapstore.plan.match import Prompt, best_match
 from snapstore.plan.prefix import granularity, match_tokens
 from snapstore.plan.recompute import MAX_CONSIDERED, Option, check_rate, decide
 from snapstore.restore.rates import RestoreRates
 from snapstore.restore.read import plan_of, wanted_components
 from snapstore.restore.tiers import probe_chunks
 
-__all__ = ["RestoreRates", "RestoreTimer", "StoreRecompute", "choose_match", "estimate_of", "restored"]
+__all__ = ["RestoreRates", "RestoreTimer", "StoreRecompute", "choose_match", "chosen_match", "estimate_of",
+           "restored", "weigh"]
 
 Found = tuple[SnapRow, int]
 
@@ -48,33 +47,35 @@ def estimate_of(store: Any, m: Any, wanted: set[str], namespace: str | None,
     return rates.estimate(probe_chunks(chunks, store._repo.blob_path, store._ram))
 
 
-def choose_match(store: Any, arr: np.ndarray, ns: str, namespace: str | None, skip: set[int], not_before: float,
-                 found: Found | None, far: Match | None, prefill_tokens_per_s: float) -> Match | None:
-    """``match(prefill_tokens_per_s=rate)``: the shared tier's longer match (``far``) and the local
-    prefixes, longest first (the next found by matching again past the previous), weighed by
-    :func:`snapstore.plan.recompute.decide`. Counts the hit or miss, and ``recompute_skipped`` when a
-    longer prefix was passed over (or all were)."""
-    rate = check_rate(prefill_tokens_per_s)
+def weigh(found: Found | None, next_found: Callable[[set[int]], Found | None], skip: set[int],
+          estimate: Callable[[Match], RestoreEstimate | None], far: Match | None, rate: float,
+          namespace: str | None) -> tuple[RecomputeDecision, dict[int, Match]]:
+    """The shared tier's longer match (``far``) and the local prefixes, longest first — ``found``, then
+    each next one ``next_found(passed)`` finds past the ones before — weighed by
+    :func:`snapstore.plan.recompute.decide`; the decision and the Match of each option weighed.
+    ``estimate``: an option's restore estimate, None when it is not a choice (gone since it matched)."""
     by_id: dict[int, Match] = {}
-    estimate: Callable[[Match], RestoreEstimate] = store.estimate_restore
 
     def options() -> Iterator[Option]:
         if far is not None:
             by_id[far.snapshot_id] = far
-            yield far.snapshot_id, far.n_tokens, lambda: _guarded(estimate, far)
+            yield far.snapshot_id, far.n_tokens, lambda: estimate(far)
         got, passed = found, set(skip)
         for _ in range(MAX_CONSIDERED):
             if got is None:
                 return
             snap, n = got
             m = by_id[snap.id] = Match(snap.id, n, namespace)
-            yield snap.id, n, lambda m=m: _guarded(estimate, m)  # type: ignore[misc]
+            yield snap.id, n, lambda m=m: estimate(m)  # type: ignore[misc]
             passed.add(snap.id)
-            got = store._repo.db.read(lambda c: best_match(c, store.layout, store.identity.key, ns, arr, passed,
-                                                           not_before))
+            got = next_found(passed)  # only when decide() asks: a free restore of it could still win
 
-    decision = decide(options(), rate)
-    count = store._ledger.count
+    return decide(options(), rate), by_id
+
+
+def chosen_match(count: Callable[..., None], decision: RecomputeDecision, by_id: Mapping[int, Match]) -> Match | None:
+    """The Match ``decision`` chose (carrying it as ``why``), or None; counts the hit or miss, and
+    ``recompute_skipped`` when a longer prefix was passed over (or all were)."""
     if decision.considered and decision.chosen != decision.considered[0].snapshot_id:
         count("recompute_skipped")
     chosen = next((c for c in decision.considered if c.snapshot_id == decision.chosen), None)
@@ -84,6 +85,19 @@ def choose_match(store: Any, arr: np.ndarray, ns: str, namespace: str | None, sk
     count("hits")
     count("hit_tokens", chosen.n_tokens)
     return dataclasses.replace(by_id[chosen.snapshot_id], why=decision)
+
+
+def choose_match(store: Any, prompt: Prompt, ns: str, namespace: str | None, skip: set[int], not_before: float,
+                 found: Found | None, far: Match | None, prefill_tokens_per_s: float) -> Match | None:
+    """``match(prefill_tokens_per_s=rate)``: :func:`weigh` with the store's own estimates, each next
+    prefix found by matching again (a read of its own) past the ones before."""
+    rate = check_rate(prefill_tokens_per_s)
+    estimate: Callable[[Match], RestoreEstimate] = store.estimate_restore
+    decision, by_id = weigh(
+        found, lambda passed: store._repo.db.read(lambda c: best_match(c, store.layout, store.identity.key, ns,
+                                                                       prompt, passed, not_before)),
+        skip, lambda m: _guarded(estimate, m), far, rate, namespace)
+    return chosen_match(store._ledger.count, decision, by_id)
 
 
 def _guarded(estimate: Callable[[Match], RestoreEstimate], m: Match) -> RestoreEstimate | None:

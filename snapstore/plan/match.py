@@ -17,10 +17,45 @@ from snapstore._tokens import Encoded, decode_tokens, spells_chain, spells_segme
 from snapstore.catalog.find_keys import find_keys
 from snapstore.catalog.queries import SnapRow, Txn
 from snapstore.plan.fit import fits
-from snapstore.plan.prefix import find_prefix
+from snapstore.plan.prefix import find_prefix, prefix_chain
 from snapstore.plan.restore_plan import needs_quarantined
 
-__all__ = ["best_match", "longest_prefix", "tokens_of"]
+__all__ = ["Prompt", "best_match", "longest_prefix", "tokens_of"]
+
+
+class Prompt:
+    """A prompt and what matching it derives from its tokens alone — find keys, its encodings, the
+    block-prefix chain — computed once however often it is matched: restore or recompute matches
+    one prompt again past each prefix it weighs (issue 31)."""
+
+    __slots__ = ("_chains", "_encoded", "_keys", "arr")
+
+    def __init__(self, arr: np.ndarray):
+        self.arr = arr
+        self._keys: np.ndarray | None = None
+        self._encoded: Encoded | None = None
+        self._chains: dict[int, list[bytes]] = {}
+
+    @property
+    def keys(self) -> np.ndarray:
+        """The prompt's find keys (:func:`snapstore.catalog.find_keys.find_keys`)."""
+        if self._keys is None:
+            self._keys = find_keys(self.arr)
+        return self._keys
+
+    @property
+    def encoded(self) -> Encoded:
+        """The prompt in each stored token width, shared by every candidate compared with it."""
+        if self._encoded is None:
+            self._encoded = Encoded(self.arr)
+        return self._encoded
+
+    def chain(self, step: int) -> list[bytes]:
+        """The block-prefix keys of the prompt at ``step`` (:func:`snapstore.plan.prefix.prefix_chain`)."""
+        got = self._chains.get(step)
+        if got is None:
+            got = self._chains[step] = prefix_chain(self.arr, step, len(self.arr))
+        return got
 
 
 def tokens_of(chain: list[SnapRow]) -> np.ndarray:
@@ -29,15 +64,16 @@ def tokens_of(chain: list[SnapRow]) -> np.ndarray:
     return np.concatenate(segs) if segs else np.zeros(0, dtype="<u8")
 
 
-def longest_prefix(c: Txn, layout: Layout, identity_key: str, ns: str, arr: np.ndarray, skip: set[int],
+def longest_prefix(c: Txn, layout: Layout, identity_key: str, ns: str, prompt: Prompt | np.ndarray, skip: set[int],
                    not_before: float) -> SnapRow | None:
     """The longest restorable committed snapshot whose tokens are ``arr[:n]``, or None.
 
     ``layout``: the store's (a snapshot that cannot restore into it is passed over); ``skip``:
     ids passed over; ``not_before``: snapshots last used earlier have expired (TTL).
     """
-    keys = find_keys(arr)
-    encoded = Encoded(arr)  # the prompt in each stored token width, encoded once for every candidate
+    prompt = prompt if isinstance(prompt, Prompt) else Prompt(prompt)
+    arr, keys = prompt.arr, prompt.keys
+    encoded = prompt.encoded  # the prompt in each stored token width, encoded once for every candidate
     broken: dict[int, bool] | None = None  # read once a candidate's tokens are a prefix
     for sid, _n, _key, own, lkey in c.match_candidates(identity_key, ns, keys, len(arr), not_before):
         if sid in skip or not spells_segment(own, arr, encoded):
@@ -58,12 +94,15 @@ def longest_prefix(c: Txn, layout: Layout, identity_key: str, ns: str, arr: np.n
     return None
 
 
-def best_match(c: Txn, layout: Layout, identity_key: str, ns: str, arr: np.ndarray, skip: set[int],
+def best_match(c: Txn, layout: Layout, identity_key: str, ns: str, prompt: Prompt | np.ndarray, skip: set[int],
                not_before: float) -> tuple[SnapRow, int] | None:
     """``(snapshot, tokens it serves)``: the longest exact prefix (:func:`longest_prefix`), or, for a
     layout with ``tokens_per_row``, rows [0, k) of any snapshot sharing a longer block-aligned
-    prefix with ``arr`` (:mod:`snapstore.plan.prefix`); None on a miss."""
-    hit = longest_prefix(c, layout, identity_key, ns, arr, skip, not_before)
+    prefix with ``arr`` (:mod:`snapstore.plan.prefix`); None on a miss. ``prompt``: the prompt's tokens,
+    or a :class:`Prompt` of them kept across matches of the same prompt."""
+    prompt = prompt if isinstance(prompt, Prompt) else Prompt(prompt)
+    arr = prompt.arr
+    hit = longest_prefix(c, layout, identity_key, ns, prompt, skip, not_before)
     exact = (hit, hit.n_tokens) if hit is not None else None
     broken: dict[int, bool] | None = None
 
@@ -77,5 +116,5 @@ def best_match(c: Txn, layout: Layout, identity_key: str, ns: str, arr: np.ndarr
             return False
         return bool(np.array_equal(tokens_of(chain)[:k], arr[:k]))
 
-    more = find_prefix(c, layout, identity_key, ns, arr, exact[1] if exact else 0, usable)
+    more = find_prefix(c, layout, identity_key, ns, arr, exact[1] if exact else 0, usable, prompt.chain)
     return (more.snap, more.n_tokens) if more is not None else exact

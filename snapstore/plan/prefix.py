@@ -43,7 +43,7 @@ from snapstore.parts.buffers import Sink
 
 __all__ = ["ClippedSink", "ContentSegment", "PrefixHit", "content_key_of", "content_tag", "find_prefix", "granularity",
            "granularity_fits", "index_keys",
-           "match_tokens", "prefix_step", "record_prefixes", "rows_bound", "rows_limit"]
+           "match_tokens", "prefix_chain", "prefix_step", "record_prefixes", "rows_bound", "rows_limit"]
 
 _MIN_STEP = 16  # tokens: finer steps would index a 128K-token prompt under >8K keys
 _HOLDERS = 8  # snapshots tried at the longest indexed prefix (most recently used first)
@@ -109,7 +109,7 @@ def prefix_step(layout: Layout) -> int | None:
     return g * -(-_MIN_STEP // g)
 
 
-def _chain(tokens: np.ndarray, step: int, upto: int) -> list[bytes]:
+def prefix_chain(tokens: np.ndarray, step: int, upto: int) -> list[bytes]:
     """``out[i]`` names tokens ``[0, (i + 1) * step)``, for every whole step below ``upto``."""
     raw = np.ascontiguousarray(tokens[:upto], dtype="<u8").data.cast("B")
     h = blake3.blake3(b"snapstore row prefixes v1 %d" % step).digest(16)
@@ -142,7 +142,7 @@ def index_keys(layout: Layout, tokens: np.ndarray, parts: Iterable[PartRow]) -> 
     hi = min(hi, len(tokens))
     if hi <= lo:
         return []
-    chain = _chain(tokens, step, hi)
+    chain = prefix_chain(tokens, step, hi)
     first = lo // step + 1  # the first multiple of step above lo
     return [((i + 1) * step, chain[i]) for i in range(first - 1, len(chain))]
 
@@ -163,31 +163,38 @@ class PrefixHit:
 
 
 def find_prefix(c: Txn, layout: Layout, identity_key: str, ns: str, tokens: np.ndarray, longer_than: int,
-                usable: Callable[[SnapRow, int], bool]) -> PrefixHit | None:
+                usable: Callable[[SnapRow, int], bool],
+                chain_of: Callable[[int], list[bytes]] | None = None) -> PrefixHit | None:
     """The longest prefix of ``tokens`` longer than ``longer_than`` that a committed snapshot of
     this identity and namespace holds rows for, or None.
 
     Binary search over the index (presence is monotone in the prefix length), then up to
     ``_HOLDERS`` holders at that length (then at up to ``_DEPTHS`` shorter ones) are checked with
     ``usable(snapshot, k)``: the caller compares tokens exactly, checks exclusions, quarantine, TTL.
+    ``chain_of(step)``: the prompt's :func:`prefix_chain` at ``step`` (memoized by a caller matching
+    one prompt several times), else computed here.
     """
     step = prefix_step(layout)
-    if step is None:
-        return None
-    chain = _chain(tokens, step, len(tokens))
+    if step is None or longer_than // step >= len(tokens) // step:
+        return None  # no whole step beyond the exact match: nothing to hash (a full hit's usual case)
+    chain = chain_of(step) if chain_of is not None else prefix_chain(tokens, step, len(tokens))
     lo, hi = longer_than // step, len(chain)  # answer in (lo, hi]; depth d names (d * step) tokens
 
-    def holders(d: int) -> list[int]:
-        return c.row_prefix_holders(identity_key, ns, chain[d - 1], d * step, _HOLDERS)
+    def holders(depths: list[int]) -> dict[int, list[int]]:
+        return c.row_prefix_holders(identity_key, ns, [(chain[d - 1], d * step) for d in depths], _HOLDERS)
 
     while lo < hi:  # the largest d with a holder
         mid = (lo + hi + 1) // 2
-        if holders(mid):
+        if holders([mid]):
             lo = mid
         else:
             hi = mid - 1
-    for d in range(lo, max(longer_than // step, lo - _DEPTHS), -1):
-        for sid in holders(d):
+    # the holders of every depth tried, in one statement (the deepest is usually usable; when its
+    # holders are excluded — restore or recompute matching past them — the next ones are at hand)
+    depths = list(range(lo, max(longer_than // step, lo - _DEPTHS), -1))
+    held = holders(depths) if depths else {}
+    for d in depths:
+        for sid in held.get(d * step, ()):
             snap = c.snapshot(sid)
             if snap is not None and d * step > longer_than and usable(snap, d * step):
                 return PrefixHit(snap, d * step)
