@@ -17,6 +17,7 @@ and hashes only the blocks after it.
 
 from __future__ import annotations
 
+import array
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -52,7 +53,9 @@ def as_token_array(tokens: Any, *, what: str = "tokens", borrow: bool = False) -
         raise InvalidInputError(f"{what} must be a sequence of non-negative ints (a list, a tuple or a "
                                 f"one-dimensional integer array), got {type(tokens).__name__} {tokens!r:.60}")
     try:
-        arr = np.asarray(tokens)
+        arr = _from_int_list(tokens)
+        if arr is None:
+            arr = np.asarray(tokens)
         if arr.dtype.kind == "f" and not isinstance(tokens, np.ndarray):
             # Python ints numpy could not put in one integer dtype (one >= 2**63 beside a small one, or a
             # negative one) came out as float64: look at them as the ints they are
@@ -83,6 +86,18 @@ def as_token_array(tokens: Any, *, what: str = "tokens", borrow: bool = False) -
     if borrow and arr.dtype == np.dtype("<i8"):
         return arr.view("<u8")  # the same bytes: every token is non-negative (checked above)
     return arr.astype("<u8", copy=False)
+
+
+def _from_int_list(tokens: Any) -> np.ndarray | None:
+    """A list of Python ints as int64 through ``array.array`` (half of ``np.asarray``'s ~100 us at
+    3,000 tokens: an engine's scheduler passes its prompt as a list on every lookup); None for
+    anything else — a list of bools, floats or ints past int64 — which numpy's path judges as before."""
+    if type(tokens) is not list or not tokens or type(tokens[0]) is not int:
+        return None
+    try:
+        return np.frombuffer(array.array("q", tokens), dtype=np.int64)
+    except (TypeError, OverflowError):
+        return None
 
 
 def _out_of_range(what: str, arr: np.ndarray, i: int) -> InvalidInputError:

@@ -14,6 +14,8 @@ import os
 import apsw
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from support import open_store
 from support.catalogs import LATEST_SCHEMA, UNDO_FIND_KEYS
 
@@ -242,3 +244,32 @@ def test_the_catalog_is_read_through_a_memory_map_unless_turned_off(tmp_path: st
     monkeypatch.setenv("SNAPSTORE_SQLITE_MMAP_MIB", "lots")
     with pytest.raises(ss.ConfigError, match="SNAPSTORE_SQLITE_MMAP_MIB"):
         _open(path)
+
+
+_ELEMENT = st.one_of(st.integers(-5, 2**64), st.integers(0, 600), st.booleans(), st.floats(allow_nan=False, width=32))
+
+
+@given(st.lists(_ELEMENT, max_size=12))
+def test_a_list_of_ints_takes_the_short_path_and_judges_every_list_as_numpy_does(tokens: list[object]) -> None:
+    """Python lists of ints skip numpy's per-element conversion (an engine's scheduler passes its
+    prompt as a list on every lookup); every list — bools, floats, ints past int64, negatives —
+    is accepted or refused exactly as through numpy alone, with the same tokens."""
+    from snapstore import _tokens
+
+    def judged() -> object:
+        try:
+            return as_token_array(tokens).tolist()
+        except ss.InvalidInputError as e:
+            return type(e)
+
+    fast = judged()
+    real = _tokens._from_int_list
+    try:
+        _tokens._from_int_list = lambda t: None  # type: ignore[assignment]
+        slow = judged()
+    finally:
+        _tokens._from_int_list = real  # type: ignore[assignment]
+    assert fast == slow
+    ints = [t for t in tokens if type(t) is int and 0 <= t < 2**63]
+    if ints:
+        assert as_token_array(ints).tolist() == ints and _tokens._from_int_list(ints) is not None
