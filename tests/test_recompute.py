@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from fractions import Fraction
 
 import numpy as np
@@ -17,6 +18,7 @@ from support import store_factory
 
 import snapstore as ss
 from snapstore.catalog.rates import RateRow
+from snapstore.lifecycle.bookkeeping import USE_EVERY_S
 from snapstore.plan.recompute import MAX_CONSIDERED, PrefillRate, decide
 from snapstore.restore.rates import DECAY, GUESS_BYTES_PER_S, GUESS_FIXED_S, STAGE_EVERY_S, RestoreRates, TierFit
 
@@ -271,6 +273,7 @@ def test_a_restore_persists_its_rate_without_a_write_of_its_own(tmp_path: object
         s.save(toks, state(64))
         m = s.match(toks)
         assert m is not None
+        time.sleep(USE_EVERY_S)  # the save's write took the bookkeeping just now
         restore(s, m, 64)  # the first measurement goes out with the restore's own bookkeeping (if the lock is free)
         rows = s._repo.db.read(lambda t: t.restore_rates())
         assert len(rows) == 1 and rows[0].samples == 1
