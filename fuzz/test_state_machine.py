@@ -4,17 +4,21 @@ The public machine checks exact restores, longest-prefix match, pins, budgets, s
 verify after every step; here it also checks the accounting against the catalog and the chunk
 files on disk (internals an engine's own run cannot see). Two layouts: raw bytes with a draft
 component (raw/zstd codecs), and typed parts (float16/bfloat16/float32) with the shuffle codec.
-Step counts come from the Hypothesis profile (tests/README.md).
+Step counts come from the Hypothesis profile (tests/README.md); the dev profile runs fewer.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 from hypothesis.stateful import invariant
 
 import snapstore as ss
 from snapstore.testing import NumpyEngine, StoreStateMachine
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from support.profile import lighter_in_dev  # noqa: E402
 
 RAW = ss.Layout(fixed={"rec": ss.Fixed("uint8", (200,))},
                 rows={"kv": ss.Rows("uint8", (96,)), "d": ss.Rows("uint8", (8,), component="draft")})
@@ -43,5 +47,7 @@ class AccountedMachine(StoreStateMachine):
         assert stats.logical_bytes == sum(x.logical_bytes for x in infos if x.matchable)
 
 
-TestRawLayout = AccountedMachine.for_engine(NumpyEngine(RAW), codecs=("raw", "zstd")).TestCase
-TestTypedLayout = AccountedMachine.for_engine(NumpyEngine(TYPED), codecs=("zstd-shuffle2", "raw")).TestCase
+# the dev profile (make test) runs 3 x 15 steps of each, not its 5 x 20; ci and long run their own counts
+TestRawLayout = lighter_in_dev(AccountedMachine.for_engine(NumpyEngine(RAW), codecs=("raw", "zstd")).TestCase, 3, 15)
+TestTypedLayout = lighter_in_dev(
+    AccountedMachine.for_engine(NumpyEngine(TYPED), codecs=("zstd-shuffle2", "raw")).TestCase, 3, 15)

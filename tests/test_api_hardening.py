@@ -272,6 +272,7 @@ def test_restore_does_not_wait_for_a_long_writer_to_record_last_use(store_dir: s
     before = {i.snapshot_id: i for i in s.snapshots()}[r.snapshot_id]
     writer = catalog(store_dir)
     writer.execute("BEGIN IMMEDIATE")  # a long writer (another process's big save) holds the lock
+    # it commits once the three restores are done, or after 4 s if they queue behind it (the old code)
     release = threading.Timer(4.0, lambda: writer.execute("COMMIT"))
     release.start()
     try:
@@ -280,10 +281,14 @@ def test_restore_does_not_wait_for_a_long_writer_to_record_last_use(store_dir: s
         for _ in range(3):
             s.restore(s.match(toks(50)), dest)
         assert time.monotonic() - t0 < 2.0  # before: each restore queued behind the writer
+        assert writer.in_transaction  # all three ran while the writer held the lock
         assert part_hashes(LAYOUT, dest, {"attn.kv": 50, "mtp.kv": 50}) == part_hashes(
             LAYOUT, st_, {"attn.kv": 50, "mtp.kv": 50})
     finally:
+        release.cancel()
         release.join()
+        if writer.in_transaction:  # the timer had not fired: the writer commits now
+            writer.execute("COMMIT")
         writer.close()
     # recorded, not lost: the next write (here stats()) persists last use, hits and the counter
     assert s.stats().restores == 3

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from support import store_factory
+from support.profile import examples
 
 import snapstore as ss
 from snapstore.catalog.rates import RateRow
@@ -56,7 +57,7 @@ def weighed(draw: st.DrawFn) -> tuple[int, list[tuple[int, float]], float]:
 
 
 @given(weighed())
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400, dev=100), deadline=None)
 def test_decide_serves_a_prompt_as_fast_as_the_reference_model(case: tuple[int, list[tuple[int, float]], float]
                                                                 ) -> None:
     prompt, options, rate = case
@@ -95,7 +96,7 @@ def test_decide_serves_a_prompt_as_fast_as_the_reference_model(case: tuple[int, 
 
 @given(st.sets(st.integers(0, 1000), min_size=2, max_size=MAX_CONSIDERED), st.sampled_from([1.0, 4.0, 1024.0]),
        st.integers(1, 800))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200, dev=50), deadline=None)
 def test_decide_breaks_exact_ties_toward_the_longest(shorter: set[int], rate: float, eighths: int) -> None:
     """Options saving exactly the same time (dyadic figures: the float arithmetic is exact): the longest wins."""
     saving = eighths / 8
@@ -145,7 +146,7 @@ def test_an_unseen_tier_is_the_stated_guess(tier: str, nbytes: int) -> None:
 
 @given(st.floats(0.0, 0.01), st.floats(1e-11, 1e-8), st.lists(st.integers(1 << 16, 1 << 30), min_size=3, max_size=12),
        st.integers(1, 1 << 32))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200, dev=50), deadline=None)
 def test_recorded_figures_on_a_line_give_that_line(a: float, b: float, sizes: list[int], probe: int) -> None:
     """Restores taking a + b × bytes (recorded, not timed): the estimate of any size is a + b × size when the
     sizes vary enough to separate the fixed cost, else the mean seconds per byte of the decayed samples.

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.profile import examples
 
 import snapstore as ss
 
@@ -93,7 +94,7 @@ def test_lookup_runs_fewer_statements_than_match_and_describe(tmp_path: Any) -> 
         assert len(one) <= len(match_only) + 6, (len(one), len(match_only))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25, dev=10), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_lookup_is_match_then_describe(tmp_path_factory: Any, data: st.DataObject) -> None:
     """For prompts that share any prefix with stored chains: lookup == describe(match(prompt))."""

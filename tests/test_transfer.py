@@ -23,6 +23,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from s3_fixtures import bucket, seaweed, weed_binary  # noqa: F401 - the fixtures (the slow shared-tier test)
+from support.profile import examples
 
 import snapstore as ss
 
@@ -256,7 +257,8 @@ def test_a_truncated_file_is_refused(tmp_path: Any, exported: tuple[str, bytes])
         _assert_nothing_imported(s, str(tmp_path / "dst"))
 
 
-_FAULT = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_FAULT = settings(max_examples=examples(100, dev=30), deadline=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @pytest.fixture
