@@ -24,6 +24,7 @@ from snapstore._tokens import BLOCK, Link, Segment, decode_tokens
 from snapstore.catalog.admission import AdmissionQueries
 from snapstore.catalog.chunk_queries import QUARANTINED_USERS_SQL, ChunkQueries
 from snapstore.catalog.find_keys import FIND_SEED, extend
+from snapstore.catalog.prefix_queries import ROW_PREFIX_HOLDERS_SQL, PrefixQueries
 from snapstore.catalog.rates import RateQueries
 from snapstore.catalog.rows import (
     N_SNAP,
@@ -67,17 +68,6 @@ def _carray() -> Any:
 _CARRAY: Any = _carray()
 
 
-# The holders of block-prefix keys (``{keys}``: one "?" per key), longest prefix first, then most
-# recently used. The CROSS JOIN keeps the key index as the outer loop: left to itself the planner
-# walked every snapshot of the identity and probed the key for each (95 us a probe at 72
-# snapshots, growing with the store; a lookup makes up to a dozen), where a key names only the
-# snapshots that share that prefix (27 us).
-ROW_PREFIX_HOLDERS_SQL = (
-    "SELECT r.n_tokens, r.key, s.id FROM row_prefixes r CROSS JOIN snapshots s ON s.id = r.snapshot_id "
-    "WHERE r.key IN ({keys}) AND s.identity_id = (SELECT id FROM identities WHERE key = ?) "
-    "AND s.namespace = ? AND s.state = 1 AND s.imported_from IS NULL "
-    "ORDER BY r.n_tokens DESC, s.last_used DESC, s.id DESC")
-
 # The walk from snapshot ?1 up its parents: ch(x, lvl, want), lvl 0 the snapshot itself, ``want``
 # the base_tokens of the row below (where a link must end; NULL at lvl 0); bounded by its recorded
 # depth (and 100000), so a damaged parent cycle cannot loop. One text for every chain query.
@@ -86,7 +76,7 @@ _WALK = ("WITH RECURSIVE ch(x, lvl, want) AS (SELECT ?1, 0, NULL UNION ALL "
          "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?1), 100000))")
 
 
-class Txn(ChunkQueries, AdmissionQueries, RateQueries):
+class Txn(ChunkQueries, AdmissionQueries, RateQueries, PrefixQueries):
     """One open transaction on the catalog: its queries, and the chunk ids it freed (``freed``)."""
 
     __slots__ = ("_c", "freed")
@@ -341,29 +331,6 @@ class Txn(ChunkQueries, AdmissionQueries, RateQueries):
                                        int(row[3]), row[4])
             self._c.execute("UPDATE snapshots SET find_key = ? WHERE id = ?", (key, sid))
         return len(todo)
-
-    # -- block-granular prefixes (see plan/prefix.py) --------------------------------------
-    def insert_row_prefixes(self, sid: int, keys: Sequence[tuple[int, bytes]]) -> None:
-        """Index ``sid`` under each (n_tokens, key) prefix it adds."""
-        self._c.executemany("INSERT OR IGNORE INTO row_prefixes(snapshot_id, n_tokens, key) VALUES (?, ?, ?)",
-                            [(sid, n, k) for n, k in keys])
-
-    def row_prefix_holders(self, identity_key: str, namespace: str, keys: Sequence[tuple[bytes, int]],
-                           limit: int) -> dict[int, list[int]]:
-        """Per prefix length: committed snapshots of the identity *key* and namespace whose tokens
-        start with the prefix a ``(key, n_tokens)`` of ``keys`` names, most recently used first, at
-        most ``limit`` each; one statement for them all."""
-        want = dict(keys)
-        out: dict[int, list[int]] = {}
-        if not want:
-            return out
-        sql = ROW_PREFIX_HOLDERS_SQL.format(keys=",".join("?" * len(want)))
-        rows: list[Any] = self._c.execute(sql, (*want, identity_key, namespace)).fetchall()
-        for n, key, sid in rows:
-            held = out.setdefault(int(n), [])
-            if want.get(key) == n and len(held) < limit:  # the key at its own length only
-                held.append(int(sid))
-        return {n: ids for n, ids in out.items() if ids}
 
     def children(self, sid: int) -> list[int]:
         return [int(r[0]) for r in self._c.execute("SELECT id FROM snapshots WHERE parent_id = ?", (sid,))]
