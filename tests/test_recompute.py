@@ -345,6 +345,37 @@ def test_match_takes_a_shorter_prefix_in_a_faster_tier(tmp_path: object) -> None
         assert s.match(toks) == leaf
 
 
+def test_a_weighed_lookup_is_describe_of_the_weighed_match_in_one_read(tmp_path: object) -> None:
+    """lookup(prefill_tokens_per_s=R) answers as describe(match(..., prefill_tokens_per_s=R)) — the
+    longest, a shorter prefix in a faster tier, or None — with the same ``why``, counted alike, in
+    one read transaction (the scheduler's call: issue 31)."""
+    path = os.path.join(str(tmp_path), "s")
+    with open_store(path) as s:
+        toks, leaf, root = chain(s, path)
+        s._rates.load([rate_row("warm", 4e9), rate_row("cold", 1e6)])
+        conn = s._repo.db.conn()
+        seen = []
+        for rate, want in ((100.0, leaf.snapshot_id), (1000.0, root.snapshot_id), (1e7, None)):
+            st0 = s.stats()
+            m = s.match(toks, prefill_tokens_per_s=rate)
+            st1 = s.stats()
+            begins: list[str] = []
+            conn.set_profile(lambda sql, _ns: begins.append(sql) if sql.startswith("BEGIN") else None)
+            d = s.lookup(toks, prefill_tokens_per_s=rate)
+            conn.set_profile(None)
+            st2 = s.stats()
+            assert begins == ["BEGIN"]  # one read; no estimate_restore or describe of its own
+            if want is None:
+                assert m is None and d is None
+            else:
+                assert m is not None and m.snapshot_id == want and d is not None
+                assert d == s.describe(m) and d.why == m.why and d.why is not None and d.why.chosen == want
+            for k in ("hits", "misses", "hit_tokens", "recompute_skipped"):
+                assert getattr(st2, k) - getattr(st1, k) == getattr(st1, k) - getattr(st0, k), k
+            seen.append(want)
+        assert seen == [leaf.snapshot_id, root.snapshot_id, None]
+
+
 def test_no_rate_no_change(tmp_path: object) -> None:
     path = os.path.join(str(tmp_path), "s")
     with open_store(path) as s:
