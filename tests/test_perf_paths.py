@@ -637,8 +637,31 @@ def test_block_prefix_holders_start_from_the_key_index_not_the_identitys_snapsho
         for n in range(1, 30):
             s.save(list(range(n, n + 64)), {"kv": np.zeros((4, 64), np.uint8)}, parent=None)
         conn = s._repo.db.conn()
-        sql = _catalog.ROW_PREFIX_HOLDERS_SQL.format(keys="?,?")
-        plan = [str(r[-1]) for r in conn.execute("EXPLAIN QUERY PLAN " + sql, (b"k" * 16, b"j" * 16, "x", ""))]
-    searches = [p for p in plan if p.startswith(("SEARCH", "SCAN")) and "identities" not in p]
-    assert searches[0].startswith("SEARCH r USING COVERING INDEX row_prefixes_key"), plan
-    assert not any(p.startswith("SCAN") for p in plan), plan
+        plans = [[str(r[-1]) for r in conn.execute("EXPLAIN QUERY PLAN " + sql, args)] for sql, args in (
+            (_catalog.ROW_PREFIX_HOLDERS_SQL.format(keys="?,?"), (b"k" * 16, b"j" * 16, "x", "", 8)),
+            (_catalog.ROW_PREFIX_HELD_SQL, (b"k" * 16, 16, "x", "")))]
+    for plan in plans:
+        searches = [p for p in plan if p.startswith(("SEARCH", "SCAN")) and "identities" not in p]
+        assert searches[0].startswith("SEARCH r USING COVERING INDEX row_prefixes_key"), plan
+        assert not any(p.startswith("SCAN s") or p == "SCAN r" for p in plan), plan
+
+
+def test_block_prefix_holders_are_the_most_recent_few_per_length(tmp_path: Any) -> None:
+    """Twelve conversations share a 32-token prefix: the holders of each length come most recently
+    used first, at most ``limit`` of them (a prefix shared by thousands sends few rows to Python)."""
+    from snapstore.plan.prefix import prefix_chain, prefix_step
+
+    lay = ss.Layout(rows={"kv": ss.Rows("uint8", (64,))}, tokens_per_row=16)
+    with ss.Store.open(str(tmp_path / "s"), identity=ss.Identity(build="b", pack="p"), layout=lay,
+                       budget=ss.Budget(reserve_bytes=0)) as s:
+        shared = list(range(100, 132))
+        ids = [s.save([*shared, *range(1000 * k, 1000 * k + 32)], {"kv": np.zeros((4, 64), np.uint8)},
+                      parent=None).snapshot_id for k in range(12)]
+        step = prefix_step(lay)
+        assert step == 16
+        keys = prefix_chain(np.array(shared, dtype="<u8"), step, 32)
+        got = s._repo.db.read(lambda t: t.row_prefix_holders(s.identity.key, "", [(keys[1], 32), (keys[0], 16)], 3))
+        newest = sorted(ids, reverse=True)[:3]  # saved in order: the last saved was used last
+        assert got == {32: newest, 16: newest}
+        assert s._repo.db.read(lambda t: t.row_prefix_held(s.identity.key, "", keys[1], 32))
+        assert not s._repo.db.read(lambda t: t.row_prefix_held(s.identity.key, "", keys[1], 16))

@@ -185,7 +185,7 @@ def find_prefix(c: Txn, layout: Layout, identity_key: str, ns: str, tokens: np.n
 
     while lo < hi:  # the largest d with a holder
         mid = (lo + hi + 1) // 2
-        if holders([mid]):
+        if c.row_prefix_held(identity_key, ns, chain[mid - 1], mid * step):
             lo = mid
         else:
             hi = mid - 1
