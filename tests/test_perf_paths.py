@@ -629,7 +629,7 @@ def test_block_prefix_holders_start_from_the_key_index_not_the_identitys_snapsho
     """A block-granular lookup probes the holders of a prefix key up to a dozen times; each probe
     starts from the key's index (the snapshots sharing that prefix), never from every snapshot of
     the identity (the planner's own choice: 95 us a probe at 72 snapshots, growing with the store)."""
-    from snapstore.catalog import queries as _catalog
+    from snapstore.catalog import prefix_queries
 
     lay = ss.Layout(rows={"kv": ss.Rows("uint8", (64,))}, tokens_per_row=16)
     with ss.Store.open(str(tmp_path / "s"), identity=ss.Identity(build="b", pack="p"), layout=lay,
@@ -638,8 +638,8 @@ def test_block_prefix_holders_start_from_the_key_index_not_the_identitys_snapsho
             s.save(list(range(n, n + 64)), {"kv": np.zeros((4, 64), np.uint8)}, parent=None)
         conn = s._repo.db.conn()
         plans = [[str(r[-1]) for r in conn.execute("EXPLAIN QUERY PLAN " + sql, args)] for sql, args in (
-            (_catalog.ROW_PREFIX_HOLDERS_SQL.format(keys="?,?"), (b"k" * 16, b"j" * 16, "x", "", 8)),
-            (_catalog.ROW_PREFIX_HELD_SQL, (b"k" * 16, 16, "x", "")))]
+            (prefix_queries.ROW_PREFIX_HOLDERS_SQL.format(keys="?,?"), (b"k" * 16, b"j" * 16, "x", "", 8)),
+            (prefix_queries.ROW_PREFIX_HELD_SQL, (b"k" * 16, 16, "x", "")))]
     for plan in plans:
         searches = [p for p in plan if p.startswith(("SEARCH", "SCAN")) and "identities" not in p]
         assert searches[0].startswith("SEARCH r USING COVERING INDEX row_prefixes_key"), plan

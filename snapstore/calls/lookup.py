@@ -25,7 +25,7 @@ from snapstore._results import LoadResult, Match, MatchDetails, RecomputeDecisio
 from snapstore._tokens import TokensLike, as_token_array
 from snapstore.calls.gate import CallGate, operation
 from snapstore.calls.load import load_prefix
-from snapstore.calls.recompute import chosen_match, weigh
+from snapstore.calls.recompute import chosen_match, chunks_estimate, weigh
 from snapstore.catalog.db import Database
 from snapstore.catalog.queries import ChunkRow, SnapRow, Txn
 from snapstore.chunks.repo import Repo
@@ -35,10 +35,7 @@ from snapstore.parts.buffers import Destination
 from snapstore.plan.match import Prompt, best_match
 from snapstore.plan.recompute import check_rate
 from snapstore.plan.restore_plan import RestorePlan
-from snapstore.restore.ramtier import RamTier
-from snapstore.restore.rates import RestoreRates
 from snapstore.restore.read import details_of, plan_of, wanted_components
-from snapstore.restore.tiers import probe_chunks
 
 __all__ = ["StoreLookup", "lookup_prefix"]
 
@@ -118,8 +115,6 @@ class StoreLookup:
     _access: Access
     _ledger: Ledger
     _remote: Any
-    _rates: RestoreRates
-    _ram: RamTier | None
     layout: Layout
     budget: Budget
     match: Callable[..., Match | None]
@@ -134,10 +129,8 @@ class StoreLookup:
         def match(t: TokensLike, **kw: Any) -> Match | None:
             return self.match(t, prefill_tokens_per_s=prefill_tokens_per_s, **kw)
 
-        def estimate(chunks: list[ChunkRow]) -> RestoreEstimate:
-            return self._rates.estimate(probe_chunks(chunks, self._repo.blob_path, self._ram))
-
-        weighed = (check_rate(prefill_tokens_per_s), estimate) if prefill_tokens_per_s is not None else None
+        weighed = (check_rate(prefill_tokens_per_s), lambda chunks: chunks_estimate(self, chunks)) \
+            if prefill_tokens_per_s is not None else None
         return lookup_prefix(self._repo.db, self._access, self.layout, tokens, namespace=namespace, exclude=exclude,
                              components=components, ttl=self.budget.ttl, count=self._ledger.count,
                              two_calls=(match, self.describe) if self._remote is not None else None, weighed=weighed)

@@ -26,8 +26,8 @@ from snapstore.restore.rates import RestoreRates
 from snapstore.restore.read import plan_of, wanted_components
 from snapstore.restore.tiers import probe_chunks
 
-__all__ = ["RestoreRates", "RestoreTimer", "StoreRecompute", "choose_match", "chosen_match", "estimate_of",
-           "restored", "weigh"]
+__all__ = ["RestoreRates", "RestoreTimer", "StoreRecompute", "choose_match", "chosen_match", "chunks_estimate",
+           "estimate_of", "restored", "weigh"]
 
 Found = tuple[SnapRow, int]
 
@@ -44,6 +44,13 @@ def estimate_of(store: Any, m: Any, wanted: set[str], namespace: str | None,
     chunks: list[ChunkRow] = []
     store._repo.db.read(lambda c: plan_of(c, store._access, store.layout, sid, ns, None, wanted, 0, match_tokens(m),
                                           chunks))
+    return chunks_estimate(store, chunks)
+
+
+def chunks_estimate(store: Any, chunks: list[ChunkRow]) -> RestoreEstimate:
+    """A local plan's chunk bytes at the rate of the tier each chunk is in now (:func:`probe_chunks`):
+    the one estimate of a local restore, for ``estimate_restore`` and a weighed ``lookup`` alike."""
+    rates: RestoreRates = store._rates
     return rates.estimate(probe_chunks(chunks, store._repo.blob_path, store._ram))
 
 

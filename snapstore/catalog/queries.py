@@ -24,7 +24,7 @@ from snapstore._tokens import BLOCK, Link, Segment, decode_tokens
 from snapstore.catalog.admission import AdmissionQueries
 from snapstore.catalog.chunk_queries import QUARANTINED_USERS_SQL, ChunkQueries
 from snapstore.catalog.find_keys import FIND_SEED, extend
-from snapstore.catalog.prefix_queries import ROW_PREFIX_HELD_SQL, ROW_PREFIX_HOLDERS_SQL, PrefixQueries
+from snapstore.catalog.prefix_queries import PrefixQueries
 from snapstore.catalog.rates import RateQueries
 from snapstore.catalog.rows import (
     N_SNAP,
@@ -38,8 +38,7 @@ from snapstore.catalog.rows import (
     snap_row,
 )
 
-__all__ = ["QUARANTINED_USERS_SQL", "ROW_PREFIX_HELD_SQL", "ROW_PREFIX_HOLDERS_SQL", "ChunkRow", "OwnerRow", "PartKind",
-           "PartRow", "SnapRow", "SnapState", "Txn"]
+__all__ = ["QUARANTINED_USERS_SQL", "ChunkRow", "OwnerRow", "PartKind", "PartRow", "SnapRow", "SnapState", "Txn"]
 
 _ANCHOR_BATCH = 2048  # find keys per match statement: far below SQLite's 32766-variable limit
 # The first match statement binds only the deepest find keys: a hit is usually a prompt that
