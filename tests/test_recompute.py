@@ -472,3 +472,23 @@ def test_a_v11_catalog_reads_read_only_and_migrates_on_open(tmp_path: object) ->
         s._rates.observe({"warm": 10**9}, 1.0)
     with open_store(path, read_only=True) as r:
         assert r.stats().restore_rates == {"warm": pytest.approx(1e9)}
+
+
+@given(st.integers(1, 64), st.integers(0, 64), st.booleans())
+def test_tier_probes_by_runs_find_one_boundary_exactly_and_probe_a_uniform_chain_thrice(n: int, cut: int,
+                                                                                        first: bool) -> None:
+    """A chain's files cached up to file ``cut`` and not after (or the reverse): every file's answer
+    is exact; a chain all in one tier costs at most three probes."""
+    from snapstore.restore.tiers import probe_runs
+
+    truth = [first if i < cut else not first for i in range(n)]
+    asked: list[int] = []
+
+    def probe(i: int) -> bool:
+        asked.append(i)
+        return truth[i]
+
+    assert probe_runs(n, probe) == truth
+    assert len(asked) == len(set(asked))  # no file probed twice
+    if len(set(truth)) == 1:
+        assert len(asked) <= 3
