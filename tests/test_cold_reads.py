@@ -67,8 +67,18 @@ def _bypassed(files: list[str]) -> bool:
     return all(cached_pages(f) < os.path.getsize(f) // 4096 // 4 for f in _big(files))
 
 
-def test_probe_tells_a_cold_file_from_a_just_read_one(tmp_path: Any) -> None:
-    from snapstore.chunks.direct_io import resident
+@pytest.mark.parametrize("probe", ["cachestat", "mincore"])
+def test_probe_tells_a_cold_file_from_a_just_read_one(tmp_path: Any, monkeypatch: Any, probe: str) -> None:
+    """Both probes (cachestat where the kernel has it, mincore where not) read nothing and tell a
+    dropped file from a just-read one, and a partly read file by its pages."""
+    from snapstore.chunks import residency
+
+    lib = residency._libc()
+    if lib is None:
+        pytest.skip("no libc probe on this platform")
+    if probe == "cachestat" and residency.probe_kind() != "cachestat":
+        pytest.skip("this kernel has no cachestat(2): mincore is the probe")
+    monkeypatch.setattr(lib, "cachestat", probe == "cachestat")
     path = str(tmp_path / "f")
     with open(path, "wb") as f:
         f.write(os.urandom(4 * MIB + 123))
@@ -78,11 +88,15 @@ def test_probe_tells_a_cold_file_from_a_just_read_one(tmp_path: Any) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        assert not resident(fd, size)
-        assert not resident(fd, size) and cached_pages(path) == 0  # the probe reads nothing itself
+        assert not residency.resident(fd, size)
+        assert not residency.resident(fd, size) and cached_pages(path) == 0  # the probe reads nothing itself
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: only the pages read are cached
+        os.pread(fd, MIB, 0)  # a quarter: the file is not resident, its first MiB is
+        assert not residency.resident(fd, size) and residency.resident(fd, MIB)
         while os.read(fd, MIB):
             pass
-        assert resident(fd, size)
+        assert residency.resident(fd, size)
+        assert lib.cachestat == (probe == "cachestat")  # the probe asked for answered: no silent fallback
     finally:
         os.close(fd)
 

@@ -209,3 +209,51 @@ def test_small_chunks_stay_in_the_page_cache_with_direct_io(tmp_path: Any) -> No
         files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(s.path, "blobs")) for f in fs]
         pages = sum(-(-os.path.getsize(f) // 4096) for f in files)
         assert files and sum(cached_pages(f) for f in files) >= pages - len(files)
+
+
+def test_a_cold_chain_has_every_file_read_ahead_before_the_first_header(tmp_path: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 12-link chain whose files are not cached: when the restore reads its first header, the
+    reads of the other files are already under way (their pages arrive while it waits), so their
+    disk latencies overlap instead of adding up. The tiers still say cold: probed before the reads."""
+    import glob
+    import os
+    import time
+
+    from support.pagecache import cached_pages, drop_cache
+
+    from snapstore.restore import stream
+
+    lay = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16384))}, tokens_per_row=32)
+    with ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=lay,
+                       budget=ss.Budget(reserve_bytes=0, ram_bytes=0), direct_io=False) as s:
+        kv = np.random.default_rng(5).integers(0, 256, (96, 2, 16384), dtype=np.uint8)  # 12 x 256 KiB
+        tokens = list(range(96 * 32))
+        sid = 0
+        for b in range(8, 97, 8):
+            res = s.save(tokens[:b * 32], {"kv": kv}, rows=b, parent="auto")
+            assert res.ok and res.snapshot_id is not None
+            sid = res.snapshot_id
+        files = sorted(glob.glob(str(tmp_path / "s" / "blobs" / "*" / "*")))
+        assert len(files) == 12
+        for f in files:
+            drop_cache(f)
+        if any(cached_pages(f) for f in files):
+            pytest.skip("this file system keeps files in memory: no cold reads to test")
+        real = stream._check_header
+        ahead: list[int] = []
+
+        def first_header(*a: Any, **k: Any) -> Any:
+            if not ahead:  # the restore waits here, before its first read of any chunk file
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and sum(cached_pages(f) > 0 for f in files) < 12:
+                    time.sleep(0.01)
+                ahead.append(sum(cached_pages(f) > 0 for f in files))
+            return real(*a, **k)
+
+        monkeypatch.setattr(stream, "_check_header", first_header)
+        dst = np.zeros_like(kv)
+        s.restore(sid, {"kv": dst})
+        assert np.array_equal(dst, kv)
+        assert ahead == [12]
+        assert set(s._rates.rates()) == {"cold"}  # probed before the read-ahead: not counted warm

@@ -19,20 +19,16 @@ and the disk is not the bottleneck.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
-import mmap
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
-
-import numpy as np
 
 from snapstore._config import env_flag
 from snapstore._errors import ConfigError
 from snapstore.chunks.publish import create_temp, finish_temp, write_all
+from snapstore.chunks.residency import resident  # re-exported: its home until issue 31
 
 __all__ = ["ALIGN", "O_DIRECT", "DirectReads", "align_up", "direct_default", "direct_reads_default", "resident",
            "write_direct"]
@@ -109,9 +105,6 @@ def write_direct(tmp_dir: str, frame: memoryview, size: int, turn: AbstractConte
 # benchmarks.md, "Issue 12, cold restores with reads in flight"): cold restores 1.0-1.4x faster,
 # the next restore of the same chunks 1.9-2.5x slower, so direct reads are off unless asked for.
 
-_LIBC: Any = None  # resident()'s libc: None until first used, False where unavailable
-
-
 def direct_reads_default(value: bool | None) -> bool:
     """The keyword, else ``$SNAPSTORE_DIRECT_READS`` (0/1), else off (see above); never without O_DIRECT."""
     if value is not None:
@@ -119,45 +112,6 @@ def direct_reads_default(value: bool | None) -> bool:
             raise ConfigError(f"direct_reads must be True, False or None, got {value!r}")
         return value and O_DIRECT != 0
     return env_flag("SNAPSTORE_DIRECT_READS", False) and O_DIRECT != 0
-
-
-def _libc() -> Any:
-    """libc with mmap / mincore / munmap typed for ctypes, or None where that is not available."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mmap.restype = ctypes.c_void_p
-            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_long]
-            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-            _LIBC = libc
-        except (OSError, AttributeError):
-            _LIBC = False
-    return _LIBC or None
-
-
-def resident(fd: int, size: int) -> bool:
-    """Are at least half the pages of the file open as ``fd`` (``size`` bytes) in the page cache?
-    mincore(2) over a mapping of it that is never touched: it reads nothing and faults nothing.
-    (A RWF_NOWAIT read is no probe on this kernel: its EAGAIN still reads the page in, so the
-    third restore of a cold chunk would see it "cached".) True where it cannot tell: buffered, as before."""
-    libc = _libc()
-    if libc is None or size <= 0:
-        return True
-    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr in (None, ctypes.c_void_p(-1).value):
-        return True
-    try:
-        pages = -(-size // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * pages)()
-        if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
-            return True
-        cached = int(np.count_nonzero(np.frombuffer(memoryview(vec).cast("B"), dtype=np.uint8) & 1))
-    finally:
-        libc.munmap(ctypes.c_void_p(addr), size)
-    return 2 * cached >= pages
 
 
 class DirectReads:

@@ -44,14 +44,15 @@ from snapstore.chunks.chunkfile import (
     parse_header,
     read_exact,
 )
-from snapstore.chunks.direct_io import DirectReads, resident
+from snapstore.chunks.direct_io import DirectReads
+from snapstore.chunks.residency import resident
 from snapstore.chunks.staging import StagingBuffer
 from snapstore.plan.restore_plan import PlanItem, RestorePlan
 from snapstore.restore.direct import DIRECT_MIN, DirectItem, Targets, direct_targets, stream_direct
 from snapstore.restore.fail import Damage, corrupt, outcome, read_failed
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.read_ahead import ReadAhead
-from snapstore.restore.tiers import Tiers, tally_opened
+from snapstore.restore.tiers import Tiers, prefetch_cold, tally_opened
 
 __all__ = ["Damage", "quarantine", "stream_plan"]
 
@@ -61,11 +62,17 @@ _Opened = tuple[PlanItem, int, "ChunkHeader | None", "memoryview | None"]
 
 
 def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[bytes], str], ram: RamTier | None,
-              touched: bool, damage: Damage, keep: bool = True) -> list[_Opened]:
+              touched: bool, damage: Damage, keep: bool = True,
+              before_reads: Callable[[list[_Opened]], dict[int, bool]] | None = None,
+              ) -> tuple[list[_Opened], dict[int, bool] | None]:
     """Open every chunk file of ``items`` and check its header against the catalog; with ``keep``
-    False close each again (a check only). Damage found is added to ``damage`` before raising."""
+    False close each again (a check only). Damage found is added to ``damage`` before raising.
+    ``before_reads`` (with ``keep``) sees the opened files after the last open and before the
+    first header read (the tier probes, and the cold files' reads started together: restore.tiers);
+    its answer (residency per descriptor) is returned beside them."""
     opened: list[_Opened] = []
-    fds: dict[bytes, tuple[int, ChunkHeader]] = {}
+    fds: dict[bytes, tuple[int, ChunkHeader | None]] = {}
+    unread: list[tuple[int, os.stat_result]] = []  # (index in opened, fstat) of files whose header is unchecked
     checked: set[bytes] = set()
     sid = plan.snapshot_id
     try:
@@ -76,8 +83,7 @@ def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[byt
                 opened.append((item, -1, None, data))
                 continue
             if cid in fds:
-                fd, head = fds[cid]
-                opened.append((item, fd, head, None))
+                opened.append((item, fds[cid][0], None, None))
                 continue
             if cid in checked:
                 continue
@@ -101,22 +107,28 @@ def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[byt
                 raise SnapshotUnavailableError(
                     f"snapshot {sid}: cannot open chunk {cid.hex()}: {e.strerror}; {outcome(touched)}",
                     touched=touched, snapshot_id=sid) from None
+            if keep:  # its header is read once every file is open (before_reads first)
+                fds[cid] = (fd, None)
+                unread.append((len(opened), st))
+                opened.append((item, fd, None, None))
+                continue
             try:
-                head = _check_header(plan, item, fd, st, touched, damage)
-            except BaseException:
+                _check_header(plan, item, fd, st, touched, damage)
+            finally:
                 os.close(fd)
-                raise
-            if keep:
-                fds[cid] = (fd, head)
-                opened.append((item, fd, head, None))
-            else:
-                os.close(fd)
-                checked.add(cid)
+            checked.add(cid)
+        warm = before_reads(opened) if before_reads is not None else None
+        for k, st in unread:
+            item, fd, _, _ = opened[k]
+            fds[item.chunk.id] = (fd, _check_header(plan, item, fd, st, touched, damage))
+        # every use of a chunk in the window gets the header its file was checked with
+        opened = [(item, fd, fds[item.chunk.id][1], None) if data is None else (item, fd, head, data)
+                  for item, fd, head, data in opened]
     except BaseException:
         for fd, _ in fds.values():
             os.close(fd)
         raise
-    return opened
+    return opened, warm
 
 
 def _check_header(plan: RestorePlan, item: PlanItem, fd: int, st: os.stat_result, touched: bool,
@@ -222,9 +234,12 @@ def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], stagin
             _open_all(plan, items, blob_path, ram, False, found, keep=False)
     touched = False
     for items in windows:
-        opened = _open_all(plan, items, blob_path, ram, touched, found)
-        # before a byte of the window is read: cached or not, as found (the stream reuses the probes)
-        warm = tally_opened(opened, tiers) if tiers is not None else None
+        # before a byte of the window is read: cached or not, as found (the stream reuses the probes),
+        # and the cold files' reads started at once, so that their latencies overlap
+        opened, warm = _open_all(plan, items, blob_path, ram, touched, found,
+                                 before_reads=lambda files: prefetch_cold(files, reads))
+        if tiers is not None and warm is not None:
+            tally_opened(opened, warm, tiers)
         try:
             touched = _stream_window(plan, opened, staging, ram, touched, found, blob_path, reads, warm)
         finally:

@@ -1,15 +1,16 @@
 """Which tier a restore's chunks come from: the RAM tier, the page cache ("warm"), the device
 ("cold"); the shared tier ("remote") is known to the Store by the match it restores.
 
-A chunk served by the RAM tier is known as it is taken. For a chunk file the probe is mincore(2)
-over an untouched mapping (:func:`snapstore.chunks.direct_io.resident`): it reads nothing and
+A chunk served by the RAM tier is known as it is taken. For a chunk file the probe is cachestat(2),
+or mincore(2) over an untouched mapping (:func:`snapstore.chunks.residency.resident`): it reads nothing and
 tells cached from not *before* the read — timing a read and calling it cold when slow would need a
 rate to compare against (the very thing being measured), and would confuse a busy disk with a cold
 one. posix_fadvise gives no answer at all, and a RWF_NOWAIT read pulls the page in on this kernel.
 A file at least half cached counts as warm.
 
-A probe costs about 20 µs a file (a mapping, mincore, unmapping): on a small restore of a 12-link
-chain, probing every file cost a sixth of the restore (issue 31). A chain's files are saved and
+A mincore probe costs about 16 µs a file (a mapping, the call, the unmapping), a cachestat probe
+about 2 µs: on a small restore of a 12-link chain, probing every file by mincore cost a sixth of
+the restore (issue 31). A chain's files are saved and
 read together, so they are cached together, in runs: the first, the middle and the last file are
 probed, and a stretch between two probed files that agree takes their tier, while one between two
 that differ is split at its middle and probed again (:func:`probe_runs`). A chain all in one tier
@@ -18,17 +19,22 @@ costs three probes; a warm root below a cold leaf is found exactly, in a few mor
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 
 from snapstore._errors import CorruptionError
 from snapstore.catalog.queries import ChunkRow
 from snapstore.chunks.chunkfile import HEADER_SIZE, open_chunk
-from snapstore.chunks.direct_io import resident
+from snapstore.chunks.direct_io import DirectReads
+from snapstore.chunks.residency import resident
 from snapstore.plan.restore_plan import PlanItem
+from snapstore.restore.direct import DIRECT_MIN
 from snapstore.restore.ramtier import RamTier
 
-__all__ = ["Tiers", "probe_chunks", "probe_runs", "tally_opened"]
+__all__ = ["PREFETCH_BYTES", "Tiers", "prefetch_cold", "probe_chunks", "probe_runs", "tally_opened"]
+
+PREFETCH_BYTES = 32 << 20  # cold chunk bytes a restore window asks for at once (more is left to the readers)
 
 Tiers = dict[str, int]  # tier -> chunk bytes
 
@@ -66,20 +72,36 @@ def probe_runs(n: int, probe: Callable[[int], bool]) -> list[bool]:
     return [got[i] for i in range(n)]
 
 
-def tally_opened(opened: Sequence[tuple[PlanItem, int, object, object]], tiers: Tiers) -> dict[int, bool]:
-    """Add the bytes of a restore window's opened chunks (``(item, fd, header, RAM bytes)``, as
-    :mod:`snapstore.restore.stream` opens them) to ``tiers``, before any is read; returns the
-    residency found per descriptor (probed or inferred), which the stream reuses."""
+def prefetch_cold(opened: Sequence[tuple[PlanItem, int, object, object]], reads: DirectReads | None) -> dict[int, bool]:
+    """Probe a restore window's opened chunk files (``(item, fd, header, RAM bytes)``, as
+    :mod:`snapstore.restore.stream` opens them) before any is read, and start reading the cold ones
+    all at once (POSIX_FADV_WILLNEED), up to PREFETCH_BYTES: a small restore of a 12-link chain read
+    its files one after another, a disk's latency each. Returns the residency found per descriptor
+    (probed or inferred, before the prefetch), which the tally and the stream reuse. A file read
+    with O_DIRECT later (``reads`` on, a large chunk) is not prefetched: that read bypasses the cache."""
     files: dict[int, int] = {}  # fd -> size, in read order
     for item, fd, _head, data in opened:
         if data is None and fd >= 0 and fd not in files:
             files[fd] = HEADER_SIZE + item.chunk.raw_len
     order = list(files.items())
     warm = dict(zip(files, probe_runs(len(order), lambda i: resident(*order[i]))))
+    budget = PREFETCH_BYTES
+    for fd, size in order:
+        if warm[fd] or size > budget or (reads is not None and reads.on and size - HEADER_SIZE >= DIRECT_MIN):
+            continue
+        budget -= size
+        with contextlib.suppress(OSError):  # advice only: the reads themselves report what is wrong
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+    return warm
+
+
+def tally_opened(opened: Sequence[tuple[PlanItem, int, object, object]], warm: dict[int, bool],
+                 tiers: Tiers) -> None:
+    """Add the bytes of a restore window's opened chunks to ``tiers`` by the residency ``warm``
+    found (:func:`prefetch_cold`) before any was read."""
     for item, fd, _head, data in opened:
         key = "ram" if data is not None else "warm" if warm.get(fd, True) else "cold"
         tiers[key] = tiers.get(key, 0) + item.chunk.raw_len
-    return warm
 
 
 def probe_chunks(chunks: Iterable[ChunkRow], blob_path: Callable[[bytes], str], ram: RamTier | None) -> Tiers:
