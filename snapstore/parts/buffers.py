@@ -335,10 +335,16 @@ def as_source(name: str, obj: Any, spec: PartSpec, rows: int) -> Source:
     return Source(name, need, mv=mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
 
 
+def _is_writer(obj: object) -> bool:
+    """``isinstance(obj, PartWriter)`` without the protocol machinery (about 10 µs a call on 3.11:
+    a sixtieth of a small restore): the same attribute check."""
+    return callable(getattr(obj, "write_from", None)) and hasattr(obj, "nbytes")
+
+
 def as_sink(name: str, obj: Any, spec: PartSpec, rows: int) -> Sink:
     """Check a restore destination (writable, large enough, dtype/shape) before anything is written."""
     need = _needed(spec, rows)
-    if isinstance(obj, PartWriter) and not isinstance(obj, (np.ndarray, memoryview, bytearray)):
+    if not isinstance(obj, (np.ndarray, memoryview, bytearray)) and _is_writer(obj):
         if obj.nbytes < need:
             raise DestinationError(_short(name, "destination", obj.nbytes, need, spec))
         return Sink(name, need, writer=obj)
