@@ -5,8 +5,9 @@ Llama of tests/vllm_driver.py and reports:
 
 1. time to first token of long prompts: prefill (no connector), restored by snapstore (a second
    process serving what the first saved), restored by the ExampleConnector (same two processes);
-   the restoring processes of the two connectors alternate for ``--rounds`` rounds (default 3)
-   and the figure is the median over all their prompts;
+   the restoring processes of the two connectors alternate for ``--rounds`` rounds (default 4),
+   in ABBA order (snapstore first in even rounds, the ExampleConnector first in odd ones), and the
+   figure is the median over all their prompts;
 2. eight conversations sharing a 2K-token system prompt: bytes in the snapstore store vs in the
    ExampleConnector's folders, for the same prompts.
 
@@ -15,7 +16,7 @@ bfloat16, 544-token blocks, prefix caching on, prefill in 544-token chunks) inst
 restored by snapstore (attention rows and the recurrent state pages at the prompt's last stored
 boundary); the ExampleConnector does not take hybrids.
 
-``python benchmarks/bench_vllm.py [--model llama|hybrid] [--long 3000] [--n 5] [--rounds 3] [--json out.json]``.
+``python benchmarks/bench_vllm.py [--model llama|hybrid] [--long 3000] [--n 5] [--rounds 4] [--json out.json]``.
 The model is tiny, so TTFT here is dominated by vLLM's per-request overhead and the K/V copy, not by attention FLOPs:
 read the ratios, not the absolute figures, and on a loaded machine run it twice.
 """
@@ -63,8 +64,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--long", type=int, default=3000, help="tokens of each long prompt")
     ap.add_argument("--n", type=int, default=5, help="long prompts timed (medians)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="restoring processes per connector, alternated (TTFT: the median over all their prompts)")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="restoring processes per connector, in ABBA order (TTFT: the median over all their prompts)")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--model", choices=("llama", "hybrid"), default="llama",
                     help="the tiny Llama (every part) or the tiny Qwen3-Next hybrid (TTFT only)")
@@ -92,11 +93,14 @@ def main() -> None:
         each: dict[str, list[float]] = {"snapstore": [], "example": []}
         snap2: dict[str, Any] = {}
         ex2: dict[str, Any] = {}
-        for r in range(args.rounds):
-            snap2 = _serve(tmp, f"snap2-{r}", model, [[5, *warm[1:]], *longs], **snap)
-            ex2 = _serve(tmp, f"ex2-{r}", model, [[5, *warm[1:]], *longs], **ex)
-            each["snapstore"] += _ttfts(snap2)
-            each["example"] += _ttfts(ex2)
+        for r in range(args.rounds):  # ABBA: neither connector always runs first, after the other
+            for who in (("snapstore", "example") if r % 2 == 0 else ("example", "snapstore")):
+                if who == "snapstore":
+                    snap2 = _serve(tmp, f"snap2-{r}", model, [[5, *warm[1:]], *longs], **snap)
+                    each["snapstore"] += _ttfts(snap2)
+                else:
+                    ex2 = _serve(tmp, f"ex2-{r}", model, [[5, *warm[1:]], *longs], **ex)
+                    each["example"] += _ttfts(ex2)
         fig["ttft_s"] = {"prefill": statistics.median(_ttfts(base)),
                          "snapstore_restored": statistics.median(each["snapstore"]),
                          "example_restored": statistics.median(each["example"])}
