@@ -386,7 +386,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
 
         def run(c: Txn) -> MatchDetails:
             snap, plan = self._plan(c, sid, ns, None, wanted, k, match_tokens(m))
-            return details_of(c, snap, plan, ns, k, getattr(m, "why", None))  # a match's decision travels along
+            return details_of(snap, plan, ns, k, getattr(m, "why", None))  # a match's decision travels along
 
         return self._repo.db.read(run)
 

@@ -69,7 +69,7 @@ def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLi
             return None
         hit, n_hit = found
         snap, plan = plan_of(c, access, layout, hit.id, ns, None, wanted, 0, n_hit)
-        return details_of(c, snap, plan, ns, 0)
+        return details_of(snap, plan, ns, 0)
 
     if weighed is None:
         details = db.read(run)
@@ -100,7 +100,7 @@ def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLi
         if decision.chosen is None:
             return decision, by_id, None
         snap, plan = plans[decision.chosen]
-        return decision, by_id, details_of(c, snap, plan, ns, 0, decision)
+        return decision, by_id, details_of(snap, plan, ns, 0, decision)
 
     decision, by_id, details = db.read(run_weighed)
     chosen_match(count, decision, by_id)  # counted as match() counts it

@@ -75,6 +75,9 @@ _WALK = ("WITH RECURSIVE ch(x, lvl, want) AS (SELECT ?1, 0, NULL UNION ALL "
          "WHERE s.parent_id IS NOT NULL AND ch.lvl <= min((SELECT depth FROM snapshots WHERE id = ?1), 100000))")
 
 
+_SNAP_COLS_S = ", ".join(f"s.{col.strip()}" for col in SNAP_COLS.split(","))  # SNAP_COLS of `snapshots s`
+
+
 class Txn(ChunkQueries, AdmissionQueries, RateQueries, PrefixQueries):
     """One open transaction on the catalog: its queries, and the chunk ids it freed (``freed``)."""
 
@@ -123,6 +126,13 @@ class Txn(ChunkQueries, AdmissionQueries, RateQueries, PrefixQueries):
     def snapshot(self, sid: int) -> SnapRow | None:
         row = self._c.execute(f"SELECT {SNAP_COLS} FROM snapshots WHERE id = ?", (sid,)).fetchone()
         return snap_row(row) if row else None
+
+    def snapshot_and_key(self, sid: int) -> tuple[SnapRow, str | None] | None:
+        """Snapshot ``sid`` and its identity's key (None: that row is gone) in one statement: a
+        restore's ownership check without a second read (issue 31)."""
+        row = self._c.execute(f"SELECT {_SNAP_COLS_S}, i.key FROM snapshots s LEFT JOIN identities i "
+                              "ON i.id = s.identity_id WHERE s.id = ?", (sid,)).fetchone()
+        return (snap_row(row[:N_SNAP]), None if row[N_SNAP] is None else str(row[N_SNAP])) if row else None
 
     def snapshots(self, identity_id: int | None = None) -> list[SnapRow]:
         if identity_id is None:

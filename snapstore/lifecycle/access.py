@@ -67,7 +67,11 @@ class Access:
         """The one ownership check: ``snap`` exists, is of this identity and of ``namespace``."""
         if snap is None:
             raise NotFoundError("no such snapshot (evicted, superseded, abandoned or never saved)")
-        if not self.mine(t, snap):
+        return self._owned(snap, t.identity_key(snap.identity_id), namespace)
+
+    def _owned(self, snap: SnapRow, key: str | None, namespace: str | None) -> SnapRow:
+        """:meth:`own` given the key of ``snap``'s identity row (None: gone)."""
+        if key != self.identity_key:
             raise IdentityError(f"snapshot {snap.id} belongs to another identity than this store was opened for")
         if namespace is not None and snap.namespace != namespace:
             raise IdentityError(f"snapshot {snap.id} belongs to another namespace")
@@ -88,11 +92,11 @@ class Access:
     def readable(self, c: Txn, sid: int, ns: str, rows_from: int) -> SnapRow:
         """Snapshot ``sid`` if this store may restore it from ``rows_from`` on (ownership, not another
         process's pending capture, rows_from within it); else the error that says why not."""
-        snap = c.snapshot(sid)
-        if snap is None:
+        found = c.snapshot_and_key(sid)  # the row and its identity's key: one statement
+        if found is None:
             raise SnapshotUnavailableError(f"snapshot {sid} no longer exists ({self.gone_why(sid)}); "
                                            "nothing was written", snapshot_id=sid)
-        self.own(c, snap, ns)
+        snap = self._owned(found[0], found[1], ns)
         if snap.state == SnapState.PENDING and snap.owner != self.owner:
             raise SnapshotUnavailableError(f"snapshot {sid} is a pending capture of another process",
                                            snapshot_id=sid)

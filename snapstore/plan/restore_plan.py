@@ -62,6 +62,7 @@ class RestorePlan:
     missing_components: set[str]
     items: list[PlanItem] = field(default_factory=list)
     part_bytes: dict[str, int] = field(default_factory=dict)  # bytes each part restores
+    held: frozenset[str] = frozenset()  # the components the snapshot itself holds (describe's ``components``)
 
     @property
     def nbytes(self) -> int:
@@ -139,7 +140,8 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
         prev_n = link.n_tokens
     parts_by_link = [{p.name: p for p in c.parts(link.id)} for link in chain]
     n_tokens = leaf.n_tokens if rows_to is None else rows_to * (layout.tokens_per_row or 1)
-    plan = RestorePlan(sid, n_tokens, [s.id for s in chain], {}, set())
+    plan = RestorePlan(sid, n_tokens, [s.id for s in chain], {}, set(),
+                       held=frozenset(p.component for p in parts_by_link[-1].values() if p.component is not None))
     for name, spec in layout.parts.items():
         if spec.component is not None and spec.component not in components:
             continue  # a component the caller did not ask for

@@ -55,15 +55,14 @@ def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Map
     return snap, build_plan(rows, sid, chain, layout, into, wanted, rows_from, rows_to, chunks)
 
 
-def details_of(c: Txn, snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int,
+def details_of(snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int,
                why: RecomputeDecision | None = None) -> MatchDetails:
     """What restoring ``snap`` by ``plan`` writes, as describe() returns it (``why``: the decision of the
     match it describes, made with ``prefill_tokens_per_s``)."""
     sid = snap.id
-    held = {p.component for p in c.parts(sid) if p.component is not None}
     return MatchDetails(
         snapshot_id=sid, n_tokens=plan.n_tokens, namespace=ns or None, rows=dict(plan.rows),
-        components=frozenset(held), missing_components=frozenset(plan.missing_components),
+        components=plan.held, missing_components=frozenset(plan.missing_components),
         part_bytes=dict(plan.part_bytes), nbytes=sum(plan.part_bytes.values()),
         chain=list(plan.chain), pending=snap.state == SnapState.PENDING, rows_from=rows_from,
         snapshot_tokens=snap.n_tokens, why=why)
