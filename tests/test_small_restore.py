@@ -262,3 +262,38 @@ def test_a_cold_chain_has_every_file_read_ahead_before_the_first_header(tmp_path
         assert np.array_equal(dst, kv)
         assert ahead == [12]
         assert set(s._rates.rates()) == {"cold"}  # probed before the read-ahead: not counted warm
+
+
+@pytest.mark.parametrize("tokens_per_row", [None, 32])
+def test_warm_up_prepares_what_the_first_lookup_and_restore_run(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                tokens_per_row: int | None) -> None:
+    """After ``warm_up`` a fresh store's first weighed lookup and first restore of a 12-link chain
+    prepare no statement (apsw's statement cache has them all) but the one whose text varies, and
+    warm_up counted nothing."""
+    from snapstore.lifecycle import bookkeeping
+
+    monkeypatch.setattr(bookkeeping, "USE_EVERY_S", 1e9)  # no bookkeeping write during the test
+    lay = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16))}, tokens_per_row=tokens_per_row)
+    g = tokens_per_row or 1
+    tokens = list(range(10, 10 + 24 * 32))
+    kv = np.random.default_rng(1).integers(0, 256, (len(tokens) // g, 2, 16), dtype=np.uint8)
+    with ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=lay, budget=ss.Budget(reserve_bytes=0)) as s:
+        for i in range(1, 13):
+            rows = len(kv) * i // 12
+            assert s.save(tokens[:rows * g], {"kv": kv}, rows=rows, parent="auto").ok
+    with ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=lay, budget=ss.Budget(reserve_bytes=0)) as s:
+        s.warm_up()
+        before = s.stats()
+        conn = s._repo.db.conn()
+        misses = conn.cache_stats()["misses"]
+        with statements(s) as seen:
+            d = s.lookup(tokens[:-5], prefill_tokens_per_s=1000.0)
+            assert d is not None
+            dst = np.zeros_like(kv)
+            s.restore(ss.Match(d.snapshot_id, d.n_tokens), {"kv": dst})
+        # the block-prefix holders read has one "?" per prefix length asked: its text varies
+        varying = len({sql for sql in seen if sql.startswith("SELECT n_tokens, key, id FROM")})
+        assert conn.cache_stats()["misses"] == misses + varying
+        assert np.array_equal(dst[:d.rows["kv"]], kv[:d.rows["kv"]])
+        after = s.stats()
+        assert (after.hits, after.misses) == (before.hits + 1, before.misses)

@@ -26,6 +26,7 @@ from snapstore._tokens import TokensLike, as_token_array
 from snapstore.calls.gate import CallGate, operation
 from snapstore.calls.load import load_prefix
 from snapstore.calls.recompute import chosen_match, chunks_estimate, weigh
+from snapstore.calls.warm import warm_up
 from snapstore.catalog.db import Database
 from snapstore.catalog.queries import ChunkRow, SnapRow, Txn
 from snapstore.chunks.repo import Repo
@@ -134,6 +135,13 @@ class StoreLookup:
         return lookup_prefix(self._repo.db, self._access, self.layout, tokens, namespace=namespace, exclude=exclude,
                              components=components, ttl=self.budget.ttl, count=self._ledger.count,
                              two_calls=(match, self.describe) if self._remote is not None else None, weighed=weighed)
+
+    @operation
+    def warm_up(self) -> None:
+        """Pay the first lookup's and restore's one-time costs now, on this thread's connection
+        (prepared statements, the residency probe): for an engine about to serve (calls/warm.py).
+        Reads only; counts nothing."""
+        warm_up(self._repo.db, self._access, self.layout)
 
     def load(self, tokens: TokensLike, *, allocate: Callable[[MatchDetails], Mapping[str, Destination]],
              release: Callable[[Mapping[str, Destination]], object] | None = None,
