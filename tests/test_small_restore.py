@@ -222,7 +222,6 @@ def test_a_cold_chain_has_every_file_read_ahead_before_the_first_header(tmp_path
     reads of the other files are already under way (their pages arrive while it waits), so their
     disk latencies overlap instead of adding up. The tiers still say cold: probed before the reads."""
     import glob
-    import os
     import time
 
     from support.pagecache import cached_pages, drop_cache
