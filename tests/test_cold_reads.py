@@ -101,6 +101,47 @@ def test_probe_tells_a_cold_file_from_a_just_read_one(tmp_path: Any, monkeypatch
         os.close(fd)
 
 
+def test_a_file_the_kernel_will_not_cachestat_leaves_the_probe_on_for_the_rest() -> None:
+    """cachestat(2) refuses (EPERM) a file the process neither owns nor may write: that one file is
+    probed by mincore, and cachestat stays on for the others (a filter refusing every call would
+    turn it off). Run as another user in a forked child, so needs root."""
+    from snapstore.chunks import residency
+
+    if os.geteuid() != 0 or residency.probe_kind() != "cachestat":
+        pytest.skip("needs root (to run as another user) and a kernel with cachestat(2)")
+    import shutil
+    import tempfile
+
+    where = tempfile.mkdtemp(dir="/tmp")  # pytest's own tmp_path is not the other user's to enter
+    theirs = os.path.join(where, "theirs")
+    with open(theirs, "wb") as f:
+        f.write(os.urandom(MIB))
+    os.chmod(theirs, 0o444)
+    os.chmod(where, 0o755)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: another user, which owns neither file; the parent's modules, no exec
+        code = 1
+        try:
+            os.close(r)
+            os.setuid(65534)
+            fd = os.open(theirs, os.O_RDONLY)
+            os.pread(fd, MIB, 0)
+            answers = [residency.resident(fd, MIB), residency.probe_kind()]
+            os.write(w, repr(answers).encode())
+            code = 0
+        except BaseException as e:
+            os.write(w, repr(e).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        got = f.read()
+    _, status = os.waitpid(pid, 0)
+    shutil.rmtree(where)
+    assert os.waitstatus_to_exitcode(status) == 0 and got == "[True, 'cachestat']", got
+
+
 @pytest.mark.parametrize("dest", ["arrays", "rows_from", "paged"])
 def test_cold_restore_reads_around_the_page_cache_exactly(cold_fs: str, dest: str) -> None:
     """Chunk sizes that are not multiples of 4096, a restore from a row inside a chunk, and paged

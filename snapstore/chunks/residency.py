@@ -3,7 +3,7 @@ choice between buffered and direct reads: it must read nothing, fault nothing, a
 next to a small restore (issue 31).
 
 cachestat(2) (Linux 6.5+) answers in one system call: about 2 µs a file here. Where it is missing
-or refused (an older kernel, a seccomp filter: ENOSYS, EPERM) the probe falls back to mincore(2)
+or filtered (an older kernel, a seccomp filter) the probe falls back to mincore(2)
 over a mapping of the file that is never touched: a mapping, the call and the unmapping, about
 16 µs a file. A file at least half cached counts as cached; True where neither can tell (the
 buffered path, as before).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import mmap
+import os
 import platform
 import sys
 from typing import Any
@@ -67,9 +68,27 @@ def _cachestat(libc: _Libc, fd: int, size: int) -> int | None:
     rng, out = _Range(0, size), _Stat()
     if libc.c.syscall(_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(out), 0) == 0:
         return int(out.nr_cache)
-    if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
-        libc.cachestat = False  # this kernel (or its filter) never will: mincore from now on
+    err = ctypes.get_errno()
+    # ENOSYS: no such call here (an older kernel, or a filter that says so): mincore from now on.
+    # EPERM is either a seccomp filter (every call) or the kernel refusing this one file (one the
+    # process neither owns nor may write): asked once of a file of its own, which tells them apart.
+    if err == errno.ENOSYS or (err == errno.EPERM and not _allowed_on_own_file(libc)):
+        libc.cachestat = False
     return None
+
+
+def _allowed_on_own_file(libc: _Libc) -> bool:
+    """Does cachestat answer for an anonymous file this process created (memfd)? False: it is
+    filtered for the whole process."""
+    try:
+        fd = os.memfd_create("snapstore-cachestat", os.MFD_CLOEXEC)
+    except (OSError, AttributeError):
+        return False
+    try:
+        rng, out = _Range(0, 1), _Stat()
+        return int(libc.c.syscall(_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(out), 0)) == 0
+    finally:
+        os.close(fd)
 
 
 def _mincore(libc: _Libc, fd: int, size: int) -> int | None:
