@@ -18,8 +18,10 @@ regular file at the path — opened without blocking, :func:`snapstore.chunks.ch
 a checksum that does not match) is reported in ``damage`` for :func:`quarantine`, which condemns
 only what is still damaged when it re-checks under the write lock.
 
-No posix_fadvise(WILLNEED): on this kernel it fills the page cache with 4 KiB folios and made
-both cold and later warm reads slower than plain readahead.
+posix_fadvise(WILLNEED) only for small cold files, all of a window's at once
+(:func:`snapstore.restore.tiers.prefetch_cold`): on this kernel it fills the page cache with 4 KiB
+folios, which made cold and later warm reads of large chunks slower than plain readahead; for a
+chain of small links the device latencies it overlaps are what a cold restore waited for.
 """
 
 from __future__ import annotations

@@ -32,9 +32,13 @@ from snapstore.plan.restore_plan import PlanItem
 from snapstore.restore.direct import DIRECT_MIN
 from snapstore.restore.ramtier import RamTier
 
-__all__ = ["PREFETCH_BYTES", "Tiers", "prefetch_cold", "probe_chunks", "probe_runs", "tally_opened"]
+__all__ = ["PREFETCH_BYTES", "PREFETCH_FILE_MAX", "Tiers", "prefetch_cold", "probe_chunks", "probe_runs",
+           "tally_opened"]
 
 PREFETCH_BYTES = 32 << 20  # cold chunk bytes a restore window asks for at once (more is left to the readers)
+# Only files up to this size are asked for ahead: a large file's latency is spread over its bytes
+# (the readers keep two in flight), and WILLNEED leaves it in 4 KiB folios (restore.stream)
+PREFETCH_FILE_MAX = 1 << 20
 
 Tiers = dict[str, int]  # tier -> chunk bytes
 
@@ -75,8 +79,9 @@ def probe_runs(n: int, probe: Callable[[int], bool]) -> list[bool]:
 def prefetch_cold(opened: Sequence[tuple[PlanItem, int, object, object]], reads: DirectReads | None) -> dict[int, bool]:
     """Probe a restore window's opened chunk files (``(item, fd, header, RAM bytes)``, as
     :mod:`snapstore.restore.stream` opens them) before any is read, and start reading the cold ones
-    all at once (POSIX_FADV_WILLNEED), up to PREFETCH_BYTES: a small restore of a 12-link chain read
-    its files one after another, a disk's latency each. Returns the residency found per descriptor
+    of up to PREFETCH_FILE_MAX bytes all at once (POSIX_FADV_WILLNEED), up to PREFETCH_BYTES in all:
+    a small restore of a 12-link chain read its files one after another, a disk's latency each.
+    Returns the residency found per descriptor
     (probed or inferred, before the prefetch), which the tally and the stream reuse. A file read
     with O_DIRECT later (``reads`` on, a large chunk) is not prefetched: that read bypasses the cache."""
     files: dict[int, int] = {}  # fd -> size, in read order
@@ -87,7 +92,8 @@ def prefetch_cold(opened: Sequence[tuple[PlanItem, int, object, object]], reads:
     warm = dict(zip(files, probe_runs(len(order), lambda i: resident(*order[i]))))
     budget = PREFETCH_BYTES
     for fd, size in order:
-        if warm[fd] or size > budget or (reads is not None and reads.on and size - HEADER_SIZE >= DIRECT_MIN):
+        if (warm[fd] or size > min(budget, PREFETCH_FILE_MAX)
+                or (reads is not None and reads.on and size - HEADER_SIZE >= DIRECT_MIN)):
             continue
         budget -= size
         with contextlib.suppress(OSError):  # advice only: the reads themselves report what is wrong
