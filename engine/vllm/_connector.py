@@ -121,12 +121,22 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
             budget = ss.Budget(disk_bytes=int(extra["disk_mib"]) << 20 if "disk_mib" in extra else None)
             self._store = ss.Store.open(extra.get("path"), identity=ident, layout=layout, budget=budget,
                                         drop_stale=bool(extra.get("drop_stale", False)))
-            self._store.warm_up()  # the first request's statement preparation, paid before serving
             atexit.register(self._close)  # queued saves land even when vLLM exits without shutdown()
         except Exception as e:  # any failure to open disables the connector; vLLM serves on without it
             log.error("snapstore connector disabled (%s side): cannot open the store at %r: %s: %s", self._side,
                       extra.get("path"), type(e).__name__, e)
             self._store = None
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """The first request's statement preparation, paid before serving; an optimisation only:
+        a failure (a busy catalog) is logged and the connector serves on."""
+        if self._store is None:
+            return
+        try:
+            self._store.warm_up()
+        except ss.SnapstoreError as e:
+            log.warning("snapstore: warming up the store failed (%s); the first request pays it", e)
 
     # -- scheduler side ------------------------------------------------------------------------
     def _key(self, request: Any) -> RequestKey:
