@@ -28,10 +28,8 @@ from contextlib import AbstractContextManager, nullcontext
 from snapstore._config import env_flag
 from snapstore._errors import ConfigError
 from snapstore.chunks.publish import create_temp, finish_temp, write_all
-from snapstore.chunks.residency import resident  # re-exported: its home until issue 31
 
-__all__ = ["ALIGN", "O_DIRECT", "DirectReads", "align_up", "direct_default", "direct_reads_default", "resident",
-           "write_direct"]
+__all__ = ["ALIGN", "O_DIRECT", "DirectReads", "align_up", "direct_default", "direct_reads_default", "write_direct"]
 
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 

@@ -37,7 +37,8 @@ class _Stat(ctypes.Structure):
 
 
 class _Libc:
-    """libc with what the probes call, typed for ctypes; ``cachestat`` turns off at its first refusal."""
+    """libc with what the probes call, typed for ctypes; ``cachestat`` turns off where the call is
+    missing or filtered (:func:`_cachestat`)."""
 
     def __init__(self) -> None:
         self.c: Any = ctypes.CDLL(None, use_errno=True)

@@ -6,7 +6,7 @@ staging slot (the restore stays inside the staging bound; a slot is never held w
 awaited), reader threads copy each piece's payload bytes into the destination, and this thread
 folds every piece into the chunk's XXH3-128 in order, from the bounce piece, before the piece is
 reused. Checksums stay on for every chunk. Only chunks whose pages are not cached come here
-(:func:`snapstore.chunks.direct_io.resident`): an O_DIRECT read neither uses nor fills the page cache.
+(:func:`snapstore.chunks.residency.resident`): an O_DIRECT read neither uses nor fills the page cache.
 """
 
 from __future__ import annotations

@@ -2,19 +2,19 @@
 ("cold"); the shared tier ("remote") is known to the Store by the match it restores.
 
 A chunk served by the RAM tier is known as it is taken. For a chunk file the probe is cachestat(2),
-or mincore(2) over an untouched mapping (:func:`snapstore.chunks.residency.resident`): it reads nothing and
-tells cached from not *before* the read — timing a read and calling it cold when slow would need a
-rate to compare against (the very thing being measured), and would confuse a busy disk with a cold
-one. posix_fadvise gives no answer at all, and a RWF_NOWAIT read pulls the page in on this kernel.
-A file at least half cached counts as warm.
+or mincore(2) over an untouched mapping (:func:`snapstore.chunks.residency.resident`): it reads
+nothing and tells cached from not *before* the read — timing a read and calling it cold when slow
+would need a rate to compare against (the very thing being measured), and would confuse a busy
+disk with a cold one. posix_fadvise gives no answer at all, and a RWF_NOWAIT read pulls the page
+in on this kernel. A file at least half cached counts as warm.
 
 A mincore probe costs about 16 µs a file (a mapping, the call, the unmapping), a cachestat probe
 about 2 µs: on a small restore of a 12-link chain, probing every file by mincore cost a sixth of
-the restore (issue 31). A chain's files are saved and
-read together, so they are cached together, in runs: the first, the middle and the last file are
-probed, and a stretch between two probed files that agree takes their tier, while one between two
-that differ is split at its middle and probed again (:func:`probe_runs`). A chain all in one tier
-costs three probes; a warm root below a cold leaf is found exactly, in a few more.
+the restore (issue 31). A chain's files are saved and read together, so they are cached together,
+in runs: the first, the middle and the last file are probed, and a stretch between two probed
+files that agree takes their tier, while one between two that differ is split at its middle and
+probed again (:func:`probe_runs`). A chain all in one tier costs three probes; a warm root below a
+cold leaf is found exactly, in a few more.
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ def prefetch_cold(opened: Sequence[tuple[PlanItem, int, object, object]], reads:
     :mod:`snapstore.restore.stream` opens them) before any is read, and start reading the cold ones
     of up to PREFETCH_FILE_MAX bytes all at once (POSIX_FADV_WILLNEED), up to PREFETCH_BYTES in all:
     a small restore of a 12-link chain read its files one after another, a disk's latency each.
-    Returns the residency found per descriptor
-    (probed or inferred, before the prefetch), which the tally and the stream reuse. A file read
-    with O_DIRECT later (``reads`` on, a large chunk) is not prefetched: that read bypasses the cache."""
+    Returns the residency found per descriptor (probed or inferred, before the prefetch), which
+    the tally and the stream reuse. A file read with O_DIRECT later (``reads`` on, a large chunk)
+    is not prefetched: that read bypasses the cache."""
     files: dict[int, int] = {}  # fd -> size, in read order
     for item, fd, _head, data in opened:
         if data is None and fd >= 0 and fd not in files:
