@@ -87,9 +87,9 @@ class Rows:
         if self.row_bytes == 0:
             raise LayoutError("a row stream's rows must have at least one byte")
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
-        """Bytes of one row."""
+        """Bytes of one row (computed once: a restore plan asks for it per chain link)."""
         return math.prod(self.row_shape) * dtype_size(self.dtype)
 
 

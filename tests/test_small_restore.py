@@ -296,3 +296,60 @@ def test_warm_up_prepares_what_the_first_lookup_and_restore_run(tmp_path: Any, m
         assert np.array_equal(dst[:d.rows["kv"]], kv[:d.rows["kv"]])
         after = s.stats()
         assert (after.hits, after.misses) == (before.hits + 1, before.misses)
+
+
+def test_catalog_rows_built_at_once_equal_their_dataclass_rows() -> None:
+    """The catalog's rows are built by filling each instance at once (issue 31), not through the
+    frozen dataclass's ``__init__``: the instance is the same — equal, hashed alike, still frozen,
+    ``dataclasses.replace`` works — and a row of the wrong width is refused."""
+    import dataclasses
+
+    from snapstore.catalog.rows import ChunkRow, PartRow, SnapRow, chunk_row, part_row, snap_row
+
+    snap = (7, 2, "ns", 6, 3, 96, 64, 4, b"\x01" * 128, b"a" * 16, b"p" * 16, b"c" * 16, None, 1, "own", 1,
+            1.5, 2.5, 4, 1024, 0, b"l" * 16, None)
+    chunk = (b"i" * 32, 4096, 4000, 1, b"s" * 16, 2, 3.5, b"scope", None)
+    part = (7, "kv", 1, "uint8", "[2, 16]", None, 16, 24, 256, 4)
+    pairs = [(snap_row(snap), SnapRow(*snap)), (chunk_row(chunk), ChunkRow(*chunk)),
+             (part_row(part), PartRow(*part[:4], (2, 16), *part[5:]))]
+    for built, reference in pairs:
+        assert type(built) is type(reference) and built == reference and hash(built) == hash(reference)
+        assert repr(built) == repr(reference)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            built.nbytes = 0  # type: ignore[misc]
+        first = dataclasses.fields(built)[0].name
+        assert getattr(dataclasses.replace(built, **{first: getattr(reference, first)}), first) == \
+            getattr(reference, first)
+    assert isinstance(chunk_row((memoryview(b"i" * 32), *chunk[1:])).id, bytes)  # apsw's blob, as bytes
+    with pytest.raises(ValueError):
+        snap_row(snap[:-1])
+
+
+def test_chain_and_its_parts_come_in_order_without_an_order_by(tmp_path: Any) -> None:
+    """The chain (root first) and each part's chunks (by seq) are ordered in Python now, not by
+    SQLite's ORDER BY: the same rows in the same order as the ordered statements, and a chain of
+    multi-chunk links restores exactly."""
+    layout = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 512))}, tokens_per_row=BLOCK)  # 1 KiB rows
+    tokens = list(range(10, 10 + 48 * BLOCK))
+    kv = np.random.default_rng(3).integers(0, 256, (48, 2, 512), dtype=np.uint8)
+    with ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=layout, chunk_bytes=4096,
+                       budget=ss.Budget(reserve_bytes=0, ram_bytes=0)) as s:
+        sid = 0
+        for b in (9, 19, 29, 38, 48):  # links of 9-10 rows: three chunks of up to 4 rows each
+            res = s.save(tokens[:b * BLOCK], {"kv": kv}, rows=b, parent="auto")
+            assert res.ok and res.snapshot_id is not None
+            sid = res.snapshot_id
+        conn = s._repo.db.conn()
+        chain = s._repo.db.read(lambda c: c.chain(sid))
+        assert [x.id for x in chain] == s.describe(sid).chain and chain[-1].id == sid
+        ids = [x.id for x in chain]
+        got = s._repo.db.read(lambda c: c.chain_parts(ids))
+        assert all(len(chunks) > 1 for _, chunks in got)
+        for part, chunks in got:
+            ordered = [bytes(r[0]) for r in conn.execute(
+                "SELECT chunk_id FROM part_chunks WHERE snapshot_id = ? AND name = ? ORDER BY seq",
+                (part.snapshot_id, part.name))]
+            assert [c.id for c in chunks if c is not None] == ordered
+        dst = np.zeros_like(kv)
+        s.restore(sid, {"kv": dst})
+        assert np.array_equal(dst, kv)

@@ -14,7 +14,7 @@ from typing import Any
 
 import apsw
 
-from snapstore.catalog.rows import CHUNK_COLS, ChunkRow, PartKind, PartRow, part_row, scalar
+from snapstore.catalog.rows import CHUNK_COLS, ChunkRow, PartKind, PartRow, chunk_row, part_row, scalar
 
 __all__ = ["QUARANTINED_USERS_SQL", "ChunkQueries"]
 
@@ -86,7 +86,7 @@ class ChunkQueries:
                 "SELECT pc.chunk_id, c.raw_len, c.stored_len, c.codec, c.checksum, c.refs, c.created, c.scope, "
                 "c.quarantined FROM part_chunks pc LEFT JOIN chunks c ON c.id = pc.chunk_id "
                 "WHERE pc.snapshot_id = ? AND pc.name = ? ORDER BY pc.seq", (sid, name)):
-            out.append(None if r[1] is None else ChunkRow(bytes(r[0]), *r[1:]))
+            out.append(None if r[1] is None else chunk_row(r))
         return out
 
     def chain_parts(self, ids: Sequence[int]) -> list[tuple[PartRow, list[ChunkRow | None]]]:
@@ -95,19 +95,22 @@ class ChunkQueries:
         two statements per link and part cost more than a small restore's bytes)."""
         out: list[tuple[PartRow, list[ChunkRow | None]]] = []
         key: tuple[int, str] | None = None
-        for r in self._c.execute(
-                "SELECT p.snapshot_id, p.name, p.kind, p.dtype, p.shape, p.component, p.row_start, p.row_end, "
-                "p.nbytes, p.tokens_per_row, pc.chunk_id, c.raw_len, c.stored_len, c.codec, c.checksum, c.refs, "
-                "c.created, c.scope, c.quarantined FROM json_each(?) j "
-                "JOIN parts p ON p.snapshot_id = j.value "
-                "LEFT JOIN part_chunks pc ON pc.snapshot_id = p.snapshot_id AND pc.name = p.name "
-                "LEFT JOIN chunks c ON c.id = pc.chunk_id ORDER BY p.snapshot_id, p.name, pc.seq",
-                (json.dumps([int(i) for i in ids]),)):
+        rows: list[Any] = self._c.execute(
+            "SELECT p.snapshot_id, p.name, p.kind, p.dtype, p.shape, p.component, p.row_start, p.row_end, "
+            "p.nbytes, p.tokens_per_row, pc.chunk_id, c.raw_len, c.stored_len, c.codec, c.checksum, c.refs, "
+            "c.created, c.scope, c.quarantined, pc.seq FROM json_each(?) j "
+            "JOIN parts p ON p.snapshot_id = j.value "
+            "LEFT JOIN part_chunks pc ON pc.snapshot_id = p.snapshot_id AND pc.name = p.name "
+            "LEFT JOIN chunks c ON c.id = pc.chunk_id", (json.dumps([int(i) for i in ids]),)).fetchall()
+        # ordered here, not by an ORDER BY (its temp B-tree copies every row once more); a part
+        # without chunks has a NULL seq, alone in its group
+        rows.sort(key=lambda r: (r[0], r[1], -1 if r[19] is None else r[19]))
+        for r in rows:
             if (r[0], r[1]) != key:
                 key = (r[0], r[1])
                 out.append((part_row(r[:10]), []))
             if r[10] is not None:  # a part without chunks (0 bytes) has one row of NULLs here
-                out[-1][1].append(None if r[11] is None else ChunkRow(bytes(r[10]), *r[11:]))
+                out[-1][1].append(None if r[11] is None else chunk_row(r[10:19]))
         return out
 
     # -- chunks and quarantine ------------------------------------------------------------------
@@ -124,11 +127,11 @@ class ChunkQueries:
 
     def chunk(self, cid: bytes) -> ChunkRow | None:
         r = self._c.execute(f"SELECT {CHUNK_COLS} FROM chunks WHERE id = ?", (cid,)).fetchone()
-        return ChunkRow(bytes(r[0]), *r[1:]) if r else None
+        return chunk_row(r) if r else None
 
     def all_chunks(self) -> Iterator[ChunkRow]:
         for r in self._c.execute(f"SELECT {CHUNK_COLS} FROM chunks"):
-            yield ChunkRow(bytes(r[0]), *r[1:])
+            yield chunk_row(r)
 
     def chunk_state(self, cid: bytes) -> int:
         """0: no row; 1: a healthy row; 2: a quarantined row (one index probe, no transaction needed)."""

@@ -129,9 +129,10 @@ class Txn(ChunkQueries, AdmissionQueries, RateQueries, PrefixQueries):
 
     def snapshot_and_key(self, sid: int) -> tuple[SnapRow, str | None] | None:
         """Snapshot ``sid`` and its identity's key (None: that row is gone) in one statement: a
-        restore's ownership check without a second read (issue 31)."""
-        row = self._c.execute(f"SELECT {_SNAP_COLS_S}, i.key FROM snapshots s LEFT JOIN identities i "
-                              "ON i.id = s.identity_id WHERE s.id = ?", (sid,)).fetchone()
+        restore's ownership check without a second read (issue 31). A scalar subquery, not a LEFT
+        JOIN: the same answer, and SQLite ran the join's statement 6x slower (30 against 5 us)."""
+        row = self._c.execute(f"SELECT {_SNAP_COLS_S}, (SELECT key FROM identities WHERE id = s.identity_id) "
+                              "FROM snapshots s WHERE s.id = ?", (sid,)).fetchone()
         return (snap_row(row[:N_SNAP]), None if row[N_SNAP] is None else str(row[N_SNAP])) if row else None
 
     def snapshots(self, identity_id: int | None = None) -> list[SnapRow]:
@@ -207,10 +208,11 @@ class Txn(ChunkQueries, AdmissionQueries, RateQueries, PrefixQueries):
         return snap_row(row) if row else None
 
     def chain(self, sid: int) -> list[SnapRow]:
-        """The snapshot and its ancestors, root first."""
-        rows = self._c.execute(
-            f"{_WALK} SELECT {SNAP_COLS} FROM snapshots JOIN ch ON snapshots.id = ch.x ORDER BY ch.lvl DESC",
-            (sid,)).fetchall()
+        """The snapshot and its ancestors, root first. Ordered here by level, not by an ORDER BY:
+        SQLite's temp B-tree copied every row (token blobs too) once more for a dozen rows."""
+        rows: list[Any] = self._c.execute(
+            f"{_WALK} SELECT {_SNAP_COLS_S}, ch.lvl FROM ch CROSS JOIN snapshots s ON s.id = ch.x", (sid,)).fetchall()
+        rows.sort(key=lambda r: r[N_SNAP], reverse=True)
         return [snap_row(r[:N_SNAP]) for r in rows]
 
     def chain_tokens(self, sid: int) -> list[Segment]:

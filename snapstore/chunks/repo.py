@@ -139,14 +139,14 @@ class Repo:
             raise CorruptionError(f"catalog holds a malformed chunk id {bytes(cid)[:40].hex()!r}; run "
                                   "`snapstore verify --repair`")
         h = cid.hex()
-        sub = os.path.join(self.blobs, h[:2])
+        sub = self.blobs + os.sep + h[:2]  # not os.path.join: two of those were a tenth of opening a chunk
         try:
             st = os.lstat(sub)
         except FileNotFoundError:
             st = None
         if st is not None and not stat.S_ISDIR(st.st_mode):
             raise CorruptionError(f"{sub} is not a real directory (a symlink?); refusing to follow it")
-        return os.path.join(sub, h)
+        return sub + os.sep + h
 
     def remove_blob(self, cid: bytes) -> int | None:
         """Unlink chunk file ``cid`` through the real directories blobs/ and blobs/<xx> (never a link);
