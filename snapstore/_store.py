@@ -332,7 +332,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
     def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
               wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
         """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
-        return plan_of(c, self._access, self.layout, sid, ns, into, wanted, rows_from, upto)
+        return plan_of(c, self._access, self.layout, sid, ns, into, wanted, rows_from, upto, memo=self._repo.plans)
 
     @operation
     def restore(self, m: SnapshotRef,

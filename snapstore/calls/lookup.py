@@ -27,6 +27,7 @@ from snapstore.calls.gate import CallGate, operation
 from snapstore.calls.load import load_prefix
 from snapstore.calls.recompute import chosen_match, chunks_estimate, weigh
 from snapstore.calls.warm import warm_up
+from snapstore.catalog.chain_cache import ChainCache
 from snapstore.catalog.db import Database
 from snapstore.catalog.queries import ChunkRow, SnapRow, Txn
 from snapstore.chunks.repo import Repo
@@ -45,12 +46,13 @@ def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLi
                   exclude: Iterable[SnapshotRef] | None, components: Iterable[str] | None, ttl: float | None,
                   count: Callable[..., None], two_calls: tuple[Any, Any] | None = None,
                   weighed: tuple[float, Callable[[list[ChunkRow]], RestoreEstimate]] | None = None,
-                  ) -> MatchDetails | None:
+                  memo: ChainCache | None = None) -> MatchDetails | None:
     """The longest committed prefix of ``tokens`` as :class:`MatchDetails` (``n_tokens``: the
     tokens matched; ``snapshot_tokens``: the snapshot's own), or None; counted like match().
     ``two_calls``: the store's (match, describe), taken instead when it has a shared tier.
     ``weighed``: (prefill tokens per second, the estimate of a plan's chunks): the prefix that saves
-    the most time, or None when reading the prompt is faster than any restore (``why`` says)."""
+    the most time, or None when reading the prompt is faster than any restore (``why`` says).
+    ``memo``: the store's kept plan reads (``Repo.plans``)."""
     if two_calls is not None:  # the shared tier may hold a longer prefix than the local catalog
         match, describe = two_calls
         m = match(tokens, namespace=namespace, exclude=exclude)
@@ -69,7 +71,7 @@ def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLi
         if found is None:
             return None
         hit, n_hit = found
-        snap, plan = plan_of(c, access, layout, hit.id, ns, None, wanted, 0, n_hit)
+        snap, plan = plan_of(c, access, layout, hit.id, ns, None, wanted, 0, n_hit, memo=memo)
         return details_of(snap, plan, ns, 0)
 
     if weighed is None:
@@ -90,7 +92,7 @@ def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLi
             chunks: list[ChunkRow] = []
             try:
                 plans[m.snapshot_id] = plan_of(c, access, layout, m.snapshot_id, ns, None, wanted, 0, m.n_tokens,
-                                               chunks)
+                                               chunks, memo)
             except SnapstoreError:
                 return None  # unreadable since it matched: not a choice (its restore would fail alike)
             return estimate_chunks(chunks)
@@ -134,7 +136,8 @@ class StoreLookup:
             if prefill_tokens_per_s is not None else None
         return lookup_prefix(self._repo.db, self._access, self.layout, tokens, namespace=namespace, exclude=exclude,
                              components=components, ttl=self.budget.ttl, count=self._ledger.count,
-                             two_calls=(match, self.describe) if self._remote is not None else None, weighed=weighed)
+                             two_calls=(match, self.describe) if self._remote is not None else None, weighed=weighed,
+                             memo=self._repo.plans)
 
     @operation
     def warm_up(self) -> None:

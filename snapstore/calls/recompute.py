@@ -43,7 +43,7 @@ def estimate_of(store: Any, m: Any, wanted: set[str], namespace: str | None,
     ns = ref_namespace(m, namespace)
     chunks: list[ChunkRow] = []
     store._repo.db.read(lambda c: plan_of(c, store._access, store.layout, sid, ns, None, wanted, 0, match_tokens(m),
-                                          chunks))
+                                          chunks, store._repo.plans))
     return chunks_estimate(store, chunks)
 
 

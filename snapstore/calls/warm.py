@@ -42,6 +42,8 @@ def warm_up(db: Database, access: Access, layout: Layout) -> None:
         c.snapshot_and_key(_NONE)  # the plan's: the snapshot and its key, the chain, its parts and chunks
         c.chain(_NONE)
         ChainRows(c, [_NONE])
+        if not db.readonly:
+            c.catalog_gen()  # the kept plan reads' check (catalog/chain_cache.py)
         c.quarantined_users()
         c.chain_spells(_NONE, 8, memoryview(bytes(8)), 0)
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from snapstore._errors import IdentityError, InvalidInputError, NotFoundError, SnapshotUnavailableError
 from snapstore._identity import Identity
+from snapstore.catalog.chain_cache import ChainReads
 from snapstore.catalog.db import Database
 from snapstore.catalog.queries import SnapRow, SnapState, Txn
 
@@ -59,7 +60,7 @@ class Access:
             raise Retry(identity_gone=True)
         return row
 
-    def mine(self, t: Txn, snap: SnapRow) -> bool:
+    def mine(self, t: Txn | ChainReads, snap: SnapRow) -> bool:
         """Does ``snap`` belong to this store's identity? Decided by the identity *key*, not the id."""
         return t.identity_key(snap.identity_id) == self.identity_key
 
@@ -77,7 +78,7 @@ class Access:
             raise IdentityError(f"snapshot {snap.id} belongs to another namespace")
         return snap
 
-    def chain(self, c: Txn, snap: SnapRow) -> list[SnapRow]:
+    def chain(self, c: Txn | ChainReads, snap: SnapRow) -> list[SnapRow]:
         """``snap``'s chain, root first; every link must be of this identity (by key) and of the
         snapshot's namespace, so a damaged or reused parent link can never serve another's rows."""
         chain = c.chain(snap.id)
@@ -89,7 +90,7 @@ class Access:
                     "nothing was written (run `snapstore verify`)", snapshot_id=snap.id)
         return chain
 
-    def readable(self, c: Txn, sid: int, ns: str, rows_from: int) -> SnapRow:
+    def readable(self, c: Txn | ChainReads, sid: int, ns: str, rows_from: int) -> SnapRow:
         """Snapshot ``sid`` if this store may restore it from ``rows_from`` on (ownership, not another
         process's pending capture, rows_from within it); else the error that says why not."""
         found = c.snapshot_and_key(sid)  # the row and its identity's key: one statement

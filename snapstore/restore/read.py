@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from snapstore._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
 from snapstore._layout import Layout
 from snapstore._results import MatchDetails, RecomputeDecision
+from snapstore.catalog.chain_cache import ChainCache
 from snapstore.catalog.queries import ChunkRow, SnapRow, SnapState, Txn
 from snapstore.chunks.direct_io import DirectReads
 from snapstore.chunks.repo import Repo
@@ -41,17 +42,19 @@ def wanted_components(layout: Layout, components: Iterable[str] | None) -> set[s
 
 def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Mapping[str, Destination] | None,
             wanted: set[str], rows_from: int = 0, upto: int | None = None,
-            chunks: list[ChunkRow] | None = None) -> tuple[SnapRow, RestorePlan]:
+            chunks: list[ChunkRow] | None = None, memo: ChainCache | None = None) -> tuple[SnapRow, RestorePlan]:
     """Check that ``sid`` is this store's to restore and build (and validate) its plan; ``upto``:
-    the tokens of a block-granular prefix match (rows [0, upto // g) only, :mod:`snapstore.plan.prefix`)."""
-    snap = access.readable(c, sid, ns, rows_from)
+    the tokens of a block-granular prefix match (rows [0, upto // g) only, :mod:`snapstore.plan.prefix`).
+    ``memo``: the store's kept plan reads (``Repo.plans``), used while the catalog generation stands."""
+    reads = c if memo is None else memo.reads(c)
+    snap = access.readable(reads, sid, ns, rows_from)
     rows_to = rows_limit(layout, snap, upto)
     bound = rows_bound(layout, snap, rows_to)
     if rows_from > bound:  # rows_from counts rows: at tokens_per_row > 1 the tokens bound (readable) is looser
         raise InvalidInputError(f"rows_from={rows_from} is past the {bound} rows (of {granularity(layout)} tokens) "
                                 f"that restoring snapshot {sid} writes; nothing was written")
-    chain = access.chain(c, snap)
-    rows = ChainRows(c, [link.id for link in chain])  # every link's parts and chunks: one statement
+    chain = access.chain(reads, snap)
+    rows = ChainRows(reads, [link.id for link in chain])  # every link's parts and chunks: one statement
     return snap, build_plan(rows, sid, chain, layout, into, wanted, rows_from, rows_to, chunks)
 
 

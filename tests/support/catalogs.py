@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from snapstore.catalog.db import migrations_dir
 
-# Schema v12 (0012_restore_rates.sql) taken out: no restore_rates.
-UNDO_RESTORE_RATES = "DROP TABLE restore_rates; "
+# Schema v13 (0013_catalog_gen.sql) taken out: no catalog_gen, none of its triggers.
+UNDO_CATALOG_GEN = "".join(f"DROP TRIGGER catalog_gen_{t}; " for t in (
+    "snapshot_delete", "snapshot_update", "part_delete", "part_update", "part_chunk_delete",
+    "part_chunk_update", "chunk_delete", "chunk_update", "identity_delete", "identity_update"))
+UNDO_CATALOG_GEN += "DROP TABLE catalog_gen; "
+# Schema v12 (0012_restore_rates.sql) taken out too: no restore_rates.
+UNDO_RESTORE_RATES = UNDO_CATALOG_GEN + "DROP TABLE restore_rates; "
 # Schema v11 (0011_imports.sql) taken out too: no snapshots.imported_from.
 UNDO_IMPORTS = UNDO_RESTORE_RATES + "ALTER TABLE snapshots DROP COLUMN imported_from; "
 # Schema v10 (0010_admission.sql) taken out too: no sightings, write_bucket or names.

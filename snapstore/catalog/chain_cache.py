@@ -1,0 +1,147 @@
+"""The catalog rows a restore plan reads, kept per process while the catalog generation stands.
+
+A restore plan reads three things of a snapshot: its row with its identity's key, its chain and
+every link's parts and chunk references. Of a small restore (a few thousand tokens, a dozen links)
+those reads cost a third of the call (issue 31), and a server reads the same ones for every request
+that shares a system prompt. :class:`ChainCache` keeps them for committed snapshots, tagged with
+``catalog_gen`` (schema 13, docs/format.md): triggers bump it in the transaction of every change a
+plan depends on, from any process. Each read transaction reads the counter first (one statement)
+and uses the kept rows only when it is the one they were read under, so a deleted, quarantined,
+superseded or re-keyed snapshot is never planned from memory. Every check of the plan still runs
+on the rows (ownership, contiguity, sizes, destinations) and every chunk is still checksummed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from snapstore.catalog.queries import ChunkRow, PartRow, SnapRow, SnapState, Txn
+
+__all__ = ["ChainCache", "ChainReads"]
+
+_MAX_ENTRIES = 1024
+_MAX_BYTES = 32 << 20  # token blobs and rows kept at most (an estimate: a 128K-token chain is ~0.5 MiB)
+_ROW_BYTES = 256  # what one kept row costs besides its token blob, roughly
+
+Found = tuple[SnapRow, str | None]
+Parts = list[tuple[PartRow, list[ChunkRow | None]]]
+
+
+@dataclass
+class _Entry:
+    """One committed snapshot's rows: filled step by step as a plan reads them."""
+
+    found: Found
+    chain: list[SnapRow] | None = None
+    parts: Parts | None = None
+    nbytes: int = _ROW_BYTES
+
+
+class ChainCache:
+    """Per-store memo of plan reads, validated by the catalog generation (module docstring).
+
+    ``enabled`` False (a read-only or private catalog, whose file another program may replace
+    without triggers) makes :meth:`reads` hand back the transaction itself."""
+
+    def __init__(self, enabled: bool, max_entries: int = _MAX_ENTRIES, max_bytes: int = _MAX_BYTES) -> None:
+        self.enabled = enabled
+        self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._gen = -1
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0  # plans served from memory, for tests and benchmarks
+
+    def reads(self, c: Txn) -> Txn | ChainReads:
+        """What a plan in transaction ``c`` reads through: the memo when enabled, else ``c``."""
+        if not self.enabled:
+            return c
+        gen = c.catalog_gen()
+        with self._lock:
+            if gen > self._gen:  # something a plan depends on changed: start over
+                self._entries.clear()
+                self._bytes = 0
+                self._gen = gen
+            current = gen == self._gen  # an older read transaction neither uses nor fills the memo
+        return ChainReads(c, self, gen) if current else c
+
+    def _get(self, gen: int, sid: int) -> _Entry | None:
+        with self._lock:
+            if gen != self._gen:
+                return None
+            e = self._entries.get(sid)
+            if e is not None:
+                self._entries.move_to_end(sid)
+            return e
+
+    def _put(self, gen: int, sid: int, e: _Entry, grew: int) -> None:
+        """Keep ``e`` (grown by ``grew`` bytes) for ``sid``, if ``gen`` is still current; oldest out first."""
+        with self._lock:
+            if gen != self._gen:
+                return  # the generation moved on while this transaction read: its rows are not kept
+            old = self._entries.get(sid)
+            if old is not e:  # new, or dropped meanwhile: (re)counted whole
+                if old is not None:
+                    self._bytes -= old.nbytes
+                self._entries[sid] = e
+                self._bytes += e.nbytes
+            e.nbytes += grew
+            self._bytes += grew
+            while self._entries and (len(self._entries) > self._max_entries or self._bytes > self._max_bytes):
+                _, dropped = self._entries.popitem(last=False)
+                self._bytes -= dropped.nbytes
+
+
+class ChainReads:
+    """The reads of one plan in one read transaction: from the memo where it holds them, else from
+    the transaction, keeping what concerns committed snapshots. Stands in for a Txn in
+    ``Access.readable``, ``Access.chain`` and ``ChainRows``."""
+
+    __slots__ = ("_c", "_cache", "_gen")
+
+    def __init__(self, c: Txn, cache: ChainCache, gen: int) -> None:
+        self._c = c
+        self._cache = cache
+        self._gen = gen
+
+    def snapshot_and_key(self, sid: int) -> Found | None:
+        """As :meth:`Txn.snapshot_and_key`."""
+        e = self._cache._get(self._gen, sid)
+        if e is not None:
+            self._cache.hits += 1
+            return e.found
+        found = self._c.snapshot_and_key(sid)
+        if found is not None and found[0].state == SnapState.COMMITTED:
+            self._cache._put(self._gen, sid, _Entry(found), len(found[0].tokens))
+        return found
+
+    def chain(self, sid: int) -> list[SnapRow]:
+        """As :meth:`Txn.chain`; kept when every link is committed."""
+        e = self._cache._get(self._gen, sid)
+        if e is not None and e.chain is not None:
+            return e.chain
+        chain = self._c.chain(sid)
+        if e is not None and all(link.state == SnapState.COMMITTED for link in chain):
+            e.chain = chain
+            self._cache._put(self._gen, sid, e, sum(len(link.tokens) + _ROW_BYTES for link in chain))
+        return chain
+
+    def chain_parts(self, ids: Sequence[int]) -> Parts:
+        """As :meth:`Txn.chain_parts`; kept for the exact chain of a kept snapshot."""
+        e = self._cache._get(self._gen, ids[-1]) if ids else None
+        same = e is not None and e.chain is not None and [link.id for link in e.chain] == list(ids)
+        if same and e is not None and e.parts is not None:
+            return e.parts
+        parts = self._c.chain_parts(ids)
+        if same and e is not None:
+            e.parts = parts
+            self._cache._put(self._gen, ids[-1], e, sum(_ROW_BYTES * (1 + len(chunks)) for _, chunks in parts))
+        return parts
+
+    def identity_key(self, identity_id: int) -> str | None:
+        """As :meth:`Txn.identity_key` (not kept: asked only of a link of another identity row)."""
+        return self._c.identity_key(identity_id)

@@ -1,0 +1,326 @@
+"""Issue 31: a store keeps the catalog rows it planned a committed snapshot from, per process, for
+as long as the catalog generation (schema 13) it read them under stands — and never plans from
+memory what another store or process deleted, quarantined, superseded or re-keyed since.
+
+- a repeated restore reads the generation and nothing else of the catalog, and restores exactly;
+- every change a plan depends on moves the generation (raw SQL on the real catalog, table-driven),
+  what a save adds and a restore's bookkeeping do not;
+- a reference: a store planning from memory and one reading the catalog each time give the same
+  answer (bytes, or the same error, untouched destination alike) after any sequence of saves,
+  deletes, quarantines, supersedes, heals and evictions made by the other;
+- another process's `snapstore verify --deep --repair` and `snapstore gc`: the next restore refuses at the
+  plan, nothing written.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import apsw
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.profile import examples
+
+import snapstore as ss
+
+BLOCK = 4  # tokens per link step (one row per token: the layout has a fixed part)
+LAYOUT = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16))}, fixed={"h": ss.Fixed("float32", (4,))})
+IDENT = ss.Identity(build="t", pack="p", kv="u8")
+
+
+def _open(path: Any, memo: bool = True, max_entries: int | None = None) -> ss.Store:
+    s = ss.Store.open(str(path), identity=IDENT, layout=LAYOUT,
+                      budget=ss.Budget(reserve_bytes=0, ram_bytes=0, max_entries=max_entries))
+    s._repo.plans.enabled = memo
+    return s
+
+
+def _state(tokens: list[int], seed: int) -> dict[str, np.ndarray]:
+    rows = len(tokens)
+    rng = np.random.default_rng(seed)
+    return {"kv": rng.integers(0, 256, (rows, 2, 16), dtype=np.uint8),
+            "h": rng.standard_normal(4).astype(np.float32)}
+
+
+def _chain(s: ss.Store, tokens: list[int], links: int, seed: int = 0, session: str | None = None) -> int:
+    """Save ``tokens`` as a chain of ``links`` snapshots; the leaf's id."""
+    state = _state(tokens, seed)
+    steps = len(tokens) // BLOCK
+    sid = 0
+    for b in sorted({max(1, steps * (i + 1) // links) for i in range(links)}):
+        res = s.save(tokens[:b * BLOCK], state, rows=b * BLOCK, parent="auto", session=session)
+        assert res.ok and res.snapshot_id is not None, res
+        sid = res.snapshot_id
+    return sid
+
+
+@contextmanager
+def _statements(s: ss.Store) -> Any:
+    seen: list[str] = []
+    conn = s._repo.db.conn()
+    conn.set_profile(lambda sql, _ns: seen.append(sql))
+    try:
+        yield seen
+    finally:
+        conn.set_profile(None)
+
+
+def _gen(path: Any) -> int:
+    c = apsw.Connection(os.path.join(str(path), "snapstore.db"), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return int(c.execute("SELECT gen FROM catalog_gen").fetchone()[0])
+    finally:
+        c.close()
+
+
+def _dest() -> dict[str, np.ndarray]:
+    return {"kv": np.full((256, 2, 16), 7, np.uint8), "h": np.full(4, 7, np.float32)}
+
+
+def _restored(s: ss.Store, sid: int) -> tuple[str, Any]:
+    """What restoring ``sid`` gives: ("ok", rows, the bytes) or ("error", its class, touched, dest unchanged)."""
+    into = _dest()
+    try:
+        rows = s.describe(sid).rows.get("kv", 0)
+        res = s.restore(sid, {"kv": into["kv"][:rows], "h": into["h"]})
+    except ss.SnapstoreError as e:
+        untouched = bool((into["kv"] == 7).all() and (into["h"] == 7).all())
+        return "error", (type(e).__name__, getattr(e, "touched", None), untouched)
+    return "ok", (res.n_tokens, res.chain, into["kv"].tobytes(), into["h"].tobytes())
+
+
+def _described(s: ss.Store, sid: int) -> tuple[str, Any]:
+    try:
+        d = s.describe(sid)
+    except ss.SnapstoreError as e:
+        return "error", type(e).__name__
+    return "ok", (d.n_tokens, d.rows, d.chain, d.components, d.missing_components, d.nbytes, d.pending)
+
+
+def test_a_repeated_restore_plans_from_memory(tmp_path: Any) -> None:
+    """The second restore of a 12-link chain reads the generation only (BEGIN, gen, COMMIT), and
+    writes the same bytes; a lookup's describe half is served the same way."""
+    tokens = list(range(10, 10 + 48 * BLOCK))
+    with _open(tmp_path / "s") as s:
+        sid = _chain(s, tokens, 12)
+        want = _state(tokens, 0)
+        s.restore(sid, {"kv": np.zeros_like(want["kv"]), "h": np.zeros(4, np.float32)})  # planned, kept
+        hits = s._repo.plans.hits
+        dst = {"kv": np.zeros_like(want["kv"]), "h": np.zeros(4, np.float32)}
+        with _statements(s) as seen:
+            s.restore(sid, dst)
+        assert np.array_equal(dst["kv"], want["kv"]) and np.array_equal(dst["h"], want["h"])
+        assert seen[:seen.index("COMMIT") + 1] == ["BEGIN", "SELECT gen FROM catalog_gen WHERE id = 1", "COMMIT"]
+        assert s._repo.plans.hits == hits + 1
+        s.lookup(tokens)
+        with _statements(s) as lk:
+            d = s.lookup(tokens)
+        assert d is not None and d.snapshot_id == sid and d.n_tokens == len(tokens)
+        with _statements(s) as match_only:
+            s.match(tokens)
+        assert len(lk) == len(match_only) + 1, (lk, match_only)  # the generation, no plan reads
+
+
+def test_a_read_only_store_plans_from_the_catalog(tmp_path: Any) -> None:
+    """No triggers guard a file another program may swap under a read-only open: no memo there."""
+    tokens = list(range(10, 10 + 8 * BLOCK))
+    with _open(tmp_path / "s") as s:
+        sid = _chain(s, tokens, 2)
+    with ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=LAYOUT, read_only=True) as r:
+        assert not r._repo.plans.enabled
+        for _ in range(2):
+            dst = _dest()
+            r.restore(sid, {"kv": dst["kv"][:len(tokens)], "h": dst["h"]})
+            assert np.array_equal(dst["kv"][:len(tokens)], _state(tokens, 0)["kv"])
+
+
+# (what the change does to the catalog, does it move the generation)
+_CHANGES: list[tuple[str, Callable[[apsw.Connection, int, bytes], object], bool]] = [
+    ("delete a committed snapshot", lambda c, sid, cid: c.execute("DELETE FROM snapshots WHERE id = ?", (sid,)), True),
+    ("supersede it (not matchable)", lambda c, sid, cid: c.execute(
+        "UPDATE snapshots SET matchable = 0 WHERE id = ?", (sid,)), True),
+    ("use it outside its session", lambda c, sid, cid: c.execute(
+        "UPDATE snapshots SET shared = 1 WHERE id = ?", (sid,)), True),
+    ("move it to another namespace", lambda c, sid, cid: c.execute(
+        "UPDATE snapshots SET namespace = 'x' WHERE id = ?", (sid,)), True),
+    ("quarantine a chunk", lambda c, sid, cid: c.execute(
+        "UPDATE chunks SET quarantined = 1.0 WHERE id = ?", (cid,)), True),
+    ("republish a chunk in another codec", lambda c, sid, cid: c.execute(
+        "UPDATE chunks SET codec = codec, stored_len = stored_len WHERE id = ?", (cid,)), True),
+    ("delete a chunk row", lambda c, sid, cid: c.execute("DELETE FROM chunks WHERE id = ?", (cid,)), True),
+    ("resize a part", lambda c, sid, cid: c.execute(
+        "UPDATE parts SET nbytes = nbytes + 1 WHERE snapshot_id = ?", (sid,)), True),
+    ("delete a part", lambda c, sid, cid: c.execute(
+        "DELETE FROM parts WHERE snapshot_id = ? AND kind = 0", (sid,)), True),
+    ("drop a chunk reference", lambda c, sid, cid: c.execute(
+        "DELETE FROM part_chunks WHERE snapshot_id = ? AND chunk_id = ?", (sid, cid)), True),
+    ("point a reference elsewhere", lambda c, sid, cid: c.execute(
+        "UPDATE part_chunks SET seq = seq + 100 WHERE snapshot_id = ?", (sid,)), True),
+    ("re-key its identity", lambda c, sid, cid: c.execute(
+        "UPDATE identities SET key = key || 'x' WHERE id = (SELECT identity_id FROM snapshots WHERE id = ?)",
+        (sid,)), True),
+    ("delete an identity row", lambda c, sid, cid: c.execute(
+        "DELETE FROM identities WHERE id = (SELECT identity_id FROM snapshots WHERE id = ?)", (sid,)), True),
+    ("record a restore's last use and hit", lambda c, sid, cid: c.execute(
+        "UPDATE snapshots SET last_used = last_used + 1, hits = hits + 1 WHERE id = ?", (sid,)), False),
+    ("count a reference", lambda c, sid, cid: c.execute("UPDATE chunks SET refs = refs + 1 WHERE id = ?", (cid,)),
+     False),
+    ("refresh an identity's last open", lambda c, sid, cid: c.execute(
+        "UPDATE identities SET last_open = last_open + 1"), False),
+]
+
+
+@pytest.mark.parametrize(("change", "fn", "moves"), _CHANGES, ids=[c[0] for c in _CHANGES])
+def test_the_generation_moves_with_what_a_plan_reads(tmp_path: Any, change: str,
+                                                     fn: Callable[[apsw.Connection, int, bytes], object],
+                                                     moves: bool) -> None:
+    tokens = list(range(10, 10 + 8 * BLOCK))
+    with _open(tmp_path / "s") as s:
+        sid = _chain(s, tokens, 2)
+    before = _gen(tmp_path / "s")
+    c = apsw.Connection(os.path.join(str(tmp_path / "s"), "snapstore.db"))
+    c.execute("PRAGMA foreign_keys = OFF")
+    cid = bytes(c.execute("SELECT chunk_id FROM part_chunks WHERE snapshot_id = ? AND name = 'kv'",
+                          (sid,)).fetchone()[0])
+    fn(c, sid, cid)
+    c.close()
+    assert (_gen(tmp_path / "s") > before) is moves, change
+
+
+def test_saves_and_restores_leave_the_generation(tmp_path: Any) -> None:
+    """What a save adds (a pending row, its parts and references, its commit, deduplicated chunks)
+    and a restore's bookkeeping keep every kept plan valid: the serving path keeps its memo."""
+    tokens = list(range(10, 10 + 16 * BLOCK))
+    with _open(tmp_path / "s") as s:
+        sid = _chain(s, tokens[:8 * BLOCK], 2)
+        before = _gen(tmp_path / "s")
+        longer = _chain(s, tokens, 3)  # a delta over the stored chain, deduplicating its chunks
+        dst = _dest()
+        for _ in range(3):
+            s.restore(sid, {"kv": dst["kv"][:8 * BLOCK], "h": dst["h"]})
+            s.restore(longer, {"kv": dst["kv"][:16 * BLOCK], "h": dst["h"]})
+        s.stats()  # the bookkeeping written
+        assert _gen(tmp_path / "s") == before
+        hits = s._repo.plans.hits
+        s.restore(sid, {"kv": dst["kv"][:8 * BLOCK], "h": dst["h"]})
+        assert s._repo.plans.hits == hits + 1
+
+
+@settings(max_examples=examples(30, dev=12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["save", "session", "delete", "quarantine", "heal", "evict"]),
+                              st.integers(0, 1 << 16)), min_size=1, max_size=8))
+def test_a_memo_plans_as_the_catalog_does(tmp_path_factory: Any, ops: list[tuple[str, int]]) -> None:
+    """Reference: store A plans from memory, store B (the same directory) from the catalog every
+    time and makes every change. After each change, every snapshot ever saved restores (and is
+    described) the same through A as through B: the same bytes, or the same error with the
+    destination untouched alike."""
+    path = tmp_path_factory.mktemp("memo")
+    a, b = _open(path, memo=True), _open(path, memo=False)
+    known: list[int] = []
+    try:
+        for op, r in ops:
+            toks = [10 + (r % 3)] * BLOCK + list(range(20, 20 + 4 * (r % 5 + 1) * BLOCK))
+            if op == "save":
+                known.append(_chain(b, toks, r % 3 + 1, seed=r))
+            elif op == "session":  # a longer turn of one session supersedes the earlier one
+                known.append(_chain(b, toks[:4 * BLOCK], 1, seed=r, session="chat"))
+                known.append(_chain(b, toks, 2, seed=r, session="chat"))
+            elif op == "delete" and known:
+                try:
+                    b.delete(known[r % len(known)])
+                except ss.SnapstoreError:
+                    pass  # already gone with an ancestor
+            elif op in ("quarantine", "heal") and known:
+                conn = b._repo.db.conn()
+                row = conn.execute("SELECT chunk_id FROM part_chunks WHERE snapshot_id = ? ORDER BY seq",
+                                   (known[r % len(known)],)).fetchone()
+                if row is not None:
+                    conn.execute("UPDATE chunks SET quarantined = ? WHERE id = ?",
+                                 (1.0 if op == "quarantine" else None, bytes(row[0])))
+            elif op == "evict":  # another store's budget: its gc evicts the least recently used
+                with _open(path, memo=False, max_entries=r % 3 + 1) as c:
+                    c.gc(grace=0)
+            for sid in known:  # A plans (and keeps) every snapshot after each change
+                assert _described(a, sid) == _described(b, sid), (op, sid)
+                assert _restored(a, sid) == _restored(b, sid), (op, sid)
+    finally:
+        a.close()
+        b.close()
+
+
+def _cli(path: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "snapstore", "--dir", str(path), *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+_RESTORE_ELSEWHERE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import test_plan_memo as t
+with t._open(sys.argv[2]) as s:
+    print(t._restored(s, int(sys.argv[3])))
+"""
+
+
+def test_another_process_finding_damage_is_seen_at_the_plan(tmp_path: Any) -> None:
+    """A chain restored, then planned from memory. A chunk file of it is damaged, and a restore in
+    another process finds it (checksum) and quarantines the chunk. The next restore here is refused
+    at the plan — nothing written — not after the damaged bytes landed in the destination."""
+    tokens = list(range(10, 10 + 24 * BLOCK))
+    with _open(tmp_path / "s") as s:
+        sid = _chain(s, tokens, 4)
+        ok = _restored(s, sid)
+        hits = s._repo.plans.hits
+        assert ok[0] == "ok" and _restored(s, sid) == ok and s._repo.plans.hits > hits  # from memory
+        conn = s._repo.db.conn()
+        cid = bytes(conn.execute("SELECT chunk_id FROM part_chunks WHERE snapshot_id = ? AND name = 'kv'",
+                                 (s.describe(sid).chain[2],)).fetchone()[0])
+        blob = s._repo.blob_path(cid)
+        os.chmod(blob, 0o600)
+        with open(blob, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            f.write(b"\xff\xfe\xfd")
+        res = subprocess.run([sys.executable, "-c", _RESTORE_ELSEWHERE, os.path.dirname(__file__),
+                              str(tmp_path / "s"), str(sid)], capture_output=True, text=True, timeout=120,
+                             check=True)
+        assert "CorruptChunkError" in res.stdout, res.stdout + res.stderr
+        assert _restored(s, sid) == ("error", ("CorruptChunkError", False, True))
+
+
+def test_another_process_repairing_or_evicting_is_seen_at_the_plan(tmp_path: Any) -> None:
+    """Two chains restored, then planned from memory. `snapstore verify --deep --repair` in another
+    process finds a damaged chunk file of one and drops what used it: its next restore is refused at
+    the plan (nothing written), not after its bytes landed. `snapstore gc --disk-mib 0` in another
+    process evicts the other: its next restore says it no longer exists, nothing written."""
+    tokens = list(range(10, 10 + 24 * BLOCK))
+    with _open(tmp_path / "s") as s:
+        sid = _chain(s, tokens, 4)
+        other = _chain(s, [7, *tokens[1:]], 3, seed=5)
+        for x in (sid, other):
+            ok = _restored(s, x)
+            assert ok[0] == "ok"
+            hits = s._repo.plans.hits
+            assert _restored(s, x) == ok
+            assert s._repo.plans.hits > hits  # planned from memory
+        conn = s._repo.db.conn()
+        cid = bytes(conn.execute("SELECT chunk_id FROM part_chunks WHERE snapshot_id = ? AND name = 'kv'",
+                                 (s.describe(sid).chain[1],)).fetchone()[0])
+        blob = s._repo.blob_path(cid)
+        os.chmod(blob, 0o600)
+        with open(blob, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            f.write(b"\xff\xfe\xfd")
+        res = _cli(tmp_path / "s", "verify", "--deep", "--repair")
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert _restored(s, sid) == ("error", ("SnapshotUnavailableError", False, True))
+        assert _restored(s, other)[0] == "ok"
+        res = _cli(tmp_path / "s", "gc", "--disk-mib", "0")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert _restored(s, other) == ("error", ("SnapshotUnavailableError", False, True))
