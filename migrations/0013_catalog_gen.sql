@@ -7,11 +7,14 @@
 -- and references, written in the transaction that inserts the row or while it is pending; chunk
 -- rows; reference counts) and the bookkeeping of restores (last_used, hits) do not bump it.
 -- Triggers fire for every writer, older versions of snapstore that have the store open included.
+-- nonce: 16 random bytes drawn once, so that rows kept from one catalog file are never taken for
+-- another's (a store removed and created again at the same path starts its counter at 0 again).
 CREATE TABLE catalog_gen (
     id INTEGER PRIMARY KEY CHECK (id = 1),
+    nonce BLOB NOT NULL,
     gen INTEGER NOT NULL
 ) STRICT;
-INSERT INTO catalog_gen(id, gen) VALUES (1, 0);
+INSERT INTO catalog_gen(id, nonce, gen) VALUES (1, randomblob(16), 0);
 
 CREATE TRIGGER catalog_gen_snapshot_delete AFTER DELETE ON snapshots
 BEGIN UPDATE catalog_gen SET gen = gen + 1 WHERE id = 1; END;

@@ -3,6 +3,8 @@ as long as the catalog generation (schema 13) it read them under stands — and 
 memory what another store or process deleted, quarantined, superseded or re-keyed since.
 
 - a repeated restore reads the generation and nothing else of the catalog, and restores exactly;
+- two stores on one catalog in one process (a vLLM scheduler and its worker) share the memo, and a
+  store made again at the same path never gets the old catalog's rows (the catalog's nonce);
 - every change a plan depends on moves the generation (raw SQL on the real catalog, table-driven),
   what a save adds and a restore's bookkeeping do not;
 - a reference: a store planning from memory and one reading the catalog each time give the same
@@ -29,6 +31,7 @@ from hypothesis import strategies as st
 from support.profile import examples
 
 import snapstore as ss
+from snapstore.catalog.chain_cache import ChainCache
 
 BLOCK = 4  # tokens per link step (one row per token: the layout has a fixed part)
 LAYOUT = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16))}, fixed={"h": ss.Fixed("float32", (4,))})
@@ -38,7 +41,8 @@ IDENT = ss.Identity(build="t", pack="p", kv="u8")
 def _open(path: Any, memo: bool = True, max_entries: int | None = None) -> ss.Store:
     s = ss.Store.open(str(path), identity=IDENT, layout=LAYOUT,
                       budget=ss.Budget(reserve_bytes=0, ram_bytes=0, max_entries=max_entries))
-    s._repo.plans.enabled = memo
+    if not memo:  # this store alone plans from the catalog every time
+        s._repo.plans = ChainCache(enabled=False)
     return s
 
 
@@ -80,6 +84,12 @@ def _gen(path: Any) -> int:
         c.close()
 
 
+def _set_gen(db_path: str, gen: int) -> None:
+    c = apsw.Connection(db_path)
+    c.execute("UPDATE catalog_gen SET gen = ?", (gen,))
+    c.close()
+
+
 def _dest() -> dict[str, np.ndarray]:
     return {"kv": np.full((256, 2, 16), 7, np.uint8), "h": np.full(4, 7, np.float32)}
 
@@ -117,7 +127,8 @@ def test_a_repeated_restore_plans_from_memory(tmp_path: Any) -> None:
         with _statements(s) as seen:
             s.restore(sid, dst)
         assert np.array_equal(dst["kv"], want["kv"]) and np.array_equal(dst["h"], want["h"])
-        assert seen[:seen.index("COMMIT") + 1] == ["BEGIN", "SELECT gen FROM catalog_gen WHERE id = 1", "COMMIT"]
+        assert seen[:seen.index("COMMIT") + 1] == ["BEGIN", "SELECT nonce, gen FROM catalog_gen WHERE id = 1",
+                                                   "COMMIT"]
         assert s._repo.plans.hits == hits + 1
         s.lookup(tokens)
         with _statements(s) as lk:
@@ -139,6 +150,52 @@ def test_a_read_only_store_plans_from_the_catalog(tmp_path: Any) -> None:
             dst = _dest()
             r.restore(sid, {"kv": dst["kv"][:len(tokens)], "h": dst["h"]})
             assert np.array_equal(dst["kv"][:len(tokens)], _state(tokens, 0)["kv"])
+
+
+def test_stores_on_one_catalog_in_one_process_share_the_memo(tmp_path: Any) -> None:
+    """A vLLM scheduler's lookup and its worker's load run in one process through two stores: the
+    load plans from what the lookup read."""
+    tokens = list(range(10, 10 + 24 * BLOCK))
+    with _open(tmp_path / "s") as saver:
+        sid = _chain(saver, tokens, 6)
+    with _open(tmp_path / "s") as scheduler, _open(tmp_path / "s") as worker:
+        d = scheduler.lookup(tokens)
+        assert d is not None and d.snapshot_id == sid
+        hits = worker._repo.plans.hits
+        dst = _dest()
+        with _statements(worker) as seen:
+            worker.restore(sid, {"kv": dst["kv"][:len(tokens)], "h": dst["h"]})
+        assert worker._repo.plans.hits == hits + 1
+        assert seen[:seen.index("COMMIT") + 1] == ["BEGIN", "SELECT nonce, gen FROM catalog_gen WHERE id = 1",
+                                                   "COMMIT"]
+        want = _state(tokens, 0)
+        assert np.array_equal(dst["kv"][:len(tokens)], want["kv"]) and np.array_equal(dst["h"], want["h"])
+
+
+def test_a_store_made_again_at_the_same_path_is_never_planned_from_the_old_ones_rows(tmp_path: Any) -> None:
+    """A store open at a path keeps the memo alive; the directory is removed and a new store made
+    there, whose snapshot 1 is another state and whose generation reaches the old one's. Its
+    restore of snapshot 1 gives its own state: the catalogs' nonces differ."""
+    import shutil
+
+    x_tokens, y_tokens = list(range(10, 10 + 8 * BLOCK)), list(range(50, 50 + 8 * BLOCK))
+    old = _open(tmp_path / "s")
+    try:
+        assert _chain(old, x_tokens, 1, seed=1) == 1
+        _set_gen(old._repo.db_path, 5)
+        assert _restored(old, 1)[0] == "ok"  # snapshot 1's rows kept, at generation 5
+        shutil.rmtree(tmp_path / "s")
+        with _open(tmp_path / "s") as new:
+            assert new._repo.plans is old._repo.plans
+            assert _chain(new, y_tokens, 1, seed=2) == 1
+            assert _chain(new, x_tokens, 1, seed=1) == 2  # the old snapshot 1's chunk files exist again
+            _set_gen(new._repo.db_path, 5)  # the new catalog at the same generation
+            dst = _dest()
+            new.restore(1, {"kv": dst["kv"][:len(y_tokens)], "h": dst["h"]})
+            assert np.array_equal(dst["kv"][:len(y_tokens)], _state(y_tokens, 2)["kv"])
+            assert np.array_equal(dst["h"], _state(y_tokens, 2)["h"])
+    finally:
+        old.close()
 
 
 # (what the change does to the catalog, does it move the generation)

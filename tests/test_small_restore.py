@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from support.profile import examples
 
 import snapstore as ss
+from snapstore.catalog.chain_cache import ChainCache
 
 BLOCK = 4
 LAYOUT = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16))}, tokens_per_row=BLOCK)
@@ -63,7 +64,7 @@ def test_restore_statements_do_not_grow_with_the_chain(tmp_path: Any) -> None:
     counts, reads = {}, {}
     for links in (1, 12):
         with _open(tmp_path / f"s{links}") as s:
-            s._repo.plans.enabled = False  # the catalog's own reads (kept plans: tests/test_plan_memo.py)
+            s._repo.plans = ChainCache(enabled=False)  # the catalog's own reads (kept plans: test_plan_memo.py)
             sid, kv = _chain(s, tokens, links)
             dst = np.zeros_like(kv)
             s.restore(sid, {"kv": dst})  # the connection opened, its statements prepared

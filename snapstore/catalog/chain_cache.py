@@ -9,24 +9,33 @@ plan depends on, from any process. Each read transaction reads the counter first
 and uses the kept rows only when it is the one they were read under, so a deleted, quarantined,
 superseded or re-keyed snapshot is never planned from memory. Every check of the plan still runs
 on the rows (ownership, contiguity, sizes, destinations) and every chunk is still checksummed.
+
+One memo serves every store a process opens on the same catalog file (:func:`shared_memo`): a
+vLLM scheduler's lookup plans a snapshot, and the worker's load of it in the same process plans
+from what the lookup read. What is kept is the same for every identity (a row and its identity's
+*key*); each store's own checks (:class:`snapstore.lifecycle.access.Access`) run on it every time.
+The catalog's random nonce goes with the counter: a store removed and created again at the same
+path never has another catalog's rows taken for its own.
 """
 
 from __future__ import annotations
 
-import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from snapstore._forks import ProcessLock
 from snapstore.catalog.queries import ChunkRow, PartRow, SnapRow, SnapState, Txn
 
-__all__ = ["ChainCache", "ChainReads"]
+__all__ = ["ChainCache", "ChainReads", "shared_memo"]
 
 _MAX_ENTRIES = 1024
 _MAX_BYTES = 32 << 20  # token blobs and rows kept at most (an estimate: a 128K-token chain is ~0.5 MiB)
 _ROW_BYTES = 256  # what one kept row costs besides its token blob, roughly
 
 Found = tuple[SnapRow, str | None]
+Stamp = tuple[bytes, int]  # the catalog's nonce and generation
 Parts = list[tuple[PartRow, list[ChunkRow | None]]]
 
 
@@ -41,7 +50,7 @@ class _Entry:
 
 
 class ChainCache:
-    """Per-store memo of plan reads, validated by the catalog generation (module docstring).
+    """A memo of plan reads, validated by the catalog's nonce and generation (module docstring).
 
     ``enabled`` False (a read-only or private catalog, whose file another program may replace
     without triggers) makes :meth:`reads` hand back the transaction itself."""
@@ -50,8 +59,8 @@ class ChainCache:
         self.enabled = enabled
         self._max_entries = max_entries
         self._max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._gen = -1
+        self._lock = ProcessLock()  # a forked child gets it fresh
+        self._stamp: Stamp = (b"", -1)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._bytes = 0
         self.hits = 0  # plans served from memory, for tests and benchmarks
@@ -60,28 +69,28 @@ class ChainCache:
         """What a plan in transaction ``c`` reads through: the memo when enabled, else ``c``."""
         if not self.enabled:
             return c
-        gen = c.catalog_gen()
+        stamp = c.catalog_gen()
         with self._lock:
-            if gen > self._gen:  # something a plan depends on changed: start over
+            if stamp[0] != self._stamp[0] or stamp[1] > self._stamp[1]:  # another catalog, or a change
                 self._entries.clear()
                 self._bytes = 0
-                self._gen = gen
-            current = gen == self._gen  # an older read transaction neither uses nor fills the memo
-        return ChainReads(c, self, gen) if current else c
+                self._stamp = stamp
+            current = stamp == self._stamp  # an older read transaction neither uses nor fills the memo
+        return ChainReads(c, self, stamp) if current else c
 
-    def _get(self, gen: int, sid: int) -> _Entry | None:
+    def _get(self, stamp: Stamp, sid: int) -> _Entry | None:
         with self._lock:
-            if gen != self._gen:
+            if stamp != self._stamp:
                 return None
             e = self._entries.get(sid)
             if e is not None:
                 self._entries.move_to_end(sid)
             return e
 
-    def _put(self, gen: int, sid: int, e: _Entry, grew: int) -> None:
-        """Keep ``e`` (grown by ``grew`` bytes) for ``sid``, if ``gen`` is still current; oldest out first."""
+    def _put(self, stamp: Stamp, sid: int, e: _Entry, grew: int) -> None:
+        """Keep ``e`` (grown by ``grew`` bytes) for ``sid``, if ``stamp`` is still current; oldest out first."""
         with self._lock:
-            if gen != self._gen:
+            if stamp != self._stamp:
                 return  # the generation moved on while this transaction read: its rows are not kept
             old = self._entries.get(sid)
             if old is not e:  # new, or dropped meanwhile: (re)counted whole
@@ -101,47 +110,61 @@ class ChainReads:
     the transaction, keeping what concerns committed snapshots. Stands in for a Txn in
     ``Access.readable``, ``Access.chain`` and ``ChainRows``."""
 
-    __slots__ = ("_c", "_cache", "_gen")
+    __slots__ = ("_c", "_cache", "_stamp")
 
-    def __init__(self, c: Txn, cache: ChainCache, gen: int) -> None:
+    def __init__(self, c: Txn, cache: ChainCache, stamp: Stamp) -> None:
         self._c = c
         self._cache = cache
-        self._gen = gen
+        self._stamp = stamp
 
     def snapshot_and_key(self, sid: int) -> Found | None:
         """As :meth:`Txn.snapshot_and_key`."""
-        e = self._cache._get(self._gen, sid)
+        e = self._cache._get(self._stamp, sid)
         if e is not None:
             self._cache.hits += 1
             return e.found
         found = self._c.snapshot_and_key(sid)
         if found is not None and found[0].state == SnapState.COMMITTED:
-            self._cache._put(self._gen, sid, _Entry(found), len(found[0].tokens))
+            self._cache._put(self._stamp, sid, _Entry(found), len(found[0].tokens))
         return found
 
     def chain(self, sid: int) -> list[SnapRow]:
         """As :meth:`Txn.chain`; kept when every link is committed."""
-        e = self._cache._get(self._gen, sid)
+        e = self._cache._get(self._stamp, sid)
         if e is not None and e.chain is not None:
             return e.chain
         chain = self._c.chain(sid)
         if e is not None and all(link.state == SnapState.COMMITTED for link in chain):
             e.chain = chain
-            self._cache._put(self._gen, sid, e, sum(len(link.tokens) + _ROW_BYTES for link in chain))
+            self._cache._put(self._stamp, sid, e, sum(len(link.tokens) + _ROW_BYTES for link in chain))
         return chain
 
     def chain_parts(self, ids: Sequence[int]) -> Parts:
         """As :meth:`Txn.chain_parts`; kept for the exact chain of a kept snapshot."""
-        e = self._cache._get(self._gen, ids[-1]) if ids else None
+        e = self._cache._get(self._stamp, ids[-1]) if ids else None
         same = e is not None and e.chain is not None and [link.id for link in e.chain] == list(ids)
         if same and e is not None and e.parts is not None:
             return e.parts
         parts = self._c.chain_parts(ids)
         if same and e is not None:
             e.parts = parts
-            self._cache._put(self._gen, ids[-1], e, sum(_ROW_BYTES * (1 + len(chunks)) for _, chunks in parts))
+            self._cache._put(self._stamp, ids[-1], e, sum(_ROW_BYTES * (1 + len(chunks)) for _, chunks in parts))
         return parts
 
     def identity_key(self, identity_id: int) -> str | None:
         """As :meth:`Txn.identity_key` (not kept: asked only of a link of another identity row)."""
         return self._c.identity_key(identity_id)
+
+
+_shared: weakref.WeakValueDictionary[str, ChainCache] = weakref.WeakValueDictionary()
+_shared_lock = ProcessLock()
+
+
+def shared_memo(db_path: str) -> ChainCache:
+    """The memo of every store this process has open on the catalog at ``db_path`` (an absolute
+    path); it lives while one of them holds it."""
+    with _shared_lock:
+        memo = _shared.get(db_path)
+        if memo is None:
+            memo = _shared[db_path] = ChainCache(enabled=True)
+        return memo

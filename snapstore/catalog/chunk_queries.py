@@ -113,10 +113,11 @@ class ChunkQueries:
                 out[-1][1].append(None if r[11] is None else chunk_row(r[10:19]))
         return out
 
-    def catalog_gen(self) -> int:
-        """The catalog generation (schema 13): what kept plan reads are checked against (catalog/chain_cache.py)."""
-        row = self._c.execute("SELECT gen FROM catalog_gen WHERE id = 1").fetchone()
-        return int(row[0]) if row else 0
+    def catalog_gen(self) -> tuple[bytes, int]:
+        """The catalog's (nonce, generation) (schema 13): what kept plan reads are checked against
+        (catalog/chain_cache.py)."""
+        row = self._c.execute("SELECT nonce, gen FROM catalog_gen WHERE id = 1").fetchone()
+        return (bytes(row[0]), int(row[1])) if row else (b"", -1)
 
     # -- chunks and quarantine ------------------------------------------------------------------
     def add_chunk(self, cid: bytes, raw_len: int, stored_len: int, codec: int, csum: bytes,

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from snapstore._errors import ConfigError, CorruptionError, SnapstoreError, StoreFormatError, StoreIOError
-from snapstore.catalog.chain_cache import ChainCache
+from snapstore.catalog.chain_cache import ChainCache, shared_memo
 from snapstore.catalog.copy import MemDatabase, snapshot_catalog
 from snapstore.catalog.db import Database, Txn
 from snapstore.catalog.readonly import read_only_error
@@ -38,8 +38,9 @@ class Repo:
         self.db_path = os.path.join(self.root, DB_NAME)
         self.readonly = readonly
         self.db = db if db is not None else Database(self.db_path, readonly=readonly)
-        # plan reads kept while the catalog generation stands; off where no trigger guards the file
-        self.plans = ChainCache(enabled=not self.db.readonly)
+        # plan reads kept while the catalog generation stands, one memo per catalog file in this
+        # process; none where no trigger guards the file (read-only, a private copy)
+        self.plans = ChainCache(enabled=False) if self.db.readonly else shared_memo(self.db_path)
 
     @classmethod
     def open(cls, root: str, *, readonly: bool = False, create: bool = True) -> Repo:
