@@ -381,3 +381,68 @@ def test_another_process_repairing_or_evicting_is_seen_at_the_plan(tmp_path: Any
         res = _cli(tmp_path / "s", "gc", "--disk-mib", "0")
         assert res.returncode == 0, res.stdout + res.stderr
         assert _restored(s, other) == ("error", ("SnapshotUnavailableError", False, True))
+
+
+def test_warm_up_plans_the_most_recently_used_snapshots(tmp_path: Any) -> None:
+    """After a restart, warm_up plans the identity's most recently used snapshots into the memo:
+    the first lookup and restore of one of them read the generation and nothing else of the plan;
+    a snapshot used longer ago than the PLANNED most recent ones is planned from the catalog."""
+    import gc
+
+    from snapstore.calls.warm import PLANNED
+
+    prompts = [[i, *range(100, 100 + 8 * BLOCK)] for i in range(PLANNED + 1)]
+    with _open(tmp_path / "s") as s:
+        ids = [_chain(s, p, 2, seed=i) for i, p in enumerate(prompts)]
+        for sid in reversed(ids):  # the first prompt is the most recently used, the last one the least
+            assert _restored(s, sid)[0] == "ok"
+        s.stats()  # the last uses written
+    del s
+    gc.collect()  # the memo goes with the last store on the catalog
+    with _open(tmp_path / "s") as s:
+        memo = s._repo.plans
+        assert not memo._entries
+        s.warm_up()
+        assert len(memo._entries) == PLANNED
+        hits = memo.hits
+        d = s.lookup(prompts[0])
+        assert d is not None and d.snapshot_id == ids[0] and memo.hits == hits + 1
+        assert _restored(s, ids[0]) == _restored(_open(tmp_path / "s", memo=False), ids[0])
+        hits = memo.hits
+        d = s.lookup(prompts[-1])
+        assert d is not None and d.snapshot_id == ids[-1] and memo.hits == hits  # not planned: read
+
+
+def test_a_kept_plan_still_checks_every_destination_and_each_request(tmp_path: Any, monkeypatch: Any) -> None:
+    """The checked half of a plan is kept per (components, rows_from, prefix) with its rows; each
+    restore still checks its own destinations before a byte is written, and another rows_from is
+    checked on its own, restoring exactly what the catalog's plan restores."""
+    from snapstore.restore import read
+
+    tokens = list(range(10, 10 + 24 * BLOCK))
+    n = len(tokens)
+    want = _state(tokens, 0)
+    with _open(tmp_path / "s") as s, _open(tmp_path / "s", memo=False) as ref:
+        sid = _chain(s, tokens, 6)
+        assert _restored(s, sid)[0] == "ok"
+        checks: list[int] = []
+        real = read.check_plan
+        monkeypatch.setattr(read, "check_plan", lambda *a, **k: checks.append(1) or real(*a, **k))
+        dst = _dest()
+        s.restore(sid, {"kv": dst["kv"][:n], "h": dst["h"]})
+        assert checks == [] and np.array_equal(dst["kv"][:n], want["kv"])  # checked before: kept
+        bad = {"kv": np.full((n, 2, 16), 7, np.int16), "h": np.full(4, 7, np.float32)}
+        with pytest.raises(ss.DestinationError) as e:
+            s.restore(sid, bad)
+        assert not e.value.touched and (bad["kv"] == 7).all() and (bad["h"] == 7).all()
+        with pytest.raises(ss.DestinationError):
+            s.restore(sid, {"kv": dst["kv"][:n]})  # no destination for "h"
+        got = {k: _dest() for k in (0, 5, n - 3)}
+        for k, d in [*got.items(), (5, got[5])]:
+            s.restore(sid, {"kv": d["kv"][:n], "h": d["h"]}, rows_from=k)
+        assert len(checks) == 2  # rows_from 5 and n - 3 checked once each (0 was kept, then 5)
+        for k, d in got.items():
+            exp = _dest()
+            ref.restore(sid, {"kv": exp["kv"][:n], "h": exp["h"]}, rows_from=k)
+            assert np.array_equal(d["kv"], exp["kv"]) and np.array_equal(d["h"], exp["h"]), k
+            assert (d["kv"][:k] == 7).all() and np.array_equal(d["kv"][k:n], want["kv"][k:])

@@ -142,9 +142,9 @@ class StoreLookup:
     @operation
     def warm_up(self) -> None:
         """Pay the first lookup's and restore's one-time costs now, on this thread's connection
-        (prepared statements, the residency probe): for an engine about to serve (calls/warm.py).
-        Reads only; counts nothing."""
-        warm_up(self._repo.db, self._access, self.layout)
+        (prepared statements, the residency probe, the plans of the most recently used snapshots):
+        for an engine about to serve (calls/warm.py). Reads only; counts nothing."""
+        warm_up(self._repo.db, self._access, self.layout, self._repo.plans)
 
     def load(self, tokens: TokensLike, *, allocate: Callable[[MatchDetails], Mapping[str, Destination]],
              release: Callable[[Mapping[str, Destination]], object] | None = None,

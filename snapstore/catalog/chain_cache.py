@@ -24,6 +24,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from snapstore._forks import ProcessLock
 from snapstore.catalog.queries import ChunkRow, PartRow, SnapRow, SnapState, Txn
@@ -33,6 +34,7 @@ __all__ = ["ChainCache", "ChainReads", "shared_memo"]
 _MAX_ENTRIES = 1024
 _MAX_BYTES = 32 << 20  # token blobs and rows kept at most (an estimate: a 128K-token chain is ~0.5 MiB)
 _ROW_BYTES = 256  # what one kept row costs besides its token blob, roughly
+_CHECKED = 4  # checked plans kept per snapshot (a server asks for one or two: whole, a block prefix)
 
 Found = tuple[SnapRow, str | None]
 Stamp = tuple[bytes, int]  # the catalog's nonce and generation
@@ -47,6 +49,9 @@ class _Entry:
     chain: list[SnapRow] | None = None
     parts: Parts | None = None
     nbytes: int = _ROW_BYTES
+    # checked plans of these rows (plan.restore_plan.CheckedPlan) by (components, rows_from, rows_to),
+    # each with the layout it was checked against
+    checked: dict[tuple[Any, ...], tuple[object, object]] | None = None
 
 
 class ChainCache:
@@ -105,6 +110,17 @@ class ChainCache:
                 self._bytes -= dropped.nbytes
 
 
+    def _keep_checked(self, stamp: Stamp, e: _Entry, key: tuple[Any, ...], layout: object, plan: object) -> None:
+        with self._lock:
+            if stamp != self._stamp:
+                return
+            if e.checked is None:
+                e.checked = {}
+            elif key not in e.checked and len(e.checked) >= _CHECKED:
+                del e.checked[next(iter(e.checked))]
+            e.checked[key] = (layout, plan)
+
+
 class ChainReads:
     """The reads of one plan in one read transaction: from the memo where it holds them, else from
     the transaction, keeping what concerns committed snapshots. Stands in for a Txn in
@@ -150,6 +166,18 @@ class ChainReads:
             e.parts = parts
             self._cache._put(self._stamp, ids[-1], e, sum(_ROW_BYTES * (1 + len(chunks)) for _, chunks in parts))
         return parts
+
+    def checked(self, sid: int, key: tuple[Any, ...], layout: object) -> object | None:
+        """The checked plan kept for ``sid``'s kept rows under ``key`` and this very ``layout``, if any."""
+        e = self._cache._get(self._stamp, sid)
+        got = e.checked.get(key) if e is not None and e.checked is not None else None
+        return got[1] if got is not None and got[0] is layout else None
+
+    def keep_checked(self, sid: int, ids: Sequence[int], key: tuple[Any, ...], layout: object, plan: object) -> None:
+        """Keep ``plan``, checked from ``sid``'s rows as kept for its chain ``ids``, under ``key``."""
+        e = self._cache._get(self._stamp, sid)
+        if e is not None and e.parts is not None and e.chain is not None and [x.id for x in e.chain] == list(ids):
+            self._cache._keep_checked(self._stamp, e, key, layout, plan)
 
     def identity_key(self, identity_id: int) -> str | None:
         """As :meth:`Txn.identity_key` (not kept: asked only of a link of another identity row)."""

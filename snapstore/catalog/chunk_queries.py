@@ -119,6 +119,13 @@ class ChunkQueries:
         row = self._c.execute("SELECT nonce, gen FROM catalog_gen WHERE id = 1").fetchone()
         return (bytes(row[0]), int(row[1])) if row else (b"", -1)
 
+    def recently_used(self, identity_key: str, limit: int) -> list[tuple[int, str]]:
+        """(id, namespace) of the identity's committed, matchable snapshots, the most recently used
+        first: what ``warm_up`` plans into the memo (calls/warm.py)."""
+        return [(int(i), str(ns)) for i, ns in self._c.execute(
+            "SELECT id, namespace FROM snapshots WHERE identity_id = (SELECT id FROM identities WHERE key = ?) "
+            "AND state = 1 AND matchable = 1 ORDER BY last_used DESC, id DESC LIMIT ?", (identity_key, limit))]
+
     # -- chunks and quarantine ------------------------------------------------------------------
     def add_chunk(self, cid: bytes, raw_len: int, stored_len: int, codec: int, csum: bytes,
                   scope: bytes, now: float) -> bool:

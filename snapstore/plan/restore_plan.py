@@ -17,7 +17,8 @@ from snapstore.catalog.db import ChunkRow, PartRow, SnapRow
 from snapstore.parts.buffers import Sink, as_sink
 from snapstore.plan.prefix import ClippedSink, granularity, granularity_fits
 
-__all__ = ["PlanItem", "PlanSource", "RestorePlan", "build_plan", "needs_quarantined", "parts_fit"]
+__all__ = ["CheckedPlan", "PartReads", "PlanItem", "PlanSource", "RestorePlan", "bind", "build_plan", "check_plan",
+           "needs_quarantined", "parts_fit"]
 
 
 def needs_quarantined(chain: list[SnapRow], broken: dict[int, bool], *, leaf: bool) -> bool:
@@ -113,10 +114,40 @@ def _chunks(c: PlanSource, sid: int, part: PartRow) -> list[ChunkRow]:
     return out
 
 
+@dataclass(frozen=True)
+class PartReads:
+    """One part of a checked plan: what :func:`bind` needs to write it — the destination size
+    (``rows``), whether a prefix clips it, and its chunks as ``(offset, chunk, skip)``."""
+
+    name: str
+    spec: PartSpec
+    rows: int
+    clip: bool
+    reads: tuple[tuple[int, ChunkRow, int], ...]
+
+
+@dataclass(frozen=True)
+class CheckedPlan:
+    """The catalog half of a restore plan, checked, without destinations: the same for every
+    restore of the snapshot with the same layout, components, ``rows_from`` and ``rows_to``, so a
+    store may keep it with the rows it was checked from (catalog/chain_cache.py)."""
+
+    snapshot_id: int
+    n_tokens: int
+    chain: tuple[int, ...]
+    rows: dict[str, int]
+    missing_components: frozenset[str]
+    part_bytes: dict[str, int]
+    held: frozenset[str]
+    parts: tuple[PartReads, ...]
+    chunks: tuple[ChunkRow, ...]  # every chunk a restore reads, in order
+
+
 def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, into: Mapping[str, Any] | None,
                components: set[str], rows_from: int = 0, rows_to: int | None = None,
                chunks: list[ChunkRow] | None = None) -> RestorePlan:
-    """Validate the chain and the destinations and list every chunk to write, in order.
+    """Validate the chain and the destinations and list every chunk to write, in order:
+    :func:`check_plan` then :func:`bind`.
 
     ``into=None`` describes instead (``Store.describe``): the same checks of the chain and its
     chunks, no destinations, no items; ``rows`` and ``part_bytes`` say what a restore would write.
@@ -126,6 +157,34 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
     every stream are restored; chunks wholly above are not read, one that straddles is clipped.
     ``chunks`` (with ``into=None``): gets the chunk rows a restore would read (``Store.estimate_restore``).
     """
+    return bind(check_plan(c, sid, chain, layout, components, rows_from, rows_to), into, chunks)
+
+
+def bind(checked: CheckedPlan, into: Mapping[str, Any] | None, chunks: list[ChunkRow] | None = None) -> RestorePlan:
+    """The plan of ``checked`` into the destinations ``into`` (None: a description), each checked
+    (present, writable, large enough, of the part's dtype and shape) before anything is written."""
+    plan = RestorePlan(checked.snapshot_id, checked.n_tokens, list(checked.chain), dict(checked.rows),
+                       set(checked.missing_components), part_bytes=dict(checked.part_bytes), held=checked.held)
+    if chunks is not None:
+        chunks.extend(checked.chunks)
+    if into is None:
+        return plan
+    for part in checked.parts:
+        if part.name not in into:
+            raise DestinationError(f"no destination for part {part.name!r}; pass it in `into` "
+                                   "(or leave its component out of `components`)")
+        sink = as_sink(part.name, into[part.name], part.spec, part.rows)
+        if part.clip:
+            sink = ClippedSink(sink, part.rows * part.spec.row_bytes)  # type: ignore[union-attr]
+        plan.items.extend(PlanItem(sink, off, ch, skip) for off, ch, skip in part.reads)
+    return plan
+
+
+def check_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, components: set[str],
+               rows_from: int = 0, rows_to: int | None = None) -> CheckedPlan:
+    """Every check of :func:`build_plan` that does not depend on the destinations: the chain
+    complete and contiguous, each part present with the layout's dtype, shape and granularity,
+    segments contiguous and sized, every chunk row present, unquarantined and adding up."""
     leaf = chain[-1]
     prev_n = 0
     for i, link in enumerate(chain):
@@ -140,8 +199,12 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
         prev_n = link.n_tokens
     parts_by_link = [{p.name: p for p in c.parts(link.id)} for link in chain]
     n_tokens = leaf.n_tokens if rows_to is None else rows_to * (layout.tokens_per_row or 1)
-    plan = RestorePlan(sid, n_tokens, [s.id for s in chain], {}, set(),
-                       held=frozenset(p.component for p in parts_by_link[-1].values() if p.component is not None))
+    held = frozenset(p.component for p in parts_by_link[-1].values() if p.component is not None)
+    rows_of: dict[str, int] = {}
+    missing: set[str] = set()
+    part_bytes: dict[str, int] = {}
+    parts: list[PartReads] = []
+    read: list[ChunkRow] = []
     for name, spec in layout.parts.items():
         if spec.component is not None and spec.component not in components:
             continue  # a component the caller did not ask for
@@ -150,7 +213,7 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
         absent = leaf_part is None or (isinstance(spec, Rows) and any(p is None for p in present))
         if absent:
             if spec.component is not None:
-                plan.missing_components.add(spec.component)
+                missing.add(spec.component)
                 continue
             if not leaf.matchable and leaf.state == 1 and isinstance(spec, Fixed):
                 raise SnapshotUnavailableError(
@@ -160,9 +223,6 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
             raise SnapshotUnavailableError(
                 f"snapshot {sid} has no part {name!r} (saved with another layout?); nothing was written",
                 snapshot_id=sid)
-        if into is not None and name not in into:
-            raise DestinationError(f"no destination for part {name!r}; pass it in `into` "
-                                   "(or leave its component out of `components`)")
         for p in present:
             if p is not None and not _spec_matches(p, spec):
                 raise DestinationError(
@@ -178,17 +238,13 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
             assert leaf_part is not None
             if leaf_part.nbytes != spec.nbytes:
                 raise SnapshotUnavailableError(f"snapshot {sid} part {name!r} has a wrong size", snapshot_id=sid)
-            plan.part_bytes[name] = spec.nbytes
-            if into is None:
-                got = _chunks(c, leaf.id, leaf_part)
-                if chunks is not None:
-                    chunks.extend(got)
-                continue
-            sink = as_sink(name, into[name], spec, 0)
-            off = 0
-            for ch in _chunks(c, leaf.id, leaf_part):
-                plan.items.append(PlanItem(sink, off, ch))
-                off += ch.raw_len
+            part_bytes[name] = spec.nbytes
+            got = _chunks(c, leaf.id, leaf_part)
+            offsets = [0]
+            for ch in got[:-1]:
+                offsets.append(offsets[-1] + ch.raw_len)
+            parts.append(PartReads(name, spec, 0, False, tuple((o, ch, 0) for o, ch in zip(offsets, got))))
+            read.extend(got)
             continue
         rows = 0
         segments: list[tuple[int, PartRow]] = []
@@ -209,25 +265,17 @@ def build_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, in
                 raise SnapshotUnavailableError(f"snapshot {sid} part {name!r} holds {rows} rows, the match "
                                                f"needs {rows_to}; nothing was written", snapshot_id=sid)
             rows = rows_to
-        plan.rows[name] = rows
-        plan.part_bytes[name] = (rows - min(rows_from, rows)) * spec.row_bytes
-        if into is None:
-            keep, end = min(rows_from, rows) * spec.row_bytes, rows * spec.row_bytes
-            for link_id, p in segments:
-                off = p.row_start * spec.row_bytes
-                for ch in _chunks(c, link_id, p):  # every chunk row present and sized: what a restore checks
-                    if chunks is not None and off + ch.raw_len > keep and off < end:
-                        chunks.append(ch)  # the ones a restore would read (as the items below)
-                    off += ch.raw_len
-            continue
-        sink = as_sink(name, into[name], spec, rows)
-        if rows_to is not None:
-            sink = ClippedSink(sink, rows * spec.row_bytes)
-        keep_from = min(rows_from, rows) * spec.row_bytes
+        rows_of[name] = rows
+        part_bytes[name] = (rows - min(rows_from, rows)) * spec.row_bytes
+        keep, end = min(rows_from, rows) * spec.row_bytes, rows * spec.row_bytes
+        reads: list[tuple[int, ChunkRow, int]] = []
         for link_id, p in segments:
             off = p.row_start * spec.row_bytes
-            for ch in _chunks(c, link_id, p):
-                if off + ch.raw_len > keep_from and off < sink.nbytes:
-                    plan.items.append(PlanItem(sink, off, ch, max(0, keep_from - off)))
+            for ch in _chunks(c, link_id, p):  # every chunk row present and sized, read or not
+                if off + ch.raw_len > keep and off < end:  # the ones a restore reads
+                    reads.append((off, ch, max(0, keep - off)))
+                    read.append(ch)
                 off += ch.raw_len
-    return plan
+        parts.append(PartReads(name, spec, rows, rows_to is not None, tuple(reads)))
+    return CheckedPlan(sid, n_tokens, tuple(s.id for s in chain), rows_of, frozenset(missing), part_bytes, held,
+                       tuple(parts), tuple(read))

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from snapstore._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
 from snapstore._layout import Layout
 from snapstore._results import MatchDetails, RecomputeDecision
-from snapstore.catalog.chain_cache import ChainCache
+from snapstore.catalog.chain_cache import ChainCache, ChainReads
 from snapstore.catalog.queries import ChunkRow, SnapRow, SnapState, Txn
 from snapstore.chunks.direct_io import DirectReads
 from snapstore.chunks.repo import Repo
@@ -20,7 +20,7 @@ from snapstore.lifecycle.access import Access
 from snapstore.parts.buffers import Destination
 from snapstore.plan.chain_rows import ChainRows
 from snapstore.plan.prefix import granularity, rows_bound, rows_limit
-from snapstore.plan.restore_plan import RestorePlan, build_plan
+from snapstore.plan.restore_plan import CheckedPlan, RestorePlan, bind, check_plan
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.stream import Damage, quarantine, stream_plan
 from snapstore.restore.tiers import Tiers
@@ -54,8 +54,16 @@ def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Map
         raise InvalidInputError(f"rows_from={rows_from} is past the {bound} rows (of {granularity(layout)} tokens) "
                                 f"that restoring snapshot {sid} writes; nothing was written")
     chain = access.chain(reads, snap)
-    rows = ChainRows(reads, [link.id for link in chain])  # every link's parts and chunks: one statement
-    return snap, build_plan(rows, sid, chain, layout, into, wanted, rows_from, rows_to, chunks)
+    ids = [link.id for link in chain]
+    kept = reads if isinstance(reads, ChainReads) else None
+    key = (frozenset(wanted), rows_from, rows_to)
+    checked = kept.checked(sid, key, layout) if kept is not None else None  # the checks ran on these rows
+    if not isinstance(checked, CheckedPlan):
+        rows = ChainRows(reads, ids)  # every link's parts and chunks: one statement
+        checked = check_plan(rows, sid, chain, layout, wanted, rows_from, rows_to)
+        if kept is not None:
+            kept.keep_checked(sid, ids, key, layout, checked)
+    return snap, bind(checked, into, chunks)
 
 
 def details_of(snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int,
