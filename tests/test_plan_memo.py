@@ -38,8 +38,8 @@ LAYOUT = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16))}, fixed={"h": ss.Fixed(
 IDENT = ss.Identity(build="t", pack="p", kv="u8")
 
 
-def _open(path: Any, memo: bool = True, max_entries: int | None = None) -> ss.Store:
-    s = ss.Store.open(str(path), identity=IDENT, layout=LAYOUT,
+def _open(path: Any, memo: bool = True, max_entries: int | None = None, layout: ss.Layout = LAYOUT) -> ss.Store:
+    s = ss.Store.open(str(path), identity=IDENT, layout=layout,
                       budget=ss.Budget(reserve_bytes=0, ram_bytes=0, max_entries=max_entries))
     if not memo:  # this store alone plans from the catalog every time
         s._repo.plans = ChainCache(enabled=False)
@@ -152,17 +152,22 @@ def test_a_read_only_store_plans_from_the_catalog(tmp_path: Any) -> None:
             assert np.array_equal(dst["kv"][:len(tokens)], _state(tokens, 0)["kv"])
 
 
-def test_stores_on_one_catalog_in_one_process_share_the_memo(tmp_path: Any) -> None:
-    """A vLLM scheduler's lookup and its worker's load run in one process through two stores: the
-    load plans from what the lookup read."""
+def test_stores_on_one_catalog_in_one_process_share_the_memo(tmp_path: Any, monkeypatch: Any) -> None:
+    """A vLLM scheduler's lookup and its worker's load run in one process through two stores (each
+    with its own, equal layout): the load plans from what the lookup read and checked."""
+    from snapstore.restore import read
+
     tokens = list(range(10, 10 + 24 * BLOCK))
     with _open(tmp_path / "s") as saver:
         sid = _chain(saver, tokens, 6)
-    with _open(tmp_path / "s") as scheduler, _open(tmp_path / "s") as worker:
+    equal = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16))}, fixed={"h": ss.Fixed("float32", (4,))})
+    assert equal == LAYOUT and equal is not LAYOUT
+    with _open(tmp_path / "s") as scheduler, _open(tmp_path / "s", layout=equal) as worker:
         d = scheduler.lookup(tokens)
         assert d is not None and d.snapshot_id == sid
         hits = worker._repo.plans.hits
         dst = _dest()
+        monkeypatch.setattr(read, "check_plan", lambda *a, **k: pytest.fail("checked again"))
         with _statements(worker) as seen:
             worker.restore(sid, {"kv": dst["kv"][:len(tokens)], "h": dst["h"]})
         assert worker._repo.plans.hits == hits + 1

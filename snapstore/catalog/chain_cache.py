@@ -49,9 +49,9 @@ class _Entry:
     chain: list[SnapRow] | None = None
     parts: Parts | None = None
     nbytes: int = _ROW_BYTES
-    # checked plans of these rows (plan.restore_plan.CheckedPlan) by (components, rows_from, rows_to),
-    # each with the layout it was checked against
-    checked: dict[tuple[Any, ...], tuple[object, object]] | None = None
+    # checked plans of these rows (plan.restore_plan.CheckedPlan) by (layout key, components,
+    # rows_from, rows_to): the same for every store that asks with an equal layout
+    checked: dict[tuple[Any, ...], object] | None = None
 
 
 class ChainCache:
@@ -110,7 +110,7 @@ class ChainCache:
                 self._bytes -= dropped.nbytes
 
 
-    def _keep_checked(self, stamp: Stamp, e: _Entry, key: tuple[Any, ...], layout: object, plan: object) -> None:
+    def _keep_checked(self, stamp: Stamp, e: _Entry, key: tuple[Any, ...], plan: object) -> None:
         with self._lock:
             if stamp != self._stamp:
                 return
@@ -118,7 +118,7 @@ class ChainCache:
                 e.checked = {}
             elif key not in e.checked and len(e.checked) >= _CHECKED:
                 del e.checked[next(iter(e.checked))]
-            e.checked[key] = (layout, plan)
+            e.checked[key] = plan
 
 
 class ChainReads:
@@ -167,17 +167,16 @@ class ChainReads:
             self._cache._put(self._stamp, ids[-1], e, sum(_ROW_BYTES * (1 + len(chunks)) for _, chunks in parts))
         return parts
 
-    def checked(self, sid: int, key: tuple[Any, ...], layout: object) -> object | None:
-        """The checked plan kept for ``sid``'s kept rows under ``key`` and this very ``layout``, if any."""
+    def checked(self, sid: int, key: tuple[Any, ...]) -> object | None:
+        """The checked plan kept for ``sid``'s kept rows under ``key``, if any."""
         e = self._cache._get(self._stamp, sid)
-        got = e.checked.get(key) if e is not None and e.checked is not None else None
-        return got[1] if got is not None and got[0] is layout else None
+        return e.checked.get(key) if e is not None and e.checked is not None else None
 
-    def keep_checked(self, sid: int, ids: Sequence[int], key: tuple[Any, ...], layout: object, plan: object) -> None:
+    def keep_checked(self, sid: int, ids: Sequence[int], key: tuple[Any, ...], plan: object) -> None:
         """Keep ``plan``, checked from ``sid``'s rows as kept for its chain ``ids``, under ``key``."""
         e = self._cache._get(self._stamp, sid)
         if e is not None and e.parts is not None and e.chain is not None and [x.id for x in e.chain] == list(ids):
-            self._cache._keep_checked(self._stamp, e, key, layout, plan)
+            self._cache._keep_checked(self._stamp, e, key, plan)
 
     def identity_key(self, identity_id: int) -> str | None:
         """As :meth:`Txn.identity_key` (not kept: asked only of a link of another identity row)."""

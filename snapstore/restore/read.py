@@ -56,13 +56,13 @@ def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Map
     chain = access.chain(reads, snap)
     ids = [link.id for link in chain]
     kept = reads if isinstance(reads, ChainReads) else None
-    key = (frozenset(wanted), rows_from, rows_to)
-    checked = kept.checked(sid, key, layout) if kept is not None else None  # the checks ran on these rows
+    key = (layout.key, frozenset(wanted), rows_from, rows_to)
+    checked = kept.checked(sid, key) if kept is not None else None  # the checks ran on these rows
     if not isinstance(checked, CheckedPlan):
         rows = ChainRows(reads, ids)  # every link's parts and chunks: one statement
         checked = check_plan(rows, sid, chain, layout, wanted, rows_from, rows_to)
         if kept is not None:
-            kept.keep_checked(sid, ids, key, layout, checked)
+            kept.keep_checked(sid, ids, key, checked)
     return snap, bind(checked, into, chunks)
 
 
