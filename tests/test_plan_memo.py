@@ -451,3 +451,18 @@ def test_a_kept_plan_still_checks_every_destination_and_each_request(tmp_path: A
             ref.restore(sid, {"kv": exp["kv"][:n], "h": exp["h"]}, rows_from=k)
             assert np.array_equal(d["kv"], exp["kv"]) and np.array_equal(d["h"], exp["h"]), k
             assert (d["kv"][:k] == 7).all() and np.array_equal(d["kv"][k:n], want["kv"][k:])
+
+
+def test_a_catalog_without_its_generation_row_plans_from_the_catalog(tmp_path: Any) -> None:
+    """The counter's row gone (a damaged catalog): nothing vouches for kept rows, so none are used
+    or kept, and restores still plan (from the catalog) and restore exactly."""
+    tokens = list(range(10, 10 + 8 * BLOCK))
+    with _open(tmp_path / "s") as s:
+        sid = _chain(s, tokens, 2)
+        c = apsw.Connection(s._repo.db_path)
+        c.execute("DELETE FROM catalog_gen")
+        c.close()
+        hits = s._repo.plans.hits
+        first = _restored(s, sid)
+        assert first[0] == "ok" and _restored(s, sid) == first
+        assert s._repo.plans.hits == hits

@@ -33,7 +33,7 @@ __all__ = ["ChainCache", "ChainReads", "shared_memo"]
 
 _MAX_ENTRIES = 1024
 _MAX_BYTES = 32 << 20  # token blobs and rows kept at most (an estimate: a 128K-token chain is ~0.5 MiB)
-_ROW_BYTES = 256  # what one kept row costs besides its token blob, roughly
+_ROW_BYTES = 1024  # what one kept row costs besides its token blob (a frozen row object and its bytes fields)
 _CHECKED = 4  # checked plans kept per snapshot (a server asks for one or two: whole, a block prefix)
 
 Found = tuple[SnapRow, str | None]
@@ -75,6 +75,8 @@ class ChainCache:
         if not self.enabled:
             return c
         stamp = c.catalog_gen()
+        if stamp is None:  # the counter's row is gone (a damaged catalog): nothing vouches for kept rows
+            return c
         with self._lock:
             if stamp[0] != self._stamp[0] or stamp[1] > self._stamp[1]:  # another catalog, or a change
                 self._entries.clear()
@@ -110,14 +112,17 @@ class ChainCache:
                 self._bytes -= dropped.nbytes
 
 
-    def _keep_checked(self, stamp: Stamp, e: _Entry, key: tuple[Any, ...], plan: object) -> None:
+    def _keep_checked(self, stamp: Stamp, e: _Entry, key: tuple[Any, ...], plan: object, nbytes: int) -> None:
         with self._lock:
-            if stamp != self._stamp:
-                return
+            if stamp != self._stamp or self._entries.get(e.found[0].id) is not e:
+                return  # a dropped entry's plans are not kept (nor counted)
             if e.checked is None:
                 e.checked = {}
-            elif key not in e.checked and len(e.checked) >= _CHECKED:
-                del e.checked[next(iter(e.checked))]
+            if key not in e.checked:
+                if len(e.checked) >= _CHECKED:
+                    del e.checked[next(iter(e.checked))]  # its bytes stay counted: a bound, not an account
+                e.nbytes += nbytes
+                self._bytes += nbytes
             e.checked[key] = plan
 
 
@@ -172,11 +177,12 @@ class ChainReads:
         e = self._cache._get(self._stamp, sid)
         return e.checked.get(key) if e is not None and e.checked is not None else None
 
-    def keep_checked(self, sid: int, ids: Sequence[int], key: tuple[Any, ...], plan: object) -> None:
-        """Keep ``plan``, checked from ``sid``'s rows as kept for its chain ``ids``, under ``key``."""
+    def keep_checked(self, sid: int, ids: Sequence[int], key: tuple[Any, ...], plan: object, n_reads: int) -> None:
+        """Keep ``plan`` (``n_reads`` chunk reads), checked from ``sid``'s rows as kept for its
+        chain ``ids``, under ``key``."""
         e = self._cache._get(self._stamp, sid)
         if e is not None and e.parts is not None and e.chain is not None and [x.id for x in e.chain] == list(ids):
-            self._cache._keep_checked(self._stamp, e, key, plan)
+            self._cache._keep_checked(self._stamp, e, key, plan, _ROW_BYTES // 4 * (4 + n_reads))
 
     def identity_key(self, identity_id: int) -> str | None:
         """As :meth:`Txn.identity_key` (not kept: asked only of a link of another identity row)."""

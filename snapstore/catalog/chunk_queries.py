@@ -113,11 +113,11 @@ class ChunkQueries:
                 out[-1][1].append(None if r[11] is None else chunk_row(r[10:19]))
         return out
 
-    def catalog_gen(self) -> tuple[bytes, int]:
+    def catalog_gen(self) -> tuple[bytes, int] | None:
         """The catalog's (nonce, generation) (schema 13): what kept plan reads are checked against
-        (catalog/chain_cache.py)."""
+        (catalog/chain_cache.py); None when its row is gone (nothing can be kept then)."""
         row = self._c.execute("SELECT nonce, gen FROM catalog_gen WHERE id = 1").fetchone()
-        return (bytes(row[0]), int(row[1])) if row else (b"", -1)
+        return (bytes(row[0]), int(row[1])) if row else None
 
     def recently_used(self, identity_key: str, limit: int) -> list[tuple[int, str]]:
         """(id, namespace) of the identity's committed, matchable snapshots, the most recently used

@@ -62,7 +62,7 @@ def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Map
         rows = ChainRows(reads, ids)  # every link's parts and chunks: one statement
         checked = check_plan(rows, sid, chain, layout, wanted, rows_from, rows_to)
         if kept is not None:
-            kept.keep_checked(sid, ids, key, checked)
+            kept.keep_checked(sid, ids, key, checked, len(checked.chunks))
     return snap, bind(checked, into, chunks)
 
 
