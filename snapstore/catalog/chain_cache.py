@@ -111,8 +111,8 @@ class ChainCache:
                 _, dropped = self._entries.popitem(last=False)
                 self._bytes -= dropped.nbytes
 
-
     def _keep_checked(self, stamp: Stamp, e: _Entry, key: tuple[Any, ...], plan: object, nbytes: int) -> None:
+        """Keep ``plan`` under ``key`` with ``e``'s rows (``nbytes`` more held), if ``e`` is still kept."""
         with self._lock:
             if stamp != self._stamp or self._entries.get(e.found[0].id) is not e:
                 return  # a dropped entry's plans are not kept (nor counted)
