@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from contextlib import contextmanager
 from typing import Any
 
 import apsw
@@ -29,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.profile import examples
+from support.statements import statements
 
 import snapstore as ss
 from snapstore.catalog.chain_cache import ChainCache
@@ -63,17 +63,6 @@ def _chain(s: ss.Store, tokens: list[int], links: int, seed: int = 0, session: s
         assert res.ok and res.snapshot_id is not None, res
         sid = res.snapshot_id
     return sid
-
-
-@contextmanager
-def _statements(s: ss.Store) -> Any:
-    seen: list[str] = []
-    conn = s._repo.db.conn()
-    conn.set_profile(lambda sql, _ns: seen.append(sql))
-    try:
-        yield seen
-    finally:
-        conn.set_profile(None)
 
 
 def _gen(path: Any) -> int:
@@ -124,17 +113,17 @@ def test_a_repeated_restore_plans_from_memory(tmp_path: Any) -> None:
         s.restore(sid, {"kv": np.zeros_like(want["kv"]), "h": np.zeros(4, np.float32)})  # planned, kept
         hits = s._repo.plans.hits
         dst = {"kv": np.zeros_like(want["kv"]), "h": np.zeros(4, np.float32)}
-        with _statements(s) as seen:
+        with statements(s) as seen:
             s.restore(sid, dst)
         assert np.array_equal(dst["kv"], want["kv"]) and np.array_equal(dst["h"], want["h"])
         assert seen[:seen.index("COMMIT") + 1] == ["BEGIN", "SELECT nonce, gen FROM catalog_gen WHERE id = 1",
                                                    "COMMIT"]
         assert s._repo.plans.hits == hits + 1
         s.lookup(tokens)
-        with _statements(s) as lk:
+        with statements(s) as lk:
             d = s.lookup(tokens)
         assert d is not None and d.snapshot_id == sid and d.n_tokens == len(tokens)
-        with _statements(s) as match_only:
+        with statements(s) as match_only:
             s.match(tokens)
         assert len(lk) == len(match_only) + 1, (lk, match_only)  # the generation, no plan reads
 
@@ -168,7 +157,7 @@ def test_stores_on_one_catalog_in_one_process_share_the_memo(tmp_path: Any, monk
         hits = worker._repo.plans.hits
         dst = _dest()
         monkeypatch.setattr(read, "check_plan", lambda *a, **k: pytest.fail("checked again"))
-        with _statements(worker) as seen:
+        with statements(worker) as seen:
             worker.restore(sid, {"kv": dst["kv"][:len(tokens)], "h": dst["h"]})
         assert worker._repo.plans.hits == hits + 1
         assert seen[:seen.index("COMMIT") + 1] == ["BEGIN", "SELECT nonce, gen FROM catalog_gen WHERE id = 1",
@@ -317,6 +306,17 @@ def test_a_memo_plans_as_the_catalog_does(tmp_path_factory: Any, ops: list[tuple
         b.close()
 
 
+def _damage_a_chunk_of(s: ss.Store, link: int) -> None:
+    """Overwrite the last 3 bytes of the chunk file of snapshot ``link``'s first kv chunk."""
+    row = s._repo.db.conn().execute("SELECT chunk_id FROM part_chunks WHERE snapshot_id = ? AND name = 'kv'",
+                                    (link,)).fetchone()
+    blob = s._repo.blob_path(bytes(row[0]))
+    os.chmod(blob, 0o600)
+    with open(blob, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\xfe\xfd")
+
+
 def _cli(path: Any, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "snapstore", "--dir", str(path), *args],
                           capture_output=True, text=True, timeout=120, check=False)
@@ -341,14 +341,7 @@ def test_another_process_finding_damage_is_seen_at_the_plan(tmp_path: Any) -> No
         ok = _restored(s, sid)
         hits = s._repo.plans.hits
         assert ok[0] == "ok" and _restored(s, sid) == ok and s._repo.plans.hits > hits  # from memory
-        conn = s._repo.db.conn()
-        cid = bytes(conn.execute("SELECT chunk_id FROM part_chunks WHERE snapshot_id = ? AND name = 'kv'",
-                                 (s.describe(sid).chain[2],)).fetchone()[0])
-        blob = s._repo.blob_path(cid)
-        os.chmod(blob, 0o600)
-        with open(blob, "r+b") as f:
-            f.seek(-3, os.SEEK_END)
-            f.write(b"\xff\xfe\xfd")
+        _damage_a_chunk_of(s, s.describe(sid).chain[2])
         res = subprocess.run([sys.executable, "-c", _RESTORE_ELSEWHERE, os.path.dirname(__file__),
                               str(tmp_path / "s"), str(sid)], capture_output=True, text=True, timeout=120,
                              check=True)
@@ -371,14 +364,7 @@ def test_another_process_repairing_or_evicting_is_seen_at_the_plan(tmp_path: Any
             hits = s._repo.plans.hits
             assert _restored(s, x) == ok
             assert s._repo.plans.hits > hits  # planned from memory
-        conn = s._repo.db.conn()
-        cid = bytes(conn.execute("SELECT chunk_id FROM part_chunks WHERE snapshot_id = ? AND name = 'kv'",
-                                 (s.describe(sid).chain[1],)).fetchone()[0])
-        blob = s._repo.blob_path(cid)
-        os.chmod(blob, 0o600)
-        with open(blob, "r+b") as f:
-            f.seek(-3, os.SEEK_END)
-            f.write(b"\xff\xfe\xfd")
+        _damage_a_chunk_of(s, s.describe(sid).chain[1])
         res = _cli(tmp_path / "s", "verify", "--deep", "--repair")
         assert res.returncode == 1, res.stdout + res.stderr
         assert _restored(s, sid) == ("error", ("SnapshotUnavailableError", False, True))

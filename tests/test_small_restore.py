@@ -12,8 +12,6 @@ whatever the chain's length, with every check unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -21,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.profile import examples
+from support.statements import statements
 
 import snapstore as ss
 from snapstore.catalog.chain_cache import ChainCache
@@ -44,18 +43,6 @@ def _chain(s: ss.Store, tokens: list[int], links: int, seed: int = 0) -> tuple[i
         assert res.ok and res.snapshot_id is not None
         sid = res.snapshot_id
     return sid, kv
-
-
-@contextmanager
-def statements(s: ss.Store) -> Iterator[list[str]]:
-    """The SQL statements this thread's catalog connection runs inside (apsw's profile hook)."""
-    seen: list[str] = []
-    conn = s._repo.db.conn()
-    conn.set_profile(lambda sql, _ns: seen.append(sql))
-    try:
-        yield seen
-    finally:
-        conn.set_profile(None)
 
 
 def test_restore_statements_do_not_grow_with_the_chain(tmp_path: Any) -> None:
