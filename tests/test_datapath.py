@@ -342,7 +342,7 @@ def test_ram_tier_never_serves_a_quarantined_chunk(store_dir: str) -> None:
 
 def test_quarantine_skips_a_file_healed_since_the_restore_read_it(store_dir: str) -> None:
     """quarantine() re-checks each chunk's current bytes: a file intact now (healed, republished) stays."""
-    from snapstore.restore.stream import quarantine
+    from snapstore.restore.fail import quarantine
     state = make_state(LAYOUT, 100, 2)
     with open_store(store_dir) as s:
         r = s.save(list(range(100)), state)

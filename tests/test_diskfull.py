@@ -104,22 +104,21 @@ def test_eio_on_read(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         sid, k, n = saved[-1]
         victim_id = next(iter(hp_chunks(st, sid)))
         victim = st._repo.blob_path(victim_id)
-        fds: set[int] = set()
-        real_open, real_preadv, real_pread = os.open, os.preadv, os.pread
+        vst = os.stat(victim)
+        real_preadv, real_pread = os.preadv, os.pread
 
-        def p_open(path: Any, *a: Any, **kw: Any) -> int:
-            fd = real_open(path, *a, **kw)
-            if os.fspath(path) == victim:
-                fds.add(fd)
-            return fd
+        def on_victim(fd: int) -> bool:
+            """The device fails the file, whichever descriptor reads it (one opened now or one the
+            store kept open from an earlier restore: snapstore.chunks.open_files)."""
+            fst = os.fstat(fd)
+            return (fst.st_dev, fst.st_ino) == (vst.st_dev, vst.st_ino)
 
         def p_preadv(fd: int, *a: Any, **kw: Any) -> int:
-            if fd in fds:
+            if on_victim(fd):
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             return real_preadv(fd, *a, **kw)
 
         with monkeypatch.context() as m:
-            m.setattr(os, "open", p_open)
             m.setattr(os, "preadv", p_preadv)
             want = hp.expected_state(k, n)
             sentinel = {name: np.full_like(v, 0x11) for name, v in want.items()}
@@ -132,7 +131,7 @@ def test_eio_on_read(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             assert victim_id in rep.damaged_chunks and victim_id.hex() in " ".join(rep.problems)
 
             def p_pread(fd: int, *a: Any, **kw: Any) -> bytes:  # EIO on the header read too
-                if fd in fds:
+                if on_victim(fd):
                     raise OSError(errno.EIO, os.strerror(errno.EIO))
                 return real_pread(fd, *a, **kw)
             m.setattr(os, "pread", p_pread)

@@ -29,7 +29,7 @@ from typing import Any
 from snapstore._forks import ProcessLock
 from snapstore.catalog.queries import ChunkRow, PartRow, SnapRow, SnapState, Txn
 
-__all__ = ["ChainCache", "ChainReads", "shared_memo"]
+__all__ = ["ChainCache", "ChainReads", "Stamp", "shared_memo", "stamp_moves"]
 
 _MAX_ENTRIES = 1024
 _MAX_BYTES = 32 << 20  # token blobs and rows kept at most (an estimate: a 128K-token chain is ~0.5 MiB)
@@ -39,6 +39,14 @@ _CHECKED = 4  # checked plans kept per snapshot (a server asks for one or two: w
 Found = tuple[SnapRow, str | None]
 Stamp = tuple[bytes, int]  # the catalog's nonce and generation
 Parts = list[tuple[PartRow, list[ChunkRow | None]]]
+
+
+def stamp_moves(held: Stamp, read: Stamp) -> tuple[bool, bool]:
+    """The one rule of what is kept under a stamp: given the ``held`` stamp and one a transaction
+    ``read``, (drop everything and hold ``read`` — another catalog, or a later generation;
+    may the transaction use and fill what is kept — it read the stamp now held)."""
+    moved = read[0] != held[0] or read[1] > held[1]
+    return moved, moved or read == held
 
 
 @dataclass
@@ -78,11 +86,11 @@ class ChainCache:
         if stamp is None:  # the counter's row is gone (a damaged catalog): nothing vouches for kept rows
             return c
         with self._lock:
-            if stamp[0] != self._stamp[0] or stamp[1] > self._stamp[1]:  # another catalog, or a change
+            moved, current = stamp_moves(self._stamp, stamp)  # an older transaction neither uses nor fills it
+            if moved:
                 self._entries.clear()
                 self._bytes = 0
                 self._stamp = stamp
-            current = stamp == self._stamp  # an older read transaction neither uses nor fills the memo
         return ChainReads(c, self, stamp) if current else c
 
     def _get(self, stamp: Stamp, sid: int) -> _Entry | None:
@@ -137,6 +145,11 @@ class ChainReads:
         self._c = c
         self._cache = cache
         self._stamp = stamp
+
+    @property
+    def stamp(self) -> Stamp:
+        """The catalog stamp this transaction read: what a plan made through it was read under."""
+        return self._stamp
 
     def snapshot_and_key(self, sid: int) -> Found | None:
         """As :meth:`Txn.snapshot_and_key`."""

@@ -17,6 +17,7 @@ from snapstore.catalog.copy import MemDatabase, snapshot_catalog
 from snapstore.catalog.db import Database, Txn
 from snapstore.catalog.readonly import read_only_error
 from snapstore.chunks.chunkfile import is_hex_id
+from snapstore.chunks.open_files import OpenFiles
 from snapstore.chunks.publish import ensure_dir, fsync_dir, io_error
 from snapstore.chunks.tree import DB_NAME, check_tree, list_dir, remove_in, write_refusal
 
@@ -41,6 +42,8 @@ class Repo:
         # plan reads kept while the catalog generation stands, one memo per catalog file in this
         # process; none where no trigger guards the file (read-only, a private copy)
         self.plans = ChainCache(enabled=False) if self.db.readonly else shared_memo(self.db_path)
+        # the small chunk files those plans opened, kept open under the same stamp (chunks.open_files)
+        self.files = OpenFiles()
 
     @classmethod
     def open(cls, root: str, *, readonly: bool = False, create: bool = True) -> Repo:
@@ -168,8 +171,11 @@ class Repo:
                     yield bytes.fromhex(name), os.path.join(self.blobs, sub, name)
 
     def close(self) -> None:
-        """Close the catalog."""
-        self.db.close()
+        """Close the catalog and the chunk files kept open."""
+        try:
+            self.files.close()
+        finally:
+            self.db.close()
 
 
 class SnapshotRepo(Repo):

@@ -64,6 +64,9 @@ class RestorePlan:
     items: list[PlanItem] = field(default_factory=list)
     part_bytes: dict[str, int] = field(default_factory=dict)  # bytes each part restores
     held: frozenset[str] = frozenset()  # the components the snapshot itself holds (describe's ``components``)
+    # the catalog stamp (nonce, generation) its rows were read under, when it was planned through the
+    # memo (catalog.chain_cache): the chunk files it opens may be kept open under it (chunks.open_files)
+    stamp: tuple[bytes, int] | None = None
 
     @property
     def nbytes(self) -> int:

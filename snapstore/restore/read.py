@@ -21,8 +21,9 @@ from snapstore.parts.buffers import Destination
 from snapstore.plan.chain_rows import ChainRows
 from snapstore.plan.prefix import granularity, rows_bound, rows_limit
 from snapstore.plan.restore_plan import CheckedPlan, RestorePlan, bind, check_plan
+from snapstore.restore.fail import Damage, quarantine
 from snapstore.restore.ramtier import RamTier
-from snapstore.restore.stream import Damage, quarantine, stream_plan
+from snapstore.restore.stream import stream_plan
 from snapstore.restore.tiers import Tiers
 
 __all__ = ["details_of", "plan_of", "planned_destination", "stream_checked", "wanted_components"]
@@ -63,7 +64,10 @@ def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Map
         checked = check_plan(rows, sid, chain, layout, wanted, rows_from, rows_to)
         if kept is not None:
             kept.keep_checked(sid, ids, key, checked, len(checked.chunks))
-    return snap, bind(checked, into, chunks)
+    plan = bind(checked, into, chunks)
+    if kept is not None:
+        plan.stamp = kept.stamp
+    return snap, plan
 
 
 def details_of(snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int,
@@ -86,7 +90,7 @@ def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: Stag
     a save heals them). The one copy of this policy: restore() and restore_many() both use it."""
     damage: Damage = []
     try:
-        stream_plan(plan, repo.blob_path, staging, ram, damage, reads, tiers)
+        stream_plan(plan, repo.blob_path, staging, ram, damage, reads, tiers, repo.files)
     except RestoreError as e:
         if e.snapshot_id is None and sid is not None:
             e.snapshot_id = sid

@@ -15,7 +15,7 @@ open-file limit is never touched: a larger plan has every header checked first (
 close), then streams in windows of that many files, each window opened and re-checked before
 its first byte is written. Damage found on the way (a missing file, something other than a
 regular file at the path — opened without blocking, :func:`snapstore.chunks.chunkfile.open_chunk` — a bad header,
-a checksum that does not match) is reported in ``damage`` for :func:`quarantine`, which condemns
+a checksum that does not match) is reported in ``damage`` for :func:`snapstore.restore.fail.quarantine`, which condemns
 only what is still damaged when it re-checks under the write lock.
 
 posix_fadvise(WILLNEED) only for small cold files, all of a window's at once
@@ -28,18 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable
 
 from snapstore._errors import CorruptChunkError, CorruptionError, RestoreError, SnapshotUnavailableError
-from snapstore.catalog.db import Conn, Database
 from snapstore.chunks.chunkfile import (
     CODEC_RAW,
     HEADER_SIZE,
     ChunkHeader,
     checksum,
     checksum_stream,
-    chunk_damage,
     decode_fd,
     header_matches,
     open_chunk,
@@ -47,6 +44,7 @@ from snapstore.chunks.chunkfile import (
     read_exact,
 )
 from snapstore.chunks.direct_io import DirectReads
+from snapstore.chunks.open_files import OpenFiles
 from snapstore.chunks.residency import resident
 from snapstore.chunks.staging import StagingBuffer
 from snapstore.plan.restore_plan import PlanItem, RestorePlan
@@ -56,7 +54,7 @@ from snapstore.restore.ramtier import RamTier
 from snapstore.restore.read_ahead import ReadAhead
 from snapstore.restore.tiers import Tiers, prefetch_cold, tally_opened
 
-__all__ = ["Damage", "quarantine", "stream_plan"]
+__all__ = ["Damage", "stream_plan"]
 
 _MAX_OPEN = 64  # chunk files one restore holds open at once
 
@@ -66,12 +64,15 @@ _Opened = tuple[PlanItem, int, "ChunkHeader | None", "memoryview | None"]
 def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[bytes], str], ram: RamTier | None,
               touched: bool, damage: Damage, keep: bool = True,
               before_reads: Callable[[list[_Opened]], dict[int, bool]] | None = None,
-              ) -> tuple[list[_Opened], dict[int, bool] | None]:
+              files: OpenFiles | None = None) -> tuple[list[_Opened], dict[int, bool] | None]:
     """Open every chunk file of ``items`` and check its header against the catalog; with ``keep``
     False close each again (a check only). Damage found is added to ``damage`` before raising.
     ``before_reads`` (with ``keep``) sees the opened files after the last open and before the
     first header read (the tier probes, and the cold files' reads started together: restore.tiers);
-    its answer (residency per descriptor) is returned beside them."""
+    its answer (residency per descriptor) is returned beside them. ``files`` (with ``keep``, for a
+    plan made from memory): the small files kept open under the plan's stamp, taken instead of
+    opened, and those opened here offered to it once their header is checked."""
+    kept = files if keep else None
     opened: list[_Opened] = []
     fds: dict[bytes, tuple[int, ChunkHeader | None]] = {}
     unread: list[tuple[int, os.stat_result]] = []  # (index in opened, fstat) of files whose header is unchecked
@@ -88,6 +89,11 @@ def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[byt
                 opened.append((item, fds[cid][0], None, None))
                 continue
             if cid in checked:
+                continue
+            taken = kept.take(plan.stamp, cid, item.chunk.raw_len, item.chunk.checksum) if kept is not None else None
+            if taken is not None:  # opened and its header checked against this row, under this stamp
+                fds[cid] = taken
+                opened.append((item, taken[0], None, None))
                 continue
             try:
                 path = blob_path(cid)
@@ -122,7 +128,10 @@ def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[byt
         warm = before_reads(opened) if before_reads is not None else None
         for k, st in unread:
             item, fd, _, _ = opened[k]
-            fds[item.chunk.id] = (fd, _check_header(plan, item, fd, st, touched, damage))
+            head = _check_header(plan, item, fd, st, touched, damage)
+            fds[item.chunk.id] = (fd, head)
+            if kept is not None:
+                kept.keep(plan.stamp, item.chunk.id, fd, head, st.st_size)
         # every use of a chunk in the window gets the header its file was checked with
         opened = [(item, fd, fds[item.chunk.id][1], None) if data is None else (item, fd, head, data)
                   for item, fd, head, data in opened]
@@ -169,34 +178,6 @@ def _windows(items: list[PlanItem]) -> list[list[PlanItem]]:
     return out
 
 
-def quarantine(db: Database, blob_path: Callable[[bytes], str], damage: Damage) -> int:
-    """Quarantine the chunks a restore found damaged that are damaged *now*; returns how many.
-
-    Under the write lock (no save can heal or republish meanwhile), each chunk's current file is
-    checked again against its current row, bytes included (:func:`snapstore.chunks.chunkfile.chunk_damage`): a
-    chunk whose row is gone (evicted) is left alone, and so is one whose file is intact now — a
-    save healed it, or the snapshot was deleted and saved again (whatever inode its file got), or
-    the first read was the one at fault. A file that cannot be read now confirms nothing either.
-    """
-    now = time.time()
-
-    def run(c: Conn) -> int:
-        n = 0
-        for cid in dict.fromkeys(damage):
-            row = c.chunk(cid)
-            if row is None or row.quarantined is not None:
-                continue
-            try:
-                if chunk_damage(blob_path(cid), row.raw_len, row.checksum) is None:
-                    continue  # intact now: nothing to condemn
-            except (OSError, CorruptionError):
-                continue  # unreadable now, or no valid path: a later restore finds it again
-            n += c.quarantine_chunk(cid, now)
-        return n
-
-    return db.write(run)
-
-
 # Raw chunks are read and checked in pieces: the checksum reads each piece right after the reader
 # wrote it, while it is still in the CPU cache, instead of streaming the whole chunk from memory a
 # second time (warm restores are memory-bandwidth bound).
@@ -215,20 +196,22 @@ _SMALL_WARM = 8 * (1 << 20)
 
 def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
                 ram: RamTier | None, damage: Damage | None = None, reads: DirectReads | None = None,
-                tiers: Tiers | None = None) -> None:
+                tiers: Tiers | None = None, files: OpenFiles | None = None) -> None:
     """Write every chunk of ``plan``; RestoreError(touched=...) on any failure.
 
     Chunks found damaged or missing are added to ``damage`` (for :func:`quarantine`). With
     ``reads`` on, raw chunks whose pages are not cached are read with O_DIRECT (restore.direct).
     ``tiers``: gets the chunk bytes read per tier (:mod:`snapstore.restore.tiers`), for the restore rates.
+    ``files``: small chunk files kept open for plans made from memory (:mod:`snapstore.chunks.open_files`).
     """
     found: Damage = damage if damage is not None else []
     with ram.restoring() if ram is not None else contextlib.nullcontext():  # admission waits meanwhile
-        _stream_windows(plan, blob_path, staging, ram, found, reads, tiers)
+        _stream_windows(plan, blob_path, staging, ram, found, reads, tiers, files)
 
 
 def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
-                    ram: RamTier | None, found: Damage, reads: DirectReads | None, tiers: Tiers | None) -> None:
+                    ram: RamTier | None, found: Damage, reads: DirectReads | None, tiers: Tiers | None,
+                    files: OpenFiles | None = None) -> None:
     """stream_plan's body: the plan in windows of at most _MAX_OPEN open chunk files."""
     windows = _windows(plan.items)
     if len(windows) > 1:  # check every header before a byte is written, holding few files at once
@@ -239,11 +222,15 @@ def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], stagin
         # before a byte of the window is read: cached or not, as found (the stream reuses the probes),
         # and the cold files' reads started at once, so that their latencies overlap
         opened, warm = _open_all(plan, items, blob_path, ram, touched, found,
-                                 before_reads=lambda files: prefetch_cold(files, reads))
+                                 before_reads=lambda fs: prefetch_cold(fs, reads), files=files)
         if tiers is not None and warm is not None:
             tally_opened(opened, warm, tiers)
         try:
             touched = _stream_window(plan, opened, staging, ram, touched, found, blob_path, reads, warm)
+        except BaseException:
+            if files is not None:  # a file that failed a read or a check is opened afresh next time
+                files.forget(item.chunk.id for item in items)
+            raise
         finally:
             for fd in {entry[1] for entry in opened if entry[1] >= 0}:
                 try:

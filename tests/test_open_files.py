@@ -1,0 +1,195 @@
+"""Issue 31: small chunk files kept open, with their checked headers, for plans made from memory
+(snapstore.chunks.open_files), for as long as the catalog generation they were checked under stands.
+
+- a repeated restore of a 12-link chain opens no chunk file, and restores exactly;
+- a change to the catalog by another process (the generation moves) closes every kept file: the next
+  restore opens and checks its files again, and a file the other process deleted is held no longer;
+- a file that fails a read is opened afresh next time (tests/test_diskfull.py, test_eio_on_read);
+- the bounds (file size, count, bytes), an older stamp, a read-only store, close().
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+from test_plan_memo import BLOCK, _chain, _open, _state
+
+import snapstore as ss
+from snapstore.chunks.chunkfile import ChunkHeader
+from snapstore.chunks.open_files import OpenFiles
+
+
+def _dest(tokens: list[int]) -> dict[str, np.ndarray]:
+    want = _state(tokens, 0)
+    return {"kv": np.zeros_like(want["kv"]), "h": np.zeros(4, np.float32)}
+
+
+def _chunk_opens(s: ss.Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Chunk files opened from here on (os.open of a path under blobs/)."""
+    seen: list[str] = []
+    real = os.open
+
+    def counting(path: Any, *a: Any, **kw: Any) -> int:
+        if os.fspath(path).startswith(s._repo.blobs + os.sep):
+            seen.append(os.fspath(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "open", counting)
+    return seen
+
+
+def _deleted_open() -> list[str]:
+    """Files this process holds open that were unlinked."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.endswith(" (deleted)"):
+            out.append(target)
+    return out
+
+
+def test_a_repeated_small_restore_opens_no_chunk_file(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens = list(range(10, 10 + 48 * BLOCK))
+    with _open(tmp_path / "s") as s:
+        sid = _chain(s, tokens, 12)
+        s.restore(sid, _dest(tokens))  # planned and opened: the plan and the files kept
+        s.restore(sid, _dest(tokens))
+        hits = s._repo.files.hits
+        opened = _chunk_opens(s, monkeypatch)
+        dst = _dest(tokens)
+        s.restore(sid, dst)
+        want = _state(tokens, 0)
+        assert np.array_equal(dst["kv"], want["kv"]) and np.array_equal(dst["h"], want["h"])
+        assert opened == []
+        assert s._repo.files.hits >= hits + 12  # one kept file per link at least (kv), taken
+
+
+def test_another_process_changing_the_catalog_closes_the_kept_files(tmp_path: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two chains restored here (their files kept). Another process deletes one of them and
+    collects its files: the next restore here (of the other) plans under the new generation,
+    closes every kept file — the deleted chain's files are held open no longer — and opens its
+    own files again, then restores exactly."""
+    tokens = list(range(10, 10 + 24 * BLOCK))
+    other_tokens = [7, *tokens[1:]]
+    with _open(tmp_path / "s") as s:
+        sid = _chain(s, tokens, 4)
+        other = _chain(s, other_tokens, 3, seed=5)
+        for x, toks in ((sid, tokens), (other, other_tokens)):
+            s.restore(x, _dest(toks))
+        assert len(s._repo.files) > 0
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_plan_memo as t\n"
+                "with t._open(sys.argv[2]) as s:\n"
+                "    s.delete(int(sys.argv[3])); s.gc(grace=0)\n")
+        subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), str(tmp_path / "s"), str(other)],
+                       check=True, timeout=120, capture_output=True)
+        assert any(str(tmp_path / "s") in d for d in _deleted_open())  # held by the kept files, so far
+        opened = _chunk_opens(s, monkeypatch)
+        dst = _dest(tokens)
+        s.restore(sid, dst)
+        assert np.array_equal(dst["kv"], _state(tokens, 0)["kv"])
+        assert len(opened) >= 4  # every link's files opened and checked again
+        assert not any(str(tmp_path / "s") in d for d in _deleted_open())
+
+
+def test_a_damaged_kept_file_is_found_and_a_heal_is_read(tmp_path: Any) -> None:
+    """A kept file damaged in place is found by its checksum (nothing kept vouches for bytes), the
+    chunk is quarantined, a save heals it, and the next restore reads the healed file exactly."""
+    tokens = list(range(10, 10 + 24 * BLOCK))
+    with _open(tmp_path / "s") as s:
+        sid = _chain(s, tokens, 4)
+        s.restore(sid, _dest(tokens))
+        s.restore(sid, _dest(tokens))
+        row = s._repo.db.conn().execute(
+            "SELECT chunk_id FROM part_chunks WHERE snapshot_id = ? AND name = 'kv'", (sid,)).fetchone()
+        blob = s._repo.blob_path(bytes(row[0]))
+        os.chmod(blob, 0o600)
+        with open(blob, "r+b") as f:  # in place: the kept descriptor reads the damage
+            f.seek(-3, os.SEEK_END)
+            f.write(b"\xff\xfe\xfd")
+        with pytest.raises(ss.CorruptChunkError):
+            s.restore(sid, _dest(tokens))
+        with pytest.raises(ss.CorruptChunkError) as ei:  # quarantined: refused at the plan
+            s.restore(sid, _dest(tokens))
+        assert ei.value.touched is False
+        res = s.save(tokens, _state(tokens, 0), rows=len(tokens), parent="auto")  # heals the chunk
+        assert res.ok
+        for _ in range(2):
+            dst = _dest(tokens)
+            s.restore(sid, dst)
+            assert np.array_equal(dst["kv"], _state(tokens, 0)["kv"])
+
+
+def _file(tmp_path: Any, name: str, size: int) -> int:
+    p = tmp_path / name
+    p.write_bytes(b"\0" * size)
+    return os.open(p, os.O_RDONLY)
+
+
+def _closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+def test_the_bounds_and_the_stamps(tmp_path: Any) -> None:
+    """Only small files are kept, at most ``max_files`` and ``max_bytes`` of them (oldest closed
+    first); a take under an older stamp gets nothing and drops nothing; a newer one closes all."""
+    head = ChunkHeader(0, 100, 100, b"c" * 16)
+    files = OpenFiles(max_files=3, max_bytes=1 << 20)
+    s1, s0, s2 = (b"n", 5), (b"n", 4), (b"n", 6)
+    big = _file(tmp_path, "big", 5 << 20)
+    files.keep(s1, b"big", big, head, 5 << 20)
+    assert len(files) == 0  # a large file is not kept
+    os.close(big)
+    fds = [_file(tmp_path, f"f{i}", 100) for i in range(5)]
+    for i, fd in enumerate(fds):
+        files.keep(s1, bytes([i]), fd, head, 164)
+        os.close(fd)
+    assert len(files) == 3
+    assert files.take(s1, bytes([0]), 100, b"c" * 16) is None  # the oldest went first
+    got = files.take(s1, bytes([4]), 100, b"c" * 16)
+    assert got is not None and got[1] == head
+    os.close(got[0])
+    assert files.take(s1, bytes([4]), 99, b"c" * 16) is None  # a header that does not match the row
+    assert files.take(s1, bytes([4]), 100, b"c" * 16) is None  # ... and it was closed
+    assert files.take(s0, bytes([3]), 100, b"c" * 16) is None  # an older stamp: nothing
+    kept_fd = files._kept[bytes([3])][0]
+    assert not _closed(kept_fd)
+    assert files.take(s2, bytes([3]), 100, b"c" * 16) is None  # a newer one: everything closed
+    assert len(files) == 0 and _closed(kept_fd)
+    many = OpenFiles(max_files=100, max_bytes=300)
+    for i in range(3):
+        fd = _file(tmp_path, f"g{i}", 100)
+        many.keep(s1, bytes([i]), fd, head, 164)
+        os.close(fd)
+    assert len(many) == 1  # 164-byte files, at most 300 bytes kept
+    many.close()
+    assert len(many) == 0
+
+
+def test_closing_the_store_closes_the_kept_files_and_read_only_keeps_none(tmp_path: Any) -> None:
+    tokens = list(range(10, 10 + 24 * BLOCK))
+    before = len(os.listdir("/proc/self/fd"))
+    s = _open(tmp_path / "s")
+    sid = _chain(s, tokens, 4)
+    s.restore(sid, _dest(tokens))
+    kept = [fd for fd, _, _ in s._repo.files._kept.values()]
+    assert kept
+    s.close()
+    assert all(_closed(fd) for fd in kept)
+    assert len(os.listdir("/proc/self/fd")) <= before
+    with ss.Store.open(str(tmp_path / "s"), identity=s.identity, layout=s.layout, read_only=True) as ro:
+        for _ in range(2):
+            ro.restore(sid, _dest(tokens))
+        assert len(ro._repo.files) == 0
