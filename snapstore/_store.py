@@ -367,12 +367,13 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         timer.reading()  # a local restore is timed from here: after `into` is allocated
         snap, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k, upto))
         stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count, self._reads, timer.tiers)
-        timer.done(plan.n_tokens, plan.nbytes)
+        nbytes = plan.nbytes
+        timer.done(plan.n_tokens, nbytes)
         # last use and the hit are bookkeeping: recorded in memory and written now only if the
         # write lock is free; a restore queues behind a writer only for a first outside use
         record_use(self._repo, self._ledger, [(sid, new_outside_use(snap, sess))])
         return RestoreResult(plan.n_tokens, plan.rows, frozenset(plan.missing_components), plan.chain,
-                             plan.nbytes, time.perf_counter() - t0)
+                             nbytes, time.perf_counter() - t0)
 
     @operation
     def describe(self, m: SnapshotRef, components: Iterable[str] | None = None, *,

@@ -24,6 +24,7 @@ may be any writable C-contiguous buffer (memoryview, numpy array, bytearray); an
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -265,13 +266,27 @@ def _swapped_format(mv: memoryview) -> bool:
     return mv.itemsize > 1 and mv.format[:1] in (">", "!")
 
 
+@functools.cache
+def _canonical(dtype: str) -> np.dtype | None:
+    """The little-endian numpy dtype of a layout's dtype name (None: one numpy does not know)."""
+    try:
+        dt: np.dtype = np.dtype(dtype).newbyteorder("<")
+    except TypeError:
+        return None
+    return dt
+
+
 def _check_array(name: str, arr: np.ndarray, spec: PartSpec, rows: int, err: type[LayoutError]) -> None:
     """dtype/shape of a numpy array against the part spec (raw byte arrays pass on size alone)."""
-    if _raw_bytes_like(arr) and (arr.dtype.name != spec.dtype or arr.ndim == 1):
+    want = _canonical(spec.dtype)
+    if want is not None and arr.dtype == want:  # the common case, without numpy's (Python) dtype.name
+        if arr.ndim == 1 and arr.dtype.itemsize == 1 and arr.dtype.kind in "iu":
+            return  # raw bytes of a byte-sized part (a flat uint8 view): checked on size alone
+    elif _raw_bytes_like(arr) and (arr.dtype.name != spec.dtype or arr.ndim == 1):
         return  # raw bytes (e.g. a torch tensor's flat uint8 view): checked on size alone
-    if arr.dtype.name != spec.dtype:
+    elif arr.dtype.name != spec.dtype:
         raise err(f"part {name!r}: dtype is {arr.dtype.name}, the layout says {spec.dtype}")
-    if not _little_endian(arr.dtype):
+    elif not _little_endian(arr.dtype):
         # dtype.name is "float16" for '>f2' too: the bytes would be stored (or land) swapped
         raise err(f"part {name!r}: dtype {arr.dtype.str} is big-endian; the layout's {spec.dtype} is "
                   f"little-endian (the store's canonical order): pass arr.astype('<{arr.dtype.str[1:]}')")

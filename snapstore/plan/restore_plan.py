@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from snapstore._errors import CorruptChunkError, DestinationError, SnapshotUnavailableError
 from snapstore._layout import Fixed, Layout, PartSpec, Rows
@@ -42,9 +42,9 @@ class PlanSource(Protocol):
     def part_chunks(self, sid: int, name: str) -> list[ChunkRow | None]: ...
 
 
-@dataclass(frozen=True)
-class PlanItem:
-    """Write chunk ``chunk`` to ``sink`` at byte ``offset``, less its first ``skip`` bytes (``rows_from``)."""
+class PlanItem(NamedTuple):
+    """Write chunk ``chunk`` to ``sink`` at byte ``offset``, less its first ``skip`` bytes (``rows_from``).
+    A tuple: a small restore makes a dozen per call, and a frozen dataclass's were a sixtieth of it."""
 
     sink: Sink
     offset: int

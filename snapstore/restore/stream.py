@@ -183,6 +183,9 @@ def _windows(items: list[PlanItem]) -> list[list[PlanItem]]:
 # second time (warm restores are memory-bandwidth bound).
 _PIECE = 4 << 20
 _DEPTH = 6  # pieces read ahead of the one being checked
+# Read on this thread (no readers), a piece is read and hashed in steps of this much: a 3 MiB chunk
+# hashed after its whole read came from L3 or memory, twice as slow as from L2 (issue 31).
+_IN_THREAD = 512 << 10
 # Reader threads, each reading whole files (a file's pieces in order): a cold restore keeps two
 # files' readahead in flight (~10% faster cold and warm, 2 vCPUs; docs/benchmarks.md). Threads that
 # shared one file's pieces broke its sequential readahead and were slower than one thread.
@@ -343,6 +346,11 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                                 reader.wait(j)
                             finally:
                                 reader.done()
+                        elif isinstance(piece, memoryview):  # on this thread: hashed while still in L2
+                            for at in range(0, len(piece), _IN_THREAD):
+                                read_exact(fd, piece[at:at + _IN_THREAD], offset + at)
+                                h.update(piece[at:at + _IN_THREAD])
+                            continue
                         else:
                             read_exact(fd, piece, offset)
                         for p in ([piece] if isinstance(piece, memoryview) else piece):
