@@ -7,7 +7,10 @@ vLLM connector saves a link every 256 tokens). For each size and chain:
 
 - ``Store.restore`` into a reused contiguous buffer, cold (every chunk file of the chain dropped
   from the page cache) and warm, against the raw read of the same bytes from one file into the
-  same buffer (cold and warm) — the floor a restore of that many bytes can reach;
+  same buffer (cold and warm) — the floor a restore of that many bytes can reach. "warm" is the
+  first restore after the cold one (the pages just read in, the CPU's caches cold after the wait);
+  "steady" the median of warm restores in a row (a server restoring a hot system prompt request
+  after request), after a few; the raw read is timed the same two ways;
 - a scheduler lookup at 3K tokens: ``match`` then ``describe`` (what the vLLM connector did before
   issue 31) and ``Store.lookup`` (both in one read transaction), p50 and p90;
 - a profile of one warm restore and one lookup: SQL statements (apsw's profile hook: count and
@@ -36,6 +39,11 @@ LAYERS = 2
 ROW = LAYERS * UNIT
 SIZES = (1024, 3072, 8192)
 LINKS = (1, 4, 12)
+# "steady": after the cold/warm pairs, STEADY_FIRST warm reads in a row (a cold read's pages were
+# still getting faster to copy for about eight reads on the VM of docs/benchmarks.md, raw reads
+# alike), then the median of STEADY more
+STEADY_FIRST = 8
+STEADY = 30
 
 
 def _layout() -> Layout:
@@ -213,7 +221,8 @@ def section_small(args: Any, work: str) -> dict[str, Any]:
     print(f"\n== small restores (issue 31): tiny-Llama geometry, {ROW // 1024} KiB a {BLOCK}-token block, chains of "
           f"{', '.join(map(str, LINKS))} links; medians of {reps}, checksums on; ms ==")
     print(f"{'tokens':>6} {'MiB':>5} {'links':>5} | {'raw cold':>8} {'restore':>8} {'x raw':>6} | "
-          f"{'raw warm':>8} {'restore':>8} {'x raw':>6} | {'RAM tier':>8}")
+          f"{'raw warm':>8} {'restore':>8} {'x raw':>6} | {'raw stdy':>8} {'restore':>8} {'x raw':>6} | "
+          f"{'RAM tier':>8}")
     for n_tok in SIZES:
         rows = n_tok // BLOCK
         tokens = rng.integers(4, 50_000, size=n_tok, dtype=np.int64)
@@ -227,7 +236,8 @@ def section_small(args: Any, work: str) -> dict[str, Any]:
             sdir = os.path.join(work, f"small-{n_tok}-{links}")
             sid = _build(sdir, tokens, kv, links)
             dst = np.zeros_like(kv)
-            t: dict[str, list[float]] = {k: [] for k in ("raw_cold", "raw_warm", "cold", "warm")}
+            t: dict[str, list[float]] = {k: [] for k in ("raw_cold", "raw_warm", "raw_steady", "cold", "warm",
+                                                         "steady")}
             with _open(sdir) as s:
                 files = _blobs(sdir)
                 s.restore(sid, {"kv": dst})  # statements prepared, connection open: a serving process's state
@@ -239,8 +249,15 @@ def section_small(args: Any, work: str) -> dict[str, Any]:
                     _drop(files)
                     t["cold"].append(_timed(lambda: s.restore(sid, {"kv": dst})))
                     t["warm"].append(_timed(lambda: s.restore(sid, {"kv": dst})))
+
                     assert np.array_equal(dst, kv), "restore mismatch"
                     dst[:1] ^= 0xFF
+                for key, fn in (("raw_steady", lambda: _raw_read(raw_path, dst)),
+                                ("steady", lambda: s.restore(sid, {"kv": dst}))):
+                    for _ in range(STEADY_FIRST):
+                        fn()
+                    t[key] = [_timed(fn) for _ in range(STEADY)]
+                assert np.array_equal(dst, kv), "restore mismatch"
                 if n_tok == 3072 and links == 12:
                     out["profile"] = _profile(s, sid, tokens, dst)
                     out["lookup"] = _lookup(s, tokens, reps * 10)
@@ -253,10 +270,12 @@ def section_small(args: Any, work: str) -> dict[str, Any]:
             m = {k: statistics.median(v) * 1e3 for k, v in t.items()}
             out["restore"][f"{n_tok}/{links}"] = {"tokens": n_tok, "links": links, "bytes": kv.nbytes, **m,
                                                   "cold_x": m["raw_cold"] / m["cold"],
-                                                  "warm_x": m["raw_warm"] / m["warm"]}
+                                                  "warm_x": m["raw_warm"] / m["warm"],
+                                                  "steady_x": m["raw_steady"] / m["steady"]}
             print(f"{n_tok:6} {kv.nbytes / MIB:5.1f} {links:5} | {m['raw_cold']:8.3f} {m['cold']:8.3f} "
                   f"{m['raw_cold'] / m['cold']:6.2f} | {m['raw_warm']:8.3f} {m['warm']:8.3f} "
-                  f"{m['raw_warm'] / m['warm']:6.2f} | {m['ram']:8.3f}")
+                  f"{m['raw_warm'] / m['warm']:6.2f} | {m['raw_steady']:8.3f} {m['steady']:8.3f} "
+                  f"{m['raw_steady'] / m['steady']:6.2f} | {m['ram']:8.3f}")
         os.unlink(raw_path)
     lk = out["lookup"]
     print("lookup at 3,072 tokens, 12 links (us): " + ", ".join(
