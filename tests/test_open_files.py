@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -17,9 +18,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.pagecache import cached_pages, drop_cache
 from test_plan_memo import BLOCK, _chain, _open, _state
 
 import snapstore as ss
+from snapstore.chunks import direct_io
 from snapstore.chunks.chunkfile import ChunkHeader
 from snapstore.chunks.open_files import OpenFiles
 
@@ -193,3 +196,40 @@ def test_closing_the_store_closes_the_kept_files_and_read_only_keeps_none(tmp_pa
         for _ in range(2):
             ro.restore(sid, _dest(tokens))
         assert len(ro._repo.files) == 0
+
+
+def test_direct_reads_never_set_o_direct_on_a_kept_file(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept descriptor is a dup: it shares its open file description, O_DIRECT flag included, with
+    every restore that takes it. A restore that finds a kept file cold reads it with O_DIRECT through
+    a description of its own: the kept one never has the flag (else another thread's buffered read
+    of the same file into an unaligned buffer fails with EINVAL meanwhile)."""
+    layout = ss.Layout(rows={"kv": ss.Rows("uint8", (4096,))})
+    tokens = list(range(10, 10 + 256))
+    state = {"kv": np.random.default_rng(3).integers(0, 256, (256, 4096), dtype=np.uint8)}
+    with ss.Store.open(str(tmp_path / "s"), identity=ss.Identity(build="t", pack="p", kv="u8"), layout=layout,
+                       budget=ss.Budget(reserve_bytes=0, ram_bytes=0), direct_reads=True) as s:
+        res = s.save(tokens, state)
+        assert res.ok and res.snapshot_id is not None
+        sid = res.snapshot_id
+        for _ in range(2):
+            s.restore(sid, {"kv": np.zeros_like(state["kv"])})
+        kept = [fd for fd, _, _ in s._repo.files._kept.values()]
+        assert kept
+        files = [os.path.join(r, f) for r, _, fs in os.walk(s._repo.blobs) for f in fs]
+        for f in files:
+            drop_cache(f)
+        if any(cached_pages(f) for f in files):
+            pytest.skip("this file system keeps files in memory: no cold reads to test")
+        flags: list[int] = []
+        real = direct_io.DirectReads.read
+
+        def read(self: Any, fd: int, *a: Any) -> int:
+            flags.extend(fcntl.fcntl(k, fcntl.F_GETFL) for k in kept)
+            return real(self, fd, *a)
+
+        monkeypatch.setattr(direct_io.DirectReads, "read", read)
+        dst = np.zeros_like(state["kv"])
+        s.restore(sid, {"kv": dst})
+        assert np.array_equal(dst, state["kv"])
+        assert flags, "the cold restore did not read with O_DIRECT"
+        assert not any(f & direct_io.O_DIRECT for f in flags)

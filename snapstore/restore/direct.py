@@ -12,6 +12,7 @@ reused. Checksums stay on for every chunk. Only chunks whose pages are not cache
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -69,13 +70,43 @@ def stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuff
                   blob_path: Callable[[bytes], str]) -> bool | None:
     """Write the chunks of ``run`` (raw, not cached, host destinations) with O_DIRECT reads; returns
     touched, or None (nothing read) when the file system refuses O_DIRECT: read them buffered then."""
-    fds: list[int] = []
+    own: dict[int, int] = {}  # each file's descriptor in the run -> one of its own, set to O_DIRECT
     for fd in dict.fromkeys(entry[1] for entry in run):
-        if not reads.enable(fd):
-            for done in fds:
-                reads.disable(done)
+        mine = _reopen(fd)
+        if mine is None or not reads.enable(mine):
+            for done in [*own.values(), *([mine] if mine is not None else [])]:
+                os.close(done)
             return None
-        fds.append(fd)
+        own[fd] = mine
+    try:
+        return _stream_direct(plan, run, staging, reads, ram, touched, damage, blob_path, own)
+    finally:
+        for mine in own.values():
+            os.close(mine)
+
+
+def _reopen(fd: int) -> int | None:
+    """A new open file description of the file open as ``fd`` (through /proc/self/fd), or None.
+
+    O_DIRECT is a flag of the description, which ``os.dup`` shares: a descriptor of a file kept open
+    (:mod:`snapstore.chunks.open_files`) may be read buffered by another restore at the same time, and
+    a buffered read into an unaligned buffer fails with EINVAL while O_DIRECT is set. So the direct
+    reads go through a description of their own, whatever the restore's descriptor is."""
+    try:
+        mine = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None  # no /proc: read buffered
+    a, b = os.fstat(fd), os.fstat(mine)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        os.close(mine)
+        return None
+    return mine
+
+
+def _stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuffer, reads: DirectReads,
+                   ram: RamTier | None, touched: bool, damage: Damage, blob_path: Callable[[bytes], str],
+                   own: dict[int, int]) -> bool:
+    """stream_direct's body: ``own`` maps each descriptor of the run to its O_DIRECT description."""
     slot, _ = staging.acquire()
     reader: ReadAhead | None = None
     try:
@@ -97,7 +128,7 @@ def stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuff
         def work(j: int) -> None:
             k, s, need = jobs[j]
             item, fd, _, targets = run[k]
-            if reads.read(fd, bounce[j % len(bounce)][:align_up(need)], s, need) < need:
+            if reads.read(own[fd], bounce[j % len(bounce)][:align_up(need)], s, need) < need:
                 raise CorruptionError("chunk file is shorter than its header says (truncated)")
             lo, data = payload(j)
             if lo + len(data) > item.skip:
@@ -135,9 +166,4 @@ def stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuff
         if reader is not None:
             reader.stop()  # before the slot is reused, and before an error reaches the caller
         staging.release(slot)
-        for fd in fds:
-            try:
-                reads.disable(fd)
-            except OSError:
-                pass
     return touched

@@ -2,7 +2,9 @@
 
 Phase 1 opens the chunk files and checks each header against the catalog (an open descriptor
 keeps the bytes readable even if a concurrent eviction unlinks the file), so a snapshot that
-vanished is reported before anything is written. Phase 2 reads each chunk straight into the
+vanished is reported before anything is written; for a plan made from memory, a small file kept
+open under the plan's catalog stamp is taken with its checked header instead
+(:mod:`snapstore.chunks.open_files`). Phase 2 reads each chunk straight into the
 destination when it is raw and the destination is contiguous (two reader threads, each reading
 whole files in order, run ahead while this thread checks chunk k), else through the staging
 buffer (zstd payloads decode piece by piece from the file: no chunk-sized temporaries), and checks
