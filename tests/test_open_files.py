@@ -131,9 +131,14 @@ def test_a_damaged_kept_file_is_found_and_a_heal_is_read(tmp_path: Any) -> None:
             assert np.array_equal(dst["kv"], _state(tokens, 0)["kv"])
 
 
+_HEAD = ChunkHeader(0, 100, 100, b"c" * 16)
+
+
 def _file(tmp_path: Any, name: str, size: int) -> int:
+    """A file of ``size`` bytes that starts with _HEAD's bytes."""
     p = tmp_path / name
-    p.write_bytes(b"\0" * size)
+    head = _HEAD.pack()
+    p.write_bytes(head + b"\0" * (size - len(head)))
     return os.open(p, os.O_RDONLY)
 
 
@@ -148,7 +153,7 @@ def _closed(fd: int) -> bool:
 def test_the_bounds_and_the_stamps(tmp_path: Any) -> None:
     """Only small files are kept, at most ``max_files`` and ``max_bytes`` of them (oldest closed
     first); a take under an older stamp gets nothing and drops nothing; a newer one closes all."""
-    head = ChunkHeader(0, 100, 100, b"c" * 16)
+    head = _HEAD
     files = OpenFiles(max_files=3, max_bytes=1 << 20)
     s1, s0, s2 = (b"n", 5), (b"n", 4), (b"n", 6)
     big = _file(tmp_path, "big", 5 << 20)
@@ -187,7 +192,7 @@ def test_closing_the_store_closes_the_kept_files_and_read_only_keeps_none(tmp_pa
     s = _open(tmp_path / "s")
     sid = _chain(s, tokens, 4)
     s.restore(sid, _dest(tokens))
-    kept = [fd for fd, _, _ in s._repo.files._kept.values()]
+    kept = [fd for fd, *_ in s._repo.files._kept.values()]
     assert kept
     s.close()
     assert all(_closed(fd) for fd in kept)
@@ -213,7 +218,7 @@ def test_direct_reads_never_set_o_direct_on_a_kept_file(tmp_path: Any, monkeypat
         sid = res.snapshot_id
         for _ in range(2):
             s.restore(sid, {"kv": np.zeros_like(state["kv"])})
-        kept = [fd for fd, _, _ in s._repo.files._kept.values()]
+        kept = [fd for fd, *_ in s._repo.files._kept.values()]
         assert kept
         files = [os.path.join(r, f) for r, _, fs in os.walk(s._repo.blobs) for f in fs]
         for f in files:
@@ -233,3 +238,101 @@ def test_direct_reads_never_set_o_direct_on_a_kept_file(tmp_path: Any, monkeypat
         assert np.array_equal(dst, state["kv"])
         assert flags, "the cold restore did not read with O_DIRECT"
         assert not any(f & direct_io.O_DIRECT for f in flags)
+
+
+def _kept_chain(tmp_path: Any, name: str = "s") -> tuple[ss.Store, int, list[int]]:
+    tokens = list(range(10, 10 + 24 * BLOCK))
+    s = _open(tmp_path / name)
+    sid = _chain(s, tokens, 4)
+    s.restore(sid, _dest(tokens))
+    return s, sid, tokens
+
+
+def test_a_header_damaged_in_place_is_found_before_a_byte_is_written(tmp_path: Any) -> None:
+    """The payload checksum cannot see a header damaged in place; a take reads the header again and
+    compares it with the one checked, so the restore opens the file, finds the damage and writes
+    nothing (without: the kept header served on, the damage unseen until the file was dropped)."""
+    s, sid, tokens = _kept_chain(tmp_path)
+    with s:
+        row = s._repo.db.conn().execute(
+            "SELECT chunk_id FROM part_chunks WHERE snapshot_id = ? AND name = 'kv'", (sid,)).fetchone()
+        blob = s._repo.blob_path(bytes(row[0]))
+        os.chmod(blob, 0o600)
+        with open(blob, "r+b") as f:
+            f.write(b"XXXX")  # the magic
+        dst = _dest(tokens)
+        with pytest.raises(ss.CorruptChunkError) as ei:
+            s.restore(sid, dst)
+        assert ei.value.touched is False and not dst["kv"].any()
+
+
+def test_out_of_descriptors_a_take_opens_the_file(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EMFILE on the dup of a kept file: the restore opens the file as usual (a raw OSError never
+    reaches the caller); when that open fails too, a RestoreError says so, nothing written."""
+    import errno
+
+    s, sid, tokens = _kept_chain(tmp_path)
+    with s:
+        def emfile(fd: int) -> int:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+        monkeypatch.setattr(os, "dup", emfile)
+        dst = _dest(tokens)
+        s.restore(sid, dst)
+        assert np.array_equal(dst["kv"], _state(tokens, 0)["kv"])
+        real_open = os.open
+
+        def no_open(path: Any, *a: Any, **kw: Any) -> int:
+            if os.fspath(path).startswith(s._repo.blobs):
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+            return real_open(path, *a, **kw)
+
+        monkeypatch.setattr(os, "open", no_open)
+        dst = _dest(tokens)
+        with pytest.raises(ss.RestoreError) as ei:
+            s.restore(sid, dst)
+        assert ei.value.touched is False and not dst["kv"].any()
+
+
+def test_a_store_dropped_unclosed_and_a_forked_child_hold_no_kept_file(tmp_path: Any) -> None:
+    """A store collected without close() closes its kept files; a forked child closes its copies at
+    once (the parent keeps its own)."""
+    import gc
+
+    s, _, _ = _kept_chain(tmp_path)
+    kept = [fd for fd, *_ in s._repo.files._kept.values()]
+    assert kept
+    pid = os.fork()
+    if pid == 0:  # the child: every copy closed, by the fork hook alone
+        os._exit(0 if all(_closed(fd) for fd in kept) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not any(_closed(fd) for fd in kept)  # the parent's are untouched
+    del s
+    gc.collect()
+    assert all(_closed(fd) for fd in kept)
+
+
+def test_any_plan_of_the_process_under_a_newer_generation_closes_the_kept_files(tmp_path: Any) -> None:
+    """Another store of this process on the same catalog deletes a snapshot (the generation moves):
+    a describe by a third store, planned from memory, closes the files the first store kept."""
+    tokens = list(range(10, 10 + 24 * BLOCK))
+    with _open(tmp_path / "s") as a, _open(tmp_path / "s") as b, _open(tmp_path / "s") as c:
+        sid = _chain(a, tokens, 4)
+        other = _chain(a, [7, *tokens[1:]], 3, seed=5)
+        a.restore(sid, _dest(tokens))
+        assert len(a._repo.files) > 0
+        b.delete(other)
+        c.describe(sid)
+        assert len(a._repo.files) == 0
+
+
+def test_the_process_budget_holds_across_stores(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from snapstore.chunks import open_files
+
+    monkeypatch.setattr(open_files._SLOTS, "limit", open_files._SLOTS.used + 3)
+    s1, _, _ = _kept_chain(tmp_path, "a")
+    s2, _, _ = _kept_chain(tmp_path, "b")
+    with s1, s2:
+        assert len(s1._repo.files) + len(s2._repo.files) <= 3
+    assert open_files._SLOTS.used <= open_files._SLOTS.limit - 3

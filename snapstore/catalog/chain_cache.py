@@ -24,12 +24,12 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from snapstore._forks import ProcessLock
 from snapstore.catalog.queries import ChunkRow, PartRow, SnapRow, SnapState, Txn
 
-__all__ = ["ChainCache", "ChainReads", "Stamp", "shared_memo", "stamp_moves"]
+__all__ = ["ChainCache", "ChainReads", "Stamp", "StampListener", "shared_memo", "stamp_moves"]
 
 _MAX_ENTRIES = 1024
 _MAX_BYTES = 32 << 20  # token blobs and rows kept at most (an estimate: a 128K-token chain is ~0.5 MiB)
@@ -39,6 +39,13 @@ _CHECKED = 4  # checked plans kept per snapshot (a server asks for one or two: w
 Found = tuple[SnapRow, str | None]
 Stamp = tuple[bytes, int]  # the catalog's nonce and generation
 Parts = list[tuple[PartRow, list[ChunkRow | None]]]
+
+
+class StampListener(Protocol):
+    """What keeps something under a stamp besides the memo (chunks.open_files.OpenFiles)."""
+
+    def advance(self, stamp: Stamp) -> None:
+        """A plan read ``stamp``: drop what was kept under an older one."""
 
 
 def stamp_moves(held: Stamp, read: Stamp) -> tuple[bool, bool]:
@@ -77,6 +84,13 @@ class ChainCache:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._bytes = 0
         self.hits = 0  # plans served from memory, for tests and benchmarks
+        self._listeners: weakref.WeakSet[StampListener] = weakref.WeakSet()
+
+    def on_move(self, listener: StampListener) -> None:
+        """Tell ``listener`` (held weakly) each newer stamp a plan of this process reads, whichever
+        store's: what it keeps under an older one is dropped then (chunks.open_files)."""
+        with self._lock:
+            self._listeners.add(listener)
 
     def reads(self, c: Txn) -> Txn | ChainReads:
         """What a plan in transaction ``c`` reads through: the memo when enabled, else ``c``."""
@@ -85,12 +99,16 @@ class ChainCache:
         stamp = c.catalog_gen()
         if stamp is None:  # the counter's row is gone (a damaged catalog): nothing vouches for kept rows
             return c
+        listeners: list[StampListener] = []
         with self._lock:
             moved, current = stamp_moves(self._stamp, stamp)  # an older transaction neither uses nor fills it
             if moved:
                 self._entries.clear()
                 self._bytes = 0
                 self._stamp = stamp
+                listeners = list(self._listeners)
+        for listener in listeners:  # outside the memo's lock: a listener takes its own
+            listener.advance(stamp)
         return ChainReads(c, self, stamp) if current else c
 
     def _get(self, stamp: Stamp, sid: int) -> _Entry | None:

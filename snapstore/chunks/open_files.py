@@ -7,60 +7,116 @@ made from memory (:class:`snapstore.catalog.chain_cache.ChainCache`), the descri
 chunk file it opened and the header it checked against the catalog, under the catalog stamp the
 plan was read with. The generation moves in the transaction of every change to a chunk row
 (deleted, quarantined, healed, republished), so a kept descriptor is only ever used for the row it
-was checked against; a plan of a newer stamp closes every kept one first.
+was checked against. A plan under a newer stamp, by any store of the process on the catalog
+(:meth:`ChainCache.on_move`), closes every kept descriptor first.
 
 A restore takes a duplicate (``os.dup``) and closes it as it closes the files it opened itself,
-so dropping a kept descriptor never pulls one from under a reader. Every chunk is still
-checksummed as it lands: damage in place is found as before, and the quarantine that follows
-moves the generation. A kept descriptor of a file another process unlinked keeps its bytes on
-disk until this process plans under the new generation or closes the store: at most
-``_MAX_BYTES`` per store, small files only (docs/format.md, "Open chunk files").
+so dropping a kept descriptor never pulls one from under a reader. Each take reads the header
+again (one ``pread``) and compares it with the one checked, and every chunk is still checksummed
+as it lands: damage in place is found as before, and the quarantine that follows moves the
+generation. A kept descriptor of a file another process unlinked keeps its bytes on disk until
+a plan of this process moves to the new generation, or the store closes or is collected: at most
+``_MAX_BYTES`` per store, small files only, and at most ``_MAX_FILES`` descriptors in the whole
+process (docs/format.md, "Open chunk files"). A forked child closes its copies at once.
 """
 
 from __future__ import annotations
 
 import os
 import resource
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from snapstore._forks import ProcessLock
+from snapstore._forks import ProcessLock, track
 from snapstore.catalog.chain_cache import Stamp, stamp_moves
-from snapstore.chunks.chunkfile import ChunkHeader, header_matches
+from snapstore.chunks.chunkfile import HEADER_SIZE, ChunkHeader, header_matches
 
 __all__ = ["OpenFiles"]
 
 _MAX_FILE = 4 << 20  # only chunk files this small are kept: a large read is not dominated by its open
-_MAX_BYTES = 64 << 20  # file bytes kept open at most (what an unlinked file holds on disk until dropped)
-_MAX_FILES = 128  # descriptors kept at most (and never more than a sixteenth of the open-file limit)
+_MAX_BYTES = 64 << 20  # file bytes one store keeps open at most (what unlinked files hold on disk until dropped)
+_MAX_FILES = 128  # descriptors kept in the whole process at most (and a sixteenth of the open-file limit)
 
-_Kept = tuple[int, ChunkHeader, int]  # descriptor, checked header, file size
+_Kept = tuple[int, ChunkHeader, bytes, int]  # descriptor, checked header, its bytes, file size
 
 
-def _fd_budget() -> int:
-    try:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (OSError, ValueError):
-        return 0
-    return _MAX_FILES if soft == resource.RLIM_INFINITY else min(_MAX_FILES, soft // 16)
+class _Slots:
+    """The process's budget of kept descriptors, shared by every store (each OpenFiles)."""
+
+    def __init__(self) -> None:
+        self._lock = ProcessLock()
+        self.used = 0
+        try:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (OSError, ValueError):
+            soft = 0
+        self.limit = _MAX_FILES if soft == resource.RLIM_INFINITY else min(_MAX_FILES, soft // 16)
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.used >= self.limit:
+                return False
+            self.used += 1
+            return True
+
+    def give(self, n: int = 1) -> None:
+        with self._lock:
+            self.used = max(0, self.used - n)
+
+    def give_unlocked(self, n: int) -> None:
+        """:meth:`give` from a finalizer or a forked child's hook: those may run while this very
+        thread holds the lock (a collection inside a call) or after a parent thread held it; a count
+        that races another thread's is off by a few slots at worst (a soft bound)."""
+        self.used = max(0, self.used - n)
+
+
+_SLOTS = _Slots()
+
+
+def _close_all(kept: OrderedDict[bytes, _Kept]) -> None:
+    """Close every descriptor in ``kept`` and give its slots back, taking no lock (an OpenFiles
+    collected unclosed, or a forked child's copies)."""
+    n = len(kept)
+    while kept:
+        try:
+            os.close(kept.popitem()[1][0])
+        except OSError:
+            pass
+    _SLOTS.give_unlocked(n)
 
 
 class OpenFiles:
     """Descriptors of small chunk files, checked under one catalog stamp (module docstring)."""
 
     def __init__(self, max_files: int | None = None, max_bytes: int = _MAX_BYTES) -> None:
-        self._max_files = _fd_budget() if max_files is None else max_files
+        self._max_files = _MAX_FILES if max_files is None else max_files
         self._max_bytes = max_bytes
-        self._lock = ProcessLock()  # a forked child gets it fresh (its descriptors are its own copies)
+        self._lock = ProcessLock()  # a forked child gets it fresh
         self._stamp: Stamp = (b"", -1)
         self._kept: OrderedDict[bytes, _Kept] = OrderedDict()
         self._bytes = 0
         self.hits = 0  # opens saved, for tests and benchmarks
+        # a store dropped without close() must not hold its files (and unlinked ones' space) for good
+        self._finalizer = weakref.finalize(self, _close_all, self._kept)
+        track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child closes its copies of the kept descriptors (the parent's stay open): it
+        would otherwise hold files the parent has long dropped, unlinked ones' space included."""
+        _close_all(self._kept)
+        self._bytes = 0
+        self._stamp = (b"", -1)
+
+    def advance(self, stamp: Stamp) -> None:
+        """A plan of this process read ``stamp``: if it is newer, close everything kept."""
+        with self._lock:
+            self._current(stamp)
 
     def take(self, stamp: Stamp | None, cid: bytes, raw_len: int, checksum: bytes) -> tuple[int, ChunkHeader] | None:
         """A duplicate of the descriptor kept for chunk ``cid`` under ``stamp`` and its header, if its
-        header matches the row (``raw_len``, ``checksum``); None: open the file as usual (also for
-        a plan not made from memory: ``stamp`` None)."""
+        header matches the row (``raw_len``, ``checksum``) and the file's header bytes are still the
+        ones checked; None: open the file as usual (also for a plan not made from memory: ``stamp`` None)."""
         if stamp is None:
             return None
         with self._lock:
@@ -69,13 +125,24 @@ class OpenFiles:
             kept = self._kept.get(cid)
             if kept is None:
                 return None
-            fd, head, size = kept
+            fd, head, raw, size = kept
             if not header_matches(head, raw_len, checksum, size):
                 self._drop(cid)  # never expected under one stamp: the file is opened and checked again
                 return None
             self._kept.move_to_end(cid)
-            dup = os.dup(fd)  # under the lock: a drop cannot close it between the lookup and the dup
-            self.hits += 1
+            try:
+                dup = os.dup(fd)  # under the lock: a drop cannot close it between the lookup and the dup
+            except OSError:
+                return None  # out of descriptors: the restore opens the file (and reports what fails)
+        try:
+            same = os.pread(dup, HEADER_SIZE, 0) == raw
+        except OSError:
+            same = False
+        if not same:  # damaged in place since (or unreadable): opened and checked afresh, found as before
+            os.close(dup)
+            self.forget([cid])
+            return None
+        self.hits += 1
         return dup, head
 
     def keep(self, stamp: Stamp | None, cid: bytes, fd: int, head: ChunkHeader, size: int) -> None:
@@ -84,13 +151,14 @@ class OpenFiles:
         if stamp is None or size > _MAX_FILE or self._max_files <= 0:
             return
         with self._lock:
-            if not self._current(stamp) or cid in self._kept:
+            if not self._current(stamp) or cid in self._kept or not _SLOTS.take():
                 return
             try:
                 dup = os.dup(fd)
             except OSError:
+                _SLOTS.give()
                 return  # out of descriptors: nothing kept, the restore goes on with its own
-            self._kept[cid] = (dup, head, size)
+            self._kept[cid] = (dup, head, head.pack(), size)  # a valid header packs to its own bytes
             self._bytes += size
             while self._kept and (len(self._kept) > self._max_files or self._bytes > self._max_bytes):
                 self._drop(next(iter(self._kept)))
@@ -120,8 +188,9 @@ class OpenFiles:
         return current
 
     def _drop(self, cid: bytes) -> None:
-        fd, _, size = self._kept.pop(cid)
+        fd, _, _, size = self._kept.pop(cid)
         self._bytes -= size
+        _SLOTS.give()
         try:
             os.close(fd)
         except OSError:

@@ -42,8 +42,11 @@ class Repo:
         # plan reads kept while the catalog generation stands, one memo per catalog file in this
         # process; none where no trigger guards the file (read-only, a private copy)
         self.plans = ChainCache(enabled=False) if self.db.readonly else shared_memo(self.db_path)
-        # the small chunk files those plans opened, kept open under the same stamp (chunks.open_files)
+        # the small chunk files those plans opened, kept open under the same stamp (chunks.open_files);
+        # a plan of any store of this process on the catalog that reads a newer stamp closes them
         self.files = OpenFiles()
+        if self.plans.enabled:
+            self.plans.on_move(self.files)
 
     @classmethod
     def open(cls, root: str, *, readonly: bool = False, create: bool = True) -> Repo:

@@ -280,8 +280,8 @@ def _check_array(name: str, arr: np.ndarray, spec: PartSpec, rows: int, err: typ
     """dtype/shape of a numpy array against the part spec (raw byte arrays pass on size alone)."""
     want = _canonical(spec.dtype)
     if want is not None and arr.dtype == want:  # the common case, without numpy's (Python) dtype.name
-        if arr.ndim == 1 and arr.dtype.itemsize == 1 and arr.dtype.kind in "iu":
-            return  # raw bytes of a byte-sized part (a flat uint8 view): checked on size alone
+        if arr.ndim == 1 and _raw_bytes_like(arr):
+            return  # a flat view of raw bytes (uint8, int8 or an ml_dtypes type): checked on size alone
     elif _raw_bytes_like(arr) and (arr.dtype.name != spec.dtype or arr.ndim == 1):
         return  # raw bytes (e.g. a torch tensor's flat uint8 view): checked on size alone
     elif arr.dtype.name != spec.dtype:

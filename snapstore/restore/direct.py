@@ -96,11 +96,14 @@ def _reopen(fd: int) -> int | None:
         mine = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None  # no /proc: read buffered
-    a, b = os.fstat(fd), os.fstat(mine)
-    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
-        os.close(mine)
-        return None
-    return mine
+    try:
+        a, b = os.fstat(fd), os.fstat(mine)
+        if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+            return mine
+    except OSError:
+        pass
+    os.close(mine)
+    return None
 
 
 def _stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuffer, reads: DirectReads,

@@ -126,7 +126,8 @@ def empty_like_state(state: State) -> State:
 
 def sha(buf: Any) -> str:
     """SHA-256 of a buffer's bytes."""
-    return hashlib.sha256(memoryview(np.ascontiguousarray(buf)).cast("B")).hexdigest()
+    arr = np.ascontiguousarray(buf)  # bytes through a uint8 view: ml_dtypes' types export no buffer format
+    return hashlib.sha256(arr.reshape(-1).view(np.uint8) if arr.ndim else arr.reshape(1).view(np.uint8)).hexdigest()
 
 
 def part_hashes(layout: ss.Layout, state: State, rows: dict[str, int]) -> dict[str, str]:
