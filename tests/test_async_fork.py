@@ -18,6 +18,7 @@ import apsw
 import numpy as np
 import pytest
 from support import LAYOUT, empty_like_state, make_state, open_store, part_hashes
+from support.fds import open_targets
 
 import snapstore as ss
 from snapstore import _tokens
@@ -171,16 +172,8 @@ def _fork(child: Callable[[], None], timeout: float = 30.0) -> int:
 def _store_fds(path: str) -> list[str]:
     """What this process holds open of the store's own files: the catalog and the owner locks (a
     temp file a parent thread was writing at the fork is that thread's, not the Store's)."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        rel = os.path.relpath(target, os.path.realpath(path))
-        if rel.startswith("snapstore.db") or rel.startswith("owners"):
-            out.append(target)
-    return out
+    root = os.path.realpath(path)
+    return [t for t in open_targets() if os.path.relpath(t, root).startswith(("snapstore.db", "owners"))]
 
 
 def _closes_promptly(s: ss.Store, path: str) -> Callable[[], None]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.fds import open_targets
 from support.pagecache import cached_pages, drop_cache
 from test_plan_memo import BLOCK, _chain, _open, _state
 
@@ -48,15 +49,7 @@ def _chunk_opens(s: ss.Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def _deleted_open() -> list[str]:
     """Files this process holds open that were unlinked."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.endswith(" (deleted)"):
-            out.append(target)
-    return out
+    return [t for t in open_targets() if t.endswith(" (deleted)")]
 
 
 def test_a_repeated_small_restore_opens_no_chunk_file(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

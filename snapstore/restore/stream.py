@@ -204,7 +204,7 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
                 tiers: Tiers | None = None, files: OpenFiles | None = None) -> None:
     """Write every chunk of ``plan``; RestoreError(touched=...) on any failure.
 
-    Chunks found damaged or missing are added to ``damage`` (for :func:`quarantine`). With
+    Chunks found damaged or missing are added to ``damage`` (for :func:`snapstore.restore.fail.quarantine`). With
     ``reads`` on, raw chunks whose pages are not cached are read with O_DIRECT (restore.direct).
     ``tiers``: gets the chunk bytes read per tier (:mod:`snapstore.restore.tiers`), for the restore rates.
     ``files``: small chunk files kept open for plans made from memory (:mod:`snapstore.chunks.open_files`).
@@ -350,8 +350,9 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                                 reader.done()
                         elif isinstance(piece, memoryview):  # on this thread: hashed while still in L2
                             for at in range(0, len(piece), _IN_THREAD):
-                                read_exact(fd, piece[at:at + _IN_THREAD], offset + at)
-                                h.update(piece[at:at + _IN_THREAD])
+                                step = piece[at:at + _IN_THREAD]
+                                read_exact(fd, step, offset + at)
+                                h.update(step)
                             continue
                         else:
                             read_exact(fd, piece, offset)

@@ -127,7 +127,7 @@ def empty_like_state(state: State) -> State:
 def sha(buf: Any) -> str:
     """SHA-256 of a buffer's bytes."""
     arr = np.ascontiguousarray(buf)  # bytes through a uint8 view: ml_dtypes' types export no buffer format
-    return hashlib.sha256(arr.reshape(-1).view(np.uint8) if arr.ndim else arr.reshape(1).view(np.uint8)).hexdigest()
+    return hashlib.sha256(arr.reshape(-1).view(np.uint8)).hexdigest()
 
 
 def part_hashes(layout: ss.Layout, state: State, rows: dict[str, int]) -> dict[str, str]:
