@@ -282,7 +282,13 @@ def chunk_damage(path: str, raw_len: int, csum: bytes) -> str | None:
 def read_exact(fd: int, out: memoryview | list[memoryview], offset: int) -> None:
     """pread until ``out`` is full — one view, or several filled in order (one vectored preadv for
     scattered paged blocks); CorruptionError on a short file."""
-    bufs = [b for b in ([out] if isinstance(out, memoryview) else out) if len(b)]  # nothing to read: done
+    if isinstance(out, memoryview):  # the common case: a cached chunk, whole in the first call
+        n = os.preadv(fd, [out], offset) if len(out) else 0
+        if n == len(out):
+            return
+        bufs, offset = [out[n:]], offset + n  # a short read: the rest below (0 again: truncated)
+    else:
+        bufs = [b for b in out if len(b)]  # nothing to read: done
     while bufs:
         n = os.preadv(fd, bufs, offset)
         if n == 0:

@@ -20,10 +20,10 @@ regular file at the path — opened without blocking, :func:`snapstore.chunks.ch
 a checksum that does not match) is reported in ``damage`` for :func:`snapstore.restore.fail.quarantine`, which condemns
 only what is still damaged when it re-checks under the write lock.
 
-posix_fadvise(WILLNEED) only for small cold files, all of a window's at once
-(:func:`snapstore.restore.tiers.prefetch_cold`): on this kernel it fills the page cache with 4 KiB
-folios, which made cold and later warm reads of large chunks slower than plain readahead; for a
-chain of small links the device latencies it overlaps are what a cold restore waited for.
+A window's files are probed (cached or not) before any is read, and nothing is asked for ahead
+with posix_fadvise(WILLNEED): the reads' own readahead brings the pages in. On the benchmark
+machine WILLNEED on a cold chain's files did not make its cold restores faster, and the warm
+restores that followed read those pages 10-30% slower (:func:`snapstore.restore.tiers.probe_window`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from snapstore.restore.direct import DIRECT_MIN, DirectItem, Targets, direct_tar
 from snapstore.restore.fail import Damage, corrupt, outcome, read_failed
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.read_ahead import ReadAhead
-from snapstore.restore.tiers import Tiers, prefetch_cold, tally_opened
+from snapstore.restore.tiers import Tiers, probe_window, tally_opened
 
 __all__ = ["Damage", "stream_plan"]
 
@@ -70,7 +70,7 @@ def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[byt
     """Open every chunk file of ``items`` and check its header against the catalog; with ``keep``
     False close each again (a check only). Damage found is added to ``damage`` before raising.
     ``before_reads`` (with ``keep``) sees the opened files after the last open and before the
-    first header read (the tier probes, and the cold files' reads started together: restore.tiers);
+    first header read (the tier probes, restore.tiers: a header read would make a cold file look cached);
     its answer (residency per descriptor) is returned beside them. ``files`` (with ``keep``, for a
     plan made from memory): the small files kept open under the plan's stamp, taken instead of
     opened, and those opened here offered to it once their header is checked."""
@@ -166,6 +166,8 @@ def _check_header(plan: RestorePlan, item: PlanItem, fd: int, st: os.stat_result
 
 def _windows(items: list[PlanItem]) -> list[list[PlanItem]]:
     """Consecutive runs of plan items that use at most _MAX_OPEN distinct chunks each."""
+    if len(items) <= _MAX_OPEN:  # no more chunks than items: one window (a small restore)
+        return [items] if items else []
     out: list[list[PlanItem]] = []
     cur: list[PlanItem] = []
     ids: set[bytes] = set()
@@ -224,10 +226,9 @@ def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], stagin
             _open_all(plan, items, blob_path, ram, False, found, keep=False)
     touched = False
     for items in windows:
-        # before a byte of the window is read: cached or not, as found (the stream reuses the probes),
-        # and the cold files' reads started at once, so that their latencies overlap
-        opened, warm = _open_all(plan, items, blob_path, ram, touched, found,
-                                 before_reads=lambda fs: prefetch_cold(fs, reads), files=files)
+        # before a byte of the window is read: cached or not, as found (the stream reuses the probes)
+        opened, warm = _open_all(plan, items, blob_path, ram, touched, found, before_reads=probe_window,
+                                 files=files)
         if tiers is not None and warm is not None:
             tally_opened(opened, warm, tiers)
         try:

@@ -19,26 +19,17 @@ cold leaf is found exactly, in a few more.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 
 from snapstore._errors import CorruptionError
 from snapstore.catalog.queries import ChunkRow
 from snapstore.chunks.chunkfile import HEADER_SIZE, open_chunk
-from snapstore.chunks.direct_io import DirectReads
 from snapstore.chunks.residency import resident
 from snapstore.plan.restore_plan import PlanItem
-from snapstore.restore.direct import DIRECT_MIN
 from snapstore.restore.ramtier import RamTier
 
-__all__ = ["PREFETCH_BYTES", "PREFETCH_FILE_MAX", "Tiers", "prefetch_cold", "probe_chunks", "probe_runs",
-           "tally_opened"]
-
-PREFETCH_BYTES = 32 << 20  # cold chunk bytes a restore window asks for at once (more is left to the readers)
-# Only files up to this size are asked for ahead: a large file's latency is spread over its bytes
-# (the readers keep two in flight), and WILLNEED leaves it in 4 KiB folios (restore.stream)
-PREFETCH_FILE_MAX = 1 << 20
+__all__ = ["Tiers", "probe_chunks", "probe_runs", "probe_window", "tally_opened"]
 
 Tiers = dict[str, int]  # tier -> chunk bytes
 
@@ -76,35 +67,26 @@ def probe_runs(n: int, probe: Callable[[int], bool]) -> list[bool]:
     return [got[i] for i in range(n)]
 
 
-def prefetch_cold(opened: Sequence[tuple[PlanItem, int, object, object]], reads: DirectReads | None) -> dict[int, bool]:
-    """Probe a restore window's opened chunk files (``(item, fd, header, RAM bytes)``, as
-    :mod:`snapstore.restore.stream` opens them) before any is read, and start reading the cold ones
-    of up to PREFETCH_FILE_MAX bytes all at once (POSIX_FADV_WILLNEED), up to PREFETCH_BYTES in all:
-    a small restore of a 12-link chain read its files one after another, a disk's latency each.
-    Returns the residency found per descriptor (probed or inferred, before the prefetch), which
-    the tally and the stream reuse. A file read with O_DIRECT later (``reads`` on, a large chunk)
-    is not prefetched: that read bypasses the cache."""
+def probe_window(opened: Sequence[tuple[PlanItem, int, object, object]]) -> dict[int, bool]:
+    """The residency of a restore window's opened chunk files (``(item, fd, header, RAM bytes)``, as
+    :mod:`snapstore.restore.stream` opens them), probed before any is read, per descriptor (probed
+    or inferred by :func:`probe_runs`): the tally and the stream reuse it.
+
+    Nothing is asked for ahead: POSIX_FADV_WILLNEED on a cold chain's files (issue 31's third
+    pass) shortened no cold restore on the benchmark machine, and the pages it brought in stayed
+    slower to copy from for the warm restores after (docs/benchmarks.md, "Seventh pass")."""
     files: dict[int, int] = {}  # fd -> size, in read order
     for item, fd, _head, data in opened:
         if data is None and fd >= 0 and fd not in files:
             files[fd] = HEADER_SIZE + item.chunk.raw_len
     order = list(files.items())
-    warm = dict(zip(files, probe_runs(len(order), lambda i: resident(*order[i]))))
-    budget = PREFETCH_BYTES
-    for fd, size in order:
-        if (warm[fd] or size > min(budget, PREFETCH_FILE_MAX)
-                or (reads is not None and reads.on and size - HEADER_SIZE >= DIRECT_MIN)):
-            continue
-        budget -= size
-        with contextlib.suppress(OSError):  # advice only: the reads themselves report what is wrong
-            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-    return warm
+    return dict(zip(files, probe_runs(len(order), lambda i: resident(*order[i]))))
 
 
 def tally_opened(opened: Sequence[tuple[PlanItem, int, object, object]], warm: dict[int, bool],
                  tiers: Tiers) -> None:
     """Add the bytes of a restore window's opened chunks to ``tiers`` by the residency ``warm``
-    found (:func:`prefetch_cold`) before any was read."""
+    found (:func:`probe_window`) before any was read."""
     for item, fd, _head, data in opened:
         key = "ram" if data is not None else "warm" if warm.get(fd, True) else "cold"
         tiers[key] = tiers.get(key, 0) + item.chunk.raw_len
