@@ -12,7 +12,8 @@ vLLM connector saves a link every 256 tokens). For each size and chain:
   "steady" the median of warm restores in a row (a server restoring a hot system prompt request
   after request), after a few; the raw read is timed the same two ways;
 - a scheduler lookup at 3K tokens: ``match`` then ``describe`` (what the vLLM connector did before
-  issue 31) and ``Store.lookup`` (both in one read transaction), p50 and p90;
+  issue 31), ``Store.lookup`` (both in one read transaction), and ``Store.lookup`` as the vLLM
+  connector calls it now (the prompt a list, weighed against prefill), p50 and p90;
 - a profile of one warm restore and one lookup: SQL statements (apsw's profile hook: count and
   SQLite's own time), chunk files opened, reads and bytes read, checksum calls and their time,
   copies through ``Sink.write`` — the counts say where a fixed cost comes from.
@@ -44,6 +45,7 @@ LINKS = (1, 4, 12)
 # alike), then the median of STEADY more
 STEADY_FIRST = 8
 STEADY = 30
+PREFILL_TOKENS_PER_S = 60_000.0
 
 
 def _layout() -> Layout:
@@ -302,6 +304,10 @@ def _lookup(s: Store, tokens: np.ndarray, n: int) -> dict[str, dict[str, float]]
     calls["match"] = lambda: s.match(tokens)
     if hasattr(s, "lookup"):
         calls["lookup"] = lambda: s.lookup(tokens)
+        # as the vLLM connector's scheduler calls it: the prompt a list of ints, weighed against
+        # prefill (the tiny Llama prefilled 3,000 tokens in about 50 ms in bench_vllm.py)
+        listed = tokens.tolist()
+        calls["lookup, list, weighed"] = lambda: s.lookup(listed, prefill_tokens_per_s=PREFILL_TOKENS_PER_S)
     ts: dict[str, list[float]] = {name: [] for name in calls}
     for fn in calls.values():
         fn()

@@ -17,7 +17,7 @@ and hashes only the blocks after it.
 
 from __future__ import annotations
 
-import array
+import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -89,14 +89,15 @@ def as_token_array(tokens: Any, *, what: str = "tokens", borrow: bool = False) -
 
 
 def _from_int_list(tokens: Any) -> np.ndarray | None:
-    """A list of Python ints as int64 through ``array.array`` (half of ``np.asarray``'s ~100 us at
-    3,000 tokens: an engine's scheduler passes its prompt as a list on every lookup); None for
-    anything else — a list of bools, floats or ints past int64 — which numpy's path judges as before."""
+    """A list of Python ints as int64, packed by ``struct`` (about 35 us at 3,000 tokens, against
+    85 us through ``array.array`` and 100-180 us through ``np.asarray``: an engine's scheduler passes
+    its prompt as a list on every lookup); None for anything else — a list of bools, floats or ints
+    past int64 — which numpy's path judges as before."""
     if type(tokens) is not list or not tokens or type(tokens[0]) is not int:
         return None
     try:
-        return np.frombuffer(array.array("q", tokens), dtype=np.int64)
-    except (TypeError, OverflowError):
+        return np.frombuffer(struct.pack(f"<{len(tokens)}q", *tokens), dtype="<i8")
+    except struct.error:  # a float, a str, an int outside int64
         return None
 
 
