@@ -21,6 +21,7 @@ vLLM connector saves a link every 256 tokens). For each size and chain:
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import statistics
@@ -304,6 +305,7 @@ def _lookup(s: Store, tokens: np.ndarray, n: int) -> dict[str, dict[str, float]]
     calls["match"] = lambda: s.match(tokens)
     if hasattr(s, "lookup"):
         calls["lookup"] = lambda: s.lookup(tokens)
+    if "prefill_tokens_per_s" in inspect.signature(getattr(s, "lookup", lambda: None)).parameters:
         # as the vLLM connector's scheduler calls it: the prompt a list of ints, weighed against
         # prefill (the tiny Llama prefilled 3,000 tokens in about 50 ms in bench_vllm.py)
         listed = tokens.tolist()

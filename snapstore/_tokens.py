@@ -97,7 +97,9 @@ def _from_int_list(tokens: Any) -> np.ndarray | None:
         return None
     try:
         return np.frombuffer(struct.pack(f"<{len(tokens)}q", *tokens), dtype="<i8")
-    except struct.error:  # a float, a str, an int outside int64
+    # struct.error: a float, a str, an int outside int64; what an element's own __index__ raises
+    # (a 0-d bool array's TypeError) comes out as is: numpy judges all of those
+    except (struct.error, TypeError, ValueError, OverflowError):
         return None
 
 

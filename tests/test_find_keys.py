@@ -14,7 +14,7 @@ import os
 import apsw
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from support import open_store
 from support.catalogs import LATEST_SCHEMA, UNDO_FIND_KEYS
@@ -246,14 +246,22 @@ def test_the_catalog_is_read_through_a_memory_map_unless_turned_off(tmp_path: st
         _open(path)
 
 
-_ELEMENT = st.one_of(st.integers(-5, 2**64), st.integers(0, 600), st.booleans(), st.floats(allow_nan=False, width=32))
+_ELEMENT = st.one_of(
+    st.integers(-5, 2**64), st.integers(0, 600), st.booleans(), st.floats(allow_nan=False, width=32),
+    # numpy scalars and 0-d arrays: their __index__ works (ints), is refused (floats) or raises (a
+    # 0-d bool array), and the short path must leave every one of those to numpy's judgement
+    st.integers(0, 600).map(np.int64), st.integers(0, 600).map(np.array), st.booleans().map(np.bool_),
+    st.booleans().map(np.array), st.floats(0, 600, width=32).map(np.array))
 
 
 @given(st.lists(_ELEMENT, max_size=12))
+@example([1, np.array(True)])  # __index__ raises TypeError: numpy takes it as 1
+@example([1, np.array(4.5)])
 def test_a_list_of_ints_takes_the_short_path_and_judges_every_list_as_numpy_does(tokens: list[object]) -> None:
     """Python lists of ints skip numpy's per-element conversion (an engine's scheduler passes its
-    prompt as a list on every lookup); every list — bools, floats, ints past int64, negatives —
-    is accepted or refused exactly as through numpy alone, with the same tokens."""
+    prompt as a list on every lookup); every list — bools, floats, ints past int64, negatives,
+    numpy scalars and 0-d arrays — is accepted or refused exactly as through numpy alone, with the
+    same tokens."""
     from snapstore import _tokens
 
     def judged() -> object:

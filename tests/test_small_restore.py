@@ -209,8 +209,8 @@ def test_a_cold_chain_is_read_by_its_reads_not_asked_for_ahead(tmp_path: Any,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A 12-link chain whose files are not cached is restored exactly without a WILLNEED hint (the
     pages it brought in were slower to copy from for the warm restores after: docs/benchmarks.md,
-    "Seventh pass"); the tiers still say cold (probed before the first read), and the next
-    restore finds the chain cached: the reads' own readahead brought it in."""
+    "Seventh pass"); the tiers still say cold (probed before the first read), and the reads left
+    the chain cached for the next restore."""
     import glob
 
     from support.pagecache import cached_pages, drop_cache
