@@ -23,7 +23,7 @@ only what is still damaged when it re-checks under the write lock.
 A window's files are probed (cached or not) before any is read, and nothing is asked for ahead
 with posix_fadvise(WILLNEED): the reads' own readahead brings the pages in. On the benchmark
 machine WILLNEED on a cold chain's files did not make its cold restores faster, and the warm
-restores that followed read those pages 10-30% slower (:func:`snapstore.restore.tiers.probe_window`).
+restores that followed were 7-33% slower (:func:`snapstore.restore.tiers.probe_window`).
 """
 
 from __future__ import annotations
