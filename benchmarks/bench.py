@@ -901,15 +901,20 @@ def section_rss(args: argparse.Namespace, work: str) -> None:
 
 
 # -- main ------------------------------------------------------------------------------------
-def machine() -> str:
+def machine() -> tuple[str, int | None, float, str]:
+    """CPU model (with its L2 and L3 sizes: two VMs that both say "Intel Xeon" can be different
+    hosts), CPUs, GiB of RAM, kernel."""
     def sh(cmd: list[str]) -> str:
         try:
             return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
         except OSError:
             return ""
 
-    model = next((ln.split(":", 1)[1].strip() for ln in sh(["lscpu"]).splitlines()
-                  if ln.startswith("Model name")), platform.processor())
+    info = dict(ln.split(":", 1) for ln in sh(["lscpu"]).splitlines() if ":" in ln)
+    model = info.get("Model name", platform.processor()).strip()
+    caches = [f"{k[:2]} {info[k].split('(')[0].strip()}" for k in ("L2 cache", "L3 cache") if k in info]
+    if caches:
+        model += f" ({', '.join(caches)})"
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     return model, os.cpu_count(), mem, platform.release()
 

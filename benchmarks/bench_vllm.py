@@ -7,7 +7,8 @@ Llama of tests/vllm_driver.py and reports:
    process serving what the first saved), restored by the ExampleConnector (same two processes);
    the restoring processes of the two connectors alternate for ``--rounds`` rounds (default 4),
    in ABBA order (snapstore first in even rounds, the ExampleConnector first in odd ones), and the
-   figure is the median over all their prompts;
+   figure is the median over all their prompts; beside it, the median of the time the snapstore
+   connector's scheduler lookup and worker load took for each of those requests, inside vLLM;
 2. eight conversations sharing a 2K-token system prompt: bytes in the snapstore store vs in the
    ExampleConnector's folders, for the same prompts.
 
@@ -91,6 +92,7 @@ def main() -> None:
         _serve(tmp, "ex1", model, prompts, **ex)
         # the restoring processes alternate, round by round: a neighbour's burst hits both alike
         each: dict[str, list[float]] = {"snapstore": [], "example": []}
+        per_request: dict[str, list[int]] = {"lookup_us": [], "load_us": []}  # the snapstore connector's, inside vLLM
         snap2: dict[str, Any] = {}
         ex2: dict[str, Any] = {}
         for r in range(args.rounds):  # ABBA: neither connector always runs first, after the other
@@ -98,6 +100,8 @@ def main() -> None:
                 if who == "snapstore":
                     snap2 = _serve(tmp, f"snap2-{r}", model, [[5, *warm[1:]], *longs], **snap)
                     each["snapstore"] += _ttfts(snap2)
+                    for k, v in per_request.items():
+                        v += [res[k] for res in snap2["results"][1:] if k in res]
                 else:
                     ex2 = _serve(tmp, f"ex2-{r}", model, [[5, *warm[1:]], *longs], **ex)
                     each["example"] += _ttfts(ex2)
@@ -106,6 +110,10 @@ def main() -> None:
                          "example_restored": statistics.median(each["example"])}
         fig["ttft_each_ms"] = {k: [round(v * 1e3, 2) for v in vs] for k, vs in each.items()}
         fig["snapstore_connector"] = snap2["stats"]
+        if per_request["lookup_us"]:  # p50 of each restored request's own lookup and load (tests/vllm_driver.py)
+            fig["snapstore_per_request_us"] = {"requests": len(per_request["lookup_us"]),
+                                               **{f"{k[:-3]}_p50": statistics.median(v)
+                                                  for k, v in per_request.items()}}
         fig["cached_tokens"] = {"snapstore": [r["num_cached_tokens"] for r in snap2["results"][1:]],
                                 "example": [r["num_cached_tokens"] for r in ex2["results"][1:]]}
 

@@ -136,6 +136,22 @@ def test_second_process_restores_prefixes_with_identical_output(
     assert doc["status"] == "clean"
 
 
+def test_each_request_carries_its_own_lookup_and_load_time(model: str, prompts: dict[str, list[int]],
+                                                            tmp_path: Path) -> None:
+    """The connector's counters are published after every lookup, a miss too: a request's lookup
+    and load time (what bench_vllm.py reports per request) is its own, never a miss's carried into
+    the next hit. A and B are misses on the empty store; served again, each finds what the first
+    saved, or less while that save is still being written (saves do not hold a request up)."""
+    p = serve(model, tmp_path, "p", [prompts["A"], prompts["A"], prompts["B"], prompts["B"]], connector="snapstore",
+              extra={"path": str(tmp_path / "store")})
+    cached = [r["num_cached_tokens"] for r in p["results"]]
+    assert cached[0] == cached[2] == 0, cached
+    assert p["stats"]["scheduler"]["lookups"] == 4
+    assert all(r["lookup_us"] > 0 for r in p["results"])  # each request's own lookup, misses included
+    assert sum(r["lookup_us"] for r in p["results"]) == p["stats"]["scheduler"]["lookup_us"]
+    assert all(r["load_us"] > 0 for r in p["results"] if r["num_cached_tokens"])  # a hit's load, in its request
+
+
 def test_flipped_byte_in_a_chunk_is_recomputed_never_junk(
         model: str, prompts: dict[str, list[int]], baseline: list[list[int]], saved_store: Path,
         tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ all attend within a window of N tokens.
 ``python vllm_driver.py serve SPEC.json`` starts one vLLM (``LLM``), serves the prompts of the
 spec one after another (greedy) and writes, per prompt, the output token ids,
 ``num_cached_tokens`` and the seconds the request took (with ``max_tokens=1``: the time to first
-token) to the spec's ``out`` path as JSON, with the connector's counters. The spec says which
+token) and, for the snapstore connector, the microseconds its scheduler's lookup and its worker's load
+took for that request, to the spec's ``out`` path as JSON, with the connector's counters. The spec says which
 connector (``snapstore``, ``example`` or none), the prefix cache and chunked prefill settings,
 ``hf_overrides``; a prompt is a list of token ids or ``{"tokens": [...], "salt": "..."}``.
 
@@ -128,16 +129,27 @@ def serve(spec_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 8)), ignore_eos=True)
     results = []
     for prompt in spec["prompts"]:  # one at a time: a later prompt finds what an earlier one saved
+        before = _connector_us()
         t0 = time.perf_counter()
         tp = TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else \
             TokensPrompt(prompt_token_ids=prompt["tokens"], cache_salt=prompt["salt"])
         o = llm.generate([tp], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - t0
+        after = _connector_us()
         results.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": int(o.num_cached_tokens or 0),
-                        "seconds": time.perf_counter() - t0})
+                        "seconds": seconds, **{k: after[k] - before[k] for k in after}})
     stats = _connector_stats()
     del llm
     with open(spec["out"], "w") as f:
         json.dump({"results": results, "stats": stats}, f)
+
+
+def _connector_us() -> dict[str, int]:
+    """The connector's time so far in its scheduler's lookups and its worker's loads (us): the
+    difference across one prompt is that request's own (``lookup_us``, ``load_us``)."""
+    stats = _connector_stats() or {}
+    return {"lookup_us": int(stats.get("scheduler", {}).get("lookup_us", 0)),
+            "load_us": int(stats.get("worker", {}).get("load_us", 0))}
 
 
 def _connector_stats() -> Any:

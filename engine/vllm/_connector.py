@@ -184,6 +184,7 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
             return 0, False
         finally:
             self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
+            LAST_STATS[self._side] = dict(self.stats)  # a miss too: its time is that request's
         self._matched[request.request_id] = (d.snapshot_id, hit)
         self.stats["hit_tokens"] += hit - num_computed_tokens
         LAST_STATS[self._side] = dict(self.stats)

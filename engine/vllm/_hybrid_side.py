@@ -60,6 +60,7 @@ class HybridSide:
             return 0, False
         finally:
             self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
+            LAST_STATS[self._side] = dict(self.stats)  # a miss too: its time is that request's
         self._stored[rid] = (m.snapshot_id, m.n_tokens)
         self._matched[rid] = (m.snapshot_id, m.n_tokens)
         self.stats["hit_tokens"] += m.n_tokens - num_computed_tokens
