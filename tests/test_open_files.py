@@ -329,3 +329,55 @@ def test_the_process_budget_holds_across_stores(tmp_path: Any, monkeypatch: pyte
     with s1, s2:
         assert len(s1._repo.files) + len(s2._repo.files) <= 3
     assert open_files._SLOTS.used <= open_files._SLOTS.limit - 3
+
+
+def test_a_store_that_only_looks_up_probes_its_chain_without_opening_it_again(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler's store never restores, so it has no restore's files to probe through. A lookup
+    weighed against prefill keeps the files its probes opened (their headers checked against the
+    rows), under the plan's stamp: the next lookups and estimates open no chunk file, and a probe
+    through a kept descriptor still sees the page cache as it is (a dropped file is cold)."""
+    tokens = list(range(10, 10 + 48 * BLOCK))
+    with _open(tmp_path / "s") as saver:
+        sid = _chain(saver, tokens, 12)
+    with _open(tmp_path / "s") as s:
+        first = s.lookup(tokens, prefill_tokens_per_s=1_000.0)
+        s.lookup(tokens, prefill_tokens_per_s=1_000.0)  # planned from memory: its probes keep their files
+        assert len(s._repo.files) > 0
+        opened = _chunk_opens(s, monkeypatch)
+        again = s.lookup(tokens, prefill_tokens_per_s=1_000.0)
+        assert first is not None and again is not None and first.why is not None and again.why is not None
+        assert again.snapshot_id == first.snapshot_id == sid
+        assert again.why.considered[0].estimate.tiers == first.why.considered[0].estimate.tiers
+        assert opened == []
+        files = [os.path.join(r, f) for r, _, fs in os.walk(s._repo.blobs) for f in fs]
+        for f in files:
+            drop_cache(f)
+        if any(cached_pages(f) for f in files):
+            pytest.skip("this file system keeps files in memory: no cold files to probe")
+        opened.clear()  # the drops' own opens
+        est = s.estimate_restore(sid)
+        assert opened == []
+        assert est.tiers.get("cold", 0) > 0 and "warm" not in est.tiers, est.tiers
+
+
+def test_a_probe_keeps_only_a_file_whose_header_describes_the_row(tmp_path: Any) -> None:
+    """``offer``: the header read and checked against the row (raw length, checksum, file size); a
+    mismatch, a plan not made from memory (no stamp) or a large file keeps nothing."""
+    stamp = (b"n", 5)
+    files = OpenFiles(max_files=8)
+    fd = _file(tmp_path, "f", 164)
+    try:
+        files.offer(None, b"a", fd, 164, 100, b"c" * 16)
+        files.offer(stamp, b"a", fd, 164, 99, b"c" * 16)
+        files.offer(stamp, b"a", fd, 164, 100, b"d" * 16)
+        files.offer(stamp, b"a", fd, 165, 100, b"c" * 16)
+        assert len(files) == 0
+        assert files.resident(stamp, b"a", 164) is None  # none kept: the caller opens the file
+        files.offer(stamp, b"a", fd, 164, 100, b"c" * 16)
+        assert len(files) == 1
+        assert files.resident(stamp, b"a", 164) is True  # just written: cached
+        assert files.resident((b"n", 4), b"a", 164) is None  # an older stamp: not probed through
+    finally:
+        os.close(fd)
+        files.close()

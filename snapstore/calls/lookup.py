@@ -27,7 +27,7 @@ from snapstore.calls.gate import CallGate, operation
 from snapstore.calls.load import load_prefix
 from snapstore.calls.recompute import chosen_match, chunks_estimate, weigh
 from snapstore.calls.warm import warm_up
-from snapstore.catalog.chain_cache import ChainCache
+from snapstore.catalog.chain_cache import ChainCache, Stamp
 from snapstore.catalog.db import Database
 from snapstore.catalog.queries import ChunkRow, SnapRow, Txn
 from snapstore.chunks.repo import Repo
@@ -45,12 +45,12 @@ __all__ = ["StoreLookup", "lookup_prefix"]
 def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLike, *, namespace: str | None,
                   exclude: Iterable[SnapshotRef] | None, components: Iterable[str] | None, ttl: float | None,
                   count: Callable[..., None], two_calls: tuple[Any, Any] | None = None,
-                  weighed: tuple[float, Callable[[list[ChunkRow]], RestoreEstimate]] | None = None,
+                  weighed: tuple[float, Callable[[list[ChunkRow], Stamp | None], RestoreEstimate]] | None = None,
                   memo: ChainCache | None = None) -> MatchDetails | None:
     """The longest committed prefix of ``tokens`` as :class:`MatchDetails` (``n_tokens``: the
     tokens matched; ``snapshot_tokens``: the snapshot's own), or None; counted like match().
     ``two_calls``: the store's (match, describe), taken instead when it has a shared tier.
-    ``weighed``: (prefill tokens per second, the estimate of a plan's chunks): the prefix that saves
+    ``weighed``: (prefill tokens per second, the estimate of a plan's chunks under its stamp): the prefix that saves
     the most time, or None when reading the prompt is faster than any restore (``why`` says).
     ``memo``: the store's kept plan reads (``Repo.plans``)."""
     if two_calls is not None:  # the shared tier may hold a longer prefix than the local catalog
@@ -95,7 +95,7 @@ def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLi
                                                chunks, memo)
             except SnapstoreError:
                 return None  # unreadable since it matched: not a choice (its restore would fail alike)
-            return estimate_chunks(chunks)
+            return estimate_chunks(chunks, plans[m.snapshot_id][1].stamp)
 
         decision, by_id = weigh(best_match(c, layout, key, ns, prompt, skip, not_before),
                                 lambda passed: best_match(c, layout, key, ns, prompt, passed, not_before),
@@ -132,7 +132,7 @@ class StoreLookup:
         def match(t: TokensLike, **kw: Any) -> Match | None:
             return self.match(t, prefill_tokens_per_s=prefill_tokens_per_s, **kw)
 
-        weighed = (check_rate(prefill_tokens_per_s), lambda chunks: chunks_estimate(self, chunks)) \
+        weighed = (check_rate(prefill_tokens_per_s), lambda chunks, stamp: chunks_estimate(self, chunks, stamp)) \
             if prefill_tokens_per_s is not None else None
         return lookup_prefix(self._repo.db, self._access, self.layout, tokens, namespace=namespace, exclude=exclude,
                              components=components, ttl=self.budget.ttl, count=self._ledger.count,

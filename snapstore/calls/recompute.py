@@ -17,6 +17,7 @@ from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, ref_namespace, snapshot_id
 from snapstore._results import Match, RecomputeDecision, RestoreEstimate
 from snapstore.calls.gate import CallGate, operation
+from snapstore.catalog.chain_cache import Stamp
 from snapstore.catalog.queries import ChunkRow, SnapRow
 from snapstore.lifecycle.bookkeeping import Ledger
 from snapstore.plan.match import Prompt, best_match
@@ -42,16 +43,17 @@ def estimate_of(store: Any, m: Any, wanted: set[str], namespace: str | None,
     sid = snapshot_id(m)
     ns = ref_namespace(m, namespace)
     chunks: list[ChunkRow] = []
-    store._repo.db.read(lambda c: plan_of(c, store._access, store.layout, sid, ns, None, wanted, 0, match_tokens(m),
-                                          chunks, store._repo.plans))
-    return chunks_estimate(store, chunks)
+    _, plan = store._repo.db.read(lambda c: plan_of(c, store._access, store.layout, sid, ns, None, wanted, 0,
+                                                    match_tokens(m), chunks, store._repo.plans))
+    return chunks_estimate(store, chunks, plan.stamp)
 
 
-def chunks_estimate(store: Any, chunks: list[ChunkRow]) -> RestoreEstimate:
+def chunks_estimate(store: Any, chunks: list[ChunkRow], stamp: Stamp | None = None) -> RestoreEstimate:
     """A local plan's chunk bytes at the rate of the tier each chunk is in now (:func:`probe_chunks`):
-    the one estimate of a local restore, for ``estimate_restore`` and a weighed ``lookup`` alike."""
+    the one estimate of a local restore, for ``estimate_restore`` and a weighed ``lookup`` alike.
+    ``stamp``: the plan's (made from memory), under which the store's kept files are probed."""
     rates: RestoreRates = store._rates
-    return rates.estimate(probe_chunks(chunks, store._repo.blob_path, store._ram))
+    return rates.estimate(probe_chunks(chunks, store._repo.blob_path, store._ram, store._repo.files, stamp))
 
 
 def weigh(found: Found | None, next_found: Callable[[set[int]], Found | None], skip: set[int],

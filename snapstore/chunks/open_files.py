@@ -10,6 +10,11 @@ plan was read with. The generation moves in the transaction of every change to a
 was checked against. A plan under a newer stamp, by any store of the process on the catalog
 (:meth:`ChainCache.on_move`), closes every kept descriptor first.
 
+An estimate's probe (:mod:`snapstore.restore.tiers`) asks the page cache through a kept
+descriptor instead of opening the file, and offers the files it did open, their headers checked
+against the rows as a restore checks them: a scheduler's store, which looks up and never restores,
+opens a chain's files once a generation, not once a lookup.
+
 A restore takes a duplicate (``os.dup``) and closes it as it closes the files it opened itself,
 so dropping a kept descriptor never pulls one from under a reader. Each take reads the header
 again (one ``pread``) and compares it with the one checked, and every chunk is still checksummed
@@ -28,9 +33,11 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from snapstore._errors import CorruptionError
 from snapstore._forks import ProcessLock, track
 from snapstore.catalog.chain_cache import Stamp, stamp_moves
-from snapstore.chunks.chunkfile import HEADER_SIZE, ChunkHeader, header_matches
+from snapstore.chunks.chunkfile import HEADER_SIZE, ChunkHeader, header_matches, parse_header
+from snapstore.chunks.residency import resident
 
 __all__ = ["OpenFiles"]
 
@@ -162,6 +169,32 @@ class OpenFiles:
             self._bytes += size
             while self._kept and (len(self._kept) > self._max_files or self._bytes > self._max_bytes):
                 self._drop(next(iter(self._kept)))
+
+    def resident(self, stamp: Stamp | None, cid: bytes, size: int) -> bool | None:
+        """Is the file kept for ``cid`` under ``stamp`` in the page cache (:func:`resident`, probed
+        on the kept descriptor under the lock, so a drop cannot close it meanwhile)? None: none kept.
+        An estimate's probe (restore.tiers) then opens nothing."""
+        if stamp is None:
+            return None
+        with self._lock:
+            if not self._current(stamp):
+                return None
+            kept = self._kept.get(cid)
+            return None if kept is None else resident(kept[0], size)
+
+    def offer(self, stamp: Stamp | None, cid: bytes, fd: int, size: int, raw_len: int, checksum: bytes) -> None:
+        """Keep ``fd``, chunk ``cid``'s file (``size`` bytes) opened by an estimate's probe, if its
+        header describes the row (``raw_len``, ``checksum``); a header that does not is left to the
+        restore to find and report. A scheduler's store, which never restores, then probes its
+        lookups' chunk files without opening them again (issue 31)."""
+        if stamp is None or size > _MAX_FILE or self._max_files <= 0 or cid in self._kept:
+            return
+        try:
+            head = parse_header(os.pread(fd, HEADER_SIZE, 0))
+        except (OSError, CorruptionError):
+            return
+        if header_matches(head, raw_len, checksum, size):
+            self.keep(stamp, cid, fd, head, size)
 
     def forget(self, cids: Iterable[bytes]) -> None:
         """Close the descriptors kept for ``cids`` (a restore failed reading or checking one of them:

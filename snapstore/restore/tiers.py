@@ -14,7 +14,9 @@ the restore (issue 31). A chain's files are saved and read together, so they are
 in runs: the first, the middle and the last file are probed, and a stretch between two probed
 files that agree takes their tier, while one between two that differ is split at its middle and
 probed again (:func:`probe_runs`). A chain all in one tier costs three probes; a warm root below a
-cold leaf is found exactly, in a few more.
+cold leaf is found exactly, in a few more. An estimate probes through the store's kept descriptors
+(:mod:`snapstore.chunks.open_files`) where it can, and keeps the files it opened: the weighed
+lookup of a scheduler's store then opens none (issue 31, eighth pass).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 
 from snapstore._errors import CorruptionError
+from snapstore.catalog.chain_cache import Stamp
 from snapstore.catalog.queries import ChunkRow
 from snapstore.chunks.chunkfile import HEADER_SIZE, open_chunk
+from snapstore.chunks.open_files import OpenFiles
 from snapstore.chunks.residency import resident
 from snapstore.plan.restore_plan import PlanItem
 from snapstore.restore.ramtier import RamTier
@@ -59,9 +63,9 @@ def probe_runs(n: int, probe: Callable[[int], bool]) -> list[bool]:
         span(mid, hi)
 
     mid = (n - 1) // 2
-    at(0)
-    at(mid)
-    at(n - 1)
+    ends = at(0), at(mid), at(n - 1)  # all three probed, whatever the first two say
+    if ends[0] == ends[1] == ends[2]:
+        return [ends[0]] * n  # the usual chain, all in one tier: nothing between to split
     span(0, mid)
     span(mid, n - 1)
     return [got[i] for i in range(n)]
@@ -92,22 +96,25 @@ def tally_opened(opened: Sequence[tuple[PlanItem, int, object, object]], warm: d
         tiers[key] = tiers.get(key, 0) + item.chunk.raw_len
 
 
-def probe_chunks(chunks: Iterable[ChunkRow], blob_path: Callable[[bytes], str], ram: RamTier | None) -> Tiers:
-    """Where a plan's chunks are now, without reading them (``Store.estimate_restore``). A chunk
-    file that cannot be opened counts as cold: the restore itself reports what is wrong with it."""
-    sizes: dict[bytes, int] = {}  # chunk files, in plan order
+def probe_chunks(chunks: Iterable[ChunkRow], blob_path: Callable[[bytes], str], ram: RamTier | None,
+                 files: OpenFiles | None = None, stamp: Stamp | None = None) -> Tiers:
+    """Where a plan's chunks are now, without reading them (``Store.estimate_restore``, a weighed
+    lookup). A chunk file that cannot be opened counts as cold: the restore itself reports what is
+    wrong with it. ``files``, ``stamp`` (a plan made from memory): a file kept open under the plan's
+    stamp is probed through its kept descriptor, and one opened here is offered to be kept."""
+    first: dict[bytes, ChunkRow] = {}  # chunk files, in plan order
     in_ram: set[bytes] = set()
     listed = list(chunks)
     for chunk in listed:
         cid = chunk.id
-        if cid in sizes or cid in in_ram:
+        if cid in first or cid in in_ram:
             continue
         if ram is not None and ram.holds(cid):
             in_ram.add(cid)
         else:
-            sizes[cid] = chunk.raw_len
-    order = list(sizes.items())
-    warm = dict(zip(sizes, probe_runs(len(order), lambda i: _probe_file(blob_path, *order[i]))))
+            first[cid] = chunk
+    order = list(first.values())
+    warm = dict(zip(first, probe_runs(len(order), lambda i: _probe_file(blob_path, order[i], files, stamp))))
     tiers: Tiers = {}
     for chunk in listed:
         key = "ram" if chunk.id in in_ram else "warm" if warm[chunk.id] else "cold"
@@ -115,13 +122,21 @@ def probe_chunks(chunks: Iterable[ChunkRow], blob_path: Callable[[bytes], str], 
     return tiers
 
 
-def _probe_file(blob_path: Callable[[bytes], str], cid: bytes, n: int) -> bool:
-    """Whether chunk file ``cid`` is cached (False when it cannot be opened: the restore reports it)."""
+def _probe_file(blob_path: Callable[[bytes], str], chunk: ChunkRow, files: OpenFiles | None,
+                stamp: Stamp | None) -> bool:
+    """Whether ``chunk``'s file is cached (False when it cannot be opened: the restore reports it)."""
+    size = HEADER_SIZE + chunk.raw_len
+    got = files.resident(stamp, chunk.id, size) if files is not None else None
+    if got is not None:
+        return got
     try:
-        fd, _ = open_chunk(blob_path(cid))
+        fd, st = open_chunk(blob_path(chunk.id))
     except (OSError, CorruptionError):
         return False
     try:
-        return resident(fd, HEADER_SIZE + n)
+        got = resident(fd, size)  # before the header is read: a read would make a cold file look cached
+        if files is not None:
+            files.offer(stamp, chunk.id, fd, st.st_size, chunk.raw_len, chunk.checksum)
+        return got
     finally:
         os.close(fd)
