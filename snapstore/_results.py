@@ -17,7 +17,9 @@ class RestoreEstimate:
     tier ("ram": the store's RAM tier, "warm": chunk files in the page cache, "cold": chunk files on
     disk, "remote": the shared tier); ``tier``: the tier that costs the most of ``seconds``;
     ``measured``: every tier in ``tiers`` has been measured by this store (False: a default guess
-    for at least one, docs/api.md "Restore or recompute").
+    for at least one, docs/api.md "Restore or recompute"). ``bound``: ``seconds`` is an upper bound,
+    the bytes at the slowest local tier's cost, nothing probed (``tiers`` empty, ``tier`` the tier
+    assumed): a weighed match takes it where even that restore saves ten times its cost.
     """
 
     seconds: float
@@ -25,6 +27,7 @@ class RestoreEstimate:
     bytes: int
     measured: bool
     tiers: dict[str, int] = field(default_factory=dict)
+    bound: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from support.pagecache import cached_pages, drop_cache
 from test_plan_memo import BLOCK, _chain, _open, _state
 
 import snapstore as ss
+from snapstore.catalog.rates import RateRow
 from snapstore.chunks import direct_io
 from snapstore.chunks.chunkfile import ChunkHeader
 from snapstore.chunks.open_files import OpenFiles
@@ -334,21 +335,24 @@ def test_the_process_budget_holds_across_stores(tmp_path: Any, monkeypatch: pyte
 def test_a_store_that_only_looks_up_probes_its_chain_without_opening_it_again(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A scheduler's store never restores, so it has no restore's files to probe through. A lookup
-    weighed against prefill keeps the files its probes opened (their headers checked against the
-    rows), under the plan's stamp: the next lookups and estimates open no chunk file, and a probe
-    through a kept descriptor still sees the page cache as it is (a dropped file is cold)."""
+    weighed against prefill that probes (here the disk is too slow for the bound to decide) keeps
+    the files its probes opened a second time (their headers checked against the rows), under the
+    plan's stamp: the next lookups and estimates open no chunk file, and a probe through a kept
+    descriptor still sees the page cache as it is (a dropped file is cold)."""
     tokens = list(range(10, 10 + 48 * BLOCK))
     with _open(tmp_path / "s") as saver:
         sid = _chain(saver, tokens, 12)
     with _open(tmp_path / "s") as s:
+        s._rates.load([RateRow("cold", 1.0, 1e-9, 1e-3, 1e-18, 1e-12, 3, 0.0)])  # 1 KB/s
         first = s.lookup(tokens, prefill_tokens_per_s=1_000.0)
-        s.lookup(tokens, prefill_tokens_per_s=1_000.0)  # planned from memory: its probes keep their files
+        s.lookup(tokens, prefill_tokens_per_s=1_000.0)  # the same files probed again: kept
         assert len(s._repo.files) > 0
         opened = _chunk_opens(s, monkeypatch)
         again = s.lookup(tokens, prefill_tokens_per_s=1_000.0)
         assert first is not None and again is not None and first.why is not None and again.why is not None
         assert again.snapshot_id == first.snapshot_id == sid
         assert again.why.considered[0].estimate.tiers == first.why.considered[0].estimate.tiers
+        assert set(first.why.considered[0].estimate.tiers) == {"warm"}  # probed, not bounded
         assert opened == []
         files = [os.path.join(r, f) for r, _, fs in os.walk(s._repo.blobs) for f in fs]
         for f in files:
@@ -362,22 +366,28 @@ def test_a_store_that_only_looks_up_probes_its_chain_without_opening_it_again(
 
 
 def test_a_probe_keeps_only_a_file_whose_header_describes_the_row(tmp_path: Any) -> None:
-    """``offer``: the header read and checked against the row (raw length, checksum, file size); a
-    mismatch, a plan not made from memory (no stamp) or a large file keeps nothing."""
+    """``offer``: a file offered the second time under one stamp is kept if its header, read and
+    checked against the row (raw length, checksum, file size), describes it; a mismatch, a plan not
+    made from memory (no stamp), a first offer, or one under a stamp that moved since, keeps nothing."""
     stamp = (b"n", 5)
     files = OpenFiles(max_files=8)
     fd = _file(tmp_path, "f", 164)
     try:
-        files.offer(None, b"a", fd, 164, 100, b"c" * 16)
-        files.offer(stamp, b"a", fd, 164, 99, b"c" * 16)
-        files.offer(stamp, b"a", fd, 164, 100, b"d" * 16)
-        files.offer(stamp, b"a", fd, 165, 100, b"c" * 16)
+        for args in ((None, 164, 100, b"c" * 16), (stamp, 164, 99, b"c" * 16), (stamp, 164, 100, b"d" * 16),
+                     (stamp, 165, 100, b"c" * 16)):
+            for _ in range(2):
+                files.offer(args[0], b"a", fd, *args[1:])  # type: ignore[arg-type]
         assert len(files) == 0
+        files.offer(stamp, b"a", fd, 164, 100, b"c" * 16)
+        assert len(files) == 0  # once: a chain looked up once costs no header read
         assert files.resident(stamp, b"a", 164) is None  # none kept: the caller opens the file
         files.offer(stamp, b"a", fd, 164, 100, b"c" * 16)
         assert len(files) == 1
         assert files.resident(stamp, b"a", 164) is True  # just written: cached
         assert files.resident((b"n", 4), b"a", 164) is None  # an older stamp: not probed through
+        files.offer(stamp, b"b", fd, 164, 100, b"c" * 16)
+        files.offer((b"n", 6), b"b", fd, 164, 100, b"c" * 16)  # the stamp moved: everything dropped, "b" once
+        assert len(files) == 0
     finally:
         os.close(fd)
         files.close()

@@ -64,7 +64,7 @@ def test_decide_serves_a_prompt_as_fast_as_the_reference_model(case: tuple[int, 
     asked: list[int] = []
 
     def option(i: int, n: int, s: float) -> tuple[int, int, object]:
-        def estimate() -> ss.RestoreEstimate:
+        def estimate(sure: float) -> ss.RestoreEstimate:
             asked.append(i)
             return est(s)
         return i + 1, n, estimate
@@ -94,6 +94,35 @@ def test_decide_serves_a_prompt_as_fast_as_the_reference_model(case: tuple[int, 
         assert float(took - best) <= 1e-9 * max(1.0, float(best))
 
 
+@given(weighed(), st.data())
+@settings(max_examples=examples(400, dev=100), deadline=None)
+def test_an_upper_bound_chooses_as_the_probes_would(case: tuple[int, list[tuple[int, float]], float],
+                                                     data: st.DataObject) -> None:
+    """Each option's estimate may answer with an upper bound (bytes at the slowest tier, nothing
+    probed) where decide() says one under ``sure`` seconds would do: the choice is the one the exact
+    estimates make, and a bound is only ever taken for the prefix chosen, the first one weighed."""
+    _, options, rate = case
+    bounds = [s * (1 + data.draw(st.floats(0.0, 3.0))) + data.draw(st.sampled_from([0.0, 1e-3])) for _, s in options]
+    took_bound: list[int] = []
+
+    def option(i: int, n: int, s: float, b: float | None) -> tuple[int, int, object]:
+        def estimate(sure: float) -> ss.RestoreEstimate:
+            if b is not None and b <= sure:
+                took_bound.append(i + 1)
+                return ss.RestoreEstimate(b, "cold", 1, True, {}, True)
+            return est(s)
+        return i + 1, n, estimate
+
+    exact = decide([option(i, n, s, None) for i, (n, s) in enumerate(options)], rate)  # type: ignore[misc]
+    bounded = decide([option(i, n, s, bounds[i]) for i, (n, s) in enumerate(options)], rate)  # type: ignore[misc]
+    assert bounded.chosen == exact.chosen
+    assert took_bound in ([], [bounded.chosen])
+    if took_bound:
+        assert bounded.considered[-1].snapshot_id == bounded.chosen and bounded.considered[-1].estimate.bound
+        assert all(c.saved_s <= 0 for c in bounded.considered[:-1])  # no best before it: the first that saves time
+        assert "at most" in bounded.reason
+
+
 @given(st.sets(st.integers(0, 1000), min_size=2, max_size=MAX_CONSIDERED), st.sampled_from([1.0, 4.0, 1024.0]),
        st.integers(1, 800))
 @settings(max_examples=examples(200, dev=50), deadline=None)
@@ -102,7 +131,7 @@ def test_decide_breaks_exact_ties_toward_the_longest(shorter: set[int], rate: fl
     saving = eighths / 8
     lengths = sorted((10_000 - k for k in shorter), reverse=True)
     assume(lengths[-1] / rate > saving)
-    options = [(i + 1, n, (lambda n=n: est(n / rate - saving))) for i, n in enumerate(lengths)]
+    options = [(i + 1, n, (lambda sure, n=n: est(n / rate - saving))) for i, n in enumerate(lengths)]
     d = decide(options, rate)  # type: ignore[arg-type]
     assert d.chosen == 1 and d.considered[0].saved_s == saving
     assert len(d.considered) == 1 or d.considered[1].saved_s == saving  # the next could only tie: it is not weighed
@@ -113,19 +142,22 @@ def test_decide_stops_at_a_restore_that_costs_a_tenth_of_what_it_saves() -> None
     for free) could save 9.99 s against its 9.5 s, less than a tenth more — it is not even estimated
     (the scheduler's lookup skips the match that finds it)."""
     asked: list[int] = []
+    sures: list[float] = []
 
     def option(i: int, n: int, s: float) -> tuple[int, int, object]:
-        return i, n, lambda: (asked.append(i), est(s))[1]
+        return i, n, lambda sure: (asked.append(i), sures.append(sure), est(s))[2]
 
     d = decide([option(1, 1000, 0.5), option(2, 999, 0.0)], 100.0)  # type: ignore[list-item]
     assert d.chosen == 1 and asked == [1] and d.considered[0].saved_s == 9.5
+    # a bound under 10 s / 11 would do for the first: at that cost it saves ten times as much
+    assert abs(sures[0] - 10.0 / 11.0) < 1e-6 and sures[0] < 10.0 / 11.0
     d = decide([option(1, 1000, 0.95), option(2, 999, 0.0)], 100.0)  # type: ignore[list-item]
     assert d.chosen == 2 and asked[1:] == [1, 2]  # 0.95 s of 9.05 s saved is more than a tenth: weighed
 
 
 def test_decide_without_options_and_with_vanished_ones() -> None:
     assert decide([], 100.0).chosen is None
-    d = decide([(1, 1000, lambda: None), (2, 500, lambda: est(0.1))], 100.0)
+    d = decide([(1, 1000, lambda sure: None), (2, 500, lambda sure: est(0.1))], 100.0)
     assert d.chosen == 2 and [c.snapshot_id for c in d.considered] == [2]
 
 
@@ -492,3 +524,37 @@ def test_tier_probes_by_runs_find_one_boundary_exactly_and_probe_a_uniform_chain
     assert len(asked) == len(set(asked))  # no file probed twice
     if len(set(truth)) == 1:
         assert len(asked) <= 3
+
+
+def test_a_weighed_lookup_that_any_tier_would_serve_probes_nothing(tmp_path: object,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's usual case: a prompt whose restore, even from the slowest tier, costs a
+    tenth of the prefill it saves. The lookup and the match weigh it on that bound and open no
+    chunk file (``why`` says so: ``bound``, no tiers); where the bound is not that cheap (a slow
+    disk) the chunks are probed as before and ``why`` shows their tiers."""
+    path = os.path.join(str(tmp_path), "s")
+    with open_store(path) as s:
+        toks = list(range(1024))
+        s.save(toks, state(1024))
+        s.lookup(toks, prefill_tokens_per_s=100.0)  # the plan read once (a serving process's state)
+        opened: list[str] = []
+        real = os.open
+
+        def counting(p: object, *a: object, **kw: object) -> int:
+            if os.fspath(p).startswith(s._repo.blobs + os.sep):  # type: ignore[call-overload]
+                opened.append(os.fspath(p))  # type: ignore[call-overload]
+            return real(p, *a, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "open", counting)
+        weighed = [s.lookup(toks, prefill_tokens_per_s=100.0), s.match(toks, prefill_tokens_per_s=100.0)]
+        assert opened == []
+        for d in weighed:
+            assert d is not None and d.n_tokens == 1024 and d.why is not None
+            e = d.why.considered[0].estimate
+            assert e.bound and e.tiers == {} and e.bytes == 1024 * ROW and "at most" in d.why.reason
+            assert e.seconds >= s.estimate_restore(d).seconds  # a bound: no probed tier costs more
+        s._rates.load([rate_row("cold", 1e3)])  # a disk so slow that the bound says nothing
+        d = s.lookup(toks, prefill_tokens_per_s=100.0)
+        assert d is not None and d.why is not None
+        e = d.why.considered[0].estimate
+        assert not e.bound and e.tiers == {"warm": 1024 * ROW}  # probed: just written, in the page cache

@@ -45,12 +45,13 @@ __all__ = ["StoreLookup", "lookup_prefix"]
 def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLike, *, namespace: str | None,
                   exclude: Iterable[SnapshotRef] | None, components: Iterable[str] | None, ttl: float | None,
                   count: Callable[..., None], two_calls: tuple[Any, Any] | None = None,
-                  weighed: tuple[float, Callable[[list[ChunkRow], Stamp | None], RestoreEstimate]] | None = None,
+                  weighed: tuple[float, Callable[[list[ChunkRow], Stamp | None, float], RestoreEstimate]] | None = None,
                   memo: ChainCache | None = None) -> MatchDetails | None:
     """The longest committed prefix of ``tokens`` as :class:`MatchDetails` (``n_tokens``: the
     tokens matched; ``snapshot_tokens``: the snapshot's own), or None; counted like match().
     ``two_calls``: the store's (match, describe), taken instead when it has a shared tier.
-    ``weighed``: (prefill tokens per second, the estimate of a plan's chunks under its stamp): the prefix that saves
+    ``weighed``: (prefill tokens per second, the estimate of a plan's chunks under its stamp, or a bound under
+    the seconds given, :func:`snapstore.calls.recompute.chunks_estimate`): the prefix that saves
     the most time, or None when reading the prompt is faster than any restore (``why`` says).
     ``memo``: the store's kept plan reads (``Repo.plans``)."""
     if two_calls is not None:  # the shared tier may hold a longer prefix than the local catalog
@@ -88,14 +89,14 @@ def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLi
     def run_weighed(c: Txn) -> tuple[RecomputeDecision, dict[int, Match], MatchDetails | None]:
         plans: dict[int, tuple[SnapRow, RestorePlan]] = {}
 
-        def estimate(m: Match) -> RestoreEstimate | None:
+        def estimate(m: Match, sure: float) -> RestoreEstimate | None:
             chunks: list[ChunkRow] = []
             try:
                 plans[m.snapshot_id] = plan_of(c, access, layout, m.snapshot_id, ns, None, wanted, 0, m.n_tokens,
                                                chunks, memo)
             except SnapstoreError:
                 return None  # unreadable since it matched: not a choice (its restore would fail alike)
-            return estimate_chunks(chunks, plans[m.snapshot_id][1].stamp)
+            return estimate_chunks(chunks, plans[m.snapshot_id][1].stamp, sure)
 
         decision, by_id = weigh(best_match(c, layout, key, ns, prompt, skip, not_before),
                                 lambda passed: best_match(c, layout, key, ns, prompt, passed, not_before),
@@ -132,7 +133,8 @@ class StoreLookup:
         def match(t: TokensLike, **kw: Any) -> Match | None:
             return self.match(t, prefill_tokens_per_s=prefill_tokens_per_s, **kw)
 
-        weighed = (check_rate(prefill_tokens_per_s), lambda chunks, stamp: chunks_estimate(self, chunks, stamp)) \
+        weighed = (check_rate(prefill_tokens_per_s),
+                   lambda chunks, stamp, sure: chunks_estimate(self, chunks, stamp, sure)) \
             if prefill_tokens_per_s is not None else None
         return lookup_prefix(self._repo.db, self._access, self.layout, tokens, namespace=namespace, exclude=exclude,
                              components=components, ttl=self.budget.ttl, count=self._ledger.count,

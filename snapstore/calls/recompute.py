@@ -34,9 +34,10 @@ Found = tuple[SnapRow, int]
 
 
 def estimate_of(store: Any, m: Any, wanted: set[str], namespace: str | None,
-                remote_bytes: Callable[[Any], int] | None) -> RestoreEstimate:
+                remote_bytes: Callable[[Any], int] | None, sure: float = 0.0) -> RestoreEstimate:
     """``Store.estimate_restore``: a shared-tier match costs its bytes at the remote rate; a local one
-    its plan's chunk bytes at the rate of the tier each chunk is in now (:func:`probe_chunks`)."""
+    its plan's chunk bytes at the rate of the tier each chunk is in now (:func:`chunks_estimate`;
+    ``sure``: as there)."""
     rates: RestoreRates = store._rates
     if getattr(m, "remote", None) is not None and remote_bytes is not None:
         return rates.estimate({"remote": remote_bytes(m)})
@@ -45,19 +46,26 @@ def estimate_of(store: Any, m: Any, wanted: set[str], namespace: str | None,
     chunks: list[ChunkRow] = []
     _, plan = store._repo.db.read(lambda c: plan_of(c, store._access, store.layout, sid, ns, None, wanted, 0,
                                                     match_tokens(m), chunks, store._repo.plans))
-    return chunks_estimate(store, chunks, plan.stamp)
+    return chunks_estimate(store, chunks, plan.stamp, sure)
 
 
-def chunks_estimate(store: Any, chunks: list[ChunkRow], stamp: Stamp | None = None) -> RestoreEstimate:
+def chunks_estimate(store: Any, chunks: list[ChunkRow], stamp: Stamp | None = None,
+                    sure: float = 0.0) -> RestoreEstimate:
     """A local plan's chunk bytes at the rate of the tier each chunk is in now (:func:`probe_chunks`):
     the one estimate of a local restore, for ``estimate_restore`` and a weighed ``lookup`` alike.
-    ``stamp``: the plan's (made from memory), under which the store's kept files are probed."""
+    ``stamp``: the plan's (made from memory), under which the store's kept files are probed.
+    ``sure``: seconds under which an upper bound answers instead, nothing probed (a weighed match
+    takes any restore that cheap, :func:`snapstore.plan.recompute.decide`)."""
     rates: RestoreRates = store._rates
+    if sure > 0.0:
+        bound = rates.bound(sum(chunk.raw_len for chunk in chunks))
+        if bound.seconds <= sure:
+            return bound
     return rates.estimate(probe_chunks(chunks, store._repo.blob_path, store._ram, store._repo.files, stamp))
 
 
 def weigh(found: Found | None, next_found: Callable[[set[int]], Found | None], skip: set[int],
-          estimate: Callable[[Match], RestoreEstimate | None], far: Match | None, rate: float,
+          estimate: Callable[[Match, float], RestoreEstimate | None], far: Match | None, rate: float,
           namespace: str | None) -> tuple[RecomputeDecision, dict[int, Match]]:
     """The shared tier's longer match (``far``) and the local prefixes, longest first — ``found``, then
     each next one ``next_found(passed)`` finds past the ones before — weighed by
@@ -68,14 +76,14 @@ def weigh(found: Found | None, next_found: Callable[[set[int]], Found | None], s
     def options() -> Iterator[Option]:
         if far is not None:
             by_id[far.snapshot_id] = far
-            yield far.snapshot_id, far.n_tokens, lambda: estimate(far)
+            yield far.snapshot_id, far.n_tokens, lambda sure: estimate(far, sure)
         got, passed = found, set(skip)
         for _ in range(MAX_CONSIDERED):
             if got is None:
                 return
             snap, n = got
             m = by_id[snap.id] = Match(snap.id, n, namespace)
-            yield snap.id, n, lambda m=m: estimate(m)  # type: ignore[misc]
+            yield snap.id, n, lambda sure, m=m: estimate(m, sure)  # type: ignore[misc]
             passed.add(snap.id)
             got = next_found(passed)  # only when decide() asks: a free restore of it could still win
 
@@ -101,17 +109,17 @@ def choose_match(store: Any, prompt: Prompt, ns: str, namespace: str | None, ski
     """``match(prefill_tokens_per_s=rate)``: :func:`weigh` with the store's own estimates, each next
     prefix found by matching again (a read of its own) past the ones before."""
     rate = check_rate(prefill_tokens_per_s)
-    estimate: Callable[[Match], RestoreEstimate] = store.estimate_restore
+    estimate: Callable[[Match, float], RestoreEstimate] = store._weighing_estimate
     decision, by_id = weigh(
         found, lambda passed: store._repo.db.read(lambda c: best_match(c, store.layout, store.identity.key, ns,
                                                                        prompt, passed, not_before)),
-        skip, lambda m: _guarded(estimate, m), far, rate, namespace)
+        skip, lambda m, sure: _guarded(estimate, m, sure), far, rate, namespace)
     return chosen_match(store._ledger.count, decision, by_id)
 
 
-def _guarded(estimate: Callable[[Match], RestoreEstimate], m: Match) -> RestoreEstimate | None:
+def _guarded(estimate: Callable[[Match, float], RestoreEstimate], m: Match, sure: float) -> RestoreEstimate | None:
     try:
-        return estimate(m)
+        return estimate(m, sure)
     except SnapstoreError:
         return None  # gone or unreadable since it matched: not a choice (its restore would fail alike)
 
@@ -142,10 +150,16 @@ class StoreRecompute:
         """What restoring ``m`` should take: its chunk bytes per tier (RAM tier, page cache, disk, shared
         tier; probed, nothing read) at the rates this store measured, or stated guesses for a tier not yet
         seen (``measured=False``). docs/api.md "Restore or recompute"."""
+        return self._weighing_estimate(m, 0.0, components, namespace=namespace)
+
+    def _weighing_estimate(self, m: SnapshotRef, sure: float, components: Iterable[str] | None = None, *,
+                           namespace: str | None = None) -> RestoreEstimate:
+        """:meth:`estimate_restore`, or an upper bound where it is under ``sure`` seconds (a weighed
+        match's first choice, :func:`chunks_estimate`)."""
         wanted = wanted_components(self.layout, components)
         remote = self._remote
         return estimate_of(self, m, wanted, namespace,
-                           lambda r: int(remote.nbytes(r, self.layout, wanted)) if remote is not None else 0)
+                           lambda r: int(remote.nbytes(r, self.layout, wanted)) if remote is not None else 0, sure)
 
 
 

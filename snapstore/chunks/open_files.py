@@ -44,6 +44,7 @@ __all__ = ["OpenFiles"]
 _MAX_FILE = 4 << 20  # only chunk files this small are kept: a large read is not dominated by its open
 _MAX_BYTES = 64 << 20  # file bytes one store keeps open at most (what unlinked files hold on disk until dropped)
 _MAX_FILES = 128  # descriptors kept in the whole process at most (and a sixteenth of the open-file limit)
+_MAX_OFFERED = 1024  # chunk ids a store remembers as offered once (then forgets them all)
 
 _Kept = tuple[int, ChunkHeader, bytes, int]  # descriptor, checked header, its bytes, file size
 
@@ -102,6 +103,7 @@ class OpenFiles:
         self._lock = ProcessLock()  # a forked child gets it fresh
         self._stamp: Stamp = (b"", -1)
         self._kept: OrderedDict[bytes, _Kept] = OrderedDict()
+        self._offered: set[bytes] = set()  # files offered once under the current stamp (:meth:`offer`)
         self._bytes = 0
         self.hits = 0  # opens saved, for tests and benchmarks
         # a store dropped without close() must not hold its files (and unlinked ones' space) for good
@@ -183,12 +185,22 @@ class OpenFiles:
             return None if kept is None else resident(kept[0], size)
 
     def offer(self, stamp: Stamp | None, cid: bytes, fd: int, size: int, raw_len: int, checksum: bytes) -> None:
-        """Keep ``fd``, chunk ``cid``'s file (``size`` bytes) opened by an estimate's probe, if its
-        header describes the row (``raw_len``, ``checksum``); a header that does not is left to the
-        restore to find and report. A scheduler's store, which never restores, then probes its
-        lookups' chunk files without opening them again (issue 31)."""
+        """Keep ``fd``, chunk ``cid``'s file (``size`` bytes) opened by an estimate's probe, the
+        second time it is offered under ``stamp``, if its header describes the row (``raw_len``,
+        ``checksum``); a header that does not is left to the restore to find and report. A
+        scheduler's store, which never restores, then probes a prompt it looks up again and again
+        without opening its files; a chain looked up once costs no header read (issue 31)."""
         if stamp is None or size > _MAX_FILE or self._max_files <= 0 or cid in self._kept:
             return
+        with self._lock:
+            if not self._current(stamp):
+                return
+            if cid not in self._offered:
+                if len(self._offered) >= _MAX_OFFERED:
+                    self._offered.clear()
+                self._offered.add(cid)
+                return
+            self._offered.discard(cid)
         try:
             head = parse_header(os.pread(fd, HEADER_SIZE, 0))
         except (OSError, CorruptionError):
@@ -218,6 +230,7 @@ class OpenFiles:
         if moved:
             self._clear()
             self._stamp = stamp
+            self._offered.clear()
         return current
 
     def _drop(self, cid: bytes) -> None:

@@ -12,8 +12,11 @@ once the best found costs at most :data:`GOOD_ENOUGH` of the time it saves: ever
 saves less than a free restore of the best's tokens would, so none could save more than that
 fraction more, and the estimates are no finer than that (within 2x of measured, issue 32). That is
 the usual case — a warm system prompt restores in a few per cent of its prefill — and it spares a
-scheduler's lookup the search for the next prefix (half its time, issue 31). At most
-:data:`MAX_CONSIDERED` are weighed (each costs a plan and a probe of its chunk files).
+scheduler's lookup the search for the next prefix (half its time, issue 31). Where even an upper
+bound on the longest prefix's restore (its bytes at the slowest local tier's cost) is that cheap, it
+is taken on the bound and its chunk files are not probed at all: the probes could only lower the
+estimate, never change the choice (a weighed lookup's opens and probes, issue 31's eighth pass). At
+most :data:`MAX_CONSIDERED` are weighed (each costs a plan and a probe of its chunk files).
 
 :class:`PrefillRate` is what an engine integration keeps of its own prefill timings to pass as ``R``.
 """
@@ -32,7 +35,8 @@ __all__ = ["GOOD_ENOUGH", "MAX_CONSIDERED", "PrefillRate", "check_rate", "decide
 MAX_CONSIDERED = 8
 GOOD_ENOUGH = 0.1  # a restore costing at most this fraction of what it saves is taken without weighing shorter ones
 
-Option = tuple[int, int, Callable[[], RestoreEstimate | None]]  # (snapshot id, tokens, its estimate; None: skip it)
+# (snapshot id, tokens, its estimate given the seconds under which an upper bound may answer; None: skip it)
+Option = tuple[int, int, Callable[[float], RestoreEstimate | None]]
 
 
 def check_rate(rate: object) -> float:
@@ -49,7 +53,10 @@ def decide(options: Iterable[Option], rate: float, limit: int = MAX_CONSIDERED) 
     for sid, n, estimate in options:
         if len(considered) >= limit or (best is not None and n / rate <= best.saved_s):
             break  # no shorter prefix can save more than the best found, even restored for free
-        est = estimate()
+        # a first choice that restores within ``sure`` seconds is taken below whatever its exact cost, so
+        # an upper bound under it answers as well as probing its chunks would (restore/rates.py, bound)
+        # (a hair under the limit: a bound that passes here passes the test below despite rounding)
+        est = estimate(GOOD_ENOUGH * n / rate / (1.0 + GOOD_ENOUGH) * (1.0 - 1e-9) if best is None else 0.0)
         if est is None:
             continue  # gone since it matched (evicted, deleted): not a choice
         c = Considered(sid, n, est, n / rate - est.seconds)
@@ -66,7 +73,9 @@ def _reason(considered: list[Considered], best: Considered | None, rate: float) 
     def said(c: Considered) -> str:
         e = c.estimate
         guess = "" if e.measured else ", a guess"
-        return (f"{c.n_tokens} tokens restore in ~{e.seconds * 1e3:.1f} ms from {e.tier}{guess} vs "
+        where = f"in at most ~{e.seconds * 1e3:.1f} ms from any tier" if e.bound else \
+            f"in ~{e.seconds * 1e3:.1f} ms from {e.tier}"
+        return (f"{c.n_tokens} tokens restore {where}{guess} vs "
                 f"~{c.n_tokens / rate * 1e3:.1f} ms to read at {rate:.0f} tokens/s")
 
     if not considered:
