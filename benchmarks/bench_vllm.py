@@ -117,7 +117,8 @@ def main() -> None:
         if per_request["lookup_us"]:  # p50 of each restored request's own lookup and load (tests/vllm_driver.py)
             fig["snapstore_per_request_us"] = {"requests": len(per_request["lookup_us"]),
                                                **{f"{k[:-3]}_p50": statistics.median(v)
-                                                  for k, v in per_request.items()}}
+                                                  for k, v in per_request.items()},
+                                               **{f"{k[:-3]}_each": v for k, v in per_request.items()}}
         fig["cached_tokens"] = {"snapstore": [r["num_cached_tokens"] for r in snap2["results"][1:]],
                                 "example": [r["num_cached_tokens"] for r in ex2["results"][1:]]}
 
