@@ -104,8 +104,8 @@ def main() -> None:
                 if who == "snapstore":
                     snap2 = _serve(tmp, f"snap2-{r}", model, [warm_r, *longs], **snap)
                     each["snapstore"] += _ttfts(snap2)
-                    for k, v in per_request.items():
-                        v += [res[k] for res in snap2["results"][1:] if k in res]
+                    for k, v in per_request.items():  # the restored requests (all of them, on this store)
+                        v += [res[k] for res in snap2["results"][1:] if k in res and res["num_cached_tokens"]]
                 else:
                     ex2 = _serve(tmp, f"ex2-{r}", model, [warm_r, *longs], **ex)
                     each["example"] += _ttfts(ex2)

@@ -391,3 +391,25 @@ def test_a_probe_keeps_only_a_file_whose_header_describes_the_row(tmp_path: Any)
     finally:
         os.close(fd)
         files.close()
+
+
+def test_probing_a_cold_chain_reads_none_of_it(tmp_path: Any) -> None:
+    """An estimate reads nothing: a cold file a probe opened is not kept (keeping it means reading
+    its header, from the disk, and the read-ahead around it would make a small file look cached to
+    every later probe). Weighed lookups of a cold chain, on a disk too slow for the bound to
+    decide, leave its files as cold as they were, and say so every time (without: the second
+    lookup found the first one's header reads and restored "from the page cache")."""
+    tokens = list(range(10, 10 + 48 * BLOCK))
+    with _open(tmp_path / "s") as saver:
+        _chain(saver, tokens, 12)
+    with _open(tmp_path / "s") as s:
+        s._rates.load([RateRow("cold", 1.0, 1e-9, 1e-3, 1e-18, 1e-12, 3, 0.0)])  # 1 KB/s
+        files = [os.path.join(r, f) for r, _, fs in os.walk(s._repo.blobs) for f in fs]
+        for f in files:
+            drop_cache(f)
+        if any(cached_pages(f) for f in files):
+            pytest.skip("this file system keeps files in memory: no cold files to probe")
+        for _ in range(3):
+            assert s.lookup(tokens, prefill_tokens_per_s=1_000.0) is None  # reading beats a 1 KB/s disk
+            assert sum(cached_pages(f) for f in files) == 0
+        assert len(s._repo.files) == 0

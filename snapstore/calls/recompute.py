@@ -23,7 +23,7 @@ from snapstore.lifecycle.bookkeeping import Ledger
 from snapstore.plan.match import Prompt, best_match
 from snapstore.plan.prefix import granularity, match_tokens
 from snapstore.plan.recompute import MAX_CONSIDERED, Option, check_rate, decide
-from snapstore.restore.rates import RestoreRates
+from snapstore.restore.rates import DISK_TIERS, LOCAL_TIERS, RestoreRates
 from snapstore.restore.read import plan_of, wanted_components
 from snapstore.restore.tiers import probe_chunks
 
@@ -58,7 +58,8 @@ def chunks_estimate(store: Any, chunks: list[ChunkRow], stamp: Stamp | None = No
     takes any restore that cheap, :func:`snapstore.plan.recompute.decide`)."""
     rates: RestoreRates = store._rates
     if sure > 0.0:
-        bound = rates.bound(sum(chunk.raw_len for chunk in chunks))
+        where = LOCAL_TIERS if store._ram is not None else DISK_TIERS  # the tiers its chunks can be in
+        bound = rates.bound(sum(chunk.raw_len for chunk in chunks), where)
         if bound.seconds <= sure:
             return bound
     return rates.estimate(probe_chunks(chunks, store._repo.blob_path, store._ram, store._repo.files, stamp))

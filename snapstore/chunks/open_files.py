@@ -11,9 +11,10 @@ was checked against. A plan under a newer stamp, by any store of the process on 
 (:meth:`ChainCache.on_move`), closes every kept descriptor first.
 
 An estimate's probe (:mod:`snapstore.restore.tiers`) asks the page cache through a kept
-descriptor instead of opening the file, and offers the files it did open, their headers checked
-against the rows as a restore checks them: a scheduler's store, which looks up and never restores,
-opens a chain's files once a generation, not once a lookup.
+descriptor instead of opening the file, and offers the cached files it did open; one offered a
+second time under the same stamp is kept, its header checked against the row as a restore checks
+it: a scheduler's store, which looks up and never restores, then probes a prompt it sees again
+without opening its files.
 
 A restore takes a duplicate (``os.dup``) and closes it as it closes the files it opened itself,
 so dropping a kept descriptor never pulls one from under a reader. Each take reads the header
@@ -185,12 +186,13 @@ class OpenFiles:
             return None if kept is None else resident(kept[0], size)
 
     def offer(self, stamp: Stamp | None, cid: bytes, fd: int, size: int, raw_len: int, checksum: bytes) -> None:
-        """Keep ``fd``, chunk ``cid``'s file (``size`` bytes) opened by an estimate's probe, the
-        second time it is offered under ``stamp``, if its header describes the row (``raw_len``,
-        ``checksum``); a header that does not is left to the restore to find and report. A
-        scheduler's store, which never restores, then probes a prompt it looks up again and again
-        without opening its files; a chain looked up once costs no header read (issue 31)."""
-        if stamp is None or size > _MAX_FILE or self._max_files <= 0 or cid in self._kept:
+        """Keep ``fd``, chunk ``cid``'s file (``size`` bytes) that an estimate's probe opened and
+        found cached, the second time it is offered under ``stamp``, if its header describes the row
+        (``raw_len``, ``checksum``); a header that does not is left to the restore to find and
+        report. A scheduler's store, which never restores, then probes a prompt it looks up again and
+        again without opening its files; a file probed once costs no header read (issue 31)."""
+        if stamp is None or size > _MAX_FILE or self._max_files <= 0 or cid in self._kept \
+                or _SLOTS.used >= _SLOTS.limit:  # (read unlocked: only a hint; keep() takes a slot for sure)
             return
         with self._lock:
             if not self._current(stamp):

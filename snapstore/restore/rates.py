@@ -28,10 +28,12 @@ from collections.abc import Iterable, Mapping
 from snapstore._results import RestoreEstimate
 from snapstore.catalog.rates import RateRow
 
-__all__ = ["DECAY", "GUESS_BYTES_PER_S", "GUESS_FIXED_S", "STAGE_EVERY_S", "TIERS", "RestoreRates", "TierFit"]
+__all__ = ["DECAY", "DISK_TIERS", "GUESS_BYTES_PER_S", "GUESS_FIXED_S", "LOCAL_TIERS", "STAGE_EVERY_S", "TIERS",
+           "RestoreRates", "TierFit"]
 
 TIERS = ("ram", "warm", "cold", "remote")
-_LOCAL = ("ram", "warm", "cold")  # where a local snapshot's chunks can be
+LOCAL_TIERS = ("ram", "warm", "cold")  # where a local snapshot's chunks can be
+DISK_TIERS = ("warm", "cold")  # ... in a store without a RAM tier
 # The guesses before a tier is measured: below what docs/benchmarks.md measured on the 2-vCPU
 # reference machine (a restore into fresh pages is bound by page faults at ~1.3-2 GB/s, even warm;
 # a cold read ~2.2 GB/s; the shared tier depends on the network), so a first guess leans to recompute
@@ -124,12 +126,13 @@ class RestoreRates:
         with self._lock:
             return self._estimate(tiers)
 
-    def bound(self, nbytes: int) -> RestoreEstimate:
-        """An upper bound on a local restore of ``nbytes`` chunk bytes wherever they are: the largest
-        fixed cost of the local tiers plus the bytes at the slowest rate (``bound=True``, nothing
-        probed). No mix of tiers costs more, by :meth:`estimate`'s sum."""
+    def bound(self, nbytes: int, tiers: Iterable[str] = LOCAL_TIERS) -> RestoreEstimate:
+        """An upper bound on a local restore of ``nbytes`` chunk bytes wherever they are among
+        ``tiers`` (a store without a RAM tier leaves "ram" out): the largest fixed cost of those tiers
+        plus the bytes at the slowest rate (``bound=True``, nothing probed; ``measured``: every one
+        of them measured). No mix of them costs more, by :meth:`estimate`'s sum."""
         with self._lock:
-            lines = {t: self._line(t) for t in _LOCAL}
+            lines = {t: self._line(t) for t in tiers}
         fixed = max(a for (a, _), _ in lines.values())
         slowest = max(lines, key=lambda t: lines[t][0][1])
         return RestoreEstimate(fixed + lines[slowest][0][1] * nbytes, slowest, nbytes,

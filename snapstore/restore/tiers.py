@@ -15,8 +15,9 @@ in runs: the first, the middle and the last file are probed, and a stretch betwe
 files that agree takes their tier, while one between two that differ is split at its middle and
 probed again (:func:`probe_runs`). A chain all in one tier costs three probes; a warm root below a
 cold leaf is found exactly, in a few more. An estimate probes through the store's kept descriptors
-(:mod:`snapstore.chunks.open_files`) where it can, and keeps the files it opened: the weighed
-lookup of a scheduler's store then opens none (issue 31, eighth pass).
+(:mod:`snapstore.chunks.open_files`) where it can, and offers those it opened and found cached to be
+kept: a scheduler's store, which never restores, then opens none for a prompt it sees again (issue
+31, eighth pass). A cold file is not offered: keeping it means reading its header, from the disk.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def probe_chunks(chunks: Iterable[ChunkRow], blob_path: Callable[[bytes], str], 
     """Where a plan's chunks are now, without reading them (``Store.estimate_restore``, a weighed
     lookup). A chunk file that cannot be opened counts as cold: the restore itself reports what is
     wrong with it. ``files``, ``stamp`` (a plan made from memory): a file kept open under the plan's
-    stamp is probed through its kept descriptor, and one opened here is offered to be kept."""
+    stamp is probed through its kept descriptor, and one opened here and found cached is offered to
+    be kept (a cold one is kept by the restore that reads it)."""
     first: dict[bytes, ChunkRow] = {}  # chunk files, in plan order
     in_ram: set[bytes] = set()
     listed = list(chunks)
@@ -135,7 +137,7 @@ def _probe_file(blob_path: Callable[[bytes], str], chunk: ChunkRow, files: OpenF
         return False
     try:
         got = resident(fd, size)  # before the header is read: a read would make a cold file look cached
-        if files is not None:
+        if got and files is not None:  # only a cached file: its header read reads nothing from the disk
             files.offer(stamp, chunk.id, fd, st.st_size, chunk.raw_len, chunk.checksum)
         return got
     finally:
