@@ -13,9 +13,10 @@ saves less than a free restore of the best's tokens would, so none could save mo
 fraction more, and the estimates are no finer than that (within 2x of measured, issue 32). That is
 the usual case — a warm system prompt restores in a few per cent of its prefill — and it spares a
 scheduler's lookup the search for the next prefix (half its time, issue 31). Where even an upper
-bound on the longest prefix's restore (its bytes at the slowest local tier's cost) is that cheap, it
-is taken on the bound and its chunk files are not probed at all: the probes could only lower the
-estimate, never change the choice (a weighed lookup's opens and probes, issue 31's eighth pass). At
+bound on the restore of the first prefix that saves time (its bytes at the slowest local tier's
+cost) is that cheap, it is taken on the bound and its chunk files are not probed at all: the probes
+could only lower the estimate, never change the choice (a weighed lookup's opens and probes, issue
+31's eighth pass). At
 most :data:`MAX_CONSIDERED` are weighed (each costs a plan and a probe of its chunk files).
 
 :class:`PrefillRate` is what an engine integration keeps of its own prefill timings to pass as ``R``.
