@@ -179,15 +179,14 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
             self._stored[request.request_id] = (d.snapshot_id if hit == d.snapshot_tokens else "auto", hit)
             if hit <= num_computed_tokens:
                 return 0, False
+            self._matched[request.request_id] = (d.snapshot_id, hit)
+            self.stats["hit_tokens"] += hit - num_computed_tokens
         except ss.SnapstoreError as e:
             log.warning("snapstore: lookup for request %s failed (%s); computing it", request.request_id, e)
             return 0, False
         finally:
             self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
-            LAST_STATS[self._side] = dict(self.stats)  # a miss too: its time is that request's
-        self._matched[request.request_id] = (d.snapshot_id, hit)
-        self.stats["hit_tokens"] += hit - num_computed_tokens
-        LAST_STATS[self._side] = dict(self.stats)
+            LAST_STATS[self._side] = dict(self.stats)  # after every lookup, a miss too: its time is that request's
         return hit - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

@@ -55,16 +55,15 @@ class HybridSide:
             d = self._store.describe(m.snapshot_id, namespace=key.namespace)
             if d.n_tokens != m.n_tokens or dict(d.rows) != self._hy.rows(m.n_tokens):
                 return 0, False  # never attention rows without the state at their end, nor a part of one
+            self._stored[rid] = (m.snapshot_id, m.n_tokens)
+            self._matched[rid] = (m.snapshot_id, m.n_tokens)
+            self.stats["hit_tokens"] += m.n_tokens - num_computed_tokens
         except ss.SnapstoreError as e:
             log.warning("snapstore: lookup for request %s failed (%s); computing it", rid, e)
             return 0, False
         finally:
             self.stats["lookup_us"] += int((time.perf_counter() - t0) * 1e6)
-            LAST_STATS[self._side] = dict(self.stats)  # a miss too: its time is that request's
-        self._stored[rid] = (m.snapshot_id, m.n_tokens)
-        self._matched[rid] = (m.snapshot_id, m.n_tokens)
-        self.stats["hit_tokens"] += m.n_tokens - num_computed_tokens
-        LAST_STATS[self._side] = dict(self.stats)
+            LAST_STATS[self._side] = dict(self.stats)  # after every lookup, a miss too: its time is that request's
         return m.n_tokens - num_computed_tokens, True
 
     def _plan_hybrid_saves(self, meta: SnapstoreConnectorMetadata, computed: dict[str, int],

@@ -127,12 +127,8 @@ class OpenFiles:
         """A duplicate of the descriptor kept for chunk ``cid`` under ``stamp`` and its header, if its
         header matches the row (``raw_len``, ``checksum``) and the file's header bytes are still the
         ones checked; None: open the file as usual (also for a plan not made from memory: ``stamp`` None)."""
-        if stamp is None:
-            return None
         with self._lock:
-            if not self._current(stamp):
-                return None
-            kept = self._kept.get(cid)
+            kept = self._entry(stamp, cid)
             if kept is None:
                 return None
             fd, head, raw, size = kept
@@ -177,12 +173,8 @@ class OpenFiles:
         """Is the file kept for ``cid`` under ``stamp`` in the page cache (:func:`resident`, probed
         on the kept descriptor under the lock, so a drop cannot close it meanwhile)? None: none kept.
         An estimate's probe (restore.tiers) then opens nothing."""
-        if stamp is None:
-            return None
         with self._lock:
-            if not self._current(stamp):
-                return None
-            kept = self._kept.get(cid)
+            kept = self._entry(stamp, cid)
             return None if kept is None else resident(kept[0], size)
 
     def offer(self, stamp: Stamp | None, cid: bytes, fd: int, size: int, raw_len: int, checksum: bytes) -> None:
@@ -225,6 +217,13 @@ class OpenFiles:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+    def _entry(self, stamp: Stamp | None, cid: bytes) -> _Kept | None:
+        """Under the lock: what is kept for ``cid`` under ``stamp`` (None for no stamp, an older one,
+        or nothing kept; a newer one closes everything first)."""
+        if stamp is None or not self._current(stamp):
+            return None
+        return self._kept.get(cid)
 
     def _current(self, stamp: Stamp) -> bool:
         """Move to ``stamp`` if it is newer (closing everything kept); is it the current one?"""
