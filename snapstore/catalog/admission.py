@@ -8,9 +8,20 @@ and of named snapshots (:mod:`snapstore.lifecycle.names`).
 
 from __future__ import annotations
 
+import time
+
 import apsw
 
-__all__ = ["AdmissionQueries"]
+__all__ = ["LIVE_NAME_SQL", "TTL_FRESH_SQL", "AdmissionQueries"]
+
+# The TTL's one exemption (docs/api.md "Named snapshots", issue 46 item 8): a snapshot a live name
+# pins is never expired by the store's TTL, in any query (match, lookup, expiry, gc). ``{sid}``: the
+# column holding the snapshot's id; binds one parameter, now (a name whose ttl ran out pins nothing).
+LIVE_NAME_SQL = ("EXISTS (SELECT 1 FROM names n WHERE n.snapshot_id = {sid} "
+                 "AND (n.expires IS NULL OR n.expires > ?))")
+# A snapshot the TTL still serves: used at or after the cutoff, or named. Binds (cutoff, now); with no
+# TTL the cutoff is 0 and the first test decides (the name is not looked up).
+TTL_FRESH_SQL = "({last_used} >= ? OR " + LIVE_NAME_SQL + ")"
 
 
 class AdmissionQueries:
@@ -82,6 +93,15 @@ class AdmissionQueries:
 
     def is_named(self, sid: int) -> bool:
         return self._c.execute("SELECT 1 FROM names WHERE snapshot_id = ?", (sid,)).fetchone() is not None
+
+    def ttl_fresh(self, sid: int, last_used: float, not_before: float) -> bool:
+        """Whether the store's TTL still serves snapshot ``sid`` (last used at ``last_used``): used at
+        or after ``not_before``, or pinned by a live name (:data:`TTL_FRESH_SQL`, the same rule in SQL)."""
+        if last_used >= not_before:
+            return True
+        sql = "SELECT " + LIVE_NAME_SQL.format(sid="?")
+        row = self._c.execute(sql, (sid, time.time())).fetchone()
+        return bool(row and row[0])
 
     def all_names(self) -> list[tuple[int, str, str, int, float, float | None]]:
         """Every name: (identity id, namespace, name, snapshot id, created, expires), by identity and name

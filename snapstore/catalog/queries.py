@@ -13,6 +13,7 @@ the row types (re-exported here).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from snapstore._errors import CorruptionError
 from snapstore._tokens import BLOCK, Link, Segment, decode_tokens
-from snapstore.catalog.admission import AdmissionQueries
+from snapstore.catalog.admission import TTL_FRESH_SQL, AdmissionQueries
 from snapstore.catalog.chunk_queries import QUARANTINED_USERS_SQL, ChunkQueries
 from snapstore.catalog.find_keys import FIND_SEED, extend
 from snapstore.catalog.prefix_queries import PrefixQueries
@@ -165,7 +166,8 @@ class Txn(ChunkQueries, AdmissionQueries, RateQueries, PrefixQueries):
         sql = ("SELECT id, n_tokens, prefix_key, find_key, tokens, token_width, base_tokens, layout_key FROM snapshots "
                "WHERE identity_id = "
                "(SELECT id FROM identities WHERE key = ?) AND namespace = ? AND find_key IN {keys} "
-               "AND n_tokens <= ? AND last_used >= ? AND state = 1 AND matchable = 1 "
+               "AND n_tokens <= ? AND " + TTL_FRESH_SQL.format(last_used="last_used", sid="snapshots.id") +
+               " AND state = 1 AND matchable = 1 "
                "AND imported_from IS NULL")  # an import under an identity override is never matched (v11)
         hi = min(len(keys), max_tokens // BLOCK + 1) if max_tokens >= 0 else 0
         batch_size = _FIRST_BATCH
@@ -178,7 +180,8 @@ class Txn(ChunkQueries, AdmissionQueries, RateQueries, PrefixQueries):
             else:
                 marks, bound = "(" + ",".join("?" * len(batch)) + ")", batch.tolist()
             rows: list[Any] = self._c.execute(
-                sql.format(keys=marks), (identity_key, namespace, *bound, max_tokens, not_before)).fetchall()
+                sql.replace("{keys}", marks), (identity_key, namespace, *bound, max_tokens, not_before,
+                                               time.time())).fetchall()
             # n_tokens DESC, id DESC, put here rather than by an ORDER BY: its temp B-tree copied every
             # row's blob once more, half of a hit's first statement (a sorter reads every row first too)
             rows.sort(key=lambda r: (r[1], r[0]), reverse=True)
@@ -393,10 +396,12 @@ class Txn(ChunkQueries, AdmissionQueries, RateQueries, PrefixQueries):
             (*ex, limit))]
 
     def expired(self, before: float) -> list[SnapRow]:
+        """Committed snapshots the TTL no longer serves (last used before ``before``, no live name:
+        :data:`snapstore.catalog.admission.TTL_FRESH_SQL`), deepest first."""
+        fresh = TTL_FRESH_SQL.format(last_used="last_used", sid="s.id")
         return [snap_row(r) for r in self._c.execute(
-            f"SELECT {SNAP_COLS} FROM snapshots s WHERE state = 1 AND last_used < ? "
-            "AND NOT EXISTS (SELECT 1 FROM names n WHERE n.snapshot_id = s.id) ORDER BY depth DESC",
-            (before,))]
+            f"SELECT {SNAP_COLS} FROM snapshots s WHERE state = 1 AND NOT {fresh} ORDER BY depth DESC",
+            (before, time.time()))]
 
     def pending(self) -> list[SnapRow]:
         return [snap_row(r) for r in self._c.execute(f"SELECT {SNAP_COLS} FROM snapshots WHERE state = 0")]

@@ -176,14 +176,20 @@ class IdentityDrop:
     fields: dict[str, Any]
     snapshots: tuple[int, ...]
     freed_bytes: int
-    row_kept: bool = False  # a live process's pending capture kept the identity (and its chain)
+    row_kept: bool = False  # a live process's pending capture, or a name, kept the identity (and a chain)
+    named_kept: int = 0  # named snapshots the staleness rule kept (a name is a person's decision to keep)
 
     def line(self, why: str) -> str:
         """The one log line of this drop."""
         f = self.fields
         what = (f"build={f.get('build')} pack={f.get('pack')} kv={f.get('kv')} mtp={f.get('mtp')} "
                 f"extra={f.get('extra')}" if "pack" in f else "fields unreadable")
-        kept = "; a live process's pending capture and its chain stay" if self.row_kept else ""
+        kept = "; a live process's pending capture and its chain stay" if self.row_kept and not self.named_kept else ""
+        if self.named_kept:
+            n = self.named_kept
+            kept = (f"; {n} named snapshot{'s and their chains' if n > 1 else ' and its chain'} stay "
+                    "(`snapstore inspect` lists them; export and import with --accept-identity moves one to the new "
+                    "identity; unname to let the next open drop it)")
         return (f"snapstore: dropped identity {self.key} ({what}): {len(self.snapshots)} snapshots, "
                 f"{self.freed_bytes} bytes stored{kept}; {why}")
 
@@ -195,23 +201,32 @@ def _fields(ident_id: int, canonical: str) -> dict[str, Any]:
         return {}  # unreadable: no rule can tell whose model it is
 
 
-def drop_identities(t: Txn, doomed: Callable[[str, dict[str, Any]], bool], live: Liveness) -> list[IdentityDrop]:
+def drop_identities(t: Txn, doomed: Callable[[str, dict[str, Any]], bool], live: Liveness, *,
+                    keep_named: bool = False) -> list[IdentityDrop]:
     """Drop the snapshots of every identity ``doomed(key, fields)`` names, deepest first, and its row.
 
     A live owner's pending capture stays, and with it the chain it extends (its ancestors keep a
-    child); such an identity's row stays too. Counts the snapshots dropped as "stale_dropped".
+    child); such an identity's row stays too. ``keep_named`` (the staleness rule): so does a snapshot
+    a live name pins, with its chain (issue 46 item 11: a name is a person's decision to keep it; an
+    explicit ``gc --drop-identity`` drops it too). Counts the snapshots dropped as "stale_dropped".
     No chunk file is read (invariant 7). Returns one :class:`IdentityDrop` per identity that lost
     snapshots or its row, for the caller to log once the transaction commits (:func:`log_drops`).
     """
     drops: list[IdentityDrop] = []
+    if keep_named:
+        t.drop_expired_names(time.time())  # a name whose ttl ran out keeps nothing
     for ident_id, key, canonical, *_ in t.identities():
         fields = _fields(ident_id, canonical)
         if not doomed(key, fields):
             continue
         before = t.stored_bytes()
         gone: list[int] = []
+        named = 0
         for snap in sorted(t.snapshots(ident_id), key=lambda s: -s.depth):
             if snap.state == SnapState.PENDING and live.alive(snap.owner, snap.created):
+                continue
+            if keep_named and t.is_named(snap.id):
+                named += 1
                 continue
             if t.snapshot(snap.id) is not None and not t.has_children(snap.id):
                 t.delete_snapshot(snap.id)
@@ -219,7 +234,7 @@ def drop_identities(t: Txn, doomed: Callable[[str, dict[str, Any]], bool], live:
         t.delete_identity(ident_id)  # only once it holds no snapshot
         kept = t.identity_key(ident_id) is not None
         if gone or not kept:
-            drops.append(IdentityDrop(key, fields, tuple(gone), before - t.stored_bytes(), kept))
+            drops.append(IdentityDrop(key, fields, tuple(gone), before - t.stored_bytes(), kept, named))
     count = sum(len(d.snapshots) for d in drops)
     if count:
         t.add_counter("stale_dropped", count)
@@ -232,7 +247,8 @@ def drop_stale(t: Txn, keep: str, live: Liveness) -> list[IdentityDrop]:
     kv mode or draft setting). Another model's identities are another program's and stay (the
     budget's LRU evicts their snapshots like any), and so do the same model's under other ``extra``
     keys (another program's runtime settings, LoRA, tenant configuration: they may be running now);
-    so does one whose fields cannot be read. Open-time housekeeping (``drop_stale=True``) and
+    so does one whose fields cannot be read, and so do named snapshots (with their chains: kept,
+    counted in the budget, listed by inspect). Open-time housekeeping (``drop_stale=True``) and
     ``gc --keep-identity`` both apply this one function. ``keep`` not in the catalog: nothing is
     provably stale, nothing is dropped."""
     mine = next((_fields(i, canonical) for i, key, canonical, *_ in t.identities() if key == keep), None)
@@ -240,7 +256,8 @@ def drop_stale(t: Txn, keep: str, live: Liveness) -> list[IdentityDrop]:
         return []
     pack, extra = mine.get("pack"), mine.get("extra")
     return drop_identities(
-        t, lambda key, fields: key != keep and fields.get("pack") == pack and fields.get("extra") == extra, live)
+        t, lambda key, fields: key != keep and fields.get("pack") == pack and fields.get("extra") == extra, live,
+        keep_named=True)
 
 
 def log_drops(drops: Iterable[IdentityDrop], why: str) -> None:

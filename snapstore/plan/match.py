@@ -69,7 +69,8 @@ def longest_prefix(c: Txn, layout: Layout, identity_key: str, ns: str, prompt: P
     """The longest restorable committed snapshot whose tokens are ``arr[:n]``, or None.
 
     ``layout``: the store's (a snapshot that cannot restore into it is passed over); ``skip``:
-    ids passed over; ``not_before``: snapshots last used earlier have expired (TTL).
+    ids passed over; ``not_before``: snapshots last used earlier have expired (TTL), unless a name
+    pins them (:meth:`Txn.ttl_fresh`: named snapshots are exempt from the TTL in every query).
     """
     prompt = prompt if isinstance(prompt, Prompt) else Prompt(prompt)
     arr, keys = prompt.arr, prompt.keys
@@ -108,7 +109,8 @@ def best_match(c: Txn, layout: Layout, identity_key: str, ns: str, prompt: Promp
 
     def usable(snap: SnapRow, k: int) -> bool:
         nonlocal broken
-        if snap.id in skip or snap.last_used < not_before or not fits(c, layout, snap.id, snap.layout_key):
+        if snap.id in skip or not c.ttl_fresh(snap.id, snap.last_used, not_before) or \
+                not fits(c, layout, snap.id, snap.layout_key):
             return False
         chain = c.chain(snap.id)
         broken = c.quarantined_users() if broken is None else broken
