@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -189,16 +191,26 @@ def test_open_that_cannot_write_says_why(request: pytest.FixtureRequest) -> None
         os.chmod(d, 0o755)
         for f in files:
             os.chmod(os.path.join(d, f), 0o644)
-    before = tree(saved)
 
-    def read() -> int:
-        with ss.Store.open(saved, identity=IDENT, layout=LAYOUT, read_only=True) as st:
+    def read(path: str = saved) -> int:
+        with ss.Store.open(path, identity=IDENT, layout=LAYOUT, read_only=True) as st:
             m = st.match(W.tokens(0))
             into = empty_like_state(W.state(0, 200))
             res = st.restore(m, into=into)  # type: ignore[arg-type]
             assert part_hashes(LAYOUT, into, res.rows) == part_hashes(LAYOUT, W.state(0, 200), res.rows)
             assert st.verify(deep=True).ok
             return m.n_tokens  # type: ignore[union-attr]
+
+    # The checkout may lie where uid 65534 cannot read it (a clone under /root, mode 0700): the
+    # child then cannot import a module or read a file of the package. Everything it runs is run
+    # here first, as this user, on a copy: every module it needs is imported (and the migrations
+    # read) before the fork, so the test does not depend on where the checkout lies.
+    warm = os.path.join(base, "warm")
+    shutil.copytree(saved, warm)
+    assert read(warm) == 200 and main(["--dir", warm, "--json", "verify"]) == 0
+    open_store(warm).close()
+    shutil.rmtree(warm)
+    before = tree(saved)
 
     err = _as_nobody(lambda: open_store(saved))
     assert err == (f"StoreIOError: [Errno 13] cannot open the store at {saved} for writing: this user (uid 65534) "
@@ -207,3 +219,47 @@ def test_open_that_cannot_write_says_why(request: pytest.FixtureRequest) -> None
     assert _as_nobody(read) == "200"
     assert _as_nobody(lambda: main(["--dir", saved, "--json", "verify"])) == "0"
     assert tree(saved) == before
+
+
+_DROPPED = """
+import os, sys
+import snapstore as ss
+from support import IDENT, LAYOUT, Workload, open_store
+W = Workload(LAYOUT, conversations=1, max_tokens=80)
+with open_store(sys.argv[1]) as s:
+    assert s.save(W.tokens(0)[:80], W.state(0, 80)).ok
+for d, _dirs, files in os.walk(sys.argv[1]):  # the store: readable by all
+    os.chmod(d, 0o755)
+    for f in files:
+        os.chmod(os.path.join(d, f), 0o644)
+os.chmod(sys.argv[2], 0o700)  # the package's folder: no longer readable once this process is uid 65534
+os.setgid(65534)
+os.setuid(65534)
+with ss.Store.open(sys.argv[1], identity=IDENT, layout=LAYOUT, read_only=True) as st:
+    print(st.match(W.tokens(0)).n_tokens)
+"""
+
+
+def test_a_process_that_drops_privileges_still_opens_stores(tmp_path: Any) -> None:
+    """A service that imports snapstore as root and then runs as another user, which cannot read
+    the package's folder (a checkout under /root): its opens do not read the package again (the
+    migrations are read once per process)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another user")
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    pkg = tmp_path / "pkg"  # a copy of the package, importable from its own folder
+    shutil.copytree(os.path.join(root, "snapstore"), pkg / "snapstore",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.join(root, "migrations"), pkg / "snapstore" / "migrations")
+    shutil.copytree(os.path.join(root, "engine"), pkg / "snapstore" / "engine",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    store = tempfile.mkdtemp(prefix="snapstore-dropped-")  # outside pytest's 0700 directory
+    try:
+        os.chmod(store, 0o777)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), here]), PYTHONDONTWRITEBYTECODE="1")
+        out = subprocess.run([sys.executable, "-c", _DROPPED, os.path.join(store, "s"), str(pkg)],
+                             capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    assert out.returncode == 0 and out.stdout.split() == ["80"], out.stderr[-2000:]

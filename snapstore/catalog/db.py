@@ -46,7 +46,17 @@ Raw = apsw.Connection
 
 
 def migrations_dir() -> list[tuple[int, str, str]]:
-    """The shipped migrations as (number, name, sql), in order."""
+    """The shipped migrations as (number, name, sql), in order: read from the package once per
+    process, so that a process which drops privileges after importing snapstore (a service that
+    starts as root, a forked child under another user) still opens stores when it can no longer
+    read the package's directory."""
+    return list(_MIGRATIONS or _read_migrations())
+
+
+_MIGRATIONS: list[tuple[int, str, str]] = []
+
+
+def _read_migrations() -> list[tuple[int, str, str]]:
     found: list[tuple[int, str, str]] = []
     try:
         root: Any = resources.files("snapstore.migrations")
@@ -57,6 +67,7 @@ def migrations_dir() -> list[tuple[int, str, str]]:
     for name, sql in entries:
         found.append((int(name.split("_", 1)[0]), name, sql))
     found.sort()
+    _MIGRATIONS[:] = found
     return found
 
 
