@@ -1,4 +1,4 @@
-"""References the public API takes: snapshot ids (or results naming one), namespaces, exclusions."""
+"""References the public API takes: snapshot ids (or results naming one), namespaces, names, exclusions."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import numpy as np
 from snapstore._errors import IdentityError, InvalidInputError
 from snapstore._results import Match, SaveResult
 
-__all__ = ["MAX_ID", "SnapshotRef", "excluded", "namespace_key", "ref_namespace", "session_key", "snapshot_id"]
+__all__ = ["MAX_ID", "MAX_NAME", "MAX_NAMESPACE", "SnapshotRef", "check_name", "excluded", "name_problem",
+           "namespace_key", "namespace_problem", "ref_namespace", "session_key", "snapshot_id"]
 
 MAX_ID = 2**63 - 1  # SQLite's INTEGER range: no snapshot id lies beyond it
 
@@ -32,13 +33,47 @@ def snapshot_id(ref: Any) -> int:
     raise InvalidInputError(f"expected a snapshot id, Match or SaveResult, got {ref!r}")
 
 
+# -- the one validation of namespaces and snapshot names (issue 46 item 9): the public API and the
+# export-file decoder (snapstore.transfer.format) both ask these, so a file can never bring in a
+# namespace or name that no call could reach
+MAX_NAMESPACE = 256
+MAX_NAME = 256
+
+
+def namespace_problem(namespace: object) -> str | None:
+    """Why ``namespace`` (not None) is no namespace, or None when it is one: a non-empty str of at
+    most 256 characters."""
+    if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_NAMESPACE:
+        return f"namespace must be None or a non-empty string (<= {MAX_NAMESPACE} chars), got {namespace!r:.80}"
+    return None
+
+
+def name_problem(name: object) -> str | None:
+    """Why ``name`` is no snapshot name, or None when it is one: a non-empty str of at most 256
+    characters without control characters."""
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME or any(ord(ch) < 32 for ch in name):
+        return (f"a snapshot name must be a non-empty str of at most {MAX_NAME} characters without control "
+                f"characters, got {name!r:.80}")
+    return None
+
+
 def namespace_key(namespace: str | None) -> str:
     """The catalog's form of a namespace: "" for None, else the validated name."""
     if namespace is None:
         return ""
-    if not isinstance(namespace, str) or not namespace or len(namespace) > 256:
-        raise InvalidInputError(f"namespace must be None or a non-empty string (<= 256 chars), got {namespace!r}")
+    why = namespace_problem(namespace)
+    if why is not None:
+        raise InvalidInputError(why)
     return namespace
+
+
+def check_name(name: object) -> str:
+    """A validated snapshot name (:func:`name_problem`); InvalidInputError otherwise."""
+    why = name_problem(name)
+    if why is not None:
+        raise InvalidInputError(why)
+    assert isinstance(name, str)
+    return name
 
 
 def session_key(session: str | None) -> str | None:

@@ -193,11 +193,14 @@ class Txn(ChunkQueries, AdmissionQueries, RateQueries, PrefixQueries):
             hi = lo
 
     def same_content(self, identity_id: int, namespace: str, prefix_key: bytes,
-                     content_key: bytes) -> SnapRow | None:
+                     content_key: bytes, imported_from: str | None = None) -> SnapRow | None:
+        """A committed, matchable snapshot of equal tokens and content *and the same override mark*
+        (``imported_from``; None: native): a native save or fetch is never deduplicated onto an
+        import under an identity override, which match() never serves (issue 46 item 5)."""
         row = self._c.execute(
             f"SELECT {SNAP_COLS} FROM snapshots WHERE identity_id = ? AND namespace = ? AND prefix_key = ? "
-            "AND content_key = ? AND state = 1 AND matchable = 1 LIMIT 1",
-            (identity_id, namespace, prefix_key, content_key)).fetchone()
+            "AND content_key = ? AND state = 1 AND matchable = 1 AND imported_from IS ? LIMIT 1",
+            (identity_id, namespace, prefix_key, content_key, imported_from)).fetchone()
         return snap_row(row) if row else None
 
     def same_link(self, identity_id: int, namespace: str, parent_id: int | None, prefix_key: bytes,

@@ -8,16 +8,24 @@ from snapstore.catalog.db import ChunkRow, Conn, Database
 from snapstore.chunks.chunkfile import header_at, header_matches
 from snapstore.chunks.publish import discard, replace_into
 
-__all__ = ["settle"]
+__all__ = ["held", "settle", "vouched"]
 
 
-def _vouched(path: str, row: ChunkRow) -> bool:
+def vouched(path: str, row: ChunkRow) -> bool:
     """Does the file at ``path`` look like what the catalog row says (header and size)?"""
     try:
         head, size = header_at(path)
     except (OSError, CorruptionError):
         return False
     return header_matches(head, row.raw_len, row.checksum) and head.codec == row.codec and size == row.stored_len
+
+
+def held(c: Conn, cid: bytes, path: str) -> ChunkRow | None:
+    """The chunk's row when this store really holds it: a healthy (unquarantined) row whose file at
+    ``path`` its header vouches for; None for no row, a quarantined row or a lost or damaged file
+    (what an import or a fetch must then write: :func:`settle` heals the row as it places the file)."""
+    row = c.chunk(cid)
+    return row if row is not None and row.quarantined is None and vouched(path, row) else None
 
 
 def settle(db: Database, cid: bytes, tmp: str, path: str, stored_len: int, codec: int) -> int | None:
@@ -34,7 +42,7 @@ def settle(db: Database, cid: bytes, tmp: str, path: str, stored_len: int, codec
     def run(c: Conn) -> int | None:
         row = c.chunk(cid)
         if not placed[0]:
-            if row is not None and row.quarantined is None and _vouched(path, row):
+            if row is not None and row.quarantined is None and vouched(path, row):
                 return int(row.stored_len)
             replace_into(tmp, path)
             placed[0] = True

@@ -14,20 +14,13 @@ from __future__ import annotations
 import math
 
 from snapstore._errors import InvalidInputError, StateError
+from snapstore._refs import MAX_NAME, check_name
 from snapstore.catalog.queries import SnapState, Txn
 from snapstore.lifecycle.access import Access
 
 __all__ = ["MAX_NAME", "check_name", "check_ttl", "name_snapshot", "resolve_name", "unname"]
 
-MAX_NAME = 256
-
-
-def check_name(name: object) -> str:
-    """A name is a non-empty string of at most 256 characters without control characters."""
-    if not isinstance(name, str) or not name or len(name) > MAX_NAME or any(ord(ch) < 32 for ch in name):
-        raise InvalidInputError(f"a snapshot name must be a non-empty str of at most {MAX_NAME} characters "
-                                f"without control characters, got {name!r}")
-    return name
+# the rule for names is snapstore._refs' (one validation, shared with the export-file decoder)
 
 
 def check_ttl(ttl_s: object) -> float | None:

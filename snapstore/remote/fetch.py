@@ -29,7 +29,7 @@ from snapstore.catalog.db import Conn
 from snapstore.chunks.chunkfile import HEADER_SIZE, header_at, header_matches, scope_key
 from snapstore.chunks.publish import TEMP_PREFIX, fsync_dirs, link_new
 from snapstore.chunks.repo import Repo
-from snapstore.chunks.settle import settle
+from snapstore.chunks.settle import held, settle
 from snapstore.lifecycle.rules import evict_until
 from snapstore.plan.prefix import record_prefixes
 from snapstore.remote.check import BadObject, ChunkCheck, corrupt
@@ -94,9 +94,12 @@ class Fetcher:
         self._pool = pool
 
     def missing(self, hit: RemoteHit) -> list[ChunkEntry]:
-        """The chain's chunks the local tier does not hold."""
+        """The chain's chunks the local tier does not hold: no row, a quarantined row, or a row whose
+        file is lost or damaged (its header does not vouch for the row) — each fetched and settled
+        (the row healed) as a save would, never trusted from the row alone (issue 46 item 6)."""
         needed = {ch.id: ch for mf in hit.chain for p in mf.parts for ch in p.chunks}
-        have = self._repo.db.read(lambda c: {cid for cid in needed if c.chunk_exists(cid)})
+        path = self._repo.blob_path
+        have = self._repo.db.read(lambda c: {cid for cid in needed if held(c, cid, path(cid)) is not None})
         return [e for cid, e in needed.items() if cid not in have]
 
     def materialize(self, hit: RemoteHit, fits: Callable[[Conn, list[bytes]], bool],
@@ -218,7 +221,10 @@ class Fetcher:
         path = self._repo.blob_path(e.id)
         # the address may be taken (another writer, an orphan, a damaged file): whether that file may
         # be replaced is the catalog's call under the write lock, as for every chunk a save publishes
-        new = link_new(tmp, path)
+        # a new address is linked; a taken one (a row whose file is lost or damaged, a quarantined row,
+        # an orphan) is settled under the write lock, which heals the row as it places this file
+        state = self._repo.db.read(lambda c: c.chunk_state(e.id))
+        new = state == 0 and link_new(tmp, path)
         if not new:
             settle(self._repo.db, e.id, tmp, path, e.stored_len, check.head.codec)
         if given is None:  # bytes a tee restore handed in were counted when it read them

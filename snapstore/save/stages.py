@@ -268,7 +268,8 @@ class Saver:
             self._renew(t)  # a capture is never younger than its owner's lease
         content_key = self.content_key(plan, refs)
         if commit:
-            same = t.same_content(iid, ns, index.prefix_key(n), content_key)
+            # only a snapshot of the same override mark: a native save is stored as native (issue 46)
+            same = t.same_content(iid, ns, index.prefix_key(n), content_key, inherited)
             if same is not None:
                 t.touch(same.id, now, False)
                 if new_outside_use(same, session):

@@ -4,7 +4,9 @@ The chain's metadata is read in one read transaction (links root first, their pa
 rows, the identity); then each distinct chunk file is streamed into the file, checked as it is
 read (header, XXH3-128 and its content address in this store: a damaged chunk is never exported),
 one piece at a time. The file is written under a temporary name beside ``path``, fsynced and
-renamed into place, so ``path`` is either absent or complete.
+renamed into place, so ``path`` is either absent or complete. A chain imported here under an
+identity override is exported with that mark (the header's ``imported_from``, preamble flag bit
+0): importing the file anywhere requires the override again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from snapstore.chunks.publish import fsync_dir, write_all
 from snapstore.chunks.repo import Repo
 from snapstore.transfer.chunkcheck import BadChunk, ChunkVerify
 from snapstore.transfer.format import (
+    FLAG_MARKED,
     PIECE,
     ChainLink,
     ChunkEntry,
@@ -69,6 +72,12 @@ def _plan(c: Txn, sid: int, chain_of: ChainCheck, name: str | None) -> _Plan:
                          "(export the longer one over it)")
     chain = chain_of(c, snap)
     canonical = {i: canon for i, _key, canon, _c, _o in c.identities()}.get(snap.identity_id)
+    # the override mark travels with the state (issue 46 item 1): a chain holding state another
+    # identity computed is exported marked, and importing it needs the override again
+    marks = sorted({link.imported_from for link in chain if link.imported_from is not None})
+    if len(marks) > 1:
+        raise StateError(f"snapshot {sid}'s chain holds state imported under overrides from several identities "
+                         f"({', '.join(marks)}): one file cannot say which computed it; nothing exported")
     if canonical is None:
         raise CorruptionError(f"snapshot {sid}'s identity row is missing; run `snapstore verify`")
     identity = Identity.from_dict(json.loads(canonical))
@@ -112,7 +121,7 @@ def _plan(c: Txn, sid: int, chain_of: ChainCheck, name: str | None) -> _Plan:
                     rows={k: v for k, v in specs.items() if isinstance(v, Rows)},
                     tokens_per_row=g if g > 1 else None)
     header = ExportHeader(identity, snap.namespace, name, layout, tuple(links), tuple(table), sid, _writer(),
-                          time.time())
+                          time.time(), marks[0] if marks else None)
     return _Plan(header, scopes)
 
 
@@ -145,7 +154,7 @@ def write_export(repo: Repo, sid: int, path: str | os.PathLike[str], *, chain_of
     ok = False
     try:
         header = encode_header(h)
-        put(pack_preamble(header))
+        put(pack_preamble(header, FLAG_MARKED if h.imported_from is not None else 0))
         put(header)
         for i, e in enumerate(h.chunks):
             head = frame_head(i)
@@ -172,7 +181,7 @@ def write_export(repo: Repo, sid: int, path: str | os.PathLike[str], *, chain_of
         _unlink(tmp)
         raise StoreIOError(err.errno or 5, f"cannot write the export file {dest}: {err.strerror}") from None
     return ExportResult(dest, sid, h.n_tokens, len(h.chain), len(h.chunks), size, h.identity.key,
-                        h.namespace or None, name)
+                        h.namespace or None, name, h.imported_from)
 
 
 def _chunk_pieces(repo: Repo, e: ChunkEntry, scope: bytes, sid: int) -> Iterator[memoryview]:

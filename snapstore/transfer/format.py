@@ -2,9 +2,11 @@
 
 Byte layout (docs/format.md, "Export files", is the specification; every integer little-endian)::
 
-    preamble   64 bytes   "SNAPEXP\\0", u16 version, u16 flags (0), u32 reserved (0), u64 header length H,
+    preamble   64 bytes   "SNAPEXP\\0", u16 version, u16 flags (bit 0: the state is marked imported under
+                          an identity override), u32 reserved (0), u64 header length H,
                           BLAKE3-256 of the header, the first 8 bytes of BLAKE3-256 of bytes 0..56
-    header     H bytes    canonical JSON (UTF-8): identity, namespace, name, layout, the chain, the chunk table
+    header     H bytes    canonical JSON (UTF-8): identity, namespace, name, the override mark, layout, the
+                          chain, the chunk table
     frames     one per chunk-table entry, in table order:
                           "SNAPFRM\\0", u64 index, the chunk file's bytes (stored_len of them),
                           BLAKE3-256 of the frame's head and chunk bytes
@@ -30,15 +32,18 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import blake3
+import numpy as np
 
-from snapstore._errors import ExportFileError, LayoutError
+from snapstore._errors import ExportFileError, InvalidInputError, LayoutError
 from snapstore._identity import Identity, canonical_json
 from snapstore._layout import Fixed, Layout, Rows
+from snapstore._refs import name_problem, namespace_problem
+from snapstore._tokens import as_token_array
 from snapstore.chunks.chunkfile import CODEC_NAMES, HEADER_SIZE
 
-__all__ = ["FORMAT", "FRAME_HEAD", "FRAME_TAIL", "PREAMBLE", "TRAILER", "VERSION", "ChainLink", "ChunkEntry",
-           "ExportHeader", "ExportReader", "LinkPart", "Preamble", "Trailer", "decode_header", "encode_header",
-           "frame_head", "pack_preamble", "pack_trailer"]
+__all__ = ["FLAG_MARKED", "FORMAT", "FRAME_HEAD", "FRAME_TAIL", "PREAMBLE", "TRAILER", "VERSION", "ChainLink",
+           "ChunkEntry", "ExportHeader", "ExportReader", "LinkPart", "Preamble", "Trailer", "decode_header",
+           "encode_header", "frame_head", "pack_preamble", "pack_trailer"]
 
 FORMAT = "snapstore-export"
 VERSION = 1  # a reader refuses any other major version (docs/format.md "Versioning")
@@ -50,8 +55,9 @@ PIECE = 4 << 20  # bytes read or written at once
 _PRE = struct.Struct("<8sHHIQ32s")  # magic, version, flags, reserved, header length, header BLAKE3
 _FRAME = struct.Struct("<8sQ")
 _END = struct.Struct("<8sQ32s")
-_NAME = re.compile(r"^[^\x00-\x1f]{1,256}$")
-_NS_MAX = 1024
+_NAME = re.compile(r"^[^\x00-\x1f]{1,256}$")  # a layout part's name
+FLAG_MARKED = 1  # preamble flag: the header's "imported_from" names the identity that computed the state
+_KEY = re.compile(r"^id-[0-9a-f]{32}$")  # an identity key (Identity.key)
 
 
 # -- the fixed-size sections ---------------------------------------------------------------------
@@ -60,11 +66,12 @@ class Preamble:
     version: int
     header_len: int
     header_digest: bytes
+    flags: int = 0
 
 
-def pack_preamble(header: bytes) -> bytes:
-    """The 64-byte preamble of a file whose header is ``header``."""
-    head = _PRE.pack(MAGIC, VERSION, 0, 0, len(header), blake3.blake3(header).digest())
+def pack_preamble(header: bytes, flags: int = 0) -> bytes:
+    """The 64-byte preamble of a file whose header is ``header`` (``flags``: :data:`FLAG_MARKED` or 0)."""
+    head = _PRE.pack(MAGIC, VERSION, flags, 0, len(header), blake3.blake3(header).digest())
     return head + blake3.blake3(head).digest()[:8]
 
 
@@ -79,11 +86,11 @@ def parse_preamble(data: bytes) -> Preamble:
     if version != VERSION:
         raise ExportFileError(f"export format version {version} is not supported (this snapstore reads "
                               f"version {VERSION}); export it again with a matching snapstore")
-    if flags or reserved:
+    if flags & ~FLAG_MARKED or reserved:
         raise ExportFileError(f"the preamble has unknown flags {flags} / reserved {reserved} (a newer writer?)")
     if hlen > MAX_HEADER:
         raise ExportFileError(f"the header claims {hlen} bytes, over the {MAX_HEADER}-byte limit")
-    return Preamble(version, hlen, digest)
+    return Preamble(version, hlen, digest, flags)
 
 
 def frame_head(index: int) -> bytes:
@@ -145,6 +152,10 @@ class ExportHeader:
     snapshot_id: int  # the leaf's id in the exporting store (informational)
     writer: str
     created: float
+    # the key of the identity that computed this state when the exporting store held it as an import
+    # under an identity override (snapshots.imported_from): the mark travels with the state, and an
+    # importer requires the override again (docs/format.md §14); None: the header's identity computed it
+    imported_from: str | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -169,6 +180,7 @@ def encode_header(h: ExportHeader) -> bytes:
     doc = {
         "format": FORMAT, "v": VERSION, "writer": h.writer, "created": h.created,
         "identity": h.identity.to_dict(), "identity_key": h.identity.key, "namespace": h.namespace, "name": h.name,
+        "imported_from": h.imported_from,
         "snapshot_id": h.snapshot_id, "layout": _layout_doc(h.layout), "tokens_per_row": h.layout.tokens_per_row,
         "chain": [{"n_tokens": ln.n_tokens, "base_tokens": ln.base_tokens, "token_width": ln.token_width,
                    "tokens": base64.b64encode(ln.tokens).decode(), "logical_bytes": ln.logical_bytes,
@@ -268,11 +280,15 @@ def decode_header(data: bytes) -> ExportHeader:
     if ident.key != _get(doc, "identity_key", str):
         raise _bad("identity_key does not match the identity")
     ns = _get(doc, "namespace", str)
-    if len(ns) > _NS_MAX:
-        raise _bad("namespace too long")
+    # the API's own rules (snapstore._refs): a file brings in no namespace or name a call cannot reach
+    if ns and namespace_problem(ns) is not None:
+        raise _bad(f"'namespace': {namespace_problem(ns)}")
     name = doc.get("name")
-    if name is not None and (not isinstance(name, str) or not _NAME.match(name)):
-        raise _bad("'name' must be null or a name")
+    if name is not None and name_problem(name) is not None:
+        raise _bad(f"'name': {name_problem(name)}")
+    mark = doc.get("imported_from")
+    if mark is not None and (not isinstance(mark, str) or not _KEY.match(mark)):
+        raise _bad("'imported_from' must be null or an identity key")
     layout = _layout_of(doc)
     specs = layout.parts
     table = []
@@ -313,6 +329,10 @@ def decode_header(data: bytes) -> ExportHeader:
             raise _bad(f"{where}tokens are not base64") from None
         if len(toks) != width * (n - base):
             raise _bad(f"{where}the token segment's length does not match n_tokens - base_tokens")
+        try:  # the API's token rule: ints in [0, 2**63) (a negative token is the file's fault, not the store's)
+            as_token_array(np.frombuffer(toks, dtype="<i4" if width == 4 else "<i8"), what=f"{where}tokens")
+        except InvalidInputError as err:
+            raise _bad(str(err)) from None
         parts = []
         seen: set[str] = set()
         for k, p in enumerate(_get(ln, "parts", list, where)):
@@ -359,7 +379,7 @@ def decode_header(data: bytes) -> ExportHeader:
     if not math.isfinite(created):
         raise _bad("'created' is not finite")
     return ExportHeader(ident, ns, name, layout, tuple(chain), tuple(table), _count(doc, "snapshot_id"),
-                        _get(doc, "writer", str), float(created))
+                        _get(doc, "writer", str), float(created), mark)
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -378,6 +398,9 @@ class ExportReader:
         if blake3.blake3(data).digest() != pre.header_digest:
             raise ExportFileError("the header is altered (its BLAKE3 does not match the preamble's)")
         self.header = decode_header(data)
+        if bool(pre.flags & FLAG_MARKED) != (self.header.imported_from is not None):
+            raise ExportFileError("the preamble's flags and the header disagree on whether the state was imported "
+                                  "under an identity override")
 
     def _read(self, n: int, what: str) -> bytes:
         data = self._f.read(n)

@@ -35,7 +35,9 @@ import numpy as np
 
 from snapstore._errors import (
     ConfigError,
+    CorruptChunkError,
     CorruptionError,
+    DestinationError,
     ExportFileError,
     LayoutError,
     SnapshotUnavailableError,
@@ -43,17 +45,18 @@ from snapstore._errors import (
 )
 from snapstore._layout import Fixed, Layout
 from snapstore._tokens import TokenIndex, decode_tokens
-from snapstore.catalog.queries import ChunkRow, PartKind, SnapRow, Txn
+from snapstore.catalog.queries import PartKind, SnapRow, Txn
 from snapstore.chunks.chunkfile import header_at, header_matches, scope_key
 from snapstore.chunks.publish import create_temp, discard, finish_temp, fsync_dirs, link_new, write_all
 from snapstore.chunks.repo import Repo
-from snapstore.chunks.settle import settle
+from snapstore.chunks.settle import held, settle
 from snapstore.lifecycle.access import Access, Retry
 from snapstore.lifecycle.capacity import Capacity
 from snapstore.lifecycle.names import check_name, name_snapshot
 from snapstore.lifecycle.rules import evict_until
 from snapstore.plan.fit import saved_layout_key
 from snapstore.plan.prefix import ContentSegment, content_key_of, content_tag, record_prefixes
+from snapstore.plan.restore_plan import check_plan, parts_fit
 from snapstore.transfer.chunkcheck import BadChunk, ChunkVerify
 from snapstore.transfer.format import ChunkEntry, ExportHeader, ExportReader
 from snapstore.transfer.policy import identity_decision
@@ -119,7 +122,7 @@ def import_export(repo: Repo, path: str | os.PathLike[str], *, access: Access, l
     with open_export(path) as f, _named_file(shown):
         reader = ExportReader(f, shown)
         h = reader.header
-        imported_from = identity_decision(h.identity, access.identity, accept_identity, shown)
+        imported_from = identity_decision(h.identity, access.identity, accept_identity, shown, h.imported_from)
         if layout is not None:
             check_layout(h, layout)
         upper = sum(e.stored_len for e in h.chunks)
@@ -140,7 +143,7 @@ def import_export(repo: Repo, path: str | os.PathLike[str], *, access: Access, l
 
     def txn(t: Txn) -> tuple[int, int]:
         return _commit(t, repo, h, access, layout if layout is not None else h.layout, capacity, chunks,
-                       imported_from, nm, now)
+                       imported_from, nm, now, shown)
 
     for attempt in range(2):
         try:
@@ -167,17 +170,19 @@ def _read_frames(repo: Repo, reader: ExportReader, h: ExportHeader, access: Acce
         shape = spec.shape if isinstance(spec, Fixed) else spec.row_shape
         key = scope_key(mine, ns, spec.dtype, shape)
         where = f"chunk frame {i} (part {e.part!r})"
-        held = repo.db.read(partial(_chunk_row, e.id)) if same_scope else None
+        # a chunk is "here" only when its row is healthy and its file's header vouches for the row: a lost or
+        # damaged file, or a quarantined row, is written (and the row healed) as a save would (issue 46 item 6)
+        have = repo.db.read(partial(held, cid=e.id, path=repo.blob_path(e.id))) if same_scope else None
         try:
-            if held is not None and held.quarantined is None and held.checksum == e.checksum \
-                    and held.raw_len == e.raw_len and held.scope in (key, scope_key(mine, ns)):
-                check = ChunkVerify(e.raw_len, e.stored_len, e.codec, e.checksum, held.scope)
+            if have is not None and have.checksum == e.checksum \
+                    and have.raw_len == e.raw_len and have.scope in (key, scope_key(mine, ns)):
+                check = ChunkVerify(e.raw_len, e.stored_len, e.codec, e.checksum, have.scope)
                 for piece in pieces:  # already here: read and checked, nothing written
                     check.feed(piece)
                 if check.finish() != e.id:
                     raise BadChunk("its content does not match its address")
                 chunks.ids.append(e.id)
-                chunks.keys.append(held.scope)
+                chunks.keys.append(have.scope)
                 continue
             cid = _publish(repo, e, key, pieces, chunks)
         except BadChunk as bad:
@@ -193,10 +198,6 @@ def _named_file(shown: str) -> Iterator[None]:
         yield
     except ExportFileError as e:
         raise ExportFileError(f"{shown} is refused: {e}; nothing imported") from None
-
-
-def _chunk_row(cid: bytes, t: Txn) -> ChunkRow | None:
-    return t.chunk(cid)
 
 
 def _publish(repo: Repo, e: ChunkEntry, key: bytes, pieces: Iterator[memoryview], chunks: _Chunks) -> bytes:
@@ -217,21 +218,23 @@ def _publish(repo: Repo, e: ChunkEntry, key: bytes, pieces: Iterator[memoryview]
     except BaseException:
         discard(tmp)
         raise
-    if repo.db.read(lambda c: c.chunk_state(cid)) == 1:
-        discard(tmp)  # a healthy chunk of equal content is here (another import, a save): deduplicated
-        return cid
+    # as a save publishes (save.chunker): a new address is linked; a taken one (a healthy row, whose
+    # file settle() keeps if its header vouches for it; a quarantined row; a lost or damaged file; an
+    # orphan) is settled under the write lock, which heals the row when it places this file
     dest = repo.blob_path(cid)
-    if link_new(tmp, dest):
+    state = repo.db.read(lambda c: c.chunk_state(cid))
+    if state == 0 and link_new(tmp, dest):
         chunks.created.append(cid)
         chunks.written += e.stored_len
-    elif settle(repo.db, cid, tmp, dest, e.stored_len, e.codec) is None:  # an orphan or damaged file replaced
+    elif settle(repo.db, cid, tmp, dest, e.stored_len, e.codec) is None:  # this file placed (the row healed)
         chunks.created.append(cid)
         chunks.written += e.stored_len
     return cid
 
 
 def _commit(t: Txn, repo: Repo, h: ExportHeader, access: Access, layout: Layout, capacity: Capacity,
-            chunks: _Chunks, imported_from: str | None, name: str | None, now: float) -> tuple[int, int]:
+            chunks: _Chunks, imported_from: str | None, name: str | None, now: float,
+            shown: str) -> tuple[int, int]:
     """The import's one transaction: chunk rows, the chain, the name, the budget. (leaf id, links added)."""
     iid = access.iid(t)
     ns = h.namespace
@@ -286,6 +289,7 @@ def _commit(t: Txn, repo: Repo, h: ExportHeader, access: Access, layout: Layout,
         parent = t.snapshot(sid)
         assert parent is not None
         ids.append(sid)
+    _check_restorable(t, h, ids, layout, shown)
     if name is not None:
         name_snapshot(t, access, ids[-1], ns, name, None, now)
     ok, _ = evict_until(t, lambda _freed: capacity.excess(t) is None, set(ids))
@@ -294,3 +298,34 @@ def _commit(t: Txn, repo: Repo, h: ExportHeader, access: Access, layout: Layout,
                          "evicting every unpinned snapshot; nothing imported")
     t.add_counter("imports", 1)
     return ids[-1], added
+
+
+_UNRESTORABLE = (SnapshotUnavailableError, CorruptChunkError, DestinationError)  # what check_plan refuses with
+
+
+def _check_restorable(t: Txn, h: ExportHeader, ids: list[int], layout: Layout, shown: str) -> None:
+    """The whole chain, as inserted (inside the import's transaction), passes the checks a restore
+    makes (:func:`snapstore.plan.restore_plan.check_plan`) before the one commit (issue 46 item 7):
+    the leaf into the file's own layout (else the file is malformed: ExportFileError) and into this
+    store's layout (else LayoutError), and every other matchable link that match() would serve
+    here. A chain that would be matched and then fail every restore is never imported."""
+    chain = t.chain(ids[-1])
+    leaf = chain[-1]
+    comps = {spec.component for spec in layout.parts.values() if spec.component is not None}
+    try:  # into the file's own layout, every component asked for
+        check_plan(t, leaf.id, chain, h.layout, {v.component for v in h.layout.parts.values() if v.component})
+    except _UNRESTORABLE as err:
+        raise ExportFileError(f"{shown} is refused: its chain does not restore ({err}); nothing imported") from None
+    try:
+        check_plan(t, leaf.id, chain, layout, comps)
+    except _UNRESTORABLE as err:
+        raise LayoutError(f"{shown}'s snapshot does not restore into this store's layout ({err}); nothing "
+                          "imported (open the store with the layout the snapshot was saved with)") from None
+    for i, link in enumerate(chain[:-1]):
+        if not link.matchable or not parts_fit(t.parts(link.id), layout):
+            continue  # never served by match() here
+        try:
+            check_plan(t, link.id, chain[:i + 1], layout, comps)
+        except _UNRESTORABLE as err:
+            raise ExportFileError(f"{shown} is refused: chain link {i} (of {link.n_tokens} tokens) would be matched "
+                                  f"and never restore ({err}); nothing imported") from None

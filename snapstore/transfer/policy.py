@@ -14,7 +14,14 @@ accepts (a flag that merely says "force" could accept a file it never looked at)
 the state restorable, not exact (it was computed with other weights, build or settings); so the
 moved state is marked with the identity it came from (``snapshots.imported_from``), shown by
 ``inspect``, restored only when asked for by id or name, and never counts as an exact match of its
-own: match() and ``parent="auto"`` pass over it, and a snapshot saved over it inherits the mark.
+own: match() and ``parent="auto"`` pass over it, and a snapshot saved over it (``parent=`` naming it)
+inherits the mark.
+
+The mark travels with the state (issue 46): a save is never deduplicated onto a marked snapshot
+(a native save is stored as native), and an export of a marked chain carries the mark (the
+header's ``imported_from``), so importing that file anywhere — the exporting identity's store
+included — requires ``accept_identity`` naming the identity that computed the state (the mark),
+and the import is marked again. No path turns foreign state into an exact hit.
 """
 
 from __future__ import annotations
@@ -30,13 +37,26 @@ def describe(identity: Identity) -> str:
     return f"{identity.key} (build {identity.build!r}, pack {identity.pack!r}, kv {identity.kv!r})"
 
 
-def identity_decision(source: Identity, target: Identity, accept: str | None, where: str) -> str | None:
-    """None when ``source`` is ``target`` (an exact import); the source's key when the caller
-    accepts it by name (``accept`` equals it); IdentityError otherwise, naming both and the override."""
+def identity_decision(source: Identity, target: Identity, accept: str | None, where: str,
+                      mark: str | None = None) -> str | None:
+    """None when ``source`` is ``target`` and the file is unmarked (an exact import); the key of the
+    identity that computed the state when the caller accepts it by name (``accept`` equals it): the
+    file's ``mark`` if it has one, else the source's; IdentityError otherwise, naming both and the override."""
     if accept is not None and not isinstance(accept, str):
         raise IdentityError(f"accept_identity must be an identity key (a str like {source.key!r}), got {accept!r}")
     if accept is not None and not accept.startswith("id-"):
         accept = "id-" + accept  # the key's hex alone names it too
+    if mark is not None:  # already foreign state where it was exported from: never exact anywhere
+        if accept is None:
+            raise IdentityError(
+                f"{where} holds state that identity {mark} computed (its exporting store {describe(source)} had "
+                f"imported it under an identity override); this store is {describe(target)}; nothing imported. "
+                f"Import it under the override again with accept_identity={mark!r} (CLI: --accept-identity "
+                f"{mark}); it is then restored only by id or name, never matched")
+        if accept != mark:
+            raise IdentityError(f"accept_identity={accept!r} does not name the identity {mark} that computed "
+                                f"{where}'s state (the file is marked imported under an override); nothing imported")
+        return mark
     if source.key == target.key:
         if accept is not None and accept != source.key:
             raise IdentityError(f"accept_identity={accept!r} does not name {where}'s identity {source.key}; "

@@ -21,6 +21,9 @@ class ExportResult:
     identity_key: str
     namespace: str | None
     name: str | None
+    # the identity that computed the state when it was imported here under an override: the file
+    # carries that mark, and importing it requires the override again (None: this store's own state)
+    imported_from: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
