@@ -15,9 +15,18 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from snapstore import InvalidInputError, RowSpan, row_span
+from snapstore import InvalidInputError, LayoutError, RowSpan, row_span
 
 from ._copy import copy_range, flat_bytes, host_u8, same_width, sync_copy
+from ._dtypes import dtype_name
+
+
+def _dtype_or_none(dtype: torch.dtype) -> str | None:
+    """The core's name of a pool's dtype, or None for one it has no name for (then only sizes are checked)."""
+    try:
+        return dtype_name(dtype)
+    except LayoutError:
+        return None
 
 __all__ = ["TorchPagedRows"]
 
@@ -38,6 +47,9 @@ class TorchPagedRows:
         if len(axes) != 2 or any(not -nd <= int(a) < nd for a in axes) or int(axes[0]) % nd == int(axes[1]) % nd:
             raise InvalidInputError(f"axes {tuple(axes)!r} must be two different axes of a {nd}-dim pool")
         b_ax, t_ax = int(axes[0]) % nd, int(axes[1]) % nd
+        # what the core checks against the layout's stream before a byte moves (as snapstore.PagedRows reports it)
+        self.axes, self.pool_shape = (b_ax, t_ax), tuple(int(d) for d in pool.shape)
+        self.dtype = _dtype_or_none(pool.dtype)
         self._pool = same_width(pool.detach().movedim((b_ax, t_ax), (0, 1)))  # a view: writes land in the pool
         self.device = pool.device
         table = torch.as_tensor(np.asarray(block_table) if not isinstance(block_table, torch.Tensor)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import numbers
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -11,6 +11,7 @@ import platformdirs
 
 from snapstore._errors import ConfigError
 from snapstore._layout import Layout
+from snapstore._numbers import MAX_INT, integer, real
 
 __all__ = ["Budget", "StoreOptions", "default_dir", "env_flag", "env_int", "env_seconds", "pending_lease",
            "store_options"]
@@ -61,9 +62,7 @@ def env_seconds(name: str, default: float) -> float:
         value = float(raw) if raw else default
     except ValueError:
         raise ConfigError(f"${name} must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"${name} must be > 0")
-    return value
+    return real(value, f"${name}", above=0.0, unit="seconds", err=ConfigError)
 
 
 def pending_lease(value: float | None) -> float:
@@ -78,10 +77,7 @@ def pending_lease(value: float | None) -> float:
             value = float(raw)
         except ValueError:
             raise ConfigError(f"$SNAPSTORE_PENDING_LEASE_S must be a number of seconds, got {raw!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < MIN_PENDING_LEASE_S:
-        raise ConfigError(f"{source} must be a finite number of seconds >= {MIN_PENDING_LEASE_S}, got {value!r}")
-    return float(value)
+    return real(value, source, minimum=MIN_PENDING_LEASE_S, unit="seconds", err=ConfigError)
 
 
 def default_dir() -> str:
@@ -89,14 +85,18 @@ def default_dir() -> str:
     return os.environ.get("SNAPSTORE_DIR") or platformdirs.user_cache_dir("snapstore", appauthor=False)
 
 
-def _nonneg(name: str, value: int | float | None) -> None:
+def _budget_field(name: str, value: object) -> int | float | None:
+    """One Budget field checked (the one numeric check, :mod:`snapstore._numbers`) and normalised:
+    ``ttl`` a float of seconds, the counts and byte sizes ints (a real number is truncated, as
+    before); None stays None (from the environment, else the default)."""
     if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            isinstance(value, float) and not math.isfinite(value)) or value < 0:
-        # nan/inf would pass a bare `< 0` test and fail later as ValueError/OverflowError
-        raise ConfigError(f"Budget.{name} must be a finite non-negative number or None (the default), "
-                          f"got {value!r}")
+        return None
+    what = f"Budget.{name}"
+    if name == "ttl":
+        return real(value, what, minimum=0.0, unit="seconds", err=ConfigError)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return integer(value, what, minimum=0, err=ConfigError)
+    return int(real(value, what, minimum=0.0, maximum=float(MAX_INT), err=ConfigError))
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class Budget:
 
     def __post_init__(self) -> None:
         for name in ("disk_bytes", "ram_bytes", "max_entries", "ttl", "reserve_bytes", "write_bytes_per_hour"):
-            _nonneg(name, getattr(self, name))
+            object.__setattr__(self, name, _budget_field(name, getattr(self, name)))
 
     def resolved(self) -> Budget:
         """A copy with every unset field taken from the environment or the default."""
@@ -156,8 +156,11 @@ class Budget:
         keeps one matchable snapshot per session; ancestors keep only their rows), times
         ``headroom`` for branches and boundary snapshots still pinned.
         """
-        if conversations < 1 or tokens < 1 or headroom < 1:
-            raise ConfigError("for_model needs conversations >= 1, tokens >= 1 and headroom >= 1")
+        if not isinstance(layout, Layout):
+            raise ConfigError(f"for_model needs a snapstore.Layout, got {type(layout).__name__}")
+        conversations = integer(conversations, "conversations", minimum=1, err=ConfigError)
+        tokens = integer(tokens, "tokens", minimum=1, err=ConfigError)
+        headroom = real(headroom, "headroom", minimum=1.0, err=ConfigError)
         per = tokens * layout.bytes_per_token + layout.fixed_bytes
         return cls(disk_bytes=int(conversations * per * headroom), **kw)  # type: ignore[arg-type]
 
@@ -185,11 +188,13 @@ def store_options(path: str | os.PathLike[str] | None, *, chunk_bytes: int | Non
     env_chunk, env_staging = env_int("SNAPSTORE_CHUNK_MIB"), env_int("SNAPSTORE_STAGING_MIB")
     if env_chunk == 0 or env_staging == 0:
         raise ConfigError("$SNAPSTORE_CHUNK_MIB and $SNAPSTORE_STAGING_MIB must be >= 1")
-    chunk = chunk_bytes if chunk_bytes is not None else (env_chunk or DEFAULT_CHUNK_MIB) * MIB
-    staging = staging_bytes if staging_bytes is not None else (env_staging or DEFAULT_STAGING_MIB) * MIB
-    if not isinstance(chunk, int) or chunk < 4096 or chunk % 4096 or chunk > (1 << 30):
+    chunk = integer(chunk_bytes, "chunk_bytes", err=ConfigError) if chunk_bytes is not None \
+        else (env_chunk or DEFAULT_CHUNK_MIB) * MIB
+    staging = integer(staging_bytes, "staging_bytes", err=ConfigError) if staging_bytes is not None \
+        else (env_staging or DEFAULT_STAGING_MIB) * MIB
+    if chunk < 4096 or chunk % 4096 or chunk > (1 << 30):
         raise ConfigError(f"chunk_bytes must be a multiple of 4096 in [4 KiB, 1 GiB], got {chunk!r}")
-    if not isinstance(staging, int) or staging < chunk:
+    if staging < chunk:
         raise ConfigError(f"staging_bytes ({staging}) must be >= chunk_bytes ({chunk}): chunks are "
                           "bounded by the staging buffer")
     codec_name = codec if codec is not None else os.environ.get("SNAPSTORE_CODEC", "raw")

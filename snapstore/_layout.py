@@ -12,6 +12,7 @@ import blake3
 
 from snapstore._errors import LayoutError
 from snapstore._identity import canonical_json
+from snapstore._numbers import integer
 
 __all__ = ["DTYPE_NAMES", "DTYPE_SIZES", "Fixed", "Layout", "PartSpec", "Rows", "dtype_size"]
 
@@ -39,11 +40,11 @@ def dtype_size(dtype: str) -> int:
 
 
 def _check_shape(shape: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(shape, (tuple, list)) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
+    """A shape as a tuple of plain ints: each dimension an integer >= 0 (numpy integers too:
+    snapstore._numbers), given as a tuple or list."""
+    if not isinstance(shape, (tuple, list)):
         raise LayoutError(f"{what} must be a tuple of non-negative ints, got {shape!r}")
-    return tuple(shape)
+    return tuple(integer(d, f"{what} {tuple(shape)!r}: each dimension", minimum=0, err=LayoutError) for d in shape)
 
 
 def _check_component(component: Any) -> str | None:
@@ -74,16 +75,24 @@ class Fixed:
 
 @dataclass(frozen=True)
 class Rows:
-    """A row stream: one row of ``row_shape`` per token, append-only (K/V arenas)."""
+    """A row stream: one row of ``row_shape`` per token, append-only (K/V arenas).
+
+    ``lag``: the stream holds ``lag`` rows fewer than there are tokens (a draft/MTP head that
+    computes row ``i`` when token ``i + lag`` is read): a save of ``n`` tokens stores its first
+    ``n - lag`` rows without a per-call ``rows=``, and a save that claims more is refused — rows
+    past the valid ones cannot be told from data. 0 (the default): one row per token.
+    """
 
     dtype: str
     row_shape: tuple[int, ...]
     component: str | None = None
+    lag: int = 0
 
     def __post_init__(self) -> None:
         dtype_size(self.dtype)
         object.__setattr__(self, "row_shape", _check_shape(self.row_shape, "Rows row_shape"))
         _check_component(self.component)
+        object.__setattr__(self, "lag", integer(self.lag, "Rows lag", minimum=0, maximum=1 << 20, err=LayoutError))
         if self.row_bytes == 0:
             raise LayoutError("a row stream's rows must have at least one byte")
 
@@ -124,8 +133,12 @@ class Layout:
             raise LayoutError("a layout needs at least one part")
         g = self.tokens_per_row
         if g is not None:
-            if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-                raise LayoutError(f"tokens_per_row must be None or an int >= 1, got {g!r}")
+            g = integer(g, "tokens_per_row", minimum=1, err=LayoutError)
+            object.__setattr__(self, "tokens_per_row", g)
+            lagging = sorted(n for n, s in self.rows.items() if s.lag)
+            if lagging:
+                raise LayoutError(f"streams {lagging} declare a lag: a lag counts rows behind the tokens, which "
+                                  "only a layout of one row per token has (leave tokens_per_row unset)")
             if self.fixed or not self.rows:
                 # a fixed part is valid only at the exact point it was captured: no prefix of it exists
                 raise LayoutError("tokens_per_row (block-granular prefixes) needs a layout of row streams "
@@ -150,6 +163,11 @@ class Layout:
         """Bytes of all fixed parts together."""
         return sum(s.nbytes for s in self.fixed.values())
 
+    def valid_rows(self, name: str, n_tokens: int) -> int:
+        """The rows stream ``name`` holds after ``n_tokens`` tokens: one per token (per ``tokens_per_row``
+        tokens), less its ``lag`` — the count a save stores when no ``rows=`` says otherwise."""
+        return max(0, n_tokens // (self.tokens_per_row or 1) - self.rows[name].lag)
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one row of every stream together."""
@@ -160,7 +178,8 @@ class Layout:
         out: dict[str, Any] = {
             "fixed": {n: {"dtype": s.dtype, "shape": list(s.shape), "component": s.component}
                       for n, s in sorted(self.fixed.items())},
-            "rows": {n: {"dtype": s.dtype, "row_shape": list(s.row_shape), "component": s.component}
+            "rows": {n: {"dtype": s.dtype, "row_shape": list(s.row_shape), "component": s.component,
+                         **({"lag": s.lag} if s.lag else {})}  # absent at 0: older layouts describe as before
                      for n, s in sorted(self.rows.items())},
         }
         if self.tokens_per_row is not None:  # absent otherwise: older layouts describe as before

@@ -2,35 +2,88 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
 
-from snapstore._errors import IdentityError, InvalidInputError
-from snapstore._results import Match, SaveResult
+from snapstore._errors import IdentityError, InvalidInputError, StateError
+from snapstore._results import LoadResult, Match, MatchDetails, SaveResult, SnapshotInfo
 
-__all__ = ["MAX_ID", "MAX_NAME", "MAX_NAMESPACE", "SnapshotRef", "check_name", "excluded", "name_problem",
-           "namespace_key", "namespace_problem", "ref_namespace", "session_key", "snapshot_id"]
+__all__ = ["MAX_ID", "MAX_NAME", "MAX_NAMESPACE", "Ref", "SnapshotRef", "check_name", "excluded", "name_problem",
+           "namespace_key", "namespace_problem", "ref_namespace", "resolve_ref", "session_key", "snapshot_id"]
 
 MAX_ID = 2**63 - 1  # SQLite's INTEGER range: no snapshot id lies beyond it
 
-# what names a snapshot in the API: its id, or the Match / SaveResult that reported it
-SnapshotRef = Union[int, np.integer[Any], Match, SaveResult]
+# what names a snapshot in the API: its id, or the Match / SaveResult that reported it, or the
+# MatchDetails (lookup, describe) or LoadResult of one — resolved by :func:`resolve_ref`
+SnapshotRef = Union[int, np.integer[Any], Match, SaveResult, MatchDetails, LoadResult]
 
 
-def snapshot_id(ref: Any) -> int:
-    """The snapshot id a reference names; InvalidInputError for anything else."""
-    sid = getattr(ref, "snapshot_id", ref)
-    if isinstance(sid, (int, np.integer)) and not isinstance(sid, bool):
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A snapshot reference resolved (:func:`resolve_ref`): the snapshot, the namespace the reference
+    carries (None for a bare id) and the tokens it names (``upto``: a Match's or MatchDetails'
+    ``n_tokens``, which may be a block-granular prefix of the snapshot; None: the whole snapshot)."""
+
+    snapshot_id: int
+    namespace: str | None
+    upto: int | None
+
+
+def _id(sid: Any, ref: Any) -> int:
+    if isinstance(sid, numbers.Integral) and not isinstance(sid, bool):
         if not 0 <= int(sid) <= MAX_ID:
             raise InvalidInputError(f"snapshot id {int(sid)} is out of range: snapshot ids are integers in "
                                     "[1, 2**63) as save() and match() report them")
         return int(sid)
-    if isinstance(ref, SaveResult) and ref.skipped is not None:
-        raise InvalidInputError(f"that save was skipped ({ref.skipped}): no snapshot was stored, so there is nothing "
-                                "to commit, abandon or restore; skipped saves are counted in stats().skipped")
-    raise InvalidInputError(f"expected a snapshot id, Match or SaveResult, got {ref!r}")
+    raise InvalidInputError(f"{ref!r:.200} names no snapshot: its snapshot_id is {sid!r:.80}, not an integer")
+
+
+def resolve_ref(ref: Any) -> Ref:
+    """What a snapshot reference names — the one reading of a ref, for every call that takes one.
+
+    A ref is a snapshot id (an int, numpy integers too), a :class:`Match`, a :class:`SaveResult`,
+    the :class:`MatchDetails` that ``lookup()`` / ``describe()`` return, a :class:`LoadResult` (its
+    match), a :class:`SnapshotInfo` (``snapshots()``), or a finished ``SaveHandle`` (its result).
+    A Match and a MatchDetails name ``n_tokens`` tokens — a block-granular prefix of a longer
+    snapshot restores rows ``[0, n_tokens // g)`` only, never the rows past the point where the
+    snapshot leaves the prompt. Anything else is an InvalidInputError; a SaveHandle still in
+    flight a StateError saying what to do.
+    """
+    if isinstance(ref, (int, np.integer)) and not isinstance(ref, bool):
+        return Ref(_id(ref, ref), None, None)
+    if isinstance(ref, LoadResult):
+        ref = ref.match
+    if isinstance(ref, (Match, MatchDetails)):
+        upto = ref.n_tokens
+        if isinstance(upto, bool) or not isinstance(upto, numbers.Integral) or upto < 0:
+            raise InvalidInputError(f"{type(ref).__name__}.n_tokens must be an integer >= 0, got {upto!r:.80}")
+        return Ref(_id(ref.snapshot_id, ref), ref.namespace, int(upto))
+    if isinstance(ref, SaveResult):
+        if ref.skipped is not None:
+            raise InvalidInputError(f"that save was skipped ({ref.skipped}): no snapshot was stored, so there is "
+                                    "nothing to commit, abandon or restore; skipped saves are counted in "
+                                    "stats().skipped")
+        return Ref(_id(ref.snapshot_id, ref), ref.namespace, None)
+    if isinstance(ref, SnapshotInfo):
+        return Ref(_id(ref.snapshot_id, ref), ref.namespace, None)
+    if callable(getattr(ref, "done", None)) and callable(getattr(ref, "result", None)) \
+            and callable(getattr(ref, "add_done_callback", None)):  # a SaveHandle (save or capture, wait=False)
+        if not ref.done():
+            raise StateError("this save (wait=False) is still in flight, so no snapshot is known yet: wait for it "
+                             "with handle.result() and pass that SaveResult (store.commit(handle.result())), "
+                             "or let a Turn commit it when it lands (turn.commit(wait=False))")
+        return resolve_ref(ref.result())  # a failed save raises its error here
+    raise InvalidInputError(f"expected a snapshot reference — a snapshot id, Match, SaveResult, MatchDetails "
+                            f"(lookup/describe) or LoadResult — got {type(ref).__name__} {ref!r:.120}")
+
+
+def snapshot_id(ref: Any) -> int:
+    """The snapshot id a reference names (:func:`resolve_ref`); InvalidInputError for anything else."""
+    return resolve_ref(ref).snapshot_id
 
 
 # -- the one validation of namespaces and snapshot names (issue 46 item 9): the public API and the
@@ -84,8 +137,8 @@ def session_key(session: str | None) -> str | None:
 
 
 def ref_namespace(ref: Any, namespace: str | None) -> str:
-    """The namespace a snapshot reference speaks for: a Match/SaveResult's own, else the keyword."""
-    ns = getattr(ref, "namespace", None) if isinstance(ref, (Match, SaveResult)) else None
+    """The namespace a snapshot reference speaks for: a result's own (:func:`resolve_ref`), else the keyword."""
+    ns = (ref if isinstance(ref, Ref) else resolve_ref(ref)).namespace
     if namespace is not None and ns is not None and namespace != ns:
         raise IdentityError(f"namespace {namespace!r} given for a result of namespace {ns!r}")
     return namespace_key(namespace if namespace is not None else ns)

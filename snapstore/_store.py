@@ -18,7 +18,7 @@ from snapstore._config import Budget, StoreOptions, store_options
 from snapstore._errors import ConfigError, StateError
 from snapstore._identity import Identity
 from snapstore._layout import Layout
-from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
+from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, resolve_ref, session_key, snapshot_id
 from snapstore._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult
 from snapstore._tokens import TokensLike, as_token_array
 from snapstore.calls.batch import StoreBatches
@@ -51,7 +51,6 @@ from snapstore.lifecycle.owner import Owner
 from snapstore.lifecycle.rules import log_drops, new_outside_use
 from snapstore.parts.buffers import Destination, PartSource
 from snapstore.plan.match import Prompt, best_match
-from snapstore.plan.prefix import match_tokens
 from snapstore.plan.restore_plan import RestorePlan
 from snapstore.remote.uploader import FlushResult, flush_all
 from snapstore.restore.ramtier import RamTier
@@ -132,6 +131,9 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
             raise ConfigError("Store.open needs identity=snapstore.Identity(...)")
         if not isinstance(layout, Layout):
             raise ConfigError("Store.open needs layout=snapstore.Layout(...)")
+        if budget is not None and not isinstance(budget, Budget):
+            raise ConfigError(f"budget must be None or a snapstore.Budget, got {type(budget).__name__} {budget!r:.60}: "
+                              "sizes are fields, e.g. budget=snapstore.Budget(disk_bytes=...) (docs/api.md)")
         budget = (budget or Budget()).resolved()
         options = store_options(path, chunk_bytes=chunk_bytes, codec=codec, staging_bytes=staging_bytes,
                                 check_rows=check_rows, pending_lease=pending_lease, codecs=CODECS)
@@ -358,12 +360,12 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
             if isinstance(m, RestoreResult):
                 timer.done(m.n_tokens, m.bytes_restored)
                 return m
-        sid = snapshot_id(m)
-        ns = ref_namespace(m, namespace)
+        ref = resolve_ref(m)  # the one reading of a ref: a Match's or MatchDetails' n_tokens is honoured
+        sid, ns = ref.snapshot_id, ref_namespace(ref, namespace)
         t0 = time.perf_counter()
         sess = session_key(session)
         dest = planned_destination(into, lambda: self.describe(m, components, namespace=ns or None, rows_from=k))
-        upto = match_tokens(m)  # a block-granular prefix match restores rows [0, upto // g) only
+        upto = ref.upto  # a block-granular prefix match restores rows [0, upto // g) only
         timer.reading()  # a local restore is timed from here: after `into` is allocated
         snap, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k, upto))
         stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count, self._reads, timer.tiers)
@@ -380,13 +382,13 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
                  namespace: str | None = None, rows_from: int = 0) -> MatchDetails:
         """What restoring ``m`` would write — rows per stream, components, bytes — checked like a
         restore's plan but without destinations, so an engine can size its buffers first."""
-        sid = snapshot_id(m)
-        ns = ref_namespace(m, namespace)
+        ref = resolve_ref(m)
+        sid, ns = ref.snapshot_id, ref_namespace(ref, namespace)
         wanted = wanted_components(self.layout, components)
         k = count_of(rows_from, "rows_from")
 
         def run(c: Txn) -> MatchDetails:
-            snap, plan = self._plan(c, sid, ns, None, wanted, k, match_tokens(m))
+            snap, plan = self._plan(c, sid, ns, None, wanted, k, ref.upto)
             return details_of(snap, plan, ns, k, getattr(m, "why", None))  # a match's decision travels along
 
         return self._repo.db.read(run)

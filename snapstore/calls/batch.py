@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from snapstore._errors import InvalidInputError, RestoreError
 from snapstore._layout import Layout
-from snapstore._refs import SnapshotRef, ref_namespace, session_key, snapshot_id
+from snapstore._refs import SnapshotRef, ref_namespace, resolve_ref, session_key
 from snapstore._results import Match, RestoreResult
 from snapstore._tokens import TokensLike
 from snapstore.calls.gate import CallGate, operation
 from snapstore.lifecycle.bookkeeping import Ledger, record_use
 from snapstore.lifecycle.rules import new_outside_use
 from snapstore.parts.buffers import Destination, Sink
-from snapstore.plan.prefix import match_tokens
 from snapstore.plan.restore_plan import PlanItem, RestorePlan
 from snapstore.restore.rates import RestoreRates
 from snapstore.restore.read import stream_checked, wanted_components
@@ -96,7 +95,8 @@ def restore_batch(store: BatchStore, requests: list[tuple[Any, Any]], wanted: se
         m, into = pair
         if not isinstance(into, Mapping):
             raise InvalidInputError(f"restore_many: request {k}: into must be a mapping of part name to buffer")
-        refs.append((snapshot_id(m), ref_namespace(m, namespace), into, match_tokens(m)))
+        ref = resolve_ref(m)  # the one reading of a ref (a MatchDetails' n_tokens honoured, as restore() does)
+        refs.append((ref.snapshot_id, ref_namespace(ref, namespace), into, ref.upto))
     if not refs:
         return []
     t0 = time.perf_counter()

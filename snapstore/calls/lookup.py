@@ -148,10 +148,12 @@ class StoreLookup:
         for an engine about to serve (calls/warm.py). Reads only; counts nothing."""
         warm_up(self._repo.db, self._access, self.layout, self._repo.plans)
 
-    def load(self, tokens: TokensLike, *, allocate: Callable[[MatchDetails], Mapping[str, Destination]],
+    def load(self, tokens: TokensLike | Match | MatchDetails, *,
+             allocate: Callable[[MatchDetails], Mapping[str, Destination]],
              release: Callable[[Mapping[str, Destination]], object] | None = None,
              components: Iterable[str] | None = None, namespace: str | None = None,
              exclude: Iterable[SnapshotRef] | None = (), session: str | None = None) -> LoadResult | None:
-        """Match, allocate(details), restore; None on a miss; an error: release, raise (calls/load.py)."""
+        """Match, allocate(details), restore; None on a miss; an error: release, raise (calls/load.py).
+        ``tokens`` may be the Match / MatchDetails of an earlier match() / lookup(): not matched again."""
         return load_prefix(self, tokens, allocate, release, components=components, namespace=namespace,  # type: ignore[arg-type]
                            exclude=exclude, session=session)

@@ -14,14 +14,14 @@ from typing import Any
 
 from snapstore._errors import SnapstoreError
 from snapstore._layout import Layout
-from snapstore._refs import SnapshotRef, ref_namespace, snapshot_id
+from snapstore._refs import SnapshotRef, ref_namespace, resolve_ref
 from snapstore._results import Match, RecomputeDecision, RestoreEstimate
 from snapstore.calls.gate import CallGate, operation
 from snapstore.catalog.chain_cache import Stamp
 from snapstore.catalog.queries import ChunkRow, SnapRow
 from snapstore.lifecycle.bookkeeping import Ledger
 from snapstore.plan.match import Prompt, best_match
-from snapstore.plan.prefix import granularity, match_tokens
+from snapstore.plan.prefix import granularity
 from snapstore.plan.recompute import MAX_CONSIDERED, Option, check_rate, decide
 from snapstore.restore.rates import DISK_TIERS, LOCAL_TIERS, RestoreRates
 from snapstore.restore.read import plan_of, wanted_components
@@ -41,11 +41,11 @@ def estimate_of(store: Any, m: Any, wanted: set[str], namespace: str | None,
     rates: RestoreRates = store._rates
     if getattr(m, "remote", None) is not None and remote_bytes is not None:
         return rates.estimate({"remote": remote_bytes(m)})
-    sid = snapshot_id(m)
-    ns = ref_namespace(m, namespace)
+    ref = resolve_ref(m)  # the one reading of a ref: a Match's or MatchDetails' n_tokens is what is estimated
+    sid, ns = ref.snapshot_id, ref_namespace(ref, namespace)
     chunks: list[ChunkRow] = []
     _, plan = store._repo.db.read(lambda c: plan_of(c, store._access, store.layout, sid, ns, None, wanted, 0,
-                                                    match_tokens(m), chunks, store._repo.plans))
+                                                    ref.upto, chunks, store._repo.plans))
     return chunks_estimate(store, chunks, plan.stamp, sure)
 
 

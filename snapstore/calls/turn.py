@@ -9,13 +9,17 @@ pending capture of the turn at once (none is left pinned until ``close()``).
 ``capture(..., wait=False)`` queues the capture (a :class:`snapstore.SaveHandle`) over the
 previous one even while that one is in flight (the rule of :mod:`snapstore.save.chain`: a
 skipped capture is passed over, a failed one fails the captures queued above it). ``commit()``
-and ``abandon()`` wait for the turn's captures in flight first.
+and ``abandon()`` wait for the turn's captures in flight first; ``commit(wait=False)`` does not: it
+returns a Future at once and commits on the store's writer thread when the last capture in flight
+lands (``in_flight`` lists them).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
+from concurrent.futures import Future
 from types import TracebackType
 from typing import Literal, Protocol, overload
 
@@ -72,6 +76,11 @@ class Turn:
         return [r for r in map(_saved, self._items) if r is not None]
 
     @property
+    def in_flight(self) -> list[SaveHandle]:
+        """The captures made with ``wait=False`` that have not landed yet, in order (their handles)."""
+        return [h for h in self._items if isinstance(h, SaveHandle) and not h.done()]
+
+    @property
     def last(self) -> SaveResult | None:
         """The last capture known saved (skipped ones passed over; in-flight ones not waited for)."""
         saved = self.captures
@@ -109,15 +118,48 @@ class Turn:
                     log.warning("a capture of this turn failed (%s: %s); the turn ends at the capture "
                                 "before it", type(err).__name__, err)
 
-    def commit(self) -> SaveResult | None:
+    @overload
+    def commit(self, *, wait: Literal[True] = True) -> SaveResult | None: ...
+
+    @overload
+    def commit(self, *, wait: Literal[False]) -> Future[SaveResult | None]: ...
+
+    def commit(self, *, wait: bool = True) -> SaveResult | None | Future[SaveResult | None]:
         """Make the turn visible: commit the last saved capture and with it the chain, root first.
 
         Waits for the captures in flight first. Returns the commit's SaveResult (``skipped`` set if
-        the budget refused it), or None when nothing was saved.
+        the budget refused it), or None when nothing was saved. ``wait=False``: returns a Future of
+        that at once; the commit runs when the last capture in flight lands (on the store's writer
+        thread, or here when none is in flight), and ``result`` is set then.
         """
         if self._done:
             raise StateError("this turn is already committed or abandoned")
         self._done = True
+        if wait:
+            return self._commit_now()
+        out: Future[SaveResult | None] = Future()
+        flying = self.in_flight
+        left, lock = [len(flying)], threading.Lock()
+
+        def landed(_: object = None) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] > 0:
+                    return
+            try:
+                out.set_result(self._commit_now())
+            except BaseException as e:  # the Future carries the commit's error (a closed store, ...)
+                out.set_exception(e)
+
+        if not flying:
+            left[0] = 1
+            landed()
+        for h in flying:
+            h.add_done_callback(landed)  # at once, here, for one that landed since in_flight was read
+        return out
+
+    def _commit_now(self) -> SaveResult | None:
+        """The commit itself, once every capture of the turn has landed (waited for here otherwise)."""
         self._settle()
         last = self.last
         if last is None:

@@ -57,6 +57,9 @@ class Repo:
         cannot be written is refused unless ``readonly``, in one sentence saying why.
         """
         repo = cls(root, readonly=readonly)
+        if os.path.exists(repo.root) and not os.path.isdir(repo.root):  # not "cannot examine …/blobs" (issue 46)
+            raise ConfigError(f"{repo.root} is a file, not a directory: a store is a directory (snapstore.db, "
+                              "blobs/, tmp/); pass a directory, or a path that does not exist yet to create one")
         check_tree(repo.root)
         if readonly or not create:
             if not os.path.isfile(repo.db_path):

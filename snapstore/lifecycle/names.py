@@ -11,9 +11,8 @@ another snapshot with a name in use moves the name. Deleting the snapshot remove
 
 from __future__ import annotations
 
-import math
-
-from snapstore._errors import InvalidInputError, StateError
+from snapstore._errors import StateError
+from snapstore._numbers import optional_real
 from snapstore._refs import MAX_NAME, check_name
 from snapstore.catalog.queries import SnapState, Txn
 from snapstore.lifecycle.access import Access
@@ -24,11 +23,8 @@ __all__ = ["MAX_NAME", "check_name", "check_ttl", "name_snapshot", "resolve_name
 
 
 def check_ttl(ttl_s: object) -> float | None:
-    if ttl_s is None:
-        return None
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s <= 0:
-        raise InvalidInputError(f"ttl_s must be a finite number of seconds > 0 or None, got {ttl_s!r}")
-    return float(ttl_s)
+    """A name's ``ttl_s``: None (no end), else a finite number of seconds > 0 (snapstore._numbers)."""
+    return optional_real(ttl_s, "ttl_s", above=0.0, unit="seconds")
 
 
 def name_snapshot(t: Txn, access: Access, sid: int, ns: str, name: str, ttl_s: float | None, now: float) -> None:

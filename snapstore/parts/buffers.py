@@ -33,6 +33,7 @@ import numpy as np
 
 from snapstore._errors import DestinationError, LayoutError, RestoreError, SnapstoreError, SourceError
 from snapstore._layout import Fixed, PartSpec, Rows, dtype_size
+from snapstore.parts.paged import fitting_axes
 
 __all__ = ["Destination", "PartReader", "PartSource", "PartWriter", "Source", "Sink", "as_sink", "as_source"]
 
@@ -303,6 +304,48 @@ def _check_array(name: str, arr: np.ndarray, spec: PartSpec, rows: int, err: typ
             raise err(f"part {name!r}: holds {arr.shape[0]} rows, {rows} are needed")
 
 
+def _dtype_name(dt: object) -> str | None:
+    """A reader's or writer's reported ``dtype`` as a layout dtype name (a numpy dtype, or the name
+    itself as the torch adapter reports it); None when it reports none this can read."""
+    if isinstance(dt, str):
+        return dt
+    if isinstance(dt, np.dtype):
+        return "bytes" if dt.kind == "V" else dt.name
+    return None
+
+
+def _check_rows_of(name: str, obj: object, spec: PartSpec, what: str, err: type[LayoutError]) -> None:
+    """A reader or writer that reports its rows (``row_shape``, ``dtype``; ``row_bytes``; as
+    :class:`snapstore.PagedRows` does) against the layout's stream, before a byte moves: a pool read
+    with the wrong axes has the right byte count but scrambled rows, so the bytes alone do not tell.
+    A raw-byte view (uint8 / int8) is checked on its row bytes alone, as a raw array is."""
+    shape = getattr(obj, "row_shape", None)
+    if not isinstance(spec, Rows) or shape is None:
+        return
+    try:
+        got = tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        raise err(f"part {name!r}: the {what}'s row_shape {shape!r} is not a shape") from None
+    dt = _dtype_name(getattr(obj, "dtype", None))
+    row_bytes = getattr(obj, "row_bytes", None)
+    raw = dt in ("uint8", "int8", "bytes")
+    fits = (row_bytes is None or row_bytes == spec.row_bytes) and (
+        raw or (got == spec.row_shape and (dt is None or dt == spec.dtype)))
+    if fits:
+        return
+    axes, pool = getattr(obj, "axes", None), getattr(obj, "pool_shape", None)
+    hint = ""
+    if pool is not None:
+        fit = fitting_axes(pool, spec.row_shape)
+        hint = (f"; pass axes={fit[0]}" + (f" (or one of {fit[1:4]})" if len(fit) > 1 else "") +
+                f": (block_axis, token_axis) of the pool's shape {tuple(pool)} that leave rows of {spec.row_shape}"
+                if fit else f"; no (block_axis, token_axis) of the pool's shape {tuple(pool)} leaves rows of "
+                f"{spec.row_shape}: is this the pool of part {name!r}?")
+    raise err(f"part {name!r}: the {what}'s rows are {got} {dt or '(dtype not reported)'}"
+              f"{f' (axes={tuple(axes)})' if axes is not None else ''}, the layout says {spec.row_shape} "
+              f"{spec.dtype}{hint}; nothing was {'saved' if err is LayoutError else 'written'}")
+
+
 def _needed(spec: PartSpec, rows: int) -> int:
     return spec.nbytes if isinstance(spec, Fixed) else rows * spec.row_bytes
 
@@ -326,6 +369,7 @@ def as_source(name: str, obj: Any, spec: PartSpec, rows: int) -> Source:
     """Check a save buffer against its spec and wrap it; LayoutError explains any mismatch."""
     need = _needed(spec, rows)
     if isinstance(obj, PartReader) and not isinstance(obj, (np.ndarray, memoryview, bytes, bytearray)):
+        _check_rows_of(name, obj, spec, "source", LayoutError)
         if obj.nbytes < need:
             raise LayoutError(_short(name, "source", obj.nbytes, need, spec))
         return Source(name, need, reader=obj)
@@ -360,6 +404,7 @@ def as_sink(name: str, obj: Any, spec: PartSpec, rows: int) -> Sink:
     """Check a restore destination (writable, large enough, dtype/shape) before anything is written."""
     need = _needed(spec, rows)
     if not isinstance(obj, (np.ndarray, memoryview, bytearray)) and _is_writer(obj):
+        _check_rows_of(name, obj, spec, "destination", DestinationError)
         if obj.nbytes < need:
             raise DestinationError(_short(name, "destination", obj.nbytes, need, spec))
         return Sink(name, need, writer=obj)

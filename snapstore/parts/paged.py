@@ -19,9 +19,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from snapstore._errors import InvalidInputError
+from snapstore._numbers import integer
 from snapstore.parts.rowspan import RowSpan, row_span
 
-__all__ = ["PagedRows"]
+__all__ = ["PagedRows", "fitting_axes"]
 
 
 def _axes(ndim: int, axes: Sequence[int]) -> tuple[int, int]:
@@ -30,12 +31,21 @@ def _axes(ndim: int, axes: Sequence[int]) -> tuple[int, int]:
         raise InvalidInputError(f"axes must be (block_axis, token_axis), got {axes!r}")
     out = []
     for a in axes:
-        if not isinstance(a, (int, np.integer)) or isinstance(a, bool) or not -ndim <= int(a) < ndim:
+        k = integer(a, f"axes {tuple(axes)!r}: each axis")
+        if not -ndim <= k < ndim:
             raise InvalidInputError(f"axes {tuple(axes)!r} do not fit a pool of {ndim} dimensions")
-        out.append(int(a) % ndim)
+        out.append(k % ndim)
     if out[0] == out[1]:
         raise InvalidInputError(f"axes {tuple(axes)!r}: the block axis and the token axis must differ")
     return out[0], out[1]
+
+
+def fitting_axes(pool_shape: Sequence[int], row_shape: Sequence[int]) -> list[tuple[int, int]]:
+    """Every ``(block_axis, token_axis)`` of a pool of ``pool_shape`` whose other axes, in order, are
+    ``row_shape`` — what to pass as ``axes`` when the ones given do not fit the layout."""
+    n, want = len(pool_shape), tuple(int(d) for d in row_shape)
+    return [(b, t) for b in range(n) for t in range(n)
+            if b != t and tuple(int(d) for k, d in enumerate(pool_shape) if k not in (b, t)) == want]
 
 
 def block_runs(table: np.ndarray, block_size: int, r0: int, r1: int) -> list[tuple[int, int, int, int]]:
@@ -57,7 +67,10 @@ class PagedRows:
     block and in-block token axes, every other axis (in order) is the row shape — e.g. a pool of
     shape ``(n_blocks, block_size, 2, heads, dim)`` has ``axes=(0, 1)`` and a vLLM-style
     ``(2, n_blocks, block_size, heads, dim)`` has ``axes=(1, 2)``. ``block_table``: the blocks
-    of this sequence in token order. ``nbytes`` is what the table can hold.
+    of this sequence in token order. ``nbytes`` is what the table can hold; ``row_shape``,
+    ``dtype``, ``axes`` and ``pool_shape`` describe it, and a save or restore checks ``row_shape``
+    and ``dtype`` against the layout's stream before a byte moves (a pool read with the wrong
+    axes is refused, naming the axes that fit).
     """
 
     def __init__(self, pool: np.ndarray, block_table: Sequence[int] | np.ndarray, axes: Sequence[int] = (0, 1)):
@@ -65,6 +78,8 @@ class PagedRows:
             raise InvalidInputError(f"pool must be a numpy array, got {type(pool).__name__} "
                                     "(torch tensors: snapstore.engine.TorchPagedRows)")
         b_ax, t_ax = _axes(pool.ndim, axes)
+        self.axes = (b_ax, t_ax)
+        self.pool_shape = tuple(int(d) for d in pool.shape)
         # (block, slot, *row): a view, never a copy, so writes land in the engine's pool
         self._pool = np.moveaxis(pool, (b_ax, t_ax), (0, 1))
         table = np.asarray(block_table)
@@ -89,7 +104,7 @@ class PagedRows:
 
     def __repr__(self) -> str:
         return (f"PagedRows(blocks={len(self._table)}, block_size={self.block_size}, row_shape={self.row_shape}, "
-                f"dtype={self.dtype.name})")
+                f"dtype={self.dtype.name}, axes={self.axes})")
 
     def _span(self, offset: int, n: int) -> RowSpan:
         """The head / whole rows / tail split of a byte range (InvalidInputError outside the table)."""

@@ -30,20 +30,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import blake3
 import numpy as np
 
 from snapstore._errors import InvalidInputError
 from snapstore._layout import Layout
-from snapstore._results import Match
 from snapstore.catalog.queries import PartRow, SnapRow, Txn
 from snapstore.parts.buffers import Sink
 
 __all__ = ["ClippedSink", "ContentSegment", "PrefixHit", "content_key_of", "content_tag", "find_prefix", "granularity",
            "granularity_fits", "index_keys",
-           "match_tokens", "prefix_chain", "prefix_step", "record_prefixes", "rows_bound", "rows_limit"]
+           "prefix_chain", "prefix_step", "record_prefixes", "rows_bound", "rows_limit"]
 
 _MIN_STEP = 16  # tokens: finer steps would index a 128K-token prompt under >8K keys
 _HOLDERS = 8  # snapshots tried at the longest indexed prefix (most recently used first)
@@ -199,11 +198,6 @@ def find_prefix(c: Txn, layout: Layout, identity_key: str, ns: str, tokens: np.n
             if snap is not None and d * step > longer_than and usable(snap, d * step):
                 return PrefixHit(snap, d * step)
     return None
-
-
-def match_tokens(ref: Any) -> int | None:
-    """The tokens a Match names (it may be a prefix of its snapshot); None for ids and SaveResults."""
-    return ref.n_tokens if isinstance(ref, Match) else None
 
 
 def rows_limit(layout: Layout, snap: SnapRow, n_tokens: int | None) -> int | None:

@@ -24,11 +24,10 @@ most :data:`MAX_CONSIDERED` are weighed (each costs a plan and a probe of its ch
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterable
 
-from snapstore._errors import InvalidInputError
+from snapstore._numbers import integer, real
 from snapstore._results import Considered, RecomputeDecision, RestoreEstimate
 
 __all__ = ["GOOD_ENOUGH", "MAX_CONSIDERED", "PrefillRate", "check_rate", "decide"]
@@ -42,9 +41,7 @@ Option = tuple[int, int, Callable[[float], RestoreEstimate | None]]
 
 def check_rate(rate: object) -> float:
     """``prefill_tokens_per_s`` as a positive finite float, or InvalidInputError."""
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
-        raise InvalidInputError(f"prefill_tokens_per_s must be a positive number of tokens per second, got {rate!r}")
-    return float(rate)
+    return real(rate, "prefill_tokens_per_s", above=0.0, unit="tokens per second")
 
 
 def decide(options: Iterable[Option], rate: float, limit: int = MAX_CONSIDERED) -> RecomputeDecision:
@@ -98,13 +95,16 @@ class PrefillRate:
     """
 
     def __init__(self, *, decay: float = 0.8, min_tokens: int = 16) -> None:
-        self._decay, self._min = decay, min_tokens
+        self._decay = real(decay, "decay", minimum=0.0, maximum=1.0)
+        self._min = integer(min_tokens, "min_tokens", minimum=0)
         self._tokens = self._seconds = 0.0
         self._lock = threading.Lock()
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A prefill of ``tokens`` tokens that took ``seconds``."""
-        if tokens < self._min or not seconds > 0 or not math.isfinite(seconds):
+        """A prefill of ``tokens`` tokens that took ``seconds`` (a pass too short to time is passed over)."""
+        tokens = integer(tokens, "tokens", minimum=0)
+        seconds = real(seconds, "seconds", minimum=0.0, unit="seconds")
+        if tokens < self._min or not seconds > 0:
             return
         with self._lock:
             self._tokens = self._tokens * self._decay + tokens

@@ -269,8 +269,9 @@ def check_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, co
                                                f"needs {rows_to}; nothing was written", snapshot_id=sid)
             rows = rows_to
         rows_of[name] = rows
-        part_bytes[name] = (rows - min(rows_from, rows)) * spec.row_bytes
-        keep, end = min(rows_from, rows) * spec.row_bytes, rows * spec.row_bytes
+        held_rows = min(max(0, rows_from - spec.lag), rows)  # rows_from counts rows in step with the tokens
+        part_bytes[name] = (rows - held_rows) * spec.row_bytes
+        keep, end = held_rows * spec.row_bytes, rows * spec.row_bytes
         reads: list[tuple[int, ChunkRow, int]] = []
         for link_id, p in segments:
             off = p.row_start * spec.row_bytes

@@ -9,6 +9,7 @@ budget or skips. Its outcomes besides success are the named :class:`Retry` and :
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import numpy as np
 
 from snapstore._errors import CorruptionError, InvalidInputError, LayoutError
 from snapstore._layout import Fixed, Layout, Rows
+from snapstore._numbers import integer
 from snapstore._refs import snapshot_id
 from snapstore._tokens import TokenIndex, encode_tokens
 from snapstore.catalog.find_keys import find_keys
@@ -59,10 +61,8 @@ class Skip(Exception):
 
 
 def count_of(value: Any, what: str) -> int:
-    """A row count: an int (numpy ints too), never a float or a string."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return int(value)
-    raise InvalidInputError(f"{what} must be an int, got {value!r}")
+    """A row count: an integer (numpy ints too; snapstore._numbers), never a float, a bool or a string."""
+    return integer(value, what)
 
 
 def validate_parts(layout: Layout, parts: Mapping[str, Any], rows: Any, n: int
@@ -81,8 +81,10 @@ def validate_parts(layout: Layout, parts: Mapping[str, Any], rows: Any, n: int
         raise LayoutError(f"parts missing from save(): {missing} (a component is saved whole or not at all)")
     per = layout.tokens_per_row or 1  # block-granular layouts: one row per `per` tokens
     full = n // per
+    streams = [name for name in parts if isinstance(specs[name], Rows)]
+    valid = {name: layout.valid_rows(name, n) for name in streams}  # a stream with a lag holds fewer
     if rows is None:
-        row_counts = {name: full for name in parts if isinstance(specs[name], Rows)}
+        row_counts = dict(valid)
     elif isinstance(rows, Mapping):
         # a stream of a component this call leaves out may be named (an engine passes one rows
         # mapping whether or not it saves the draft component): it is not saved, so not counted
@@ -90,10 +92,11 @@ def validate_parts(layout: Layout, parts: Mapping[str, Any], rows: Any, n: int
         if extra:
             raise LayoutError(f"rows given for parts that are not row streams of the layout: {extra}; its row "
                               f"streams are {sorted(layout.rows)}")
-        row_counts = {name: count_of(rows.get(name, full), f"rows[{name!r}]") for name in parts
-                      if isinstance(specs[name], Rows)}
-    elif isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
-        row_counts = {name: int(rows) for name in parts if isinstance(specs[name], Rows)}
+        row_counts = {name: count_of(rows.get(name, valid[name]), f"rows[{name!r}]") for name in streams}
+    elif isinstance(rows, numbers.Integral) and not isinstance(rows, bool):
+        # one count for every stream, as rows of the streams in step with the tokens: a lagging one has fewer
+        k = count_of(rows, "rows")
+        row_counts = {name: max(0, k - layout.rows[name].lag) if k >= 0 else k for name in streams}
     else:
         raise InvalidInputError(f"rows must be None, an int or a mapping of stream to int, got {rows!r}")
     for name, r in row_counts.items():
@@ -102,6 +105,11 @@ def validate_parts(layout: Layout, parts: Mapping[str, Any], rows: Any, n: int
         if r > full:
             raise InvalidInputError(f"rows[{name!r}] = {r} but only {n} tokens are saved: a stream holds at "
                                     f"most one row per {'token' if per == 1 else f'{per} tokens'}")
+        if r > valid[name]:  # rows past the valid ones cannot be told from data: never stored as state
+            raise InvalidInputError(f"rows[{name!r}] = {r} but the layout says stream {name!r} lags the tokens by "
+                                    f"{layout.rows[name].lag} (Rows(lag=...)): after {n} tokens it holds {valid[name]} "
+                                    "valid rows, and a row past them cannot be told from data; pass at most "
+                                    f"{valid[name]} (or leave rows= out: the lag is applied)")
     sources = {name: as_source(name, obj, specs[name], row_counts.get(name, 0)) for name, obj in parts.items()}
     return sources, row_counts
 
