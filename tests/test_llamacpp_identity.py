@@ -220,6 +220,7 @@ def test_a_background_save_planned_under_an_older_identity_is_refused(models, tm
             assert plan is not None and plan.generation == bridge.slots.generation
             reply = srv.post("/completion", plan.body)
             bridge.slots.switch(bridge.slots.model, "build-next", bridge.slots.runtime)  # the identity moves on
+            plan.cache_n = reply["timings"]["cache_n"]  # what the proxy reads of the response (its proof)
             bridge.after(plan, True, reply.get("id_slot"))
             bridge.release(plan)
             bridge.settle()
@@ -288,8 +289,9 @@ def test_request_inputs_the_identity_cannot_key_are_declined():
     assert request_unkeyable({"prompt": "x"}, served) is None
     assert request_unkeyable({"prompt": "x", "lora": [{"id": 0, "scale": 1.0}]}, served) is None
     assert request_unkeyable({"prompt": "x", "lora": [{"id": 0, "scale": 0.5}]}, served) == "request_lora"
-    assert request_unkeyable({"prompt": "x", "lora": []}, served) == "request_lora"
-    assert request_unkeyable({"prompt": "x", "lora": "junk"}, served) == "request_lora"
+    # llama-server reads an empty list as "the server's own adapters" (params.lora empty: params_base)
+    assert request_unkeyable({"prompt": "x", "lora": []}, served) is None
+    assert request_unkeyable({"prompt": "x", "lora": "junk"}, served) == "request_lora_unread"
     assert request_unkeyable({"prompt": {"prompt_string": "x", "multimodal_data": ["AAAA"]}}, served) == \
         "request_media"
     msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this"},

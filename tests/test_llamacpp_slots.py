@@ -23,7 +23,7 @@ pytest.importorskip("aiohttp")
 
 import helpers_llamacpp as h  # noqa: E402
 
-from snapstore.llamacpp._bridge import LlamaBridge  # noqa: E402
+from snapstore.llamacpp._bridge import LlamaBridge, holding_candidates  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -141,7 +141,8 @@ def test_the_slot_that_served_a_chat_is_found_among_later_longer_ones(tmp_path):
                 r = srv.post("/completion", {"prompt": p, "n_predict": 4, "id_slot": i})
                 sizes.append(r["tokens_evaluated"])
             assert sizes[0] < sizes[1] < sizes[2]
-            assert bridge.server.idle_slots_holding(sizes[0], None)[0] == 0
-            assert bridge.server.idle_slots_holding(sizes[1], None)[0] == 1
+            states = bridge.server.slot_states()
+            assert holding_candidates(states, sizes[0])[0] == 0
+            assert holding_candidates(states, sizes[1])[0] == 1
         finally:
             bridge.close()

@@ -41,3 +41,4 @@ class Plan:
     generation: int | None = None  # the identity it was planned under (None: nothing restored or saved)
     served: str = ""  # the server's signature then (_served.Served.signature)
     landing: int = 0  # its ticket once answered, until its save has landed or was given up (0: none)
+    cache_n: int | None = None  # prompt tokens the server reused for it (the response's timings.cache_n; None: unsaid)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from snapstore.llamacpp._bridge import LlamaBridge, Plan
+from snapstore.llamacpp._bridge import SLOT_FREE_PATHS, LlamaBridge, Plan
 from snapstore.llamacpp._metrics import BridgeMetrics
 from snapstore.llamacpp._prompt import CHAT_PATHS, COMPLETION_PATHS
 from snapstore.plan.recompute import PrefillRate
@@ -44,6 +44,7 @@ _ID_SLOT = re.compile(rb'(?<!\\)"id_slot":(\d+)')
 # llama-server's own timing of the prompt it read (``timings``): the proxy's measured prefill rate
 _PROMPT_N = re.compile(rb'(?<!\\)"prompt_n":(\d+)')
 _PROMPT_MS = re.compile(rb'(?<!\\)"prompt_ms":([0-9.eE+-]+)[,}]')
+_CACHE_N = re.compile(rb'(?<!\\)"cache_n":(\d+)')
 
 
 def authorized(headers: Mapping[str, str], key: str | None) -> bool:
@@ -62,6 +63,7 @@ class _SlotSniffer:
         self.slot: int | None = None
         self.prompt_n: int | None = None  # and the server's timing of the prompt it read (``timings``)
         self.prompt_ms: float | None = None
+        self.cache_n: int | None = None  # prompt tokens the server reused (the proof of a save: LlamaBridge._copy_out)
         self._tail = b""
 
     def feed(self, chunk: bytes) -> None:
@@ -70,6 +72,8 @@ class _SlotSniffer:
             self.slot = int(m.group(1))
         for m in _PROMPT_N.finditer(buf):
             self.prompt_n = int(m.group(1))
+        for m in _CACHE_N.finditer(buf):
+            self.cache_n = int(m.group(1))
         for m in _PROMPT_MS.finditer(buf):
             try:
                 self.prompt_ms = float(m.group(1))
@@ -161,6 +165,11 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
                     plan = None
         sniff = _SlotSniffer()
         status, cancelled = 599, False
+        # a request that may fill a slot with state the bridge does not key (not admitted by it): every
+        # slot loses its proof while it runs and after it (LlamaBridge.foreign)
+        foreign = request.method == "POST" and path not in SLOT_FREE_PATHS and (plan is None or plan.generation is None)
+        if foreign:
+            bridge.foreign(+1)
         try:
             resp, status, cancelled = await _forward(request, body, sniff, plan)
             return resp  # a client that left: aiohttp's own finish of the response notices it quietly
@@ -168,8 +177,11 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
             cancelled = True  # the client left: the upstream request was closed with it
             raise
         finally:
+            if foreign:
+                bridge.foreign(-1)
             sniff.timed(bridge.slots.prefill_rate)
-            if plan is not None:  # not awaited: a cancelled handler must not wait for the save
+            if plan is not None:
+                plan.cache_n = sniff.cache_n  # not awaited: a cancelled handler must not wait for the save
                 in_pool(_after, bridge, plan, status < 400 and not cancelled, sniff.slot, cancelled)
 
     async def _forward(request: web.Request, body: bytes, sniff: _SlotSniffer, plan: Plan | None
@@ -185,10 +197,16 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
             out = web.StreamResponse(status=up.status, reason=up.reason, headers=_response_headers(up.headers))
             if up.headers.get("Connection", "").lower() == "close":
                 out.force_close()
-            if "chunked" not in up.headers.get("Transfer-Encoding", "").lower() and up.content_length is not None:
+            bodiless = up.status in (204, 304) or 100 <= up.status < 200 or request.method == "HEAD"
+            if not bodiless and "chunked" not in up.headers.get("Transfer-Encoding", "").lower() \
+                    and up.content_length is not None:
                 out.content_length = up.content_length  # the server's framing: no chunking added
             try:
                 await out.prepare(request)
+                if bodiless:  # a status that has no body (RFC 9110 6.4.1): sent as it came, nothing read
+                    await out.write_eof()
+                    up.close()
+                    return out, up.status, False
                 async for chunk in up.content.iter_any():
                     sniff.feed(chunk)
                     await out.write(chunk)

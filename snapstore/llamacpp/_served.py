@@ -16,8 +16,10 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
-from collections.abc import Callable, Mapping
+import struct
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +29,8 @@ from snapstore.llamacpp._slotfile import SlotFile
 from snapstore.llamacpp._trace import ProbeTrace
 from snapstore.llamacpp._upstream import LlamaServer
 
-__all__ = ["PROBE_TOKENS", "Refusal", "Runtime", "Served", "identify", "model_of", "request_unkeyable", "served_now",
-           "unseen_runtime"]
+__all__ = ["PROBE_TOKENS", "Refusal", "Runtime", "Served", "effective_lora", "identify", "lora_matches", "model_of",
+           "request_unkeyable", "requested_slot", "served_now", "unseen_runtime"]
 
 log = logging.getLogger("snapstore.llamacpp")
 
@@ -197,19 +199,57 @@ def identify(server: LlamaServer, served: Served, slot: int, *, model_hint: str 
             _settle(server, slot, before if keep else b"", decode)
 
 
-def _scales(adapters: Any) -> list[tuple[str, str]] | None:
-    """Adapters as sorted (id, scale) text pairs; None when malformed (never equal to the server's)."""
-    if not isinstance(adapters, list) or not all(isinstance(a, dict) for a in adapters):
+def _f32(x: float) -> float:
+    """``x`` as the C ``float`` llama-server keeps a LoRA scale in (so 0.1 sent equals 0.1 reported)."""
+    return float(struct.unpack("<f", struct.pack("<f", x))[0])
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def effective_lora(field: Any, served: Sequence[Mapping[str, Any]]) -> list[float] | None:
+    """The scale of each of the server's adapters a request with ``lora: field`` computes with, read
+    as llama-server reads it (``parse_lora_request``, ``construct_lora_list``): no field, null or an
+    empty list: the server's own scales; otherwise every adapter not listed at 0.0 and a listed one
+    without ``scale`` at 0.0 too. None: the field holds what llama-server reads by a fallback (an
+    id or scale that is not a number, an entry that is not an object, not a list), so it is not
+    keyed — declined, never guessed."""
+    base = [_f32(float(a.get("scale", 0.0))) if _is_number(a.get("scale", 0.0)) else math.nan for a in served]
+    if field is None or (isinstance(field, list) and not field):
+        return base
+    if not isinstance(field, list):
         return None
-    return sorted((str(a.get("id")), repr(float(a.get("scale", 1.0))) if isinstance(a.get("scale", 1.0), (int, float))
-                   else str(a.get("scale"))) for a in adapters)
+    chosen: dict[int, float] = {}
+    for entry in field:
+        if not isinstance(entry, dict):
+            return None
+        ident, scale = entry.get("id"), entry.get("scale")
+        if not isinstance(ident, int) or isinstance(ident, bool):
+            return None
+        if scale is None:
+            scale = 0.0  # llama-server's default for a missing (or null) scale: the adapter is off
+        if not _is_number(scale):
+            return None
+        chosen[ident] = _f32(float(scale))
+    return [chosen.get(i, 0.0) for i in range(len(served))]
+
+
+def lora_matches(field: Any, served: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a request's (or a slot's last task's) ``lora`` computes with exactly the server's adapters."""
+    mine, theirs = effective_lora(field, served), effective_lora(None, served)
+    return mine is not None and mine == theirs and not any(math.isnan(x) for x in theirs)
 
 
 def request_unkeyable(body: Mapping[str, Any], served: Served) -> str | None:
     """Why a request's own inputs change its K/V beyond its tokens (per-request LoRA, images, audio), or None."""
     lora = body.get("lora")
-    if lora is not None and _scales(lora) != _scales(list(served.loras)):
-        return "request_lora"
+    if lora is not None:
+        scales = effective_lora(lora, served.loras)
+        if scales is None:
+            return "request_lora_unread"
+        if not lora_matches(lora, served.loras):
+            return "request_lora"
     if body.get("multimodal_data"):
         return "request_media"
     prompt = body.get("prompt")
@@ -223,3 +263,21 @@ def request_unkeyable(body: Mapping[str, Any], served: Served) -> str | None:
                                                  for p in content):
                 return "request_media"
     return None
+
+
+def requested_slot(body: Mapping[str, Any], n_slots: int) -> int | None:
+    """The slot a request names, read as llama-server reads ``id_slot`` (``json_value<int>``, then
+    ``get_slot_by_id``'s wrap-around): None for any idle slot (no field, null, -1, or a value it
+    reads as -1 such as a string); -1 for a slot the server cannot find (another negative number)."""
+    v = body.get("id_slot")
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return None
+        v = int(v)
+    elif isinstance(v, bool):
+        v = int(v)
+    if not isinstance(v, int) or v == -1:
+        return None
+    if v < 0:
+        return -1
+    return v % max(n_slots, 1)

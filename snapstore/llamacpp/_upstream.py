@@ -87,29 +87,17 @@ class LlamaServer:
         except (urllib.error.URLError, OSError) as e:
             raise UpstreamError(unreachable(self.upstream, f"GET {path}{_for(what)}", e)) from None
 
-    def idle_slots(self) -> set[int]:
-        """The slots that run no task now (``/slots`` is_processing), as the server reports them."""
+    def slot_states(self) -> dict[int, JsonObject]:
+        """Each slot's ``/slots`` entry by id: ``is_processing``, its last task's ``id_task`` and ``params``
+        (``lora`` among them); UpstreamError when the server has no ``/slots`` (``--no-slots``)."""
         slots = self.get_any("/slots", "which slots are idle")
         if not isinstance(slots, list):
             raise UpstreamError("llama-server GET /slots: expected a list (is it started with --slots?)")
-        return {int(s["id"]) for s in slots if isinstance(s, dict) and not s.get("is_processing")}
+        return {int(s["id"]): s for s in slots if isinstance(s, dict) and isinstance(s.get("id"), int)}
 
-    def idle_slots_holding(self, n_tokens: int, known: int | None) -> list[int]:
-        """Idle slots that may hold a prompt of ``n_tokens``: slot ``known`` (the one a request was put
-        in or the response named), else those whose last task held at least that many, the nearest in
-        length first (a slot counts the prompt and what it generated), then the latest task. A chat
-        response names no slot, and with many slots finishing together the latest tasks are often other
-        conversations': the length is what singles out the slot that served this one. A busy slot is
-        never named: llama-server defers a slot save until the slot is free and re-queues deferred
-        tasks only as slots are released, so a save queued behind a busy slot can wait forever; a slot
-        busy again runs the conversation's next request, whose save covers this."""
-        slots = [s for s in self.get_any("/slots", "which slots are idle")
-                 if isinstance(s, dict) and not s.get("is_processing")]
-        if known is not None:
-            return [known] if known in {int(s["id"]) for s in slots} else []
-        cands = [s for s in slots if int(s.get("n_prompt_tokens") or 0) >= n_tokens]
-        cands.sort(key=lambda s: (int(s.get("n_prompt_tokens") or 0) - n_tokens, -int(s.get("id_task") or 0)))
-        return [int(s["id"]) for s in cands[:2]]
+    def idle_slots(self) -> set[int]:
+        """The slots that run no task now (``/slots`` is_processing), as the server reports them."""
+        return {i for i, s in self.slot_states().items() if not s.get("is_processing")}
 
     def post(self, path: str, body: Mapping[str, Any]) -> JsonObject:
         """POST ``body`` as JSON to ``path``; UpstreamError (with the server's words) when it fails."""

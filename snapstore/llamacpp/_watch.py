@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from typing import Any
 
 from snapstore.llamacpp._identity import BUILD_ENV, ModelInfo, build_warning
 from snapstore.llamacpp._served import Refusal, Served, identify, model_of, served_now
@@ -38,7 +39,8 @@ class IdentityWatch:
         self.build = self.build_given or served.build or "unspecified"
         self.build_warning = build_warning(served.build, self.build_given)
         self.model = model_of(served, model, self.hint_path)
-        self.n_slots = served.n_slots
+        self.n_slots = served.n_slots  # the server's total_slots, as of the last identity take
+        self.process = served.process  # and its per-process marker (another: a restarted server, its slots empty)
         self.refusal: Refusal | None = None  # why nothing may be persisted now (None: persisting)
         self._served: Served | None = None  # what the identity was last taken for
         self._first = True  # no identity taken yet: the probe slot's content is kept whatever it finds
@@ -67,6 +69,7 @@ class IdentityWatch:
     def _retake(self, slots: SlotStore, served: Served, slot: int, on_change: Callable[[ModelInfo], None]) -> None:
         first = self._first
         self._served, self.refusal = served, None
+        self.n_slots, self.process = served.n_slots, served.process  # sized anew on every take (-np may differ)
         on_change(slots.model)
         build = self.build_given or served.build or "unspecified"
         try:  # the probe slot's content is kept at start and when the identity did not change
@@ -92,6 +95,10 @@ class IdentityWatch:
             log.warning("llama-server at %s now serves %s (%s, build %s): switched to its identity; state of the "
                         "previous one is never restored into it", self.server.upstream, model.path, model.pack,
                         self.build)
+
+    def loras(self) -> tuple[Mapping[str, Any], ...]:
+        """The server's adapters and scales as of the last identity take (``/lora-adapters``)."""
+        return self._served.loras if self._served is not None else ()
 
     def unchanged(self, generation: int | None, signature: str) -> bool:
         """True when the server still serves what a request planned under ``generation`` saw (``signature``)."""
