@@ -18,6 +18,7 @@ from snapstore._config import Budget, StoreOptions, store_options
 from snapstore._errors import ConfigError, StateError
 from snapstore._identity import Identity
 from snapstore._layout import Layout
+from snapstore._numbers import optional_real
 from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, resolve_ref, session_key, snapshot_id
 from snapstore._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult
 from snapstore._tokens import TokensLike, as_token_array
@@ -405,7 +406,8 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         """Wait for every save made with ``wait=False`` so far, then (with a shared tier) for their
         uploads. A FlushResult (uploads published/failed/dropped); false when ``timeout`` ran out."""
         self._gate.check()
-        return flush_all(self._saver.flush, self._remote, timeout)
+        limit = optional_real(timeout, "timeout", minimum=0.0, unit="seconds")
+        return flush_all(self._saver.flush, self._remote, limit)
 
     def close(self) -> None:
         """Abandon this store's pending captures (and dead owners'), flush counters, release resources.

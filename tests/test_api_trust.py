@@ -146,6 +146,38 @@ def test_store_open_sizes_take_numpy_integers_and_refuse_floats(tmp_path: Any) -
             ss.Store.open(str(tmp_path / "t"), identity=IDENT, layout=LAYOUT, **kw)
 
 
+def test_the_other_numeric_arguments_go_through_the_same_check(tmp_path: Any) -> None:
+    """gc(grace=), flush(timeout=), async_copy_bytes, EngineMeta fields, PrefillRate, PagedRows axes:
+    numpy scalars accepted, the rest refused naming the argument (before: 10**400 / nan / strings
+    slipped through or escaped as raw TypeError / OverflowError)."""
+    with ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=LAYOUT,
+                       async_copy_bytes=np.int64(1 << 20)) as st:
+        assert st.gc(grace=np.float32(10), dry_run=True) is not None
+        assert st.flush(timeout=np.int64(5))
+        for bad in ("10", float("nan"), -1.0):
+            with pytest.raises(ss.InvalidInputError, match="grace"):
+                st.gc(grace=bad, dry_run=True)
+            with pytest.raises(ss.InvalidInputError, match="timeout"):
+                st.flush(timeout=bad)
+    with pytest.raises(ss.ConfigError, match="async_copy_bytes"):
+        ss.Store.open(str(tmp_path / "t"), identity=IDENT, layout=LAYOUT, async_copy_bytes=1.5)
+    meta = ss.EngineMeta(["position"])
+    assert meta.unpack(meta.pack(position=np.int32(7))) == {"position": 7}
+    with pytest.raises(ss.InvalidInputError, match="position"):
+        meta.pack(position=7.0)
+    rate = ss.PrefillRate(decay=np.float32(0.5))
+    rate.observe(np.int64(1000), np.float64(0.5))
+    assert rate.tokens_per_s == 2000.0
+    with pytest.raises(ss.InvalidInputError, match="seconds"):
+        rate.observe(1000, "0.5")
+    with pytest.raises(ss.InvalidInputError, match="decay"):
+        ss.PrefillRate(decay=float("nan"))
+    pool = np.zeros((4, 16, 8), np.float16)
+    assert ss.PagedRows(pool, [0], axes=(np.int64(0), np.int8(1))).axes == (0, 1)
+    with pytest.raises(ss.InvalidInputError, match="axes"):
+        ss.PagedRows(pool, [0], axes=(0.0, 1))
+
+
 def test_layout_shapes_take_numpy_integers() -> None:
     """A shape taken from a numpy array's .shape arithmetic (np.int64) is a shape."""
     assert ss.Rows("float16", (np.int64(2), 8)).row_shape == (2, 8)

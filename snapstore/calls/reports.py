@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from snapstore._config import Budget
 from snapstore._identity import Identity
+from snapstore._numbers import real
 from snapstore._results import SnapshotInfo, Stats
 from snapstore.calls.gate import CallGate, operation
 from snapstore.catalog.queries import Txn
@@ -70,6 +71,7 @@ class StoreReports:
     def gc(self, *, grace: float = 3600.0, dry_run: bool = False) -> GcReport:
         """Collect orphan and temp files, dead pending captures, expired snapshots, over-budget leaves."""
         from snapstore.lifecycle.gc import gc
+        grace = real(grace, "grace", minimum=0.0, unit="seconds")
         if not dry_run:
             self._repo.refuse_write("collect garbage (gc(dry_run=True) says what a collection would remove)")
         return gc(self._repo, budget=self.budget, grace=grace, dry_run=dry_run, pending_lease=self.pending_lease)

@@ -16,6 +16,7 @@ import numpy as np
 
 from snapstore._errors import InvalidInputError, LayoutError
 from snapstore._layout import Fixed
+from snapstore._numbers import integer
 
 __all__ = ["EngineMeta"]
 
@@ -50,11 +51,8 @@ class EngineMeta:
                                     f"the fields are {list(self.fields)}")
         out = np.empty(len(self.fields), dtype="<i8")
         for i, f in enumerate(self.fields):
-            v = vals[f]
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not _LO <= int(v) < _HI:
-                raise InvalidInputError(f"{self.name}: field {f!r} must be an int in the int64 range, got {v!r} "
-                                        "(fold a wider hash to 63 bits)")
-            out[i] = int(v)
+            what = f"{self.name}: field {f!r} (an int in the int64 range: fold a wider hash to 63 bits)"
+            out[i] = integer(vals[f], what, minimum=_LO, maximum=_HI - 1)
         return out
 
     def empty(self) -> np.ndarray:

@@ -48,6 +48,7 @@ from snapstore._config import MIB, env_int
 from snapstore._errors import ConfigError, InvalidInputError, StateError
 from snapstore._forks import track
 from snapstore._layout import Layout
+from snapstore._numbers import integer
 from snapstore._refs import snapshot_id
 from snapstore._results import SaveResult
 from snapstore._tokens import as_token_array
@@ -67,9 +68,7 @@ def copy_budget(value: int | None) -> int:
     if value is None:
         env = env_int("SNAPSTORE_ASYNC_COPY_MIB")
         return (env if env is not None else DEFAULT_ASYNC_COPY_MIB) * MIB
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"async_copy_bytes must be a non-negative int, got {value!r}")
-    return value
+    return integer(value, "async_copy_bytes", minimum=0, err=ConfigError)
 
 
 class SaveHandle:
