@@ -32,7 +32,7 @@ TOKENS = [7 + i for i in range(300)]
 MORE = TOKENS + [9000 + i for i in range(50)]
 RNG = np.random.default_rng(46)
 KV = RNG.integers(0, 256, (350, 64), dtype=np.uint8)
-REC1, REC2, REC3 = (RNG.standard_normal((4, 8)).astype(np.float32) for _ in range(3))
+REC1, REC2, REC3 = [RNG.standard_normal((4, 8)).astype(np.float32) for _ in range(3)]
 
 
 def open_store(path: Any, identity: ss.Identity = IDENT, layout: ss.Layout = LAY, **kw: Any) -> ss.Store:
@@ -313,3 +313,44 @@ def test_a_negative_token_is_the_files_fault_and_nothing_is_published(tmp_path: 
             s.import_file(str(f))
         assert "verify" not in str(err.value)  # not reported as store damage
         assert s.snapshots() == [] and state_of(tmp_path / "s") == before
+
+
+# -- item 6, the shared tier: missing() looks at the file, not only the row ------------------------------
+def test_the_shared_tiers_missing_check_counts_a_lost_or_quarantined_chunk(tmp_path: Any) -> None:
+    """Fetcher.missing() decides which chunks of a shared-tier chain are fetched: a chunk whose row is
+    here but whose file is lost, or whose row is quarantined, must be fetched (and settled) again.
+    The chain's manifests are built from this store's own chain as a Publisher builds them; the
+    bucket client is never used by missing()."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from snapstore.remote.fetch import Fetcher
+    from snapstore.remote.lookup import RemoteHit
+    from snapstore.remote.publish import Publisher
+
+    with open_store(tmp_path / "s") as s, ThreadPoolExecutor(1) as pool:
+        res = s.save(TOKENS[:100], {"rec": REC1, "kv": KV[:100]})
+        repo = s._repo  # noqa: SLF001 - the store's own repository, as the shared tier uses it
+        sid = res.snapshot_id
+        links = repo.db.read(lambda c: [(link, [(p, c.part_chunks(link.id, p.name)) for p in c.parts(link.id)])
+                                        for link in c.chain(sid)])
+        pub = Publisher(None, repo, IDENT, "test", lambda ns: "scope", lambda *_: None, pool)  # type: ignore[arg-type]
+        manifests, parent = [], None
+        for link, parts in links:
+            manifests.append(pub._manifest_of("", link, parts, parent))  # noqa: SLF001
+            parent = manifests[-1].name
+        hit = RemoteHit("scope", "", tuple(manifests))
+        fetcher = Fetcher(None, repo, IDENT, lambda *_: None, pool)  # type: ignore[arg-type]
+        assert fetcher.missing(hit) == []
+        ids = [ch.id for m in manifests for p in m.parts for ch in p.chunks]
+        path = repo.blob_path(ids[-1])  # damaged, then quarantined by the restore that meets it
+        with open(path, "r+b") as fh:
+            fh.seek(70)
+            b = fh.read(1)
+            fh.seek(70)
+            fh.write(bytes([b[0] ^ 0xFF]))
+        with pytest.raises(ss.RestoreError):
+            exact(s, sid, 100, REC1)
+        assert s.stats().quarantined == 1
+        assert [e.id for e in fetcher.missing(hit)] == [ids[-1]]
+        os.unlink(repo.blob_path(ids[0]))  # lost (its row healthy)
+        assert {e.id for e in fetcher.missing(hit)} == {ids[0], ids[-1]}
