@@ -6,6 +6,7 @@ request, process or restart that starts with the same tokens. See docs/api.md.
 
 from __future__ import annotations
 
+from snapstore import _cli_start  # noqa: F401  first: Ctrl-C while the snapstore command starts (issue 46)
 from snapstore._config import Budget
 from snapstore._errors import (
     ConfigError,

@@ -64,7 +64,8 @@ TOP_KEYS = {
 }
 SNAPSHOT_KEYS = {"id", "identity", "namespace", "parent_id", "children", "depth", "n_tokens", "base_tokens", "rows",
                  "components", "parts", "logical_bytes", "segment_bytes", "stored_bytes", "exclusive_bytes", "pinned",
-                 "pending", "matchable", "quarantined", "session", "created", "last_used", "hits", "imported_from"}
+                 "has_children", "names", "pending", "matchable", "quarantined", "session", "created", "last_used",
+                 "hits", "imported_from"}
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
-from snapstore._errors import NotFoundError
+from snapstore._errors import InvalidInputError, NotFoundError
 from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, namespace_key, ref_namespace, snapshot_id
 from snapstore.calls.gate import CallGate, operation
@@ -33,9 +34,15 @@ class StoreTransfer:
 
     @operation
     def export(self, ref: SnapshotRef | str, path: str | os.PathLike[str], *,
-               namespace: str | None = None) -> ExportResult:
+               namespace: str | None = None, overwrite: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> ExportResult:
         """Write the chain of ``ref`` (a snapshot id, Match or SaveResult, or a *name*: a str) to one
-        file at ``path`` (docs/format.md "Export files"); a named export records the name."""
+        file at ``path`` (docs/format.md "Export files"); a named export records the name. ``path``
+        is never inside a store directory, and an existing file there is replaced only with
+        ``overwrite=True`` (ConfigError otherwise, nothing written). ``progress(done, total)``: called
+        as the chunks are written, in bytes (a meter for a long chain)."""
+        if not isinstance(overwrite, bool):
+            raise InvalidInputError(f"overwrite must be True or False, got {overwrite!r}")
         name: str | None = None
         if isinstance(ref, str):
             name, ns = check_name(ref), namespace_key(namespace)
@@ -49,17 +56,20 @@ class StoreTransfer:
         def chain_of(t: Txn, snap: SnapRow) -> list[SnapRow]:
             return access.chain(t, access.own(t, snap, ns))
 
-        return write_export(self._repo, sid, path, chain_of=chain_of, name=name)
+        return write_export(self._repo, sid, path, chain_of=chain_of, name=name, overwrite=overwrite,
+                            progress=progress)
 
     @operation
     def import_file(self, path: str | os.PathLike[str], name: str | None = None, *,
-                    accept_identity: str | None = None) -> ImportResult:
+                    accept_identity: str | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> ImportResult:
         """Import an export file into this store (its namespace; deduplicated against the chunks here);
         ``name``: name the imported snapshot so (None: the name the file was exported by, if any).
 
         A truncated or altered file raises ExportFileError and nothing is imported. A file of another
         identity raises IdentityError unless ``accept_identity`` names that identity's key: then the
         snapshot is marked imported under an override, restored only by id or name (docs/api.md).
+        ``progress(done, total)``: called as the chunks are read, in bytes.
         """
         return import_export(self._repo, path, access=self._access, layout=self.layout, capacity=self._capacity,
-                             accept_identity=accept_identity, name=name)
+                             accept_identity=accept_identity, name=name, progress=progress)

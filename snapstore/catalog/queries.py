@@ -399,12 +399,10 @@ class Txn(ChunkQueries, AdmissionQueries, RateQueries, PrefixQueries):
             (*ex, limit))]
 
     def expired(self, before: float) -> list[SnapRow]:
-        """Committed snapshots the TTL no longer serves (last used before ``before``, no live name:
-        :data:`snapstore.catalog.admission.TTL_FRESH_SQL`), deepest first."""
-        fresh = TTL_FRESH_SQL.format(last_used="last_used", sid="s.id")
+        """Committed snapshots the TTL no longer serves (:data:`TTL_FRESH_SQL`: no live name), deepest first."""
         return [snap_row(r) for r in self._c.execute(
-            f"SELECT {SNAP_COLS} FROM snapshots s WHERE state = 1 AND NOT {fresh} ORDER BY depth DESC",
-            (before, time.time()))]
+            f"SELECT {SNAP_COLS} FROM snapshots s WHERE state = 1 AND NOT "
+            f"{TTL_FRESH_SQL.format(last_used='last_used', sid='s.id')} ORDER BY depth DESC", (before, time.time()))]
 
     def pending(self) -> list[SnapRow]:
         return [snap_row(r) for r in self._c.execute(f"SELECT {SNAP_COLS} FROM snapshots WHERE state = 0")]

@@ -7,6 +7,7 @@ Every snapshot description, the library's and inspect's, is built by :func:`snap
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from snapstore._errors import InvalidInputError, NotFoundError, StoreFormatError
@@ -90,8 +91,10 @@ def snapshot_infos(t: Txn, identity_key: str) -> list[SnapshotInfo]:
 
 
 def snapshot_entry(c: Txn, s: SnapRow, keys: dict[int, str], kids: dict[int, list[int]],
-                   with_chunks: bool = False, broken: dict[int, bool] | None = None) -> SnapshotEntry:
-    """inspect's entry for one snapshot: its :func:`snapshot_info` plus parts, chunks and bytes."""
+                   with_chunks: bool = False, broken: dict[int, bool] | None = None,
+                   names: list[str] | None = None) -> SnapshotEntry:
+    """inspect's entry for one snapshot: its :func:`snapshot_info` plus parts, chunks and bytes;
+    ``names``: the live names that pin it."""
     parts = c.parts(s.id)
     counts: dict[bytes, int] = {}
     rows_by_chunk: dict[bytes, ChunkRow] = {}
@@ -117,7 +120,7 @@ def snapshot_entry(c: Txn, s: SnapRow, keys: dict[int, str], kids: dict[int, lis
         children=sorted(kids.get(s.id, [])), base_tokens=s.base_tokens, parts=part_list,
         stored_bytes=sum(ch.stored_len for ch in rows_by_chunk.values()),
         exclusive_bytes=sum(ch.stored_len for cid, ch in rows_by_chunk.items() if ch.refs <= counts[cid]),
-        referenced_bytes=referenced)
+        referenced_bytes=referenced, names=list(names or []))
 
 
 def _identity_fields(ident_id: int, canonical: str) -> dict[str, Any]:
@@ -138,10 +141,14 @@ def inspect_store(c: Txn, root: str) -> StoreReport:
             kids.setdefault(s.parent_id, []).append(s.id)
     ids = {s.id for s in snaps}
     broken = c.quarantined_users()
-    entries = [snapshot_entry(c, s, keys, kids, broken=broken) for s in snaps]
     names: dict[int, list[NameEntry]] = {}
+    pins: dict[int, list[str]] = {}  # per snapshot: the live names that pin it
+    now = time.time()
     for iid, ns, name, sid, created, expires in c.all_names():  # expired ones too, until removed: shown as such
         names.setdefault(iid, []).append(NameEntry(ns or None, name, sid, created, expires))
+        if expires is None or expires > now:
+            pins.setdefault(sid, []).append(name)
+    entries = [snapshot_entry(c, s, keys, kids, broken=broken, names=pins.get(s.id)) for s in snaps]
     identities = []
     for ident_id, key, canonical, created, last_open in idents:
         mine = [s for s in snaps if s.identity_id == ident_id]
@@ -171,7 +178,9 @@ def inspect_snapshot(c: Txn, root: str, sid: int) -> SnapshotReport:
     if s is None:
         raise NotFoundError(f"no snapshot {sid} in {root} (evicted, superseded, abandoned or never saved)")
     keys = {i: key for i, key, *_ in c.identities()}
-    entry = snapshot_entry(c, s, keys, {sid: c.children(sid)}, with_chunks=True)
+    now = time.time()
+    pins = [nm for _i, _ns, nm, target, _c, exp in c.all_names() if target == sid and (exp is None or exp > now)]
+    entry = snapshot_entry(c, s, keys, {sid: c.children(sid)}, with_chunks=True, names=pins)
     chain = [ChainLink(id=x.id, n_tokens=x.n_tokens, base_tokens=x.base_tokens, pending=x.state == SnapState.PENDING,
                        matchable=bool(x.matchable)) for x in c.chain(sid)]
     return SnapshotReport(dir=os.path.abspath(root), snapshot=entry, chain=chain)

@@ -71,6 +71,7 @@ class SnapshotEntry:
     stored_bytes: int  # on-disk bytes of the chunks its parts reference, each once
     exclusive_bytes: int  # of those, the chunks no other snapshot references
     referenced_bytes: int  # raw bytes its parts reference, per reference (summed into the totals; not in the JSON)
+    names: list[str] = field(default_factory=list)  # the live names that pin it (Store.name), any namespace
 
     def to_dict(self, detail: bool = False) -> dict[str, Any]:
         """The JSON ``SNAPSHOT`` object; ``detail``: ``parts`` as objects (``inspect ID``), else names."""
@@ -83,7 +84,9 @@ class SnapshotEntry:
             "parts": [p.to_dict() for p in self.parts] if detail else [p.name for p in self.parts],
             "logical_bytes": i.logical_bytes, "segment_bytes": i.segment_bytes,
             "stored_bytes": self.stored_bytes, "exclusive_bytes": self.exclusive_bytes,
-            "pinned": i.pinned, "pending": i.pending, "matchable": i.matchable, "quarantined": i.quarantined,
+            # "pinned" is kept for scripts and means has_children (issue 46 item 14): what pins is a name
+            "pinned": i.pinned, "has_children": bool(self.children), "names": list(self.names),
+            "pending": i.pending, "matchable": i.matchable, "quarantined": i.quarantined,
             "imported_from": i.imported_from,
             "session": i.session, "created": i.created, "last_used": i.last_used, "hits": i.hits,
         }

@@ -31,6 +31,10 @@ __all__ = ["cmd_gc", "cmd_inspect", "cmd_remote", "cmd_stats", "cmd_verify", "in
 # -- opening ---------------------------------------------------------------------------------
 def _store_dir(args: argparse.Namespace) -> str:
     root = getattr(args, "dir", None) or default_dir()
+    if os.path.lexists(root) and not os.path.isdir(root):
+        what = "a file" if os.path.isfile(root) else "not a directory"
+        raise UsageError(f"{root} is {what}, not a store directory: pass --dir with the directory that holds "
+                         f"{DB_NAME} (or set $SNAPSTORE_DIR)")
     if not os.path.isdir(root):
         raise UsageError(f"no snapstore store at {root} (no such directory); pass --dir or set $SNAPSTORE_DIR")
     if not os.path.isfile(os.path.join(root, DB_NAME)):
@@ -151,7 +155,7 @@ def cmd_gc(args: argparse.Namespace, ctx: CliContext) -> int:
     if ctx.json:
         ctx.emit_json(doc)
     else:
-        render.gc(doc, ctx)
+        render.gc(doc, ctx, verbose=bool(getattr(args, "verbose", False)))
     return EXIT_OK
 
 

@@ -11,9 +11,12 @@ This module is the entry point: it parses (:mod:`snapstore.cli.parser`), runs th
 
 from __future__ import annotations
 
+import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
+from snapstore._cli_start import take_over
 from snapstore._errors import NotFoundError, SnapstoreError
 from snapstore.cli.context import EXIT_DAMAGE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliContext, UsageError
 from snapstore.cli.parser import ArgumentsError, build_parser, parse_command_line
@@ -22,33 +25,51 @@ __all__ = ["UsageError", "build_parser", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``snapstore`` console script and ``python -m snapstore``."""
+    """Entry point of the ``snapstore`` console script and ``python -m snapstore``.
+
+    A Ctrl-C anywhere in a run — parsing included — ends it with one line on stderr and exit 130
+    (:mod:`snapstore._cli_start` covers the package's import before this runs). When this process is
+    the command, a Ctrl-C after the run (the interpreter's shutdown) is ignored: the work is done.
+    """
+    command_process = take_over()
     argv = list(sys.argv[1:] if argv is None else argv)
     ctx = CliContext(json="--json" in argv)  # until parsed: a bad command line is reported as asked
+    command: str | None = None
     try:
-        args = parse_command_line(argv)
-    except ArgumentsError as e:
-        if ctx.json:
-            ctx.error(None, str(e), EXIT_USAGE)
-        else:
-            ctx.stderr.write(e.usage)
-            ctx.note(f"{e.prog}: error: {e.message}")
-        return EXIT_USAGE
-    except SystemExit as e:  # --help, --version
-        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
-    ctx.json = bool(getattr(args, "json", False))
-    command = str(args.command)
+        try:
+            args = parse_command_line(argv)
+        except ArgumentsError as e:
+            if ctx.json:
+                ctx.error(None, str(e), EXIT_USAGE)
+            else:
+                ctx.stderr.write(e.usage)
+                ctx.note(f"{e.prog}: error: {e.message}")
+            return EXIT_USAGE
+        except SystemExit as e:  # --help, --version
+            return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+        ctx.json = bool(getattr(args, "json", False))
+        command = str(args.command)
+        return _run(command, args, ctx)
+    except KeyboardInterrupt:
+        if command_process:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # one report: a second Ctrl-C changes nothing now
+        ctx.close_meters()
+        ctx.error(command, "interrupted; the store is consistent (`snapstore gc` collects any leftovers)",
+                  EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
+    finally:
+        if command_process:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run(command: str, args: argparse.Namespace, ctx: CliContext) -> int:
+    """Run the parsed command; library errors become exit codes (docs/cli.md "Exit codes")."""
     try:
         if getattr(args, "remote", None) is not None:
             from snapstore.cli.commands import cmd_remote
             return cmd_remote(command, args, ctx)
         code: int = args.run(args, ctx)
         return code
-    except KeyboardInterrupt:
-        ctx.close_meters()
-        ctx.error(command, "interrupted; the store is consistent (`snapstore gc` collects any leftovers)",
-                  EXIT_INTERRUPTED)
-        return EXIT_INTERRUPTED
     except NotFoundError as e:
         ctx.close_meters()
         ctx.error(command, str(e), EXIT_DAMAGE)

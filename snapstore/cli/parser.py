@@ -7,7 +7,7 @@ JSON, exit 2); each subcommand's parser carries its handler as the ``run`` defau
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from snapstore.cli.commands import cmd_gc, cmd_inspect, cmd_stats, cmd_verify
 from snapstore.cli.context import UsageError
@@ -25,30 +25,43 @@ class ArgumentsError(UsageError):
 
 _MAIN_HELP = """\
 Inspect, verify and garbage-collect a snapstore store (a directory holding snapstore.db,
-blobs/ and tmp/). Safe to run while an engine is using the store.
+blobs/ and tmp/); move snapshots between stores and engines. Safe to run while an engine is
+using the store.
 
 commands:
-  inspect [ID]   identities, snapshot trees, bytes, pins, hits; one snapshot in detail
-                   snapstore inspect            snapstore inspect 42 --json
-  verify         prove the store intact (exit 0 clean, 1 damage found or repaired)
-                   snapstore verify --deep      snapstore verify --repair
-  gc             remove orphan/temp files, dead captures, expired/stale snapshots; evict to a budget
-                   snapstore gc --dry-run --disk-mib 20480
-  stats          the library's counters (hits, misses, inserts, evictions, bytes)
-                   snapstore stats --json
+{commands}
 
-exit codes: 0 ok; 1 damage found (verify; also after --repair) or no such snapshot (inspect ID);
-2 usage or I/O error (bad flag, no store at --dir); 130 interrupted (the store stays consistent).
+examples:
+  snapstore inspect                       snapstore inspect 42 --json
+  snapstore verify --deep                 snapstore verify --repair
+  snapstore gc --dry-run --disk-mib 20480
+  snapstore stats --json
+  snapstore export --name agent-7/plan plan.snapx
+  snapstore --dir /srv/new-host import plan.snapx   # creates the store there if there is none
+
+exit codes: 0 ok; 1 damage found (verify; also after --repair) or no such snapshot or name
+(inspect ID, export); 2 usage or I/O error (bad flag, no store at --dir); 130 interrupted
+(the store stays consistent).
 
 The store directory is --dir, else $SNAPSTORE_DIR, else the per-user cache directory.
-Run `snapstore COMMAND --help` for a command's options. Reference: docs/cli.md.
+Run `snapstore COMMAND --help` for a command's options and examples. Reference: docs/cli.md.
 """
+
+
+def _command_list(sub: Any) -> str:
+    """Every command the parser has, one line each with its help: the main help's list, built from
+    the parser itself so that no command is ever left out of it."""
+    rows = [(a.dest, a.help or "") for a in sub._choices_actions]
+    width = max(len(n) for n, _ in rows) + 2
+    return "\n".join(f"  {n:<{width}}{h}" for n, h in rows)
+
 
 _INSPECT_HELP = """\
 Without ID: every identity (with its fields) and, per identity and namespace, the snapshots
 drawn as trees (a child is a delta over its parent; branches share their common chain). Per
-snapshot: tokens, rows per stream, components, logical vs stored bytes, pinned (has children),
-pending/superseded, session, last use and hits; then totals and the dedup ratio.
+snapshot: tokens, rows per stream, components, logical vs stored bytes, has children (so it is
+not evicted), pinned by a name (Store.name), pending/superseded, session, last use and hits; then
+the names of each identity, the totals and the dedup ratio.
 With ID: that snapshot's parts, their chunks, and its chain from the root.
 
 Opens the store read-only and never changes it.
@@ -88,7 +101,8 @@ never another model's), snapshots unused for --ttl seconds,
 and least-recently-used leaves until the store fits --disk-mib / --max-entries (the library's
 own eviction: a snapshot with children is never evicted). Then chunk files nothing references
 and temp files, when older than --grace seconds (safe beside an engine that is writing).
---dry-run prints exactly what would be removed and changes nothing.
+--dry-run prints exactly what would be removed and changes nothing. The text counts the files
+and lists the first 20 (--verbose: all of them; --json: all of them, always).
 
 Defaults: --disk-mib $SNAPSTORE_DISK_MIB, --max-entries $SNAPSTORE_MAX_ENTRIES,
 --ttl $SNAPSTORE_TTL (unset: no such limit), --grace 3600.
@@ -97,6 +111,7 @@ examples:
   snapstore gc --dry-run
   snapstore gc --disk-mib 20480 --ttl 604800
   snapstore gc --keep-identity id-3f9c0d...   # drop this model's other builds' snapshots
+  snapstore gc --dry-run --verbose            # every file a real run would remove
 """
 
 _STATS_HELP = """\
@@ -153,9 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="store directory (default: $SNAPSTORE_DIR, else the per-user cache dir)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help='print one JSON object ("format": 1) on stdout instead of text')
-    p = _Parser(prog="snapstore", description=_MAIN_HELP, formatter_class=fmt, parents=[common])
+    p = _Parser(prog="snapstore", description=_MAIN_HELP, formatter_class=fmt, parents=[common],
+                usage="%(prog)s [-h] [--dir DIR] [--json] [--version] COMMAND [options]")
     p.add_argument("--version", action="version", version=f"snapstore {_version()}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, prog="snapstore",
+                           help=argparse.SUPPRESS)  # listed in the description, with the rest
     sub.required = True
 
     pi = sub.add_parser("inspect", parents=[common], formatter_class=fmt, description=_INSPECT_HELP,
@@ -187,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--grace", type=_nonneg_float, default=3600.0, metavar="S",
                     help="only remove orphan chunk files and temp files older than S seconds (default 3600)")
     pg.add_argument("--pending-lease", type=_nonneg_float, metavar="S", help=_LEASE_HELP)
+    pg.add_argument("-v", "--verbose", action="store_true",
+                    help="list every chunk and temp file removed (the text lists the first 20; --json lists all)")
 
     ps = sub.add_parser("stats", parents=[common], formatter_class=fmt, description=_STATS_HELP,
                         help="the library's counters")
@@ -201,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_commands(sub, common)
     from snapstore.cli.mlx import add_commands as add_mlx  # mlx-server, import-/export-mlx-cache (no mlx import)
     add_mlx(sub, common)
+    p.description = _MAIN_HELP.format(commands=_command_list(sub))
     return p
 
 

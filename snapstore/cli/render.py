@@ -33,6 +33,11 @@ def _stamp(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
+def _pinned_by(names: list[str]) -> str:
+    """What pins a snapshot: its names (Store.name) — a snapshot with children is not "pinned"."""
+    return f"pinned by name{'s' if len(names) > 1 else ''} " + ", ".join(repr(n) for n in names)
+
+
 def _snap_line(d: dict[str, Any], now: float) -> str:
     """One snapshot on one line of a tree."""
     bits = [f"#{d['id']}", f"{d['n_tokens']} tok"]
@@ -50,10 +55,12 @@ def _snap_line(d: dict[str, Any], now: float) -> str:
         flags.append("quarantined (not matched until a save heals it)")
     elif not d["matchable"] and not d.get("imported_from"):
         flags.append("superseded")
-    if d["pinned"]:
-        flags.append("pinned")
+    if d.get("names"):
+        flags.append(_pinned_by(d["names"]))
+    if d["children"]:
+        flags.append("has children")
     if flags:
-        bits.append(",".join(flags))
+        bits.append(", ".join(flags))
     if d["session"] is not None:
         bits.append(f"session={d['session']}")
     bits.append(f"used {_ago(d['last_used'], now)}")
@@ -126,8 +133,10 @@ def inspect_one(doc: dict[str, Any], out: CliContext) -> None:
               "of the same state heals it" if d["quarantined"] else
               f", imported under an identity override from {d['imported_from']}: restored by id or name, never "
               "matched" if d.get("imported_from") else ", superseded (a chain link only)")
-    if d["pinned"]:
-        state += ", pinned (has children: " + ", ".join(f"#{k}" for k in d["children"]) + ")"
+    if d.get("names"):
+        state += ", " + _pinned_by(d["names"]) + " (never evicted or expired while named)"
+    if d["children"]:
+        state += ", has children: " + ", ".join(f"#{k}" for k in d["children"]) + " (not evicted while it has)"
     out.line(f"  tokens {d['n_tokens']} (this segment {d['base_tokens']}..{d['n_tokens']}), depth {d['depth']}, "
              f"parent {'#' + str(d['parent_id']) if d['parent_id'] is not None else '-'}")
     out.line(f"  {state}")
@@ -210,8 +219,12 @@ def verify(doc: dict[str, Any], out: CliContext, repair: bool) -> None:
                  f"{len(doc['affected_snapshots'])} affected{hint}")
 
 
-def gc(doc: dict[str, Any], out: CliContext) -> None:
-    """``gc``: what was (or would be) removed and why, then the bytes freed."""
+_LISTED = 20  # files a text report lists per kind before "... N more" (--verbose: all)
+
+
+def gc(doc: dict[str, Any], out: CliContext, verbose: bool = False) -> None:
+    """``gc``: what was (or would be) removed and why, then the bytes freed. Files are counted; a dry
+    run lists the first :data:`_LISTED` of each kind, ``verbose`` every one (the JSON always has all)."""
     dry = doc["dry_run"]
     verb = "would remove" if dry else "removed"
     out.line(f"gc {doc['dir']}" + (" (dry run: nothing was changed)" if dry else ""))
@@ -230,9 +243,12 @@ def gc(doc: dict[str, Any], out: CliContext) -> None:
         files = doc[key]
         if files:
             out.line(f"  {label}: {len(files)}")
-            if dry:
-                for f in files:
+            if dry or verbose:
+                shown = files if verbose else files[:_LISTED]
+                for f in shown:
                     out.line(f"    {f}")
+                if len(shown) < len(files):
+                    out.line(f"    ... {len(files) - len(shown)} more (--verbose lists them all)")
     out.line(f"{verb} {len(doc['removed_snapshots'])} snapshots, "
              f"{len(doc['chunk_files']) + len(doc['orphan_files']) + len(doc['temp_files'])} files, "
              f"{human_bytes(doc['bytes_freed'])}; stored {human_bytes(doc['stored_bytes_before'])} -> "

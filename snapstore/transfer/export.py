@@ -26,9 +26,10 @@ from snapstore._identity import Identity
 from snapstore._layout import Fixed, Layout, Rows
 from snapstore.catalog.queries import PartKind, SnapRow, SnapState, Txn
 from snapstore.chunks.chunkfile import open_chunk
-from snapstore.chunks.publish import fsync_dir, write_all
+from snapstore.chunks.publish import write_all
 from snapstore.chunks.repo import Repo
 from snapstore.transfer.chunkcheck import BadChunk, ChunkVerify
+from snapstore.transfer.destination import check_destination, publish_output
 from snapstore.transfer.format import (
     FLAG_MARKED,
     PIECE,
@@ -126,16 +127,19 @@ def _plan(c: Txn, sid: int, chain_of: ChainCheck, name: str | None) -> _Plan:
 
 
 def write_export(repo: Repo, sid: int, path: str | os.PathLike[str], *, chain_of: ChainCheck,
-                 name: str | None = None) -> ExportResult:
-    """Write snapshot ``sid``'s chain to ``path`` (replacing a file there); what was written.
+                 name: str | None = None, overwrite: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> ExportResult:
+    """Write snapshot ``sid``'s chain to ``path``; what was written. Never inside a store directory,
+    never over an existing file unless ``overwrite`` (:mod:`snapstore.transfer.destination`).
+    ``progress(done, total)``: called after each chunk frame, in chunk bytes (the CLI's meter).
 
     ``chain_of(txn, snapshot)``: the chain, root first, after the caller's ownership checks (the
     Store's :meth:`Access.chain`; the CLI's plain walk). ``name``: recorded in the file (an
     importer names the snapshot so unless told another name).
     """
+    dest = check_destination(path, overwrite=overwrite, store_root=repo.root)  # before any work
     plan = repo.db.read(lambda c: _plan(c, sid, chain_of, name))
     h = plan.header
-    dest = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(dest))
     tmp = os.path.join(folder, f".{os.path.basename(dest)}.{secrets.token_hex(6)}.part")
     try:
@@ -156,6 +160,7 @@ def write_export(repo: Repo, sid: int, path: str | os.PathLike[str], *, chain_of
         header = encode_header(h)
         put(pack_preamble(header, FLAG_MARKED if h.imported_from is not None else 0))
         put(header)
+        total, done = sum(e.stored_len for e in h.chunks), 0
         for i, e in enumerate(h.chunks):
             head = frame_head(i)
             frame = blake3.blake3(head)
@@ -164,6 +169,9 @@ def write_export(repo: Repo, sid: int, path: str | os.PathLike[str], *, chain_of
                 frame.update(piece)
                 put(piece)
             put(frame.digest())
+            done += e.stored_len
+            if progress is not None:
+                progress(done, total)
         write_all(fd, pack_trailer(len(h.chunks), whole.digest()))
         size += 48
         os.fsync(fd)
@@ -174,12 +182,7 @@ def write_export(repo: Repo, sid: int, path: str | os.PathLike[str], *, chain_of
         os.close(fd)
         if not ok:
             _unlink(tmp)
-    try:
-        os.replace(tmp, dest)
-        fsync_dir(folder)
-    except OSError as err:
-        _unlink(tmp)
-        raise StoreIOError(err.errno or 5, f"cannot write the export file {dest}: {err.strerror}") from None
+    publish_output(tmp, dest, overwrite=overwrite)
     return ExportResult(dest, sid, h.n_tokens, len(h.chain), len(h.chunks), size, h.identity.key,
                         h.namespace or None, name, h.imported_from)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -85,9 +85,11 @@ def open_export(path: str | os.PathLike[str]) -> BinaryIO:
 
 
 def read_header(path: str | os.PathLike[str]) -> ExportHeader:
-    """The checked header of an export file (its frames not read): what the CLI opens a store with."""
-    with open_export(path) as f:
-        return ExportReader(f, os.fspath(path)).header
+    """The checked header of an export file (its frames not read): what the CLI opens a store with.
+    A damaged one is refused naming the file, as an import is (issue 46 item 14)."""
+    shown = os.fspath(path)
+    with open_export(path) as f, _named_file(shown):
+        return ExportReader(f, shown).header
 
 
 def check_layout(h: ExportHeader, layout: Layout) -> None:
@@ -113,8 +115,10 @@ class _Chunks:
 
 
 def import_export(repo: Repo, path: str | os.PathLike[str], *, access: Access, layout: Layout | None,
-                  capacity: Capacity, accept_identity: str | None, name: str | None) -> ImportResult:
-    """Import the export file at ``path`` into ``repo`` under ``access``'s identity (see the module)."""
+                  capacity: Capacity, accept_identity: str | None, name: str | None,
+                  progress: Callable[[int, int], None] | None = None) -> ImportResult:
+    """Import the export file at ``path`` into ``repo`` under ``access``'s identity (see the module).
+    ``progress(done, total)``: called as the frames are read, in chunk bytes (the CLI's meter)."""
     repo.refuse_write("import an export file")
     if name is not None:
         check_name(name)
@@ -132,7 +136,7 @@ def import_export(repo: Repo, path: str | os.PathLike[str], *, access: Access, l
                              f"({capacity.budget.disk_bytes}); nothing imported")
         chunks = _Chunks([], [], [])
         try:
-            _read_frames(repo, reader, h, access, chunks, shown)
+            _read_frames(repo, reader, h, access, chunks, shown, progress)
             reader.finish()
         except BaseException:
             repo.sweep(chunks.created)
@@ -161,11 +165,15 @@ def import_export(repo: Repo, path: str | os.PathLike[str], *, access: Access, l
 
 
 def _read_frames(repo: Repo, reader: ExportReader, h: ExportHeader, access: Access, chunks: _Chunks,
-                 shown: str) -> None:
+                 shown: str, progress: Callable[[int, int], None] | None = None) -> None:
     mine = access.identity_key
     same_scope = h.identity.key == mine
     ns = h.namespace
+    total, done = sum(e.stored_len for e in h.chunks), 0
     for i, e, pieces in reader.frames():
+        if progress is not None:
+            progress(done, total)  # before the frame: the last call below says all of it was read
+        done += e.stored_len
         spec = h.spec(e.part)
         shape = spec.shape if isinstance(spec, Fixed) else spec.row_shape
         key = scope_key(mine, ns, spec.dtype, shape)
@@ -189,6 +197,8 @@ def _read_frames(repo: Repo, reader: ExportReader, h: ExportHeader, access: Acce
             raise ExportFileError(f"{where} is altered: {bad}") from None
         chunks.ids.append(cid)
         chunks.keys.append(key)
+    if progress is not None:
+        progress(total, total)
 
 
 @contextmanager
