@@ -72,13 +72,13 @@ def _plan(c: Txn, sid: int, chain_of: ChainCheck, name: str | None) -> _Plan:
         raise StateError(f"snapshot {sid} is {what}: only a committed, matchable snapshot can be exported "
                          "(export the longer one over it)")
     chain = chain_of(c, snap)
-    canonical = {i: canon for i, _key, canon, _c, _o in c.identities()}.get(snap.identity_id)
     # the override mark travels with the state (issue 46 item 1): a chain holding state another
     # identity computed is exported marked, and importing it needs the override again
     marks = sorted({link.imported_from for link in chain if link.imported_from is not None})
     if len(marks) > 1:
         raise StateError(f"snapshot {sid}'s chain holds state imported under overrides from several identities "
                          f"({', '.join(marks)}): one file cannot say which computed it; nothing exported")
+    canonical = {i: canon for i, _key, canon, _c, _o in c.identities()}.get(snap.identity_id)
     if canonical is None:
         raise CorruptionError(f"snapshot {sid}'s identity row is missing; run `snapstore verify`")
     identity = Identity.from_dict(json.loads(canonical))
