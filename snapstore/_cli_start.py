@@ -22,14 +22,14 @@ __all__ = ["guard", "take_over"]
 
 def _is_the_command() -> bool:
     """Whether this process runs the snapstore command (``python -m snapstore``, ``bin/snapstore``)."""
-    argv = list(getattr(sys, "orig_argv", []))
-    for i, a in enumerate(argv[1:], 1):
-        if a == "-m":
-            return i + 1 < len(argv) and argv[i + 1] in ("snapstore", "snapstore.cli.main")
-        if a.startswith("-m"):
-            return a[2:] in ("snapstore", "snapstore.cli.main")
-        if not a.startswith("-"):
-            break  # a script, not a module
+    if sys.argv[:1] == ["-m"]:  # the interpreter's own -m, while it imports the module's package
+        argv = list(getattr(sys, "orig_argv", []))
+        for i, a in enumerate(argv[1:], 1):
+            if a == "-m":
+                return i + 1 < len(argv) and argv[i + 1] == "snapstore"
+            if a.startswith("-m"):
+                return a[2:] == "snapstore"
+        return False
     script = getattr(sys.modules.get("__main__"), "__file__", None) or ""
     return os.path.basename(script) == "snapstore"
 

@@ -324,6 +324,11 @@ def test_ctrl_c_in_the_first_second_is_one_line_and_exit_130(tmp_path: Path) -> 
     assert 130 in seen
     with open_store(d) as s:
         assert exact(s, s.named("plan") or 0)
+    # a program that imports snapstore as a library keeps Python's own Ctrl-C (KeyboardInterrupt)
+    lib = subprocess.run([sys.executable, "-c", "import signal, snapstore; "
+                          "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert lib.returncode == 0 and lib.stdout.strip() == "True", lib.stderr
 
 
 def _on_pty(args: list[str], env: dict[str, str], wait_for: bytes) -> tuple[int, bytes]:
