@@ -23,7 +23,7 @@ __all__ = ["guard", "take_over"]
 def _is_the_command() -> bool:
     """Whether this process runs the snapstore command (``python -m snapstore``, ``bin/snapstore``)."""
     if sys.argv[:1] == ["-m"]:  # the interpreter's own -m, while it imports the module's package
-        argv = list(getattr(sys, "orig_argv", []))
+        argv: list[str] = [str(a) for a in getattr(sys, "orig_argv", [])]
         for i, a in enumerate(argv[1:], 1):
             if a == "-m":
                 return i + 1 < len(argv) and argv[i + 1] == "snapstore"
