@@ -1,14 +1,19 @@
 """The vLLM connector on a hybrid model (issue 28), real vLLM on the CPU: a tiny random
-Qwen3-Next (three gated-delta-net layers, one attention layer; bfloat16; vLLM gives its attention
-544-token blocks and keeps a recurrent state per block boundary with prefix caching on). A store
-written by one vLLM process serves the next: a prompt that shares 3 x 544 tokens with a stored
-one restores its attention blocks and the state pages at that boundary and generates exactly what
-the same vLLM generates without the connector; a damaged state chunk makes vLLM recompute the
-request (never attention without its state). Four vLLM processes, ~40 s each: slow tier.
+Qwen3-Next (three gated-delta-net layers, one attention layer; bfloat16; vLLM keeps a recurrent
+state per block boundary with prefix caching on). A store written by one vLLM process serves the
+next: a prompt that shares 3 blocks with a stored one restores its attention blocks and the state
+pages at that boundary and generates exactly what the same vLLM generates without the connector;
+a damaged state chunk makes vLLM recompute the request (never attention without its state). Four
+vLLM processes, ~40 s each: slow tier.
 
-Every process prefills in 544-token chunks (``max_num_batched_tokens``): vLLM holds a state only
-where a chunk ends (and at a prompt's last block boundary), so that is where the connector saves
-them; the baseline runs the same configuration, so the outputs compare exactly."""
+The block size is pinned (``BS``): left to itself vLLM raises a hybrid model's attention block to
+hold a state page, and the state's size depends on the CPU's kernels (544-token blocks on some
+CPUs, 288 on the AMD EPYC CI machines: 6 saves where 3 were expected). Pinned above both, every
+CPU gets ``BS``; each run checks the block size vLLM reports it used, so a CPU that needs larger
+blocks fails saying so instead of failing on counts. Every process prefills in BS-token chunks
+(``max_num_batched_tokens``): vLLM holds a state only where a chunk ends (and at a prompt's last
+block boundary), so that is where the connector saves them; the baseline runs the same
+configuration, so the outputs compare exactly."""
 
 from __future__ import annotations
 
@@ -22,8 +27,20 @@ import pytest
 from test_vllm_connector import DRIVER, serve, snapstore_json, vllm_python  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
-BS = 544  # vLLM's attention block for this model (its page must hold a GDN state page)
-SPEC: dict[str, Any] = {"dtype": "bfloat16", "prefix_cache": True, "chunked": BS, "max_len": 8192, "kv_mib": 256}
+# the attention block, pinned: a multiple of 32 (the CPU attention kernel's) at least the size vLLM
+# derives from the state page on any CPU seen (288, 544): vLLM keeps a pinned size that holds a page
+BS = 576
+SPEC: dict[str, Any] = {"dtype": "bfloat16", "prefix_cache": True, "chunked": BS, "block_size": BS, "max_len": 8192,
+                        "kv_mib": 256}
+
+
+def hybrid_serve(*args: Any, **kw: Any) -> dict[str, Any]:
+    """``serve`` with SPEC, checking that vLLM used the pinned block size (what every count below assumes)."""
+    res = serve(*args, **kw, **SPEC)
+    assert res["block_size"] == BS, (
+        f"vLLM used {res['block_size']}-token blocks, not the pinned {BS}: this CPU's state page needs larger "
+        "blocks; raise BS (a multiple of 32) to at least that")
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +53,7 @@ def hybrid_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture(scope="module")
 def prompts() -> dict[str, list[int]]:
-    """P1: a 3 x 544-token prefix S and 300 more tokens; P2: S and 200 other tokens."""
+    """P1: a 3-block prefix S and 300 more tokens; P2: S and 200 other tokens."""
     rng = random.Random(7)
     s = [rng.randrange(4, 512) for _ in range(3 * BS)]
     p1 = s + [rng.randrange(4, 512) for _ in range(300)]
@@ -49,8 +66,8 @@ def prompts() -> dict[str, list[int]]:
 def baseline(hybrid_model: str, prompts: dict[str, list[int]],
              tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
     """Greedy outputs without a connector; P2 under a cache salt, so vLLM computes it whole."""
-    res = serve(hybrid_model, tmp_path_factory.mktemp("hy-base"), "base",
-                [prompts["P1"], {"tokens": prompts["P2"], "salt": "fresh"}], **SPEC)
+    res = hybrid_serve(hybrid_model, tmp_path_factory.mktemp("hy-base"), "base",
+                       [prompts["P1"], {"tokens": prompts["P2"], "salt": "fresh"}])
     assert [r["num_cached_tokens"] for r in res["results"]] == [0, 0]
     return {"P1": res["results"][0]["tokens"], "P2": res["results"][1]["tokens"]}
 
@@ -58,11 +75,11 @@ def baseline(hybrid_model: str, prompts: dict[str, list[int]],
 @pytest.fixture(scope="module")
 def saved_store(hybrid_model: str, prompts: dict[str, list[int]], baseline: dict[str, list[int]],
                 tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Process 1 serves P1 through the connector: snapshots at 544, 1088 and 1632 tokens, a delta
-    chain (each: one attention block and the three state pages at its boundary)."""
+    """Process 1 serves P1 through the connector: snapshots at 1, 2 and 3 blocks, a delta chain
+    (each: one attention block and the three state pages at its boundary)."""
     tmp = tmp_path_factory.mktemp("hy-saved")
     store = tmp / "store"
-    res = serve(hybrid_model, tmp, "p1", [prompts["P1"]], connector="snapstore", extra={"path": str(store)}, **SPEC)
+    res = hybrid_serve(hybrid_model, tmp, "p1", [prompts["P1"]], connector="snapstore", extra={"path": str(store)})
     assert res["results"][0]["tokens"] == baseline["P1"]
     assert res["stats"]["worker"]["saves"] == 3 and res["stats"]["worker"]["save_errors"] == 0
     return store
@@ -99,14 +116,14 @@ def test_stored_boundaries_are_a_delta_chain_with_a_state_each(saved_store: Path
 def test_new_process_restores_the_shared_prefix_with_identical_output(
         hybrid_model: str, prompts: dict[str, list[int]], baseline: dict[str, list[int]], saved_store: Path,
         tmp_path: Path) -> None:
-    """Process 2 serves P2, which shares only S (1632 tokens) with the stored P1: it is offered
-    the 1632 boundary, restores 3 attention blocks and the state pages, and generates exactly what
+    """Process 2 serves P2, which shares only S (3 blocks) with the stored P1: it is offered
+    the 3-block boundary, restores 3 attention blocks and the state pages, and generates exactly what
     vLLM generates without the connector; P1 then hits vLLM's own prefix cache. The store verifies
     clean."""
     store = tmp_path / "store"
     shutil.copytree(saved_store, store)
-    p2 = serve(hybrid_model, tmp_path, "p2", [prompts["P2"], prompts["P1"]], connector="snapstore",
-               extra={"path": str(store)}, **SPEC)
+    p2 = hybrid_serve(hybrid_model, tmp_path, "p2", [prompts["P2"], prompts["P1"]], connector="snapstore",
+                      extra={"path": str(store)})
     assert [r["num_cached_tokens"] for r in p2["results"]] == [3 * BS, 3 * BS]
     assert [r["tokens"] for r in p2["results"]] == [baseline["P2"], baseline["P1"]]
     worker = p2["stats"]["worker"]
@@ -117,7 +134,7 @@ def test_new_process_restores_the_shared_prefix_with_identical_output(
 def test_damaged_state_chunk_recomputes_never_wrong_output(
         hybrid_model: str, prompts: dict[str, list[int]], baseline: dict[str, list[int]], saved_store: Path,
         tmp_path: Path) -> None:
-    """One flipped byte in the state page of the 1632 boundary: the load fails its checksum, the
+    """One flipped byte in the state page of the 3-block boundary: the load fails its checksum, the
     connector reports the request's load failed, vLLM recomputes it (output identical to the run
     without the connector) and is not offered the damaged boundary again; the recomputed request's
     saves heal the store."""
@@ -130,8 +147,8 @@ def test_damaged_state_chunk_recomputes_never_wrong_output(
     raw = bytearray(victim.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     victim.write_bytes(bytes(raw))
-    p3 = serve(hybrid_model, tmp_path, "p3", [prompts["P2"]], connector="snapstore", extra={"path": str(store)},
-               **SPEC)
+    p3 = hybrid_serve(hybrid_model, tmp_path, "p3", [prompts["P2"]], connector="snapstore",
+                      extra={"path": str(store)})
     assert p3["results"][0]["tokens"] == baseline["P2"]
     worker = p3["stats"]["worker"]
     assert worker["load_errors"] == 1 and worker["loads"] == 0
