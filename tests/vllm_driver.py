@@ -10,9 +10,11 @@ all attend within a window of N tokens.
 spec one after another (greedy) and writes, per prompt, the output token ids,
 ``num_cached_tokens`` and the seconds the request took (with ``max_tokens=1``: the time to first
 token) and, for the snapstore connector, the microseconds its scheduler's lookup and its worker's load
-took for that request, to the spec's ``out`` path as JSON, with the connector's counters. The spec says which
+took for that request, to the spec's ``out`` path as JSON, with the connector's counters and the
+attention block size vLLM chose (``block_size``: a hybrid model's is raised to fit its state pages). The spec says which
 connector (``snapstore``, ``example`` or none), the prefix cache and chunked prefill settings,
-``hf_overrides``; a prompt is a list of token ids or ``{"tokens": [...], "salt": "..."}``.
+``hf_overrides``, ``idle_s`` (seconds the engine idles between prompts); a prompt is a list of
+token ids or ``{"tokens": [...], "salt": "..."}``.
 
 ``python vllm_driver.py keys OUT.json`` checks the connector's keys against vLLM's own classes
 without a model: real ``Request`` objects (LoRA, multimodal items, ``cache_salt``, prompt
@@ -74,7 +76,8 @@ def build_sliding(path: str, window: int) -> None:
 def build_hybrid(path: str) -> None:
     """A tiny random Qwen3-Next (gated delta net layers 0-2, full attention layer 3, a 4-expert
     MoE), bfloat16 (the CPU gated-delta-net kernel needs it, with a linear-attention head dim of
-    128), and the same tokenizer. vLLM gives its attention layers 544-token blocks."""
+    128), and the same tokenizer. vLLM raises its attention blocks to hold a state page: 544 tokens
+    on some CPUs, 288 on others (the state's size depends on the CPU's kernels), unless pinned larger."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -128,7 +131,9 @@ def serve(spec_path: str) -> None:
               compilation_config={"mode": 0}, **kw)  # eager: starts faster, writes no compile cache
     params = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 8)), ignore_eos=True)
     results = []
-    for prompt in spec["prompts"]:  # one at a time: a later prompt finds what an earlier one saved
+    for i, prompt in enumerate(spec["prompts"]):  # one at a time: a later prompt finds what an earlier one saved
+        if i and spec.get("idle_s"):  # the engine idles between requests, as a server does
+            time.sleep(float(spec["idle_s"]))
         before = _connector_us()
         t0 = time.perf_counter()
         tp = TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else \
@@ -139,9 +144,10 @@ def serve(spec_path: str) -> None:
         results.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": int(o.num_cached_tokens or 0),
                         "seconds": seconds, **{k: after[k] - before[k] for k in after}})
     stats = _connector_stats()
+    block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)  # what vLLM chose (hybrid: raised)
     del llm
     with open(spec["out"], "w") as f:
-        json.dump({"results": results, "stats": stats}, f)
+        json.dump({"results": results, "stats": stats, "block_size": block_size}, f)
 
 
 def _connector_us() -> dict[str, int]:
