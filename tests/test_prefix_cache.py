@@ -454,3 +454,32 @@ def test_the_cache_measures_its_prefill_rate_and_passes_it_to_match(llama: Any, 
         out = pc.generate(b, cache_prefix=S, **kw())
         assert seen[-1] is not None and seen[-1] > 0
         assert _same(out, reference(llama, b, cuts(b.shape[1], [S]), **kw()))  # restored or read: the same bytes
+
+
+def test_the_prefill_rate_times_the_forwards_only(llama: Any, tmp_path: Any) -> None:
+    """A known trace (issue 47 item 9): every forward of the model takes at least F more (a hook on
+    a layer, inside the forward), and the caller's streamer sleeps W at each put (generate calls it
+    with the prompt and with each token, outside the forward). The prompt is read in one forward
+    (no cuts), so the rate is n / (F + compute): the streamer's sleeps are not prefill time."""
+    import time
+
+    F, W = 0.05, 0.4
+    ids = tokens("llama", "rate", 40)
+
+    class Sleepy:
+        def put(self, value: Any) -> None:
+            time.sleep(W)
+
+        def end(self) -> None:
+            pass
+
+    hook = llama.model.layers[0].register_forward_hook(lambda *_: time.sleep(F))
+    try:
+        with _pc(llama, tmp_path, boundary=0) as pc:
+            pc.uncached_generate(ids, **kw())  # warm-up: a first forward's one-off costs are no rate either
+            pc.generate(ids, streamer=Sleepy(), **kw())
+            rate = pc.prefill_rate.tokens_per_s
+    finally:
+        hook.remove()
+    n = ids.shape[1]
+    assert rate is not None and n / (F + W / 2) < rate < n / F, rate  # timing the call to the prompt's end: < n / 2W

@@ -12,6 +12,7 @@ taken at a cut holds the bytes a later call computes for that piece (docs/engine
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, Union, cast
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BatchNotSupportedError",
     "CachePrefix",
+    "ForwardTimer",
     "Generated",
     "PromptEnd",
     "bypass_reason",
@@ -160,6 +162,45 @@ def bypass_reason(model: PreTrainedModel, kw: Mapping[str, Any]) -> str | None:
         if value != defaults.get(name):
             return f"generate({name}={value!r}) is not known to leave the prompt's state alone"
     return None
+
+
+class ForwardTimer:
+    """The wall time of ``model``'s forwards (hooks on the model: from its first pre-hook to its last
+    hook) until :meth:`stop`: what a prompt's read costs the model, without generate's set-up, the
+    caller's logits processors and streamer, or captures at cuts. On CUDA each timed forward waits
+    for its kernels (the rate is of the computation, not of its launch)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.seconds = 0.0
+        self._t0: float | None = None
+        self._on = True
+        self._cuda = device.type == "cuda"
+        self._device = device
+        self._handles = [model.register_forward_pre_hook(self._pre, prepend=True),
+                         model.register_forward_hook(self._post)]
+
+    def _pre(self, *_: Any) -> None:
+        if self._on:
+            self._t0 = time.perf_counter()
+
+    def _post(self, *_: Any) -> None:
+        if self._on and self._t0 is not None:
+            if self._cuda:
+                torch.cuda.synchronize(self._device)
+            self.seconds += time.perf_counter() - self._t0
+        self._t0 = None
+
+    def stop(self) -> float:
+        """Stop timing (the prompt is read); the seconds its forwards took."""
+        self._on = False
+        return self.seconds
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        self._on = False
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 class PromptEnd:

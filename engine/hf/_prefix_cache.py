@@ -47,6 +47,7 @@ from . import _cache
 from ._capture import Captures
 from ._generate import (
     BatchNotSupportedError,
+    ForwardTimer,
     Generated,
     PromptEnd,
     _generator,
@@ -110,8 +111,8 @@ class PrefixCache:
         self._n: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._told: set[str] = set()
         self._closed = False
-        # this cache's own prefill rate (tokens/s, timed around the model's reads of each prompt), passed to
-        # match() so a restore estimated slower than reading its tokens is not made (docs/api.md)
+        # this cache's own prefill rate (tokens/s: a prompt's tokens over the time of the model's forwards that
+        # read them), passed to match() so a restore estimated slower than reading its tokens is not made
         self.prefill_rate = PrefillRate()
 
     # -- the split ------------------------------------------------------------------------------
@@ -156,17 +157,21 @@ class PrefixCache:
         self._add(calls=1, hits=int(start > 0), misses=int(start == 0), prompt_tokens=n, restored_tokens=start,
                   prefilled_tokens=n - start)
         caps = Captures(self.store.layout, self._save, lambda: self._add(captures=1), parent, namespace)
-        clock = [time.perf_counter(), 0.0]  # when the prompt's read began; seconds spent capturing at cuts
+        timer = ForwardTimer(self.model, self.device)  # the prompt's forwards only: the rate match() weighs
+
+        def capture(upto: list[int], as_session: str | None) -> None:
+            if self.store.read_only:  # a cache baked into a read-only image: it generates, saves nothing
+                self._add(skipped=1)
+            else:
+                caps.add(cache, upto, as_session)
 
         def at_cut(c: int) -> None:
-            t = time.perf_counter()
-            caps.add(cache, tokens[:c], None)
-            clock[1] += time.perf_counter() - t
+            capture(tokens[:c], None)
 
         def prompt_end() -> None:
-            self.prefill_rate.observe(n - start, time.perf_counter() - clock[0] - clock[1])  # the read, less captures
+            self.prefill_rate.observe(n - start, timer.stop())
             if not prompt_stored and cache.get_seq_length() == n:
-                caps.add(cache, tokens, session)
+                capture(tokens, session)
 
         try:
             prefill(self.model, ids, cache, start, cuts, at_cut)
@@ -176,6 +181,8 @@ class PrefixCache:
             caps.drain()
             self._abandon(caps.results)
             raise
+        finally:
+            timer.close()
         if Look(self.model).same(self._seen):
             self._commit(caps.results)
         else:  # the model changed during the call (a callback, another thread): its captures may mix states
