@@ -2,8 +2,9 @@
 a chain that restores byte-exact, or is refused with ExportFileError and changes nothing.
 
 Hypothesis draws a chain (1-3 links; a row stream, optionally a fixed part and a ``draft``
-component stream; superseded links without their fixed parts; 4- or 8-byte tokens; a namespace, a
-name, the override mark) and writes it with tests/support/export_model.py, which packs every
+component stream; one row a token, or one per 4 tokens (block-granular); superseded links
+without their fixed parts; 4- or 8-byte tokens; a namespace, a name, the override mark) and
+writes it with tests/support/export_model.py, which packs every
 section from docs/format.md itself. Then, for most examples, it breaks one field — a negative
 token, a namespace or name no call could reach, rows or sizes that do not add up, a chunk index
 out of range, a stream the leaf continues but an ancestor lacks, a leaf without a fixed part, the
@@ -49,30 +50,33 @@ Mutation = Callable[[Doc, list[bytes]], None]
 @st.composite
 def models(draw: st.DrawFn) -> ModelFile:
     row = draw(st.sampled_from([4, 8]))
-    has_fixed, has_draft = draw(st.booleans()), draw(st.booleans())
+    g = draw(st.sampled_from([None, None, 4]))  # block-granular streams: one row per g tokens (no fixed parts)
+    has_fixed, has_draft = g is None and draw(st.booleans()), draw(st.booleans())
     parts = [ModelPart("kv", "rows", (row,))]
     parts += [ModelPart("rec", "fixed", (FIXED,))] if has_fixed else []
     parts += [ModelPart("dr", "rows", (DRAFT,), "draft")] if has_draft else []
     width = draw(st.sampled_from([4, 8]))
     top = 2**31 - 1 if width == 4 else 2**63 - 1
     n_links = draw(st.integers(1, 3))
-    links, rows = [], 0
+    links, rows, n = [], 0, 0
     for j in range(n_links):
-        k = draw(st.integers(1, 10))
+        k = draw(st.integers(g or 1 if j == 0 else 1, 10))  # the root holds a row: every file has a chunk
         toks = draw(st.lists(st.integers(0, top), min_size=k, max_size=k))
-        data: dict[str, tuple[int, int, bytes]] = {"kv": (rows, rows + k, draw(st.binary(min_size=k * row,
-                                                                                       max_size=k * row)))}
+        n += k
+        r = n // (g or 1) - rows  # this link's rows (0 for a block-granular link shorter than a block)
+        data: dict[str, tuple[int, int, bytes]] = {"kv": (rows, rows + r, draw(st.binary(min_size=r * row,
+                                                                                       max_size=r * row)))}
         if has_draft:
-            data["dr"] = (rows, rows + k, draw(st.binary(min_size=k * DRAFT, max_size=k * DRAFT)))
+            data["dr"] = (rows, rows + r, draw(st.binary(min_size=r * DRAFT, max_size=r * DRAFT)))
         superseded = j < n_links - 1 and has_fixed and draw(st.booleans())
         if has_fixed and not superseded:  # a superseded link is kept for its rows, without its fixed parts
             data["rec"] = (0, 0, draw(st.binary(min_size=FIXED, max_size=FIXED)))
-        rows += k
+        rows += r
         links.append(ModelLink(toks, data, matchable=not superseded))
     return ModelFile(IDENT, parts, links, namespace=draw(st.sampled_from(["", "tenant-a"])),
                      name=draw(st.sampled_from([None, "agent"])),
                      imported_from=draw(st.sampled_from([None, OTHER.key])),
-                     chunk_bytes=draw(st.sampled_from([8, 24, 4096])), token_width=width)
+                     chunk_bytes=draw(st.sampled_from([8, 24, 4096])), token_width=width, tokens_per_row=g)
 
 
 # -- one-field breakages: (label, applies to the model?, how) ----------------------------------------------
@@ -163,7 +167,7 @@ def breakages(draw: st.DrawFn, m: ModelFile) -> tuple[str, ModelFile, Mutation |
 
 def _with(m: ModelFile, **kw: Any) -> ModelFile:
     fields = {k: getattr(m, k) for k in ("identity", "parts", "links", "namespace", "name", "imported_from",
-                                         "chunk_bytes", "token_width", "flags")}
+                                         "chunk_bytes", "token_width", "flags", "tokens_per_row")}
     return ModelFile(**{**fields, **kw})
 
 
@@ -176,7 +180,7 @@ def _state(root: str, s: ss.Store) -> tuple[Any, ...]:
 
 
 def _restored(s: ss.Store, m: ModelFile, ref: Any, upto: int, ns: str | None) -> dict[str, bytes]:
-    rows = sum(len(ln.tokens) for ln in m.links[:upto + 1])
+    rows = len(m.tokens(upto)) // (m.tokens_per_row or 1)
     into: dict[str, np.ndarray] = {}
     for p in m.parts:
         into[p.name] = np.zeros(p.shape if p.kind == "fixed" else (rows, *p.shape), np.uint8)

@@ -70,10 +70,12 @@ class ModelFile:
     chunk_bytes: int = 48  # each part segment is cut into chunks of at most this many bytes
     token_width: int = 4
     flags: int | None = None  # None: the flag the mark calls for
+    tokens_per_row: int | None = None  # block-granular streams (no fixed parts then): n tokens hold n // g rows
 
     def layout(self) -> ss.Layout:
         return ss.Layout(fixed={p.name: p.spec() for p in self.parts if p.kind == "fixed"},  # type: ignore[misc]
-                         rows={p.name: p.spec() for p in self.parts if p.kind == "rows"})  # type: ignore[misc]
+                         rows={p.name: p.spec() for p in self.parts if p.kind == "rows"},  # type: ignore[misc]
+                         tokens_per_row=self.tokens_per_row)
 
     def tokens(self, upto: int | None = None) -> list[int]:
         """The tokens of links ``[0, upto]`` (the whole chain by default)."""
@@ -126,7 +128,8 @@ def _build(m: ModelFile) -> _Built:
                                "checksum": xxhash.xxh3_128_digest(raw).hex(), "id": blake3.blake3(raw).hexdigest(),
                                "part": name})
                 frames.append(chunk_file(raw))
-            parts.append({"name": name, "row_start": r0, "row_end": r1, "nbytes": len(data), "tokens_per_row": None,
+            per = m.tokens_per_row if specs[name].kind == "rows" else None
+            parts.append({"name": name, "row_start": r0, "row_end": r1, "nbytes": len(data), "tokens_per_row": per,
                           "chunks": idx})
         chain.append({"n_tokens": n, "base_tokens": base, "token_width": m.token_width,
                       "tokens": base64.b64encode(toks).decode(), "logical_bytes": sum(len(d) for *_r, d in
@@ -134,7 +137,7 @@ def _build(m: ModelFile) -> _Built:
                       "matchable": ln.matchable, "parts": parts})
     doc = {"format": "snapstore-export", "v": 1, "writer": "export_model", "created": 1.0e9,
            "identity": m.identity.to_dict(), "identity_key": m.identity.key, "namespace": m.namespace,
-           "name": m.name, "imported_from": m.imported_from, "snapshot_id": 1, "tokens_per_row": None,
+           "name": m.name, "imported_from": m.imported_from, "snapshot_id": 1, "tokens_per_row": m.tokens_per_row,
            "layout": [{"name": p.name, "kind": p.kind, "dtype": "uint8", "shape": list(p.shape),
                        "component": p.component} for p in sorted(specs.values(), key=lambda p: p.name)],
            "chain": chain, "chunks": chunks}
