@@ -189,8 +189,9 @@ class LlamaBridge:
             if not (process_changed or switched):
                 return
             self._taint_all()
-        if process_changed:
-            self._prove_empty()
+        if process_changed:  # a new server process: its slots hold only what admitted requests put there
+            with self._pick:
+                self._clean = [self._foreign == 0] * self.n_slots
             return
         states = self.server.slot_states()
         for slot, st in states.items():

@@ -158,11 +158,15 @@ class SlotStore:
         self.prefill_rate = PrefillRate()
         self._lock = threading.Lock()
 
-    def switch(self, model: ModelInfo, build: str, runtime: Mapping[str, str]) -> bool:
+    def switch(self, model: ModelInfo, build: str, runtime: Mapping[str, str], probe: SlotFile | None = None) -> bool:
         """Serve ``model``/``build``/``runtime`` from now on; True when that is another identity (the
-        current store is closed, the next file opens the new one, and the generation moves on)."""
+        current store is closed, the next file opens the new one, and the generation moves on).
+        ``probe``: a slot file the server writes now — slots of other constants (a server restarted with
+        another number of slots or streams) are another identity too."""
         with self._lock:
-            if self.is_current(model, build, runtime):
+            same_proto = probe is None or self.proto is None or \
+                SlotProto.of(probe, model.shape).base() == self.proto.base()
+            if self.is_current(model, build, runtime) and same_proto:
                 return False
             old, self.store, self.proto = self.store, None, None
             self.model, self.build, self.runtime = model, build, dict(runtime)

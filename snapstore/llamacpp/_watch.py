@@ -88,7 +88,7 @@ class IdentityWatch:
             raise
         self._first = False
         self.build = build
-        changed = slots.switch(model, self.build, runtime.to_extra())
+        changed = slots.switch(model, self.build, runtime.to_extra(), sf)
         slots.open_for(sf)
         on_change(model)
         if changed and not first:

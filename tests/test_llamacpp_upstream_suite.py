@@ -1,0 +1,84 @@
+"""llama.cpp's own server test suite, directly (mode A) and through ``snapstore llama-proxy`` (mode B).
+
+The runner lives outside the project, in ``../shared/llama-server-tests`` (CI puts a copy of shared/
+beside the clone; ``SNAPSTORE_LLT_DIR`` names another place). Its ``run.sh setup`` takes the suite
+from the llama.cpp that llama-cpp-python's source distribution vendors (downloaded from the package
+registry into a work directory outside the repository): nothing of llama.cpp's code is kept here.
+It runs both ways — as the suite starts its servers (mostly ``--no-slots``) and with ``LLT_SLOTS_ON=1``
+(``/slots`` on, where the proxy's restores and saves run) — and asserts that mode B passes every test
+mode A passes. Each mode of the selection takes 2-6 minutes on two cores; ``SNAPSTORE_LLT_TESTS``
+may name a smaller selection file (the runner's TESTS_FILE). Skipped, with the reason, where the
+runner or the registry is not available.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # real servers (tests/README.md: the slow tier)
+
+pytest.importorskip("xllamacpp")
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = Path(os.environ.get("SNAPSTORE_LLT_DIR") or ROOT.parent / "shared" / "llama-server-tests")
+
+
+def _outcomes(xml: Path) -> dict[str, str]:
+    """test id -> passed / failed / error / skipped, from a junit file."""
+    out = {}
+    for tc in ET.parse(xml).getroot().iter("testcase"):
+        name = f"{tc.get('classname')}::{tc.get('name')}"
+        state = "passed"
+        for k in ("failure", "error", "skipped"):
+            if tc.find(k) is not None:
+                state = k
+        out[name] = state
+    return out
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not (RUNNER / "run.sh").is_file():
+        pytest.skip(f"llama.cpp's server test runner is not at {RUNNER} (CI puts shared/ beside the clone; "
+                    "set SNAPSTORE_LLT_DIR to another copy)")
+    cache = os.environ.get("SNAPSTORE_LLT_WORK")  # a work dir kept between runs (the sdist, the suite's venv)
+    return Path(cache) if cache else tmp_path_factory.mktemp("llt")
+
+
+def _run(work: Path, mode: str, slots_on: bool) -> dict[str, str]:
+    tag = "slots" if slots_on else "default"
+    env = {**os.environ, "LLT_WORK": str(work / tag), "LLT_PYTHON": sys.executable, "LLT_TAG": tag,
+           "LLT_SLOTS_ON": "1" if slots_on else "0", "RUN_TIMEOUT": os.environ.get("SNAPSTORE_LLT_TIMEOUT", "900")}
+    env.pop("PIP_PYTHON", None)
+    if os.environ.get("SNAPSTORE_LLT_TESTS"):
+        env["TESTS_FILE"] = os.environ["SNAPSTORE_LLT_TESTS"]
+    if shared := os.environ.get("SNAPSTORE_LLT_SDIST"):  # a downloaded sdist folder, copied to save the download
+        (work / tag / "sdist").mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", "-n", *[str(p) for p in Path(shared).glob("*.tar.gz")], str(work / tag / "sdist")],
+                       check=False)
+    if not (work / tag / "llama-tests").is_dir() or not (work / tag / "testvenv").is_dir():
+        setup = subprocess.run(["bash", str(RUNNER / "run.sh"), "setup"], env=env, capture_output=True, text=True,
+                               timeout=1200)
+        if setup.returncode != 0:
+            pytest.skip(f"the runner's setup failed (package registry unreachable?): {setup.stderr[-500:]}")
+    subprocess.run(["bash", str(RUNNER / "run.sh"), mode], env=env, check=True, timeout=1500,
+                   capture_output=True)
+    xml = work / tag / "logs" / f"junit-{mode}-{tag}.xml"
+    assert xml.is_file(), f"mode {mode} wrote no results ({xml})"
+    return _outcomes(xml)
+
+
+@pytest.mark.parametrize("slots_on", [False, True], ids=["as-the-suite-starts-servers", "slots-on"])
+def test_the_proxy_passes_every_upstream_server_test_a_direct_server_passes(work: Path, slots_on: bool) -> None:
+    a = _run(work, "A", slots_on)
+    b = _run(work, "B", slots_on)
+    passed_a = {t for t, s in a.items() if s == "passed"}
+    assert passed_a, "mode A passed nothing: the runner or the stand-in is broken"
+    lost = sorted(t for t in passed_a if b.get(t) != "passed")
+    assert not lost, f"{len(lost)} of llama.cpp's server tests pass directly but not through the proxy: {lost}"
