@@ -320,6 +320,26 @@ def test_a_paged_pool_of_another_dtype_is_refused_and_raw_bytes_pass_on_row_byte
         as_sink("kv", ss.PagedRows(raw[..., :-2], [0, 1]), PAGED.rows["kv"], 20)
 
 
+def test_a_typed_memoryview_is_checked_like_the_array_it_views(tmp_path: Any) -> None:
+    """A memoryview that says its element type and shape is checked on them, as its array would be
+    (before: on its byte count alone, so rows of (8, 8) passed for rows of (2, 4, 8)). Flat raw bytes
+    still pass on their size."""
+    tokens = list(range(30))
+    state = make_state(LAYOUT, 30)
+    with ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=LAYOUT) as st:
+        wrong = np.ascontiguousarray(state["attn.kv"]).reshape(30, 8, 8)  # same bytes, rows (8, 8)
+        with pytest.raises(ss.LayoutError, match=r"row shape is \(8, 8\)"):
+            st.save(tokens, {**state, "attn.kv": memoryview(wrong)})
+        assert st.snapshots() == []
+        raw = memoryview(np.ascontiguousarray(state["attn.kv"]).tobytes())
+        res = st.save(tokens, {**state, "attn.kv": raw})
+        dest = {k: np.empty_like(v) for k, v in state.items()}
+        with pytest.raises(ss.DestinationError, match=r"row shape is \(8, 8\)"):
+            st.restore(res, into={**dest, "attn.kv": memoryview(np.empty((30, 8, 8), np.float16))})
+        st.restore(res, into={**dest, "attn.kv": memoryview(dest["attn.kv"])})
+        assert dest["attn.kv"].tobytes() == state["attn.kv"].tobytes()
+
+
 def test_torch_paged_rows_report_their_rows_too(tmp_path: Any) -> None:
     torch = pytest.importorskip("torch")
     from snapstore.engine import TorchPagedRows

@@ -267,6 +267,21 @@ def _swapped_format(mv: memoryview) -> bool:
     return mv.itemsize > 1 and mv.format[:1] in (">", "!")
 
 
+def _as_array(mv: memoryview) -> np.ndarray | None:
+    """A buffer to check as a numpy array (a view, no copy): one that is strided, big-endian, or
+    says its element type or shape (a typed or multi-dimensional memoryview: its dtype and row shape
+    are checked against the layout like an array's). None: flat raw bytes, checked on size alone;
+    also a format numpy cannot read, which then passes on size as before."""
+    if mv.c_contiguous and not _swapped_format(mv) and mv.ndim <= 1 and mv.format in ("B", "b", "c"):
+        return None
+    try:
+        return np.asarray(mv)
+    except (TypeError, ValueError):
+        if not mv.c_contiguous:
+            raise
+        return None
+
+
 @functools.cache
 def _canonical(dtype: str) -> np.dtype | None:
     """The little-endian numpy dtype of a layout's dtype name (None: one numpy does not know)."""
@@ -387,8 +402,9 @@ def as_source(name: str, obj: Any, spec: PartSpec, rows: int) -> Source:
             raise LayoutError(f"part {name!r}: {type(obj).__name__} has read_into() but no `nbytes` attribute; "
                               f"a PartReader needs both (pass {_READER_HELP})") from None
         raise LayoutError(f"part {name!r}: {type(obj).__name__} is not a buffer (pass {_READER_HELP})") from None
-    if not mv.c_contiguous or _swapped_format(mv):
-        return as_source(name, np.asarray(mv), spec, rows)
+    arr = _as_array(mv)
+    if arr is not None:
+        return as_source(name, arr, spec, rows)
     if mv.nbytes < need:
         raise LayoutError(_short(name, "buffer", mv.nbytes, need, spec))
     return Source(name, need, mv=mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
@@ -429,8 +445,9 @@ def as_sink(name: str, obj: Any, spec: PartSpec, rows: int) -> Sink:
                                f"(pass {_WRITER_HELP})") from None
     if mv.readonly:
         raise DestinationError(f"part {name!r}: destination buffer is read-only")
-    if not mv.c_contiguous or _swapped_format(mv):
-        return as_sink(name, np.asarray(mv), spec, rows)
+    arr = _as_array(mv)
+    if arr is not None:
+        return as_sink(name, arr, spec, rows)
     if mv.nbytes < need:
         raise DestinationError(_short(name, "destination", mv.nbytes, need, spec))
     return Sink(name, need, mv=mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
