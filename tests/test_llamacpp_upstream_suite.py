@@ -48,28 +48,33 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip(f"llama.cpp's server test runner is not at {RUNNER} (CI puts shared/ beside the clone; "
                     "set SNAPSTORE_LLT_DIR to another copy)")
     cache = os.environ.get("SNAPSTORE_LLT_WORK")  # a work dir kept between runs (the sdist, the suite's venv)
-    return Path(cache) if cache else tmp_path_factory.mktemp("llt")
+    return Path(cache).resolve() if cache else tmp_path_factory.mktemp("llt")
+
+
+def _setup(work: Path, slots_on: bool, env: dict[str, str]) -> None:
+    """The suite extracted as this variant wants it (one work dir: the sdist and the suite's venv are
+    fetched once; ``LLT_SLOTS_ON`` only changes the extracted ``utils.py``)."""
+    marker = work / "variant"
+    want = "slots" if slots_on else "default"
+    if marker.is_file() and marker.read_text() == want and (work / "testvenv").is_dir():
+        return
+    setup = subprocess.run(["bash", str(RUNNER / "run.sh"), "setup"], env=env, capture_output=True, text=True,
+                           timeout=1200)
+    if setup.returncode != 0:
+        pytest.skip(f"the runner's setup failed (package registry unreachable?): {setup.stderr[-500:]}")
+    marker.write_text(want)
 
 
 def _run(work: Path, mode: str, slots_on: bool) -> dict[str, str]:
     tag = "slots" if slots_on else "default"
-    env = {**os.environ, "LLT_WORK": str(work / tag), "LLT_PYTHON": sys.executable, "LLT_TAG": tag,
+    env = {**os.environ, "LLT_WORK": str(work), "LLT_PYTHON": sys.executable, "LLT_TAG": tag,
            "LLT_SLOTS_ON": "1" if slots_on else "0", "RUN_TIMEOUT": os.environ.get("SNAPSTORE_LLT_TIMEOUT", "900")}
     env.pop("PIP_PYTHON", None)
     if os.environ.get("SNAPSTORE_LLT_TESTS"):
         env["TESTS_FILE"] = os.environ["SNAPSTORE_LLT_TESTS"]
-    if shared := os.environ.get("SNAPSTORE_LLT_SDIST"):  # a downloaded sdist folder, copied to save the download
-        (work / tag / "sdist").mkdir(parents=True, exist_ok=True)
-        subprocess.run(["cp", "-n", *[str(p) for p in Path(shared).glob("*.tar.gz")], str(work / tag / "sdist")],
-                       check=False)
-    if not (work / tag / "llama-tests").is_dir() or not (work / tag / "testvenv").is_dir():
-        setup = subprocess.run(["bash", str(RUNNER / "run.sh"), "setup"], env=env, capture_output=True, text=True,
-                               timeout=1200)
-        if setup.returncode != 0:
-            pytest.skip(f"the runner's setup failed (package registry unreachable?): {setup.stderr[-500:]}")
-    subprocess.run(["bash", str(RUNNER / "run.sh"), mode], env=env, check=True, timeout=1500,
-                   capture_output=True)
-    xml = work / tag / "logs" / f"junit-{mode}-{tag}.xml"
+    _setup(work, slots_on, env)
+    subprocess.run(["bash", str(RUNNER / "run.sh"), mode], env=env, check=True, timeout=1500, capture_output=True)
+    xml = work / "logs" / f"junit-{mode}-{tag}.xml"
     assert xml.is_file(), f"mode {mode} wrote no results ({xml})"
     return _outcomes(xml)
 
