@@ -483,3 +483,25 @@ def test_the_prefill_rate_times_the_forwards_only(llama: Any, tmp_path: Any) -> 
         hook.remove()
     n = ids.shape[1]
     assert rate is not None and n / (F + W / 2) < rate < n / F, rate  # timing the call to the prompt's end: < n / 2W
+
+
+def test_a_read_only_cache_generates_and_saves_nothing(llama: Any, tmp_path: Any) -> None:
+    """A cache baked into a read-only image (issue 47 item 12): a stored prompt restores, a prompt
+    not stored is generated as without the store — nothing saved, each capture it does not take
+    counted as skipped — instead of raising StateError."""
+    stored, other = prompts("llama")["a1"], prompts("llama")["b"]
+    with _pc(llama, tmp_path) as pc:
+        pc.generate(stored, cache_prefix=S, **kw())
+        before = pc.store.stats().snapshots
+    with _pc(llama, tmp_path, read_only=True) as pc:
+        assert pc.store.read_only
+        out = pc.generate(other, cache_prefix=S, **kw())
+        assert _same(out, reference(llama, other, cuts(other.shape[1], [S]), **kw()))
+        again = pc.generate(stored, cache_prefix=S, **kw())
+        assert _same(again, reference(llama, stored, cuts(stored.shape[1], [S]), **kw()))
+        st = pc.stats()
+        assert st.hits == 2 and st.restored_tokens > 0  # S is stored: both restore it
+        # the new prompt's cuts past the restored S and its end; the stored prompt is whole in the store
+        assert st.captures == 0 and st.committed == 0
+        assert st.skipped == len([c for c in cuts(other.shape[1], [S]) if c > S]) + 1
+        assert pc.store.stats().snapshots == before

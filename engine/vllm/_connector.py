@@ -39,14 +39,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import snapstore as ss
 
-from ._blocks import BlockGeometry, BlockWriter, gather_blocks, host_pools, torch_dtype_name, weights_hash
-from ._checks import attn_backend, exact_layout, hybrid_geometry, kv_dtype, plan_groups
+from ._blocks import BlockWriter, gather_blocks, host_pools, torch_dtype_name, weights_hash
+from ._checks import attn_backend, exact_layout, hybrid_geometry, plan_groups, single_geometry
 from ._groups import HybridLayout, describe_groups, state_block_index
 from ._hybrid import group_views
 from ._hybrid_side import HybridSide
 from ._key import RequestKey, config_digest, request_key
-from ._ops import LAST_STATS, LoadOp, SaveOp, SnapstoreConnectorMetadata, Track
-from ._rate import StepRate
+from ._ops import LAST_STATS, LoadOp, SaveOp, SnapstoreConnectorMetadata, SnapstoreWorkerMetadata, Track
+from ._rate import ForwardClock, StepRate, prefill_tokens
 
 __all__ = ["LAST_STATS", "SnapstoreConnector", "SnapstoreConnectorMetadata", "exact_layout"]
 
@@ -66,7 +66,7 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
         self.stats: dict[str, int] = {"lookups": 0, "hit_tokens": 0, "loads": 0, "loaded_blocks": 0,
                                       "load_errors": 0, "failed_blocks": 0, "saves": 0, "save_errors": 0,
                                       "lookup_us": 0, "load_us": 0, "save_copy_us": 0, "declined": 0,
-                                      "saves_dropped": 0}
+                                      "saves_dropped": 0, "prefill_tokens_per_s": 0}
         self._side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self._store: ss.Store | None = None
         self._pools: list[Any] = []
@@ -86,16 +86,16 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
         self._recv_done: set[str] = set()  # worker, hybrid: async loads finished this step (failed ones too)
         self._recv_failed: set[str] = set()  # worker, hybrid: async loads that failed this step
         self._rate = StepRate()  # scheduler: the engine's prefill rate, for match(prefill_tokens_per_s=)
+        self._prompt_len: dict[str, int] = {}  # scheduler: every running request's prompt length
+        self._clock = ForwardClock()  # worker: times each prefilling step's forward (on the cache's device)
         if role == KVConnectorRole.SCHEDULER and extra.get("on_load_error", "recompute") == "recompute":
             cfg.kv_load_failure_policy = "recompute"  # a failed load recomputes its blocks: never junk
         try:
             mc, pc = vllm_config.model_config, vllm_config.parallel_config
             self._hy = plan_groups(mc, kv_cache_config)
             extra_keys: dict[str, str] = {}
-            if self._hy is None:
-                self._geo = BlockGeometry(layers=int(mc.get_num_layers(pc)), kv_heads=int(mc.get_num_kv_heads(pc)),
-                                          block_size=self._bs, entry=2 * int(mc.get_head_size()),
-                                          dtype=kv_dtype(vllm_config))
+            if self._hy is None:  # one full-attention or MLA group
+                self._geo, extra_keys = single_geometry(vllm_config, self._bs)
             else:  # the group layout and the state tensors' memory layout change the stored bytes
                 self._bs = self._hy.block_size
                 self._geo = hybrid_geometry(self._hy, kv_cache_config)
@@ -212,7 +212,7 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
         """This step's loads (newly scheduled requests with a match) and saves (requests whose
         prompt blocks are all computed after this step)."""
         meta = SnapstoreConnectorMetadata()
-        self._rate.step(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
+        meta.prefill_tokens = self._step_prefill(scheduler_output)
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             rid = new.req_id
@@ -260,10 +260,31 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
             self._forget(rid)
         return meta
 
+    def _step_prefill(self, scheduler_output: Any) -> int:
+        """The prompt tokens this step computes (every scheduled request's, keyed or not): what the
+        workers' forward time of the step is a rate of."""
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            self._prompt_len[new.req_id] = len(getattr(new, "prompt_token_ids", None) or ())
+            computed[new.req_id] = int(new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            computed[rid] = int(cached.num_computed_tokens[i])
+        for rid in scheduler_output.finished_req_ids:
+            self._prompt_len.pop(rid, None)
+        return prefill_tokens(dict(scheduler_output.num_scheduled_tokens), computed, self._prompt_len)
+
     def update_connector_output(self, connector_output: Any) -> None:
-        """A failed load (blocks the workers reported): vLLM recomputes the request's blocks, so
-        its save starts over — planned again once they are computed, every row, no parent (the
-        save the failing step planned was dropped by the worker)."""
+        """The workers' forward times of the steps that prefilled feed the prefill rate. A failed
+        load (blocks the workers reported): vLLM recomputes the request's blocks, so its save
+        starts over — planned again once they are computed, every row, no parent (the save the
+        failing step planned was dropped by the worker)."""
+        timed = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(timed, SnapstoreWorkerMetadata) and timed.steps:
+            for tokens, seconds in timed.steps:
+                self._rate.observe(tokens, seconds)
+            self.stats["prefill_tokens_per_s"] = int(self._rate.tokens_per_s or 0)
+            LAST_STATS[self._side] = dict(self.stats)
         for rid in getattr(connector_output, "failed_recving", None) or ():  # a hybrid's failed async load
             self._no_hit.add(rid)
             self._stored[rid] = (None, 0)
@@ -276,7 +297,7 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
                 tr.failed, tr.saved, tr.stored, tr.parent = True, False, 0, None
 
     def _forget(self, rid: str) -> None:
-        for table in (self._reqs, self._matched, self._stored, self._keys):
+        for table in (self._reqs, self._matched, self._stored, self._keys, self._prompt_len):
             table.pop(rid, None)
         self._no_hit.discard(rid)
 
@@ -294,6 +315,8 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Keep host views of every layer's cache; a cache that is not what the identity says
         (another layout, dtype, device) disables the connector with one log line."""
+        first = next(iter(kv_caches.values()), None)
+        self._clock = ForwardClock(getattr(first, "device", None))  # CUDA: timed with events
         if self._store is None:
             return
         try:
@@ -308,8 +331,26 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
             log.error("snapstore connector disabled (worker side): %s", e)
             self._close()
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """The step's metadata, just before its forward (and the loads vLLM runs first): the
+        forward's clock starts for a step that prefills."""
+        super().bind_connector_metadata(connector_metadata)
+        self._clock.begin(getattr(connector_metadata, "prefill_tokens", 0))
+
+    def build_connector_worker_meta(self) -> SnapstoreWorkerMetadata | None:
+        """The forward times of the steps that prefilled, for the scheduler's prefill rate."""
+        steps = self._clock.take()
+        return SnapstoreWorkerMetadata(steps) if steps else None
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Restore every planned load into its blocks before the forward; a failure marks them invalid."""
+        t_in = time.perf_counter()
+        try:
+            self._start_load_kv()
+        finally:  # inside the forward's window (before or after the forward): not forward time
+            self._clock.loaded(time.perf_counter() - t_in)
+
+    def _start_load_kv(self) -> None:
         meta = self._get_connector_metadata()
         self._failed_now.clear()
         self._bad_now.clear()
@@ -369,6 +410,7 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
     def wait_for_save(self) -> None:
         """Copy each finished prompt's blocks once and queue its saves (``wait=False``): the
         disk work runs on the store's writer thread, off the forward pass."""
+        self._clock.end()  # the forward is over: its time is the step's (for a step that prefilled)
         meta = self._get_connector_metadata()
         if self._store is None or not self._pools or not isinstance(meta, SnapstoreConnectorMetadata):
             return

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from ._key import RequestKey
 
-__all__ = ["LAST_STATS", "NULL_BLOCK", "LoadOp", "SaveOp", "SnapstoreConnectorMetadata", "Track"]
+__all__ = ["LAST_STATS", "NULL_BLOCK", "LoadOp", "SaveOp", "SnapstoreConnectorMetadata", "SnapstoreWorkerMetadata",
+           "Track"]
 
 #: the counters of this process's last connector of each role, "scheduler" / "worker" (tests read them)
 LAST_STATS: dict[str, dict[str, int]] = {}
@@ -51,10 +52,26 @@ class SaveOp:
 
 @dataclass
 class SnapstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """What the scheduler tells the workers this step: loads before the forward, saves after it."""
+    """What the scheduler tells the workers this step: loads before the forward, saves after it,
+    and how many of the step's tokens are prompt tokens (the worker times the forward of a step
+    that prefills: ``_rate``)."""
 
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    prefill_tokens: int = 0
+
+
+@dataclass
+class SnapstoreWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """What a worker tells the scheduler after a step: (prefill tokens, forward seconds) of the steps
+    it finished timing (``_rate.ForwardClock``). Several workers' (tensor parallel) are pooled."""
+
+    steps: list[tuple[int, float]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Every worker's timings together: the rate is their pooled ratio."""
+        more = other.steps if isinstance(other, SnapstoreWorkerMetadata) else []
+        return SnapstoreWorkerMetadata(self.steps + list(more))
 
 
 @dataclass
