@@ -245,3 +245,36 @@ def test_stream_generate_with_a_draft_model_equals_mlx_lm_speculative_decoding(t
             assert max(reads) == (len(PROMPT) - 1 if i == 0 else 2)
         st = pc.stats()
         assert (st.hits, st.committed, st.bypassed) == (1, 1, 0) and st.restored_tokens == len(PROMPT) - 1
+
+
+def test_the_prefill_rate_leaves_the_progress_callback_out(llama: Any, tmp_path: Path) -> None:
+    """A known trace (issue 47 item 9): the caller's prompt_progress_callback sleeps W at each call
+    (once per chunk read, outside the model); the rate is of the chunks' computation only."""
+    import time
+
+    W = 0.3
+    ids = mx.array(PROMPT)
+    list(G.generate_step(ids, llama, max_tokens=1))  # warm-up: a first forward's one-off costs are no rate
+    with PrefixCache(llama, tmp_path, boundary=16) as pc:
+        list(pc.generate_step(ids, max_tokens=2, prompt_progress_callback=lambda *_: time.sleep(W)))
+        rate = pc.prefill_rate.tokens_per_s
+    assert rate is not None and rate > 16 / (W / 3), rate  # timing the callback too: < 16 / W per piece
+
+
+def test_a_read_only_cache_generates_and_saves_nothing(llama: Any, tmp_path: Path) -> None:
+    """A cache baked into a read-only image (issue 47 item 12): a prompt not stored is generated as
+    mlx_lm generates it — nothing saved, each capture it does not take counted as skipped — instead
+    of raising StateError; a stored one restores."""
+    ids, other = mx.array(PROMPT), mx.array(mlx_models.PROMPT_B)
+    with PrefixCache(llama, tmp_path, boundary=0) as pc:  # no cuts: one stop, the prompt's last token but one
+        list(pc.generate_step(ids, max_tokens=4))
+        before = pc.store.stats().snapshots
+    ref = list(G.generate_step(other, llama, max_tokens=4))
+    with PrefixCache(llama, tmp_path, boundary=0, read_only=True) as pc:
+        assert pc.store.read_only
+        assert _same(list(pc.generate_step(other, max_tokens=4)), ref)
+        list(pc.generate_step(ids, max_tokens=4))
+        st = pc.stats()
+        stops = sorted({*pc.split(other.size), other.size - 1} - {0})
+        assert st.hits == 1 and st.captures == st.committed == 0 and st.skipped == len(stops)
+        assert pc.store.stats().snapshots == before

@@ -78,8 +78,9 @@ class PrefixCache:
         self._n: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._told: set[str] = set()
         self._closed = False
-        # this cache's own prefill rate (tokens/s of its reads of prompt pieces), passed to match() so a
-        # restore estimated slower than reading its tokens is not made (docs/api.md "Restore or recompute")
+        # this cache's own prefill rate (tokens/s of the model's computation of prompt pieces, without the
+        # caller's progress callback), passed to match() so a restore estimated slower than reading its
+        # tokens is not made (docs/api.md "Restore or recompute")
         self.prefill_rate = PrefillRate()
         default = self._stores_for(settings_of(model, {}))
         self.store: Store = default.store("p")
@@ -199,9 +200,8 @@ class PrefixCache:
                         continue
                     if draft is not None:
                         read(st.draft, draft, prompt[pos:c], st.settings)
-                    t = time.perf_counter()
-                    read(self.model, cache, prompt[pos:c], st.settings, progress if cb is not None else None)
-                    self.prefill_rate.observe(c - pos, time.perf_counter() - t)  # read() evaluates the cache
+                    spent = read(self.model, cache, prompt[pos:c], st.settings, progress if cb is not None else None)
+                    self.prefill_rate.observe(c - pos, spent)  # the chunks' computation, not the callback
                     pos = caught_up = c
                     self._capture(caps, st, cache, draft, tokens[:c], session if c == n - 1 else None)
             if draft is not None:  # mlx_lm's speculative decoding hands its processors only what it read
@@ -227,10 +227,14 @@ class PrefixCache:
                  session: str | None) -> None:
         """Capture the cache (and the draft's, as ``d.`` parts) after ``tokens`` into the store of its layout."""
         n = len(tokens)
+        store = st.store(st.phase(n))
+        if store.read_only:  # a cache baked into a read-only image: it generates, saves nothing (counted)
+            self._add(skipped=1)
+            return
         parts = parts_of(cache, n)
         if draft is not None:
             parts.update({f"d.{k}": v for k, v in parts_of(draft, n).items()})
-        caps.add(st.store(st.phase(n)), tokens, parts, session)
+        caps.add(store, tokens, parts, session)
 
     def _lookup(self, st: Stores, tokens: list[int], stops: list[int],
                 namespace: str | None) -> tuple[Store, Match] | None:

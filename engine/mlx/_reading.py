@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -69,19 +70,24 @@ def quantizer(s: CacheSettings) -> Callable[[list[Any]], None]:
 
 
 def read(model: Any, cache: list[Any], piece: mx.array, s: CacheSettings,
-         progress: Callable[[int], None] | None = None) -> None:
+         progress: Callable[[int], None] | None = None) -> float:
     """Read ``piece`` into ``cache`` as generate_step's prefill loop reads it: chunks of
-    ``prefill_step_size``, quantizing and evaluating the cache after each."""
+    ``prefill_step_size``, quantizing and evaluating the cache after each. Returns the seconds the
+    chunks' computation took (the caller's progress callback left out): a prefill rate's time."""
     quantize = quantizer(s)
+    spent = 0.0
     while piece.size > 0:
+        t = time.perf_counter()
         k = min(s.prefill_step_size, piece.size)
         model(piece[:k][None], cache=cache)
         quantize(cache)
         mx.eval([c.state for c in cache])
         piece = piece[k:]
         mx.clear_cache()
+        spent += time.perf_counter() - t
         if progress is not None:
             progress(k)
+    return spent
 
 
 def wrap_processors(processors: list[Any] | None, prefix: mx.array) -> list[Any] | None:
