@@ -14,7 +14,7 @@ from snapstore._layout import Layout
 from snapstore._numbers import MAX_INT, integer, real
 
 __all__ = ["Budget", "StoreOptions", "default_dir", "env_flag", "env_int", "env_seconds", "pending_lease",
-           "store_options"]
+           "resolved_budget", "store_options"]
 
 MIB = 1 << 20
 DEFAULT_DISK_MIB = 51200
@@ -163,6 +163,15 @@ class Budget:
         headroom = real(headroom, "headroom", minimum=1.0, err=ConfigError)
         per = tokens * layout.bytes_per_token + layout.fixed_bytes
         return cls(disk_bytes=int(conversations * per * headroom), **kw)  # type: ignore[arg-type]
+
+
+def resolved_budget(budget: object) -> Budget:
+    """Store.open's ``budget``: a Budget (or None: every field from the environment, else the default),
+    resolved; ConfigError saying what a budget is for anything else (``budget=1000``)."""
+    if budget is not None and not isinstance(budget, Budget):
+        raise ConfigError(f"budget must be None or a snapstore.Budget, got {type(budget).__name__} {budget!r:.60}: "
+                          "sizes are fields, e.g. budget=snapstore.Budget(disk_bytes=...) (docs/api.md)")
+    return (budget or Budget()).resolved()
 
 
 DEFAULT_CHUNK_MIB = 16  # 4 chunks in flight in the default staging: docs/benchmarks.md ("Issue 12, save pipeline")

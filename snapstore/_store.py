@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar, overload
 
-from snapstore._config import Budget, StoreOptions, store_options
+from snapstore._config import Budget, StoreOptions, resolved_budget, store_options
 from snapstore._errors import ConfigError, StateError
 from snapstore._identity import Identity
 from snapstore._layout import Layout
@@ -132,10 +132,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
             raise ConfigError("Store.open needs identity=snapstore.Identity(...)")
         if not isinstance(layout, Layout):
             raise ConfigError("Store.open needs layout=snapstore.Layout(...)")
-        if budget is not None and not isinstance(budget, Budget):
-            raise ConfigError(f"budget must be None or a snapstore.Budget, got {type(budget).__name__} {budget!r:.60}: "
-                              "sizes are fields, e.g. budget=snapstore.Budget(disk_bytes=...) (docs/api.md)")
-        budget = (budget or Budget()).resolved()
+        budget = resolved_budget(budget)
         options = store_options(path, chunk_bytes=chunk_bytes, codec=codec, staging_bytes=staging_bytes,
                                 check_rows=check_rows, pending_lease=pending_lease, codecs=CODECS)
         admission = admission_of(admit, budget)  # issue 32: a bad mode is a ConfigError before anything is created
