@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -86,7 +87,7 @@ def models(tmp_path_factory: Any) -> dict[str, str]:
     return {"llama": h.write_llama(str(d / "llama.gguf")), "lora": h.write_lora(str(d / "lora.gguf"))}
 
 
-def test_a_concurrent_lora_requests_slot_is_never_stored_as_the_base_models(models, tmp_path):
+def test_a_lora_requests_slot_is_never_stored_as_the_base_models(models: dict[str, str], tmp_path: Path) -> None:
     """Item 1: the same chat with a per-request ``lora`` (declined) and without; the LoRA one generates
     fewer tokens (its slot is "nearer") and llama-server serves the base one from the LoRA slot's
     cache (a request without ``lora`` keeps a slot's cache whatever adapters computed it). Whatever
@@ -117,7 +118,7 @@ def test_a_concurrent_lora_requests_slot_is_never_stored_as_the_base_models(mode
         assert set(skips) & {"slot_unknown", "slot_unproven", "slot_lora"}, skips
 
 
-def test_lora_entries_are_read_as_llama_server_reads_them(models, tmp_path):
+def test_lora_entries_are_read_as_llama_server_reads_them(models: dict[str, str], tmp_path: Path) -> None:
     """Item 2: ``{"id": 0}`` without a scale is scale 0.0 to llama-server (the base model), not 1.0;
     a scale that is not a number is declined, not guessed."""
     slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
@@ -137,7 +138,7 @@ def test_lora_entries_are_read_as_llama_server_reads_them(models, tmp_path):
     assert skips.get("request_lora", 0) == 1 and skips.get("request_lora_unread", 0) == 1, skips
 
 
-def test_an_adapter_scale_change_at_run_time_stores_no_slot_filled_before_it(models, tmp_path):
+def test_an_adapter_scale_change_stores_no_slot_filled_before_it(models: dict[str, str], tmp_path: Path) -> None:
     """Item 3: ``POST /lora-adapters`` changes the scale; the next request for the same chat must not be
     stored from a slot computed at the old scale: what the store holds under the new identity is the
     K/V a fresh server computes at the new scale."""
@@ -174,7 +175,7 @@ def _stored_once(model: str, tmp_path: Any, store: str, body: dict[str, Any], n_
         bridge.close()
 
 
-def test_a_restore_gives_up_when_its_slot_is_taken_meanwhile(models, tmp_path):
+def test_a_restore_gives_up_when_its_slot_is_taken_meanwhile(models: dict[str, str], tmp_path: Path) -> None:
     """Item 5: llama-server gives the slot the proxy chose to another request while the snapshot is
     read; the proxied request must not wait for that request's whole generation."""
     slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
@@ -215,7 +216,7 @@ def test_a_restore_gives_up_when_its_slot_is_taken_meanwhile(models, tmp_path):
     assert skips.get("restore_slot_taken", 0) == 1, skips
 
 
-def test_a_server_restarted_with_more_slots_stores_every_conversation(models, tmp_path):
+def test_a_server_restarted_with_more_slots_stores_every_conversation(models: dict[str, str], tmp_path: Path) -> None:
     """Item 7: ``-np 1`` then ``-np 4`` on the same port: the per-slot bookkeeping follows the server's
     ``total_slots``; four conversations at once are all stored (no IndexError in after())."""
     slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
@@ -253,7 +254,7 @@ def test_a_server_restarted_with_more_slots_stores_every_conversation(models, tm
     assert all(stored), stored
 
 
-def test_id_slot_minus_one_means_any_idle_slot(models, tmp_path):
+def test_id_slot_minus_one_means_any_idle_slot(models: dict[str, str], tmp_path: Path) -> None:
     """Item 8: ``id_slot: -1`` is llama-server's "any idle slot", not a slot out of range: the stored
     prefix is restored for it (after a restart) as for a request without the field."""
     slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
@@ -268,7 +269,7 @@ def test_id_slot_minus_one_means_any_idle_slot(models, tmp_path):
     assert again["timings"]["cache_n"] >= n - 1
 
 
-def test_a_server_without_slots_is_fronted_untouched(models, tmp_path):
+def test_a_server_without_slots_is_fronted_untouched(models: dict[str, str], tmp_path: Path) -> None:
     """Item 11: llama-server started with ``--no-slots`` (as llama.cpp's own test harness starts it):
     the proxy starts, says what it cannot do, and passes every request through as the server answers."""
     from snapstore.cli.llamacpp import listen_line

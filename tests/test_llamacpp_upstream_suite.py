@@ -7,8 +7,9 @@ registry into a work directory outside the repository): nothing of llama.cpp's c
 It runs both ways — as the suite starts its servers (mostly ``--no-slots``) and with ``LLT_SLOTS_ON=1``
 (``/slots`` on, where the proxy's restores and saves run) — and asserts that mode B passes every test
 mode A passes. Each mode of the selection takes 2-6 minutes on two cores; ``SNAPSTORE_LLT_TESTS``
-may name a smaller selection file (the runner's TESTS_FILE). Skipped, with the reason, where the
-runner or the registry is not available.
+may name a smaller selection file (the runner's TESTS_FILE) and ``SNAPSTORE_LLT_WORK`` a work
+directory kept between runs (the sdist and the suite's venv fetched once). Skipped, with the reason,
+where the runner or the registry is not available.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def _setup(work: Path, slots_on: bool, env: dict[str, str]) -> None:
 
 def _run(work: Path, mode: str, slots_on: bool) -> dict[str, str]:
     tag = "slots" if slots_on else "default"
-    env = {**os.environ, "LLT_WORK": str(work), "LLT_PYTHON": sys.executable, "LLT_TAG": tag,
+    env = {**os.environ, "LLT_WORK": str(work), "LLT_PYTHON": sys.executable, "LLT_PIP_PYTHON": sys.executable,
+           "LLT_TAG": tag,
            "LLT_SLOTS_ON": "1" if slots_on else "0", "RUN_TIMEOUT": os.environ.get("SNAPSTORE_LLT_TIMEOUT", "900")}
     env.pop("PIP_PYTHON", None)
     if os.environ.get("SNAPSTORE_LLT_TESTS"):
