@@ -494,6 +494,9 @@ class LlamaBridge:
         best: tuple[int, int, bytes] | None = None
         for slot in cands:
             st = states.get(slot)
+            if slot >= self.n_slots:  # a slot of a server that changed since (its next take sizes the lists)
+                why = "slot_unknown"
+                continue
             if st is None or st.get("is_processing"):
                 why = "slot_busy"  # busy again: the conversation's next request runs there, its save covers this
                 continue
