@@ -40,7 +40,7 @@ from snapstore.calls.transfer import StoreTransfer
 from snapstore.calls.turn import Turn
 from snapstore.catalog.queries import SnapRow, Txn
 from snapstore.chunks.chunkfile import CODECS
-from snapstore.chunks.direct_io import DirectReads, direct_default, direct_reads_default
+from snapstore.chunks.direct_io import direct_default, direct_reads_setting
 from snapstore.chunks.repo import Repo
 from snapstore.chunks.staging import StagingBuffer
 from snapstore.lifecycle.access import Access
@@ -56,6 +56,7 @@ from snapstore.plan.restore_plan import RestorePlan
 from snapstore.remote.uploader import FlushResult, flush_all
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.read import details_of, plan_of, planned_destination, stream_checked, wanted_components
+from snapstore.restore.read_path import ReadPaths
 from snapstore.save.asynchronous import AsyncSaver, SaveHandle, copy_budget
 from snapstore.save.chain import parent_after
 from snapstore.save.chunker import Chunker
@@ -75,7 +76,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
     """
 
     def __init__(self, repo: Repo, identity: Identity, layout: Layout, budget: Budget, options: StoreOptions, *,
-                 direct_io: bool = False, async_copy_bytes: int = 0, direct_reads: bool = False) -> None:
+                 direct_io: bool = False, async_copy_bytes: int = 0, direct_reads: bool | None = False) -> None:
         self._repo = repo
         self.identity = identity
         self.layout = layout
@@ -85,7 +86,9 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         self.check_rows = options.check_rows
         self.staging_bytes = options.staging_bytes
         self.pending_lease = options.pending_lease
-        self.direct_io, self._reads = direct_io, DirectReads(direct_reads)  # issue 12: O_DIRECT writes / cold reads
+        # issue 12: O_DIRECT writes; issue 48: cold reads forced (direct_reads True/False) or measured (None)
+        self.direct_io = direct_io
+        self._reads: ReadPaths = ReadPaths(direct_reads)
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingBuffer(options.staging_bytes, options.chunk_bytes)
         self._ram = RamTier(budget.ram_bytes or 0) if budget.ram_bytes else None
@@ -120,7 +123,8 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         pending_lease (``SNAPSTORE_PENDING_LEASE_S``, 300 s: how long this store's pending captures
         outlive a stalled renewal, as seen from another host; docs/format.md "Owners and liveness"),
         direct_io (``SNAPSTORE_DIRECT_IO``, on: raw chunks written with O_DIRECT where the file system
-        allows it; docs/benchmarks.md has the trade-off), direct_reads (``SNAPSTORE_DIRECT_READS=1``), async_copy_bytes
+        allows it; docs/benchmarks.md has the trade-off), direct_reads (``SNAPSTORE_DIRECT_READS=1/0``; unset:
+        the faster way on the store's storage, measured, docs/api.md "Cold reads"), async_copy_bytes
         (``SNAPSTORE_ASYNC_COPY_MIB``, 1024 MiB: what saves with ``wait=False`` may hold copied).
         remote (``SNAPSTORE_REMOTE``): ``s3://BUCKET/PREFIX``, a shared tier behind this local one;
         remote_wait (``SNAPSTORE_REMOTE_WAIT=1``): save() waits for the bucket (docs/engine.md).
@@ -137,7 +141,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
                                 check_rows=check_rows, pending_lease=pending_lease, codecs=CODECS)
         admission = admission_of(admit, budget)  # issue 32: a bad mode is a ConfigError before anything is created
         direct = direct_default(direct_io)  # a bad value is a ConfigError before anything is created
-        copy, rd = copy_budget(async_copy_bytes), direct_reads_default(direct_reads)
+        copy, rd = copy_budget(async_copy_bytes), direct_reads_setting(direct_reads)
         if read_only and remote:
             raise ConfigError("a read_only store cannot have a shared tier (remote=): fetching writes the local store")
         repo = Repo.open(options.root, readonly=bool(read_only), create=not read_only)
@@ -145,6 +149,8 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         store._admission = admission
         try:
             store._rates.load(repo.db.read(lambda t: t.restore_rates()))  # read-only stores too
+            store._reads.load(repo.root, repo.db.read(lambda t: t.read_paths()),  # the measured cold-read path
+                              lambda: store._rates.rates().get("cold", 0.0))
             if not read_only:  # read-only: nothing to start (no owner, lease, housekeeping or writer threads)
                 store._start(drop_stale=drop_stale, remote=remote, remote_wait=remote_wait)
         except BaseException:
@@ -187,6 +193,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
                 self._pool.shutdown(wait=True)
             if self._ram is not None:
                 self._ram.clear()
+            self._reads.stop()  # a read-path probe in flight (restore.read_path)
         finally:
             self._repo.close()
 

@@ -231,8 +231,9 @@ def test_a_flipped_payload_byte_is_caught_on_the_direct_path(cold_fs: str) -> No
 
 
 def test_direct_reads_knob(cold_fs: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off by default (a direct read leaves the chunk cold for the next restore): buffered reads
-    that fill the page cache; on with ``direct_reads=True`` or ``SNAPSTORE_DIRECT_READS=1``."""
+    """Unset, a store reads buffered until it has measured its storage (issue 48, tests/test_read_path.py;
+    these restores are too small to measure): reads that fill the page cache; on with ``direct_reads=True``
+    or ``SNAPSTORE_DIRECT_READS=1``."""
     state = _state(5)
     with _open(cold_fs, direct_reads=None) as s:
         assert not s._reads.on

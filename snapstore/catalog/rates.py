@@ -1,7 +1,8 @@
 """The catalog queries of restore rates (:mod:`snapstore.restore.rates`): the per-tier sums a store
-keeps of its measured restores, in the ``restore_rates`` table of migration 0011.
+keeps of its measured restores, in the ``restore_rates`` table of migration 0012, and the cold-read
+path it measured per storage (:mod:`snapstore.restore.read_path`), in ``read_paths`` (migration 0014).
 
-:class:`RateQueries` is the part of :class:`snapstore.catalog.queries.Txn` that touches that table.
+:class:`RateQueries` is the part of :class:`snapstore.catalog.queries.Txn` that touches those tables.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import NamedTuple
 
 import apsw
 
-__all__ = ["RateQueries", "RateRow"]
+__all__ = ["RateQueries", "RateRow", "ReadPathRow"]
 
 
 class RateRow(NamedTuple):
@@ -24,6 +25,19 @@ class RateRow(NamedTuple):
     suv: float
     samples: int
     updated: float
+
+
+class ReadPathRow(NamedTuple):
+    """The cold-read method measured on one storage (see migrations/0014_read_paths.sql)."""
+
+    storage: str
+    method: str
+    threads: int
+    piece: int
+    figures: str
+    reason: str
+    cold_rate: float
+    measured: float
 
 
 class RateQueries:
@@ -44,3 +58,21 @@ class RateQueries:
                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(tier) DO UPDATE SET w = excluded.w, "
                         "su = excluded.su, sv = excluded.sv, suu = excluded.suu, suv = excluded.suv, "
                         "samples = excluded.samples, updated = excluded.updated", tuple(row))
+
+    def read_paths(self) -> list[ReadPathRow]:
+        """Every storage's measured read path (none in a catalog older than schema 14, read-only)."""
+        found = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'read_paths'"
+        if self._c.execute(found).fetchone() is None:
+            return []  # a read-only open of an older catalog (it is not migrated): nothing measured yet
+        return [ReadPathRow(str(r[0]), str(r[1]), int(r[2]), int(r[3]), str(r[4]), str(r[5]), float(r[6]),
+                            float(r[7]))
+                for r in self._c.execute("SELECT storage, method, threads, piece, figures, reason, cold_rate, "
+                                         "measured FROM read_paths")]
+
+    def set_read_path(self, row: ReadPathRow) -> None:
+        """Write (or replace) one storage's read path."""
+        self._c.execute("INSERT INTO read_paths(storage, method, threads, piece, figures, reason, cold_rate, "
+                        "measured) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(storage) DO UPDATE SET "
+                        "method = excluded.method, threads = excluded.threads, piece = excluded.piece, "
+                        "figures = excluded.figures, reason = excluded.reason, cold_rate = excluded.cold_rate, "
+                        "measured = excluded.measured", tuple(row))

@@ -29,7 +29,8 @@ from snapstore._config import env_flag
 from snapstore._errors import ConfigError
 from snapstore.chunks.publish import create_temp, finish_temp, write_all
 
-__all__ = ["ALIGN", "O_DIRECT", "DirectReads", "align_up", "direct_default", "direct_reads_default", "write_direct"]
+__all__ = ["ALIGN", "DIRECT_PIECE", "DIRECT_THREADS", "O_DIRECT", "DirectReads", "align_up", "direct_default",
+           "direct_reads_default", "direct_reads_setting", "write_direct"]
 
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 
@@ -101,23 +102,39 @@ def write_direct(tmp_dir: str, frame: memoryview, size: int, turn: AbstractConte
 # uses nor fills the page cache: a chunk whose pages are cached is read buffered (:func:`resident`
 # decides), and a chunk read direct is cold again at its next restore. Measured here (docs/
 # benchmarks.md, "Issue 12, cold restores with reads in flight"): cold restores 1.0-1.4x faster,
-# the next restore of the same chunks 1.9-2.5x slower, so direct reads are off unless asked for.
+# the next restore of the same chunks 1.9-2.5x slower; on another VM 2.7x slower cold (issue 48). So
+# no fixed choice: unless asked for, the store measures its storage (snapstore.restore.read_path).
 
-def direct_reads_default(value: bool | None) -> bool:
-    """The keyword, else ``$SNAPSTORE_DIRECT_READS`` (0/1), else off (see above); never without O_DIRECT."""
+def direct_reads_setting(value: bool | None) -> bool | None:
+    """The keyword, else ``$SNAPSTORE_DIRECT_READS`` (0/1), else None: measured per storage (issue 48,
+    :mod:`snapstore.restore.read_path`); True is never granted without O_DIRECT."""
     if value is not None:
         if not isinstance(value, bool):
             raise ConfigError(f"direct_reads must be True, False or None, got {value!r}")
         return value and O_DIRECT != 0
+    if not os.environ.get("SNAPSTORE_DIRECT_READS", "").strip():
+        return None
     return env_flag("SNAPSTORE_DIRECT_READS", False) and O_DIRECT != 0
 
 
-class DirectReads:
-    """Whether a store reads cold raw chunks with O_DIRECT; off for good once its file system refuses
-    (EINVAL at fcntl or at a read: tmpfs on some kernels, FUSE, network mounts), as saves do."""
+def direct_reads_default(value: bool | None) -> bool:
+    """:func:`direct_reads_setting` with "measured" read as off (kept for callers of the old name)."""
+    return bool(direct_reads_setting(value))
 
-    def __init__(self, on: bool):
+
+DIRECT_THREADS = 8  # reads in flight (docs/benchmarks.md, "Issue 12, cold restores with reads in flight")
+DIRECT_PIECE = 1 << 20  # bytes per read: about one request of a virtio disk (max_sectors_kb 1280)
+
+
+class DirectReads:
+    """Whether a store reads cold raw chunks with O_DIRECT, with how many reads in flight (``threads``)
+    of how many bytes (``piece``); off for good once its file system refuses (EINVAL at fcntl or at a
+    read: tmpfs on some kernels, FUSE, network mounts), as saves do. With neither ``direct_reads=`` nor
+    ``$SNAPSTORE_DIRECT_READS`` set, the store measures which is faster (:mod:`snapstore.restore.read_path`)."""
+
+    def __init__(self, on: bool, threads: int = DIRECT_THREADS, piece: int = DIRECT_PIECE):
         self.on = on and O_DIRECT != 0
+        self.threads, self.piece = threads, piece
 
     def enable(self, fd: int) -> bool:
         """Turn O_DIRECT on for the open file ``fd`` (the same inode the header check read); False when

@@ -5,7 +5,9 @@ the file is read in aligned pieces (header included) into aligned bounce pieces 
 staging slot (the restore stays inside the staging bound; a slot is never held while another is
 awaited), reader threads copy each piece's payload bytes into the destination, and this thread
 folds every piece into the chunk's XXH3-128 in order, from the bounce piece, before the piece is
-reused. Checksums stay on for every chunk. Only chunks whose pages are not cached come here
+reused. Checksums stay on for every chunk. How many reads are in flight, of how many bytes, is the
+store's :class:`~snapstore.chunks.direct_io.DirectReads` (measured: :mod:`snapstore.restore.read_path`).
+Only chunks whose pages are not cached come here
 (:func:`snapstore.chunks.residency.resident`): an O_DIRECT read neither uses nor fills the page cache.
 """
 
@@ -29,8 +31,6 @@ from snapstore.restore.read_ahead import ReadAhead
 __all__ = ["DIRECT_MIN", "Targets", "direct_targets", "stream_direct"]
 
 DIRECT_MIN = 256 << 10  # smaller chunks are one request either way: the probe would cost more than it saves
-_PIECE = 1 << 20  # bytes per read: about one request of this disk (max_sectors_kb 1280)
-_THREADS = 8  # reads in flight (measured: docs/benchmarks.md, "Issue 12, cold restores with reads in flight")
 
 # Where a chunk's payload bytes [skip, raw_len) go: (payload offset of each view's first byte, views)
 Targets = tuple[list[int], list[memoryview]]
@@ -114,8 +114,9 @@ def _stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuf
     reader: ReadAhead | None = None
     try:
         frame = staging.frame(slot, staging.slot_bytes)
-        # pieces of up to _PIECE, at least _THREADS of them when the slot is small (small chunk_bytes)
-        piece = max(ALIGN, min(_PIECE, len(frame) // _THREADS // ALIGN * ALIGN))
+        # pieces of up to reads.piece, at least reads.threads of them when the slot is small (small chunk_bytes)
+        threads = max(1, reads.threads)
+        piece = max(ALIGN, min(reads.piece, len(frame) // threads // ALIGN * ALIGN))
         bounce = [frame[i * piece:(i + 1) * piece] for i in range(len(frame) // piece)]
         jobs: list[tuple[int, int, int]] = []  # (run index, file offset, bytes)
         for k, (item, _, _, _) in enumerate(run):
@@ -139,7 +140,7 @@ def _stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuf
                 _scatter(targets, lo + cut, data[cut:])
 
         if len(jobs) > 1:
-            reader = ReadAhead(len(jobs), work, depth=len(bounce), threads=min(_THREADS, len(bounce)))
+            reader = ReadAhead(len(jobs), work, depth=len(bounce), threads=min(threads, len(bounce)))
         j = 0
         for k, (item, fd, _, _) in enumerate(run):
             cid = item.chunk.id

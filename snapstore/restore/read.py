@@ -23,6 +23,7 @@ from snapstore.plan.prefix import granularity, rows_bound, rows_limit
 from snapstore.plan.restore_plan import CheckedPlan, RestorePlan, bind, check_plan
 from snapstore.restore.fail import Damage, quarantine
 from snapstore.restore.ramtier import RamTier
+from snapstore.restore.read_path import ReadPaths
 from snapstore.restore.stream import stream_plan
 from snapstore.restore.tiers import Tiers
 
@@ -91,6 +92,8 @@ def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: Stag
     damage: Damage = []
     try:
         stream_plan(plan, repo.blob_path, staging, ram, damage, reads, tiers, repo.files)
+        if isinstance(reads, ReadPaths):  # a large cold restore: measure the read path if none fits (issue 48)
+            reads.restored(repo, tiers)
     except RestoreError as e:
         if e.snapshot_id is None and sid is not None:
             e.snapshot_id = sid

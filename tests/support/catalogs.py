@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from snapstore.catalog.db import migrations_dir
 
-# Schema v13 (0013_catalog_gen.sql) taken out: no catalog_gen, none of its triggers.
-UNDO_CATALOG_GEN = "".join(f"DROP TRIGGER catalog_gen_{t}; " for t in (
+# Schema v14 (0014_read_paths.sql) taken out: no read_paths.
+UNDO_READ_PATHS = "DROP TABLE read_paths; "
+# Schema v13 (0013_catalog_gen.sql) taken out too: no catalog_gen, none of its triggers.
+UNDO_CATALOG_GEN = UNDO_READ_PATHS + "".join(f"DROP TRIGGER catalog_gen_{t}; " for t in (
     "snapshot_delete", "snapshot_update", "part_delete", "part_update", "part_chunk_delete",
     "part_chunk_update", "chunk_delete", "chunk_update", "identity_delete", "identity_update"))
 UNDO_CATALOG_GEN += "DROP TABLE catalog_gen; "

@@ -1,0 +1,418 @@
+"""The cold-read path chosen by measurement (issue 48): buffered reads or O_DIRECT, whichever this
+store's storage serves faster.
+
+Which way of reading a chunk file that is not in the page cache is fastest depends on the storage:
+on one VM's virtio disk O_DIRECT with several reads in flight ran 1.0-1.4x faster than a buffered
+read, on another 2.7x slower (docs/benchmarks.md); a local NVMe or a network volume differs again.
+No fixed choice is right everywhere, so the store measures the methods (:data:`CANDIDATES`) on its
+own storage and reads cold chunks the fastest way. A RAM tier is never a reason to read slower: the
+choice is the measured fastest, and O_DIRECT wins only when it is clearly ahead (:data:`DIRECT_EDGE`),
+since a buffered read also leaves the pages cached for the next restore; the reason kept with a
+direct choice says what that costs (the probe's figure for a read from the page cache).
+
+The probe (:func:`measure`) writes one temp file in the store's ``tmp/`` (a crash leaves it to gc),
+fsyncs it, and in each of a few rounds drops its pages (``posix_fadvise(DONTNEED)``: clean pages
+leave) and reads it back once per method, in a rotating order; each method's median rate counts.
+It reads nothing the store holds and evicts no one else's pages.
+
+When: only a restore that read at least :data:`PROBE_AFTER` cold bytes starts it, on a background
+thread, after the restore returned (until then, and on a store that cannot write, cold reads are
+buffered, as before). Small restores are unaffected either way (their chunks go buffered). The
+choice is kept in the catalog (``read_paths``, migration 0014), keyed by the storage (device and
+file system of the store directory, :func:`storage_key`), and measured again when the store is on
+another storage (moved or copied), after :data:`REMEASURE_S`, or when the store's measured cold
+restore rate (:mod:`snapstore.restore.rates`) drifted more than :data:`DRIFT` times either way from
+what it was when the choice was made. ``direct_reads=True/False`` (``SNAPSTORE_DIRECT_READS=1/0``)
+forces a method and measures nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from snapstore._errors import SnapstoreError, StateError
+from snapstore._forks import track
+from snapstore.catalog.rates import ReadPathRow
+from snapstore.chunks.direct_io import ALIGN, O_DIRECT, DirectReads
+from snapstore.chunks.publish import create_temp, write_all
+from snapstore.chunks.repo import Repo
+from snapstore.chunks.residency import resident
+from snapstore.restore.tiers import Tiers
+
+__all__ = ["BUFFERED", "CACHED", "CANDIDATES", "DIRECT_EDGE", "DRIFT", "PROBE_AFTER", "PROBE_BYTES", "REMEASURE_S",
+           "Candidate", "Measured", "ReadPaths", "choose", "measure", "storage_key"]
+
+PROBE_BYTES = 64 << 20  # the probe file: several chunks' worth, a fraction of a second to read
+PROBE_ROUNDS = 3  # medians of this many reads per method
+PROBE_AFTER = 64 << 20  # cold bytes one restore must read before the store measures (smaller: it cannot matter much)
+REMEASURE_S = 7 * 86400.0  # a choice older than this is measured again (a host's disk, its cache, change)
+DRIFT = 2.0  # cold restores this many times faster or slower than at the choice: measured again
+# O_DIRECT is chosen only this much faster than buffered: a buffered read also leaves the pages cached,
+# so the next restore of the same chunks reads memory (issue 12 measured it 1.9-2.5x slower after a direct read)
+DIRECT_EDGE = 1.25
+_RETRY_S = 600.0  # one process measures at most this often (a failed or stopped probe included)
+_BUF = 16 << 20  # the probe's read buffer (reused: memory stays bounded), one staging slot's worth
+_BUFFERED_PIECE = 4 << 20  # a buffered read's request, as the restore's buffered path (restore.stream)
+_BUFFERED_LANES = 2  # files read at once by the buffered path (restore.stream's reader lanes)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way of reading cold chunk files: buffered (page cache, read-ahead) or O_DIRECT with
+    ``threads`` reads of ``piece`` bytes in flight (pieces fit one 16 MiB staging slot)."""
+
+    method: str  # "buffered" | "direct"
+    threads: int
+    piece: int
+
+    @property
+    def name(self) -> str:
+        """As reports show it: ``buffered`` or ``direct 8x1MiB``."""
+        if self.method == "buffered":
+            return "buffered"
+        return f"direct {self.threads}x{self.piece >> 20}MiB"
+
+
+BUFFERED = Candidate("buffered", _BUFFERED_LANES, _BUFFERED_PIECE)
+CACHED = "buffered, cached"  # the figure of a buffered read straight after one: what O_DIRECT gives up
+CANDIDATES: tuple[Candidate, ...] = (BUFFERED, Candidate("direct", 8, 1 << 20), Candidate("direct", 4, 4 << 20))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What :func:`measure` found: each method's median rate (bytes/s; 0: the file system refused it),
+    the one chosen and why, and whether the page cache could be dropped (else the figures are of cached reads)."""
+
+    rates: dict[str, float]
+    chosen: Candidate
+    reason: str
+    dropped: bool
+
+
+def storage_key(path: str) -> str:
+    """The storage ``path`` is on: its device and file system id, in hex (``st_dev:f_fsid``)."""
+    st = os.stat(path)
+    try:
+        fsid = os.statvfs(path).f_fsid
+    except (OSError, AttributeError):
+        fsid = 0
+    return f"{st.st_dev:x}:{fsid:x}"
+
+
+def choose(rates: dict[str, float], candidates: Sequence[Candidate] = CANDIDATES) -> tuple[Candidate, str]:
+    """The fastest candidate by ``rates`` (name -> bytes/s) and a line saying why; O_DIRECT only when
+    :data:`DIRECT_EDGE` ahead of buffered (a buffered read also leaves the pages cached)."""
+    buffered = rates.get(BUFFERED.name, 0.0)
+    direct = [c for c in candidates if c.method == "direct" and rates.get(c.name, 0.0) > 0.0]
+    best = max(direct, key=lambda c: rates[c.name], default=None)
+
+    def gbs(c: Candidate) -> str:
+        return f"{c.name} {rates[c.name] / 1e9:.2f} GB/s"
+
+    if best is None:
+        return BUFFERED, f"buffered {buffered / 1e9:.2f} GB/s; O_DIRECT refused by this file system"
+    if buffered <= 0.0 or rates[best.name] >= DIRECT_EDGE * buffered:
+        cached = rates.get(CACHED, 0.0)
+        cost = f" ({cached / 1e9:.2f} GB/s from the page cache)" if cached > 0.0 else ""
+        return best, (f"{gbs(best)} vs {gbs(BUFFERED)}: O_DIRECT reads {rates[best.name] / max(buffered, 1.0):.2f}x "
+                      "as fast here; the cost: it leaves nothing in the page cache, so the next restore of the "
+                      f"same chunks reads the device again instead of the cache{cost}, unless the RAM tier holds them")
+    return BUFFERED, (f"{gbs(BUFFERED)} vs {gbs(best)}: buffered reads are at least as fast here "
+                      f"(O_DIRECT {rates[best.name] / buffered:.2f}x), and leave the pages cached")
+
+
+def _aligned(n: int) -> memoryview:
+    """``n`` bytes of fresh memory at a 4 KiB-aligned address (O_DIRECT reads need it)."""
+    raw = np.empty(n + ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % ALIGN
+    return raw[off:off + n].data.cast("B")
+
+
+def _drop(fd: int, size: int) -> bool:
+    """Drop the (clean) pages of the probe file; True when they left."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+    return not resident(fd, size)
+
+
+def _read_buffered(path: str, size: int, buf: memoryview) -> None:
+    """Read the file as the buffered restore path reads chunk files: a lane per file, each sequential
+    in :data:`_BUFFERED_PIECE` requests (the probe's halves stand for two files, each its own description)."""
+    lane = -(-size // _BUFFERED_LANES // ALIGN) * ALIGN
+    share = len(buf) // _BUFFERED_LANES
+
+    def run(k: int) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            out = buf[k * share:(k + 1) * share]
+            pos, end = k * lane, min(size, (k + 1) * lane)
+            while pos < end:
+                n = os.preadv(fd, [out[:min(len(out), _BUFFERED_PIECE, end - pos)]], pos)
+                if n <= 0:
+                    raise OSError(5, "the probe file is shorter than written")
+                pos += n
+        finally:
+            os.close(fd)
+
+    _threads(_BUFFERED_LANES, run)
+
+
+def _read_direct(path: str, size: int, buf: memoryview, cand: Candidate) -> None:
+    """Read the file with O_DIRECT, ``cand.threads`` reads of ``cand.piece`` bytes in flight (lane
+    ``k`` reads pieces k, k + threads, ...), each into its own piece of ``buf``."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | O_DIRECT)
+    try:
+        piece = min(cand.piece, len(buf) // cand.threads // ALIGN * ALIGN)
+        pieces = -(-size // piece)
+
+        def run(k: int) -> None:
+            out = buf[k * piece:(k + 1) * piece]
+            for j in range(k, pieces, cand.threads):
+                if os.preadv(fd, [out], j * piece) <= 0:
+                    raise OSError(5, "the probe file is shorter than written")
+
+        _threads(cand.threads, run)
+    finally:
+        os.close(fd)
+
+
+def _threads(n: int, run: Callable[[int], None]) -> None:
+    """``run(k)`` for k < n on n threads; the first error is raised once all are done."""
+    errors: list[BaseException] = []
+
+    def body(k: int) -> None:
+        try:
+            run(k)
+        except BaseException as e:  # raised below, on the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(k,), name="snapstore-probe", daemon=True) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
+            candidates: Sequence[Candidate] = CANDIDATES, stop: Callable[[], bool] | None = None) -> Measured:
+    """Measure each candidate's cold read rate of a ``size``-byte temp file in ``tmp_dir`` (removed
+    afterwards), medians of ``rounds``; ``stop()`` true between reads abandons it (SnapstoreError).
+    OSError (a full disk, a read-only file system) reaches the caller; a method the file system
+    refuses (EINVAL) counts 0."""
+    size = max(ALIGN, size // ALIGN * ALIGN)
+    fd, path = create_temp(tmp_dir)
+    try:
+        block = np.random.default_rng().integers(0, 256, size=min(size, 4 << 20), dtype=np.uint8)
+        done = 0
+        while done < size:
+            n = min(len(block), size - done)
+            write_all(fd, block.data[:n])
+            done += n
+        os.fsync(fd)  # clean pages: DONTNEED drops them
+        buf = _aligned(_BUF)
+        times: dict[str, list[float]] = {c.name: [] for c in candidates}
+        refused: set[str] = set()
+        dropped = True
+        for r in range(rounds):
+            order = list(candidates[r % len(candidates):]) + list(candidates[:r % len(candidates)])
+            for cand in order:
+                if cand.name in refused:
+                    continue
+                if stop is not None and stop():
+                    raise _Stopped("the read-path probe was stopped (the store is closing)")
+                dropped &= _drop(fd, size)
+                t0 = time.perf_counter()
+                try:
+                    if cand.method == "buffered":
+                        _read_buffered(path, size, buf)
+                    else:
+                        _read_direct(path, size, buf, cand)
+                except OSError as e:
+                    if cand.method != "direct" or e.errno != 22 or O_DIRECT == 0:  # EINVAL: O_DIRECT refused
+                        raise
+                    refused.add(cand.name)
+                    continue
+                times[cand.name].append(time.perf_counter() - t0)
+                if cand.method == "buffered":  # again, from the pages that read left cached
+                    t0 = time.perf_counter()
+                    _read_buffered(path, size, buf)
+                    times.setdefault(CACHED, []).append(time.perf_counter() - t0)
+            if O_DIRECT == 0:
+                refused.update(c.name for c in candidates if c.method == "direct")
+        rates = {name: (size / statistics.median(ts) if ts and name not in refused else 0.0)
+                 for name, ts in times.items()}
+        chosen, reason = choose(rates, candidates)
+        if not dropped:
+            reason += "; the page cache could not be dropped here (these are cached reads)"
+        return Measured(rates, chosen, reason, dropped)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+class _Stopped(SnapstoreError):
+    """The probe was abandoned (the store is closing)."""
+
+
+class ReadPaths(DirectReads):
+    """A store's cold-read method: forced (``forced`` True/False), else the one measured on its
+    storage (loaded from the catalog at open, measured in the background when none fits)."""
+
+    def __init__(self, forced: bool | None):
+        super().__init__(bool(forced))
+        self.forced = forced
+        self.key = ""  # the storage the store directory is on (storage_key)
+        self.row: ReadPathRow | None = None  # the measured choice in force (None: buffered, unmeasured)
+        self._cold_rate: Callable[[], float] = lambda: 0.0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._tried = 0.0  # monotonic time this process last started a probe (0: never)
+        self._refused = False  # O_DIRECT refused at a read: buffered for good (DirectReads.on)
+        track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child: the parent's probe thread is not here."""
+        self._lock = threading.Lock()
+        self._thread, self._stop = None, False
+
+    def load(self, root: str, rows: Iterable[ReadPathRow], cold_rate: Callable[[], float] | None = None) -> None:
+        """At open: the storage ``root`` is on, and the choice the catalog holds for it (``rows``);
+        ``cold_rate``: the store's measured cold restore rate now (bytes/s, 0 unmeasured), for drift."""
+        if cold_rate is not None:
+            self._cold_rate = cold_rate
+        try:
+            self.key = storage_key(root)
+        except OSError:
+            self.key = ""
+        for row in rows:
+            if row.storage == self.key:
+                self.apply(row)
+
+    def apply(self, row: ReadPathRow) -> None:
+        """Read cold chunks as ``row`` says (a forced setting wins; a method this version does not know: buffered)."""
+        with self._lock:
+            self.row = row
+            if self.forced is not None or self._refused:
+                return
+            direct = row.method == "direct" and O_DIRECT != 0 and row.threads > 0 and row.piece >= ALIGN
+            self.on = direct
+            if direct:
+                self.threads, self.piece = row.threads, row.piece
+
+    def enable(self, fd: int) -> bool:
+        """DirectReads.enable; a refusal (EINVAL) keeps this store buffered whatever was measured."""
+        was = self.on
+        ok = super().enable(fd)
+        self._refused = self._refused or (was and not self.on)
+        return ok
+
+    def read(self, fd: int, buf: memoryview, offset: int, need: int) -> int:
+        """DirectReads.read; a refusal (EINVAL) keeps this store buffered whatever was measured."""
+        was = self.on
+        try:
+            return super().read(fd, buf, offset, need)
+        finally:
+            self._refused = self._refused or (was and not self.on)
+
+    def stale(self, now: float | None = None) -> str | None:
+        """Why the choice should be measured (again), or None: no choice for this storage, an old one,
+        or cold restores that drifted :data:`DRIFT` times from the rate they had at the choice."""
+        if self.forced is not None or not self.key:
+            return None
+        row = self.row
+        if row is None:
+            return "not measured on this storage yet"
+        t = time.time() if now is None else now
+        if t - row.measured > REMEASURE_S:
+            return f"measured {(t - row.measured) / 86400:.0f} days ago"
+        cold = self._cold_rate()
+        if row.cold_rate > 0.0 and cold > 0.0 and not 1.0 / DRIFT <= cold / row.cold_rate <= DRIFT:
+            return (f"cold restores drifted from {row.cold_rate / 1e9:.2f} to {cold / 1e9:.2f} GB/s "
+                    "since the choice")
+        return None
+
+    def restored(self, repo: Repo, tiers: Tiers | None) -> None:
+        """After a successful restore that read ``tiers``: start the background probe if it read at
+        least :data:`PROBE_AFTER` cold bytes and the choice is missing or stale (never on a read-only store)."""
+        if tiers is None or tiers.get("cold", 0) < PROBE_AFTER or repo.readonly or self.forced is not None:
+            return
+        reason = self.stale()
+        if reason is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            if self._thread is not None or self._stop or (self._tried and now - self._tried < _RETRY_S):
+                return
+            self._tried = now
+            self._thread = threading.Thread(target=self._probe, args=(repo,), name="snapstore-read-probe",
+                                            daemon=True)
+            self._thread.start()
+
+    def _probe(self, repo: Repo) -> None:
+        """The background probe: measure, keep, use; any failure leaves the current choice (retried later)."""
+        try:
+            with contextlib.suppress(OSError, SnapstoreError):
+                self.measure_now(repo)
+        finally:
+            with self._lock:
+                self._thread = None
+
+    def measure_now(self, repo: Repo, size: int | None = None,
+                    rounds: int | None = None) -> tuple[ReadPathRow, Measured]:
+        """Measure the methods on ``repo``'s storage now (a ``size``-byte probe, default :data:`PROBE_BYTES`,
+        ``rounds`` reads each, default :data:`PROBE_ROUNDS`), use the fastest and keep it in the catalog;
+        StateError on a read-only store (the probe writes a temp file). ``snapstore bench`` calls it;
+        restores call it in the background (:meth:`restored`)."""
+        if repo.readonly:
+            raise StateError(f"{repo.root} is open read-only: the read-path probe writes a temp file; "
+                             "open it writable to measure")
+        got = measure(repo.tmp, PROBE_BYTES if size is None else size, PROBE_ROUNDS if rounds is None else rounds,
+                      stop=lambda: self._stop)
+        key = self.key or storage_key(repo.root)
+        row = ReadPathRow(key, got.chosen.method, got.chosen.threads, got.chosen.piece,
+                          json.dumps({k: round(v) for k, v in got.rates.items()}, sort_keys=True), got.reason,
+                          float(self._cold_rate()), time.time())
+        repo.write(lambda t: t.set_read_path(row), durable=False)
+        self.key = key
+        self.apply(row)
+        return row, got
+
+    def stop(self) -> None:
+        """Abandon a probe in flight and wait for its thread (the store is closing)."""
+        with self._lock:
+            self._stop = True
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def describe(self) -> dict[str, object]:
+        """What the store reads cold chunks with, and why (``snapstore bench``)."""
+        if self.forced is not None:
+            how = "direct" if self.on else "buffered"
+            return {"method": how, "threads": self.threads, "piece": self.piece, "why": "set by direct_reads= / "
+                    f"SNAPSTORE_DIRECT_READS ({'on' if self.forced else 'off'})", "measured": None, "figures": {}}
+        row = self.row
+        if row is None:
+            return {"method": "buffered", "threads": _BUFFERED_LANES, "piece": _BUFFERED_PIECE,
+                    "why": "not measured on this storage yet: buffered until a large cold restore (or "
+                    "`snapstore bench`) measures it", "measured": None, "figures": {}}
+        try:
+            figures = {str(k): float(v) for k, v in json.loads(row.figures).items()}
+        except (ValueError, AttributeError):
+            figures = {}
+        return {"method": "direct" if self.on else "buffered", "threads": self.threads if self.on else _BUFFERED_LANES,
+                "piece": self.piece if self.on else _BUFFERED_PIECE, "why": row.reason, "measured": row.measured,
+                "figures": figures, "storage": row.storage}

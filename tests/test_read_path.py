@@ -1,0 +1,305 @@
+"""The cold-read path chosen by measurement (issue 48 item 1): a store measures buffered and O_DIRECT
+reads on its own storage, keeps the choice in its catalog per storage (device + file system), uses
+it, measures again on another storage or when its cold restores drift, and restores byte-exact
+either way, read-only stores included. Which method wins is the machine's business: nothing here
+depends on a timing; the page cache (mincore) tells which way a restore read."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import apsw
+import numpy as np
+import pytest
+from support import IDENT, store_factory
+from support.pagecache import cached_pages, drop_cache
+
+import snapstore as ss
+from snapstore.catalog.rates import ReadPathRow
+from snapstore.chunks import direct_io as _direct_io
+from snapstore.restore import read_path as rp
+
+MIB = 1 << 20
+ROW = 5000
+N = 700  # 3.3 MiB of rows in 1 MiB chunks (payloads not 4 KiB multiples)
+LAYOUT = ss.Layout(fixed={"run": ss.Fixed("uint8", (MIB + 1000,))}, rows={"kv": ss.Rows("uint8", (ROW,))})
+
+_open = store_factory(identity=IDENT, layout=LAYOUT, chunk_bytes=MIB, staging_bytes=4 * MIB,
+                      budget=ss.Budget(reserve_bytes=0, ram_bytes=0), check_rows=None)
+
+
+@pytest.fixture
+def cold_fs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A store path on a file system whose pages can be dropped and that takes O_DIRECT; small probes."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(os.urandom(MIB))
+    drop_cache(str(probe))
+    if cached_pages(str(probe)):
+        pytest.skip("this file system keeps files in memory: no cold reads to test")
+    try:
+        os.close(os.open(probe, os.O_RDONLY | _direct_io.O_DIRECT))
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
+    monkeypatch.delenv("SNAPSTORE_DIRECT_READS", raising=False)
+    monkeypatch.setattr(rp, "PROBE_BYTES", 2 * MIB)  # a cheap probe: the choice, not its figures, is tested
+    monkeypatch.setattr(rp, "PROBE_ROUNDS", 1)
+    monkeypatch.setattr(rp, "PROBE_AFTER", MIB)  # this test's restores are large enough to measure
+    return str(tmp_path / "store")
+
+
+def _state(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"run": rng.integers(0, 256, MIB + 1000, dtype=np.uint8),
+            "kv": rng.integers(0, 256, (N, ROW), dtype=np.uint8)}
+
+
+def _empty() -> dict[str, np.ndarray]:
+    return {"run": np.zeros(MIB + 1000, dtype=np.uint8), "kv": np.zeros((N, ROW), dtype=np.uint8)}
+
+
+def _cool(store_dir: str) -> list[str]:
+    files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(store_dir, "blobs")) for f in fs]
+    for f in files:
+        drop_cache(f)
+    return [f for f in files if os.path.getsize(f) > 256 * 1024]
+
+
+def _bypassed(big: list[str]) -> bool:
+    """Were these files read around the page cache (O_DIRECT)? The header read caches a few pages."""
+    return bool(big) and all(cached_pages(f) < os.path.getsize(f) // 4096 // 4 for f in big)
+
+
+def _cached(big: list[str]) -> bool:
+    return bool(big) and all(cached_pages(f) >= os.path.getsize(f) // 4096 // 2 for f in big)
+
+
+def _row(storage: str, method: str = "direct", cold_rate: float = 0.0, measured: float | None = None) -> ReadPathRow:
+    import time
+    return ReadPathRow(storage, method, 4, 256 << 10, '{"buffered": 1, "direct 4x4MiB": 2}', "set by the test",
+                       cold_rate, time.time() if measured is None else measured)
+
+
+def _rows(store_dir: str) -> list[tuple[Any, ...]]:
+    c = apsw.Connection(os.path.join(store_dir, "snapstore.db"), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return list(c.execute("SELECT storage, method, threads, piece FROM read_paths ORDER BY storage"))
+    finally:
+        c.close()
+
+
+def _wait_probe(s: ss.Store) -> None:
+    t = s._reads._thread
+    if t is not None:
+        t.join(60)
+
+
+def test_choose_takes_o_direct_only_when_clearly_faster() -> None:
+    """The rule, on given figures: buffered unless an O_DIRECT method is DIRECT_EDGE ahead; a refused
+    O_DIRECT (0) never wins; the reason names both figures."""
+    d8, d4 = rp.CANDIDATES[1].name, rp.CANDIDATES[2].name
+    got, why = rp.choose({"buffered": 3.18e9, d8: 1.27e9, d4: 1.1e9})
+    assert got == rp.BUFFERED and "3.18" in why and "1.27" in why
+    got, _ = rp.choose({"buffered": 2.0e9, d8: 2.1e9, d4: 1.0e9})  # ahead, but not by the edge
+    assert got == rp.BUFFERED
+    got, why = rp.choose({"buffered": 1.4e9, d8: 1.6e9, d4: 2.4e9, rp.CACHED: 9.0e9})
+    assert got == rp.CANDIDATES[2] and "page cache" in why and "9.00" in why  # what it costs, said
+    got, why = rp.choose({"buffered": 1.0e9, d8: 0.0, d4: 0.0})
+    assert got == rp.BUFFERED and "refused" in why
+
+
+def test_a_large_cold_restore_measures_and_the_choice_is_kept(cold_fs: str) -> None:
+    """Unmeasured, a store reads buffered; a restore that read PROBE_AFTER cold bytes starts the probe,
+    whose choice is used at once and kept in the catalog under this storage's key; a reopened store
+    uses it without measuring again, and a store moved within the file system keeps it."""
+    state = _state(1)
+    with _open(cold_fs) as s:
+        assert s._reads.row is None and not s._reads.on and s._reads.stale() is not None
+        r = s.save(list(range(N)), state)
+        _cool(cold_fs)
+        out = _empty()
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+        _wait_probe(s)
+        row = s._reads.row
+        assert row is not None and row.storage == rp.storage_key(cold_fs) and s._reads.stale() is None
+        assert s._reads.on == (row.method == "direct")
+        assert not os.listdir(os.path.join(cold_fs, "tmp"))  # the probe file is gone
+    assert _rows(cold_fs) == [(row.storage, row.method, row.threads, row.piece)]
+    moved = cold_fs + "-moved"
+    os.rename(cold_fs, moved)  # same device and file system: the same storage
+    with _open(moved) as s:
+        assert s._reads.row == row and s._reads.stale() is None
+        r2 = s.save(list(range(N)), _state(2))
+        _cool(moved)
+        s.restore(r2, _empty())
+        assert s._reads._thread is None  # nothing measured again
+
+
+def test_another_storage_is_measured_again(cold_fs: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A choice kept for another device/file system (a store copied elsewhere) is not used: the store
+    reads buffered, measures on its first large cold restore, and keeps both rows."""
+    state = _state(3)
+    with _open(cold_fs) as s:
+        r = s.save(list(range(N)), state)
+        s._repo.write(lambda t: t.set_read_path(_row("ffff:1234")))
+    with _open(cold_fs) as s:
+        assert s._reads.row is None and not s._reads.on
+        assert s._reads.stale() == "not measured on this storage yet"
+        _cool(cold_fs)
+        out = _empty()
+        s.restore(r, out)
+        _wait_probe(s)
+        assert s._reads.row is not None and s._reads.row.storage == rp.storage_key(cold_fs)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+    assert {row[0] for row in _rows(cold_fs)} == {"ffff:1234", rp.storage_key(cold_fs)}
+    monkeypatch.setattr(rp, "storage_key", lambda path: "eeee:5678")  # the directory now on another device
+    with _open(cold_fs) as s:
+        assert s._reads.row is None and s._reads.stale() == "not measured on this storage yet"
+
+
+def test_drift_and_age_call_for_a_new_measurement(cold_fs: str) -> None:
+    """Cold restores DRIFT times slower or faster than at the choice, or a choice older than
+    REMEASURE_S, make the choice stale; within the band it stands."""
+    with _open(cold_fs) as s:
+        key = s._reads.key
+        rate = {"cold": 1.0e9}
+        s._reads._cold_rate = lambda: rate["cold"]
+        s._reads.apply(_row(key, cold_rate=1.0e9))
+        assert s._reads.stale() is None
+        rate["cold"] = 0.4e9
+        assert "drifted" in (s._reads.stale() or "")
+        rate["cold"] = 2.5e9
+        assert "drifted" in (s._reads.stale() or "")
+        rate["cold"] = 1.5e9
+        assert s._reads.stale() is None
+        s._reads.apply(_row(key, cold_rate=1.0e9, measured=1.0))
+        assert "days ago" in (s._reads.stale() or "")
+
+
+@pytest.mark.parametrize("method", ["direct", "buffered"])
+def test_both_methods_restore_byte_exact(cold_fs: str, method: str) -> None:
+    """With each method in force the cold restore is exact and goes the way chosen: O_DIRECT leaves
+    the big chunk files out of the page cache, buffered reads leave them in."""
+    state = _state(4)
+    with _open(cold_fs) as s:
+        r = s.save(list(range(N)), state)
+        s._reads.apply(_row(s._reads.key, method))
+        assert s._reads.on == (method == "direct")
+        big = _cool(cold_fs)
+        out = _empty()
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+        assert _bypassed(big) if method == "direct" else _cached(big)
+        out = _empty()
+        s.restore(r, out)  # and again, from wherever the first left the bytes
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+
+
+def test_a_forced_setting_beats_the_measured_choice(cold_fs: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with _open(cold_fs) as s:
+        s._repo.write(lambda t: t.set_read_path(_row(rp.storage_key(cold_fs), "direct")))
+    with _open(cold_fs, direct_reads=False) as s:
+        assert not s._reads.on and s._reads.stale() is None
+    monkeypatch.setenv("SNAPSTORE_DIRECT_READS", "0")
+    with _open(cold_fs) as s:
+        assert not s._reads.on and "SNAPSTORE_DIRECT_READS" in str(s._reads.describe()["why"])
+    monkeypatch.delenv("SNAPSTORE_DIRECT_READS")
+    with _open(cold_fs) as s:
+        assert s._reads.on
+
+
+def test_a_refused_o_direct_keeps_the_store_buffered(cold_fs: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A measured 'direct' on a file system that then refuses O_DIRECT: the restore is exact, buffered,
+    and a later apply() of the same choice does not turn O_DIRECT back on."""
+    state = _state(5)
+    with _open(cold_fs) as s:
+        r = s.save(list(range(N)), state)
+        s._reads.apply(_row(s._reads.key, "direct"))
+        monkeypatch.setattr(_direct_io, "_TEST_REFUSE", "setfl")
+        big = _cool(cold_fs)
+        out = _empty()
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state) and _cached(big)
+        s._reads.apply(_row(s._reads.key, "direct"))
+        assert not s._reads.on
+
+
+def test_the_probe_sees_a_refusing_file_system(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure() on a file system that refuses O_DIRECT reads: the direct methods count 0 and buffered wins."""
+    real = os.open
+
+    def refuse(path: Any, flags: int, *a: Any, **k: Any) -> int:
+        if flags & _direct_io.O_DIRECT and _direct_io.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", refuse)
+    got = rp.measure(str(tmp_path), size=MIB, rounds=1)
+    assert got.chosen == rp.BUFFERED and "refused" in got.reason
+    assert got.rates["buffered"] > 0 and got.rates[rp.CACHED] > 0
+    assert all(got.rates[c.name] == 0 for c in rp.CANDIDATES if c.method == "direct")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_read_only_store_reads_with_the_kept_choice_and_never_measures(cold_fs: str) -> None:
+    """read_only=True (the library's mode for read-only media): the kept choice is used, a large cold
+    restore is exact and starts no probe, nothing is written, and an explicit measurement says why not."""
+    state = _state(6)
+    with _open(cold_fs) as s:
+        r = s.save(list(range(N)), state)
+        s._repo.write(lambda t: t.set_read_path(_row(rp.storage_key(cold_fs), "direct")))
+    before = {p: os.stat(os.path.join(cold_fs, p)).st_mtime_ns for p in ("snapstore.db", "tmp")}
+    with _open(cold_fs, read_only=True) as s:
+        assert s._reads.on
+        big = _cool(cold_fs)
+        out = _empty()
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state) and _bypassed(big)
+        assert s._reads._thread is None
+        with pytest.raises(ss.StateError, match="read-only"):
+            s._reads.measure_now(s._repo)
+    assert before == {p: os.stat(os.path.join(cold_fs, p)).st_mtime_ns for p in ("snapstore.db", "tmp")}
+    assert os.listdir(os.path.join(cold_fs, "tmp")) == []
+
+
+def test_a_read_only_open_of_a_catalog_before_schema_14_reads_buffered(cold_fs: str) -> None:
+    """An older catalog (no read_paths table) opened read-only is not migrated: nothing measured, buffered, exact."""
+    state = _state(7)
+    with _open(cold_fs) as s:
+        r = s.save(list(range(N)), state)
+    c = apsw.Connection(os.path.join(cold_fs, "snapstore.db"))
+    c.execute("DROP TABLE read_paths; PRAGMA user_version = 13")
+    c.close()
+    with _open(cold_fs, read_only=True) as s:
+        assert s._reads.row is None and not s._reads.on
+        out = _empty()
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+
+
+def test_close_stops_a_probe_in_flight(cold_fs: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() abandons a probe between reads and waits for it: no thread left, no temp file left."""
+    gate, entered = threading.Event(), threading.Event()
+    real = rp._drop
+
+    def slow_drop(fd: int, size: int) -> bool:
+        entered.set()
+        gate.wait(30)
+        return real(fd, size)
+
+    monkeypatch.setattr(rp, "_drop", slow_drop)
+    s = _open(cold_fs)
+    r = s.save(list(range(N)), _state(8))
+    _cool(cold_fs)
+    s.restore(r, _empty())
+    assert entered.wait(30)
+    thread = s._reads._thread
+    assert thread is not None
+    closer = threading.Thread(target=s.close)
+    closer.start()
+    gate.set()
+    closer.join(60)
+    assert not closer.is_alive() and not thread.is_alive()
+    assert os.listdir(os.path.join(cold_fs, "tmp")) == []
