@@ -3,6 +3,9 @@
 One ``weed server`` process runs the master, the filer and the S3 gateway (no volume of its own);
 two ``weed volume`` processes hold the data, so a test can stop one mid-restore. Every port is a
 free loopback port, every directory a temp one; :meth:`SeaweedCluster.stop` ends every process.
+No server outlives the test run: a SIGTERM to the run tears the session down (the fixture turns it
+into KeyboardInterrupt, so its finalizer stops the cluster), and each server is started with a
+parent-death signal (SIGKILL when the process that started it dies, by SIGKILL too).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -87,7 +91,8 @@ class SeaweedCluster:
         log = open(os.path.join(self.root, f"{name}.log"), "wb")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
         self.procs[name] = subprocess.Popen([self.weed, *args], stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=_die_with_parent)
 
     def start(self, timeout: float = 60.0) -> SeaweedCluster:
         """Start everything and wait until a bucket can be created and written."""
@@ -188,6 +193,21 @@ class SeaweedCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL it when the thread that started it exits, so a
+    test run killed outright (SIGKILL, a crash) leaves no server behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
+def _term_as_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM to the test run: unwind as Ctrl-C does, so pytest runs the session's finalizers."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _kill(p: subprocess.Popen[bytes]) -> None:
     if p.poll() is None:
         try:
@@ -216,10 +236,18 @@ def seaweed() -> Iterator[SeaweedCluster]:
         except OSError as e:  # e.g. an exec format error: the binary genuinely cannot run here
             pytest.skip(f"the weed binary cannot run here: {e}")
     assert cluster is not None
+    # a SIGTERM (CI's timeout, a user's kill) would end the run without finalizers: the servers, in
+    # sessions of their own, would run on
+    hook = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in \
+        (signal.SIG_DFL, None)
+    if hook:
+        signal.signal(signal.SIGTERM, _term_as_interrupt)
     try:
         yield cluster
     finally:
         cluster.stop()
+        if hook:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 _BUCKETS: dict[int, str] = {}
