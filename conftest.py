@@ -25,6 +25,8 @@ SLOW_MODULES = frozenset({
     "test_remote_fleet.py", "test_remote_stream.py", "test_remote_tee.py", "test_remote_tee_faults.py",
     "test_remote_granularity.py", "test_llamacpp_bridge.py", "test_llamacpp_identity.py",
     "test_llamacpp_passthrough.py", "test_llamacpp_load.py", "test_vllm_connector.py",
+    # the real sglang package (imports take seconds) and its storage backend in writer processes
+    "test_sglang_hicache.py",
     # model runtimes: transformers models built at test time
     "test_engine_hf.py", "test_engine_hf_device.py", "test_prefix_cache.py", "test_prefix_cache_keys.py",
     # mlx_lm models built at test time, in two processes (a restart)

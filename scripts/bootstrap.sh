@@ -13,5 +13,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[dev,hf,llamacpp-test,mlx]"
+  # SGLang's storage interface for the HiCache backend tests (snapstore[sglang] pins the version): --no-deps,
+  # since sglang pins a CUDA torch and another transformers; what its storage modules import comes next.
+  # Not torchvision: its wheels for this torch are CUDA builds whose operators fail to load here.
+  .venv/bin/python -m pip install -q --no-deps "sglang==0.5.23"
+  .venv/bin/python -m pip install -q orjson pybase64 triton starlette msgspec pyzmq ipython
   touch "$stamp"
 fi

@@ -1,0 +1,57 @@
+"""What a page's bytes mean, from what SGLang tells the backend: its config and the host pools.
+
+``HiCacheStorageConfig`` gives the model name and the TP/PP/CP/DCP shard; the registered host pool
+gives the pool class, dtype, layout, page size, page bytes, geometry and ``storage_format_tag``;
+the extra config adds what SGLang cannot know (the weights' digest or revision, the operator's
+own keys). A page written under one identity is never served under another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import snapstore
+
+from ._pages import page_nbytes
+
+# pool attributes that change the meaning of a page's bytes, where the pool class has them
+_POOL_FIELDS = ("layout", "page_size", "head_num", "head_dim", "layer_num", "kv_lora_rank", "qk_rope_head_dim",
+                "storage_format_tag", "stores_page_envelope", "start_layer", "end_layer")
+# the extra-config keys that configure the backend itself (not part of the identity)
+BACKEND_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "path", "disk_mib",
+                          "max_entries", "ttl_s", "ram_mib", "model_digest", "model_revision", "key_extra"})
+
+
+def _scalar(value: Any) -> str | int | float | bool | None:
+    """An identity value: plain scalars as they are, anything else (a torch dtype) as its str."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def pool_identity(config: Any, pool: Any, pool_name: str, build: str) -> snapstore.Identity:
+    """The identity of ``pool_name``'s pages under ``config`` (a ``HiCacheStorageConfig``)."""
+    extra_config: Mapping[str, Any] = config.extra_config or {}
+    model = config.model_name or ""
+    pack = str(extra_config.get("model_digest") or extra_config.get("model_revision") or f"sglang-model:{model}")
+    extra: dict[str, str | int | float | bool | None] = {
+        "engine": "sglang", "model": model, "pool": pool_name, "pool_class": type(pool).__name__,
+        "page_bytes": page_nbytes(pool),
+        "pp": f"{config.pp_rank}/{config.pp_size}", "cp": f"{config.attn_cp_rank}/{config.attn_cp_size}",
+        "dcp": f"{config.dcp_rank}/{config.dcp_size}", "mla": bool(config.is_mla_model),
+        "page_first": bool(config.is_page_first_layout), "split_heads": bool(config.should_split_heads),
+        "logical_page_size": _scalar(config.logical_page_size), "tp_lcm": _scalar(config.tp_lcm_size),
+    }
+    # MLA's K/V is replicated across TP ranks (one copy serves every rank, as in SGLang's file
+    # backend); every other pool, and K/V without MLA, is a TP shard of its own.
+    shared = bool(config.is_mla_model) and pool_name == "kv"
+    extra["tp"] = f"*/{config.tp_size}" if shared else f"{config.tp_rank}/{config.tp_size}"
+    for name in _POOL_FIELDS:
+        if hasattr(pool, name):
+            extra[f"pool.{name}"] = _scalar(getattr(pool, name))
+    if extra_config.get("model_revision") and extra_config.get("model_digest"):
+        extra["revision"] = str(extra_config["model_revision"])
+    for key, value in dict(extra_config.get("key_extra") or {}).items():
+        extra[f"user.{key}"] = _scalar(value)
+    return snapstore.Identity(build=build, pack=pack, kv=str(getattr(pool, "dtype", "bytes")), extra=extra)
