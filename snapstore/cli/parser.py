@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_commands(sub, common)
     from snapstore.cli.mlx import add_commands as add_mlx  # mlx-server, import-/export-mlx-cache (no mlx import)
     add_mlx(sub, common)
+    from snapstore.cli.bench import add_commands as add_bench  # bench: the storage's limits and the store's figures
+    add_bench(sub, common)
     p.description = _MAIN_HELP.format(commands=_command_list(sub))
     return p
 
