@@ -207,24 +207,35 @@ def _server_slotstore(args: argparse.Namespace, ctx: CliContext) -> Any:
 
 def cmd_export_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     """export-slot ID FILE: write the snapshot as a slot file."""
+    import secrets
+
     from snapstore.check.inspect import FORMAT
+    from snapstore.chunks.publish import write_all
     from snapstore.cli.context import UsageError
     from snapstore.llamacpp._slotstore import export_snapshot
+    from snapstore.transfer.destination import check_destination, publish_output
 
     check = None
     if args.for_model:
         check = _for_model_check(args)
     elif args.cache_type_k or args.cache_type_v:
         raise UsageError("--cache-type-k/-v only go with --for-model (a plain export writes the snapshot's own types)")
-    data = export_snapshot(_root(args, create=False), args.id, check=check,
-                           draft=not (args.no_draft or args.for_model))
-    tmp = args.out + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, args.out)
+    root = _root(args, create=False)
+    # nothing a command does destroys a store (issue 46 item 10): never inside a store, never over a
+    # store's own file; a file elsewhere is replaced (as before), by one rename of a fresh temp file
+    dest = check_destination(args.out, overwrite=True, store_root=root, what="the slot file")
+    data = export_snapshot(root, args.id, check=check, draft=not (args.no_draft or args.for_model))
+    tmp = os.path.join(os.path.dirname(os.path.abspath(dest)), f".{os.path.basename(dest)}.{secrets.token_hex(6)}.part")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    publish_output(tmp, dest, overwrite=True)
     if ctx.json:
         ctx.emit_json({"format": FORMAT, "command": "export-slot", "snapshot_id": args.id, "file": args.out,
                        "bytes": len(data), "for_model": args.for_model, "exact": not args.for_model})

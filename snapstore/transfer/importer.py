@@ -27,7 +27,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import BinaryIO
 
@@ -43,7 +43,7 @@ from snapstore._errors import (
     SnapshotUnavailableError,
     StateError,
 )
-from snapstore._layout import Fixed, Layout
+from snapstore._layout import Fixed, Layout, Rows
 from snapstore._tokens import TokenIndex, decode_tokens
 from snapstore.catalog.queries import PartKind, SnapRow, Txn
 from snapstore.chunks.chunkfile import header_at, header_matches, scope_key
@@ -98,6 +98,8 @@ def check_layout(h: ExportHeader, layout: Layout) -> None:
     mine = layout.parts
     for name, spec in sorted(h.layout.parts.items()):
         have = mine.get(name)
+        if isinstance(have, Rows) and have.lag:  # a stream's lag is no part of what is stored or exported
+            have = replace(have, lag=0)         # (docs/format.md §6): the file's Rows never carry it
         if have != spec:
             raise LayoutError(f"the export file's part {name!r} is {spec}, this store's layout has {have}; "
                               "nothing imported (open the store with the layout the snapshot was saved with)")

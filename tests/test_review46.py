@@ -1,0 +1,82 @@
+"""Issue 46, the review round: where two of its fixes meet, or a fix has a second entry point.
+
+- a layout's ``Rows(lag=)`` is stored nowhere (docs/format.md §6), so an export of a lagging stream
+  carries ``lag=0``: importing it back into the very layout that saved it must not be a LayoutError;
+- ``snapstore export-slot`` writes at a caller's path too: never inside a store directory (its
+  catalog included), by a fresh temp file renamed into place (item 10's rule, not only ``export``'s).
+
+Real stores, files and the real CLI entry point.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+import snapstore as ss
+
+IDENT = ss.Identity(build="eng-1.0", pack="sha256:review46", kv="f16")
+LAG = ss.Layout(fixed={"rec": ss.Fixed("float32", (4, 8))},
+                rows={"kv": ss.Rows("uint8", (64,)), "draft": ss.Rows("uint8", (64,), component="draft", lag=1)})
+RNG = np.random.default_rng(4646)
+KV = RNG.integers(0, 256, (300, 64), dtype=np.uint8)
+DRAFT = RNG.integers(0, 256, (299, 64), dtype=np.uint8)
+REC = RNG.standard_normal((4, 8)).astype(np.float32)
+TOKENS = [11 + i for i in range(300)]
+
+
+def _open(path: Any, layout: ss.Layout = LAG) -> ss.Store:
+    return ss.Store.open(str(path), identity=IDENT, layout=layout, chunk_bytes=4096, staging_bytes=64 * 1024)
+
+
+def test_an_export_of_a_lagging_stream_imports_back_into_its_own_layout(tmp_path: Any) -> None:
+    out = str(tmp_path / "lag.snapx")
+    with _open(tmp_path / "a") as s:
+        r = s.save(TOKENS, {"rec": REC, "kv": KV, "draft": DRAFT})  # 299 draft rows: the layout's lag
+        s.export(r, out)
+    with _open(tmp_path / "b") as s:
+        got = s.import_file(out)  # was: LayoutError "part 'draft' is Rows(... lag=0), this store's ... lag=1"
+        assert got.imported_from is None and s.match(TOKENS) is not None
+        dest = {"rec": np.zeros((4, 8), np.float32), "kv": np.zeros((300, 64), np.uint8),
+                "draft": np.zeros((300, 64), np.uint8)}
+        res = s.restore(got.snapshot_id, dest)
+        assert res.rows == {"kv": 300, "draft": 299}
+        assert dest["kv"].tobytes() == KV.tobytes() and dest["draft"][:299].tobytes() == DRAFT.tobytes()
+    other = ss.Layout(fixed=LAG.fixed, rows={"kv": LAG.rows["kv"],
+                                             "draft": ss.Rows("uint8", (32,), component="draft", lag=1)})
+    with _open(tmp_path / "c", other) as s, pytest.raises(ss.LayoutError, match="draft"):
+        s.import_file(out)  # a real spec difference is still refused
+
+
+def test_export_slot_never_writes_into_a_store(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("gguf")
+    import json
+
+    import helpers_llamacpp as h
+    from test_llamacpp_draft import BUILD, slot_file
+    from test_llamacpp_draft import TOKENS as SLOT_TOKENS
+
+    from snapstore.cli.main import main
+
+    model = h.write_llama(str(tmp_path / "llama.gguf"))
+    src = tmp_path / "a.bin"
+    src.write_bytes(slot_file(SLOT_TOKENS, seed=8))
+    store = str(tmp_path / "store")
+    assert main(["--dir", store, "--json", "import-slot", str(src), "--model", model, "--build", BUILD]) == 0
+    sid = str(json.loads(capsys.readouterr()[0])["snapshot_id"])
+    catalog = os.path.join(store, "snapstore.db")
+    before = open(catalog, "rb").read(100)
+    # was: "wrote …/snapstore.db", and every later command: "snapstore.db is not an SQLite database"
+    assert main(["--dir", store, "export-slot", sid, catalog]) == 2
+    assert "inside the snapstore store" in capsys.readouterr()[1]
+    assert main(["--dir", store, "export-slot", sid, os.path.join(store, "blobs", "x.bin")]) == 2
+    assert open(catalog, "rb").read(100) == before and main(["--dir", store, "verify"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "out.bin"
+    out.write_bytes(b"old")
+    assert main(["--dir", store, "export-slot", sid, str(out)]) == 0  # a file elsewhere is replaced, as before
+    assert out.read_bytes() == src.read_bytes()
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".part")]
