@@ -278,3 +278,70 @@ def test_a_read_only_cache_generates_and_saves_nothing(llama: Any, tmp_path: Pat
         stops = sorted({*pc.split(other.size), other.size - 1} - {0})
         assert st.hits == 1 and st.captures == st.committed == 0 and st.skipped == len(stops)
         assert pc.store.stats().snapshots == before
+
+
+def _tuner_classes() -> list[type]:
+    """Every layer class mlx_lm's tuner defines (LoRA and DoRA: linear, switch-linear, embedding)."""
+    import inspect
+
+    import mlx.nn as nn
+    from mlx_lm.tuner import dora, lora
+
+    return [c for mod in (lora, dora) for _, c in inspect.getmembers(mod, inspect.isclass)
+            if issubclass(c, nn.Module) and c.__module__ == mod.__name__]
+
+
+@pytest.mark.parametrize("cls", _tuner_classes(), ids=lambda c: c.__name__)
+def test_an_adapter_scale_set_to_zero_changes_the_identity(cls: type, tmp_path: Path) -> None:
+    """Walks mlx_lm's tuner layers (issue 47 item 4): each wraps a layer of a tiny model (its adapter
+    weights made non-zero), a prompt is stored, then the layer's ``scale`` — a plain float, no array
+    changes — is set to 0: the next call is under a new identity (nothing restored that the adapter
+    computed) and equals mlx_lm with the adapter off."""
+    from mlx.utils import tree_unflatten
+
+    name = cls.__name__
+    arch, base = ("qwen3_next", "SwitchLinear") if "Switch" in name else \
+        ("llama", "Embedding") if name.endswith("Embedding") else ("llama", "Linear")
+    model = mlx_models.build(arch)
+    path, layer = next((p, m) for p, m in model.named_modules() if type(m).__name__ == base)
+    tuned = cls.from_base(layer, r=4, scale=2.0)  # type: ignore[attr-defined]
+    tuned.lora_b = mx.random.normal(tuned.lora_b.shape) * 0.5  # mlx_lm starts it at zero: no effect yet
+    model.update_modules(tree_unflatten([(path, tuned)]))
+    mx.eval(model.parameters())
+    ids = mx.array(PROMPT)
+    with PrefixCache(model, tmp_path, boundary=0) as pc:
+        list(pc.generate_step(ids, max_tokens=4))
+        key = pc.store.identity.key
+        tuned.scale = 0.0
+        ref = list(G.generate_step(ids, model, max_tokens=4))
+        assert _same(list(pc.generate_step(ids, max_tokens=4)), ref)
+        st = pc.stats()
+        assert st.identity_changes == 1 and st.hits == 0 and pc.store.identity.key != key, (name, st)
+        assert _same(list(pc.generate_step(ids, max_tokens=4)), ref)  # the new identity's own snapshot
+        assert pc.stats().hits == 1
+
+
+def test_dropout_in_training_mode_is_not_served_and_quantization_settings_are_seen(tmp_path: Path) -> None:
+    """A LoRA layer with dropout in a model switched to training mode draws anew each forward: the
+    call goes to mlx_lm unchanged; a quantized layer's bits and group size are in the look."""
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+    from mlx_lm.tuner.lora import LoRALinear
+
+    from snapstore.engine.mlx._identity import module_settings
+
+    model = mlx_models.build("llama")
+    path, layer = next((p, m) for p, m in model.named_modules() if type(m).__name__ == "Linear")
+    model.update_modules(tree_unflatten([(path, LoRALinear.from_base(layer, r=4, dropout=0.5))]))
+    ids = mx.array(PROMPT)
+    with PrefixCache(model, tmp_path, boundary=0) as pc:
+        model.train()
+        list(pc.generate_step(ids, max_tokens=2))
+        assert pc.stats().bypassed == 1 and pc.stats().captures == 0
+        model.eval()
+        list(pc.generate_step(ids, max_tokens=2))
+        assert pc.stats().captures == 1
+    quantized = mlx_models.build("llama")
+    nn.quantize(quantized, group_size=32, bits=4)
+    attrs = {k: v for _, cls_name, kv in module_settings(quantized) if cls_name == "QuantizedLinear" for k, v in kv}
+    assert attrs.get("bits") == 4 and attrs.get("group_size") == 32

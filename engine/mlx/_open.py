@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from snapstore import Budget
 
 from ._arrays import dtype_name
-from ._identity import CacheSettings, identity, weights_sha256
+from ._identity import CacheSettings, draft_key, identity, weights_sha256
 from ._stores import Stores
 
 __all__ = ["kv_field", "open_stores"]
@@ -36,5 +36,5 @@ def open_stores(model: Any, settings: CacheSettings, path: str | os.PathLike[str
     (``pack`` skips that), the layout probed with one token, each phase's store opened on first use."""
     pack = pack or "sha256:" + weights_sha256(model)
     ident = identity(model, pack, kv_field(model, settings), settings, dict(extra or {}))
-    dkey = weights_sha256(draft) if draft is not None else None
+    dkey = draft_key(draft) if draft is not None else None
     return Stores(model, settings, ident, path, budget, dict(options or {}), draft, dkey)

@@ -41,7 +41,7 @@ from ._arrays import dtype_name
 from ._cache_state import UnsupportedCacheError, destinations, parts_of, rebuild
 from ._captures import Captures
 from ._deps import mlx_generate
-from ._identity import CacheSettings, Look, identity, weights_sha256
+from ._identity import CacheSettings, Look, draft_key, identity, training_dropout, weights_sha256
 from ._reading import bypass_reason, read, settings_of, wrap_processors, wrap_progress
 from ._stores import Stores
 from ._stream import generate as _generate
@@ -73,7 +73,7 @@ class PrefixCache:
         self._seen = Look(model)
         self._pack = pack or "sha256:" + weights_sha256(model)
         self._stores: dict[tuple[CacheSettings, str | None], Stores] = {}
-        self._drafts: dict[int, tuple[Look, str]] = {}  # id(draft model) -> the look its hash was taken at
+        self._drafts: dict[int, tuple[Look, str, str]] = {}  # id(draft) -> (look the key was taken at, key, weights)
         self._lock = threading.Lock()
         self._n: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._told: set[str] = set()
@@ -123,6 +123,8 @@ class PrefixCache:
         if session is not None and (not isinstance(session, str) or not session):
             raise InvalidInputError(f"session must be None or a non-empty string, got {session!r}")
         why = bypass_reason(kwargs, draft is not None)
+        if why is None and any(training_dropout(m) for m in (self.model, draft) if m is not None):
+            why = "a model is in training mode with dropout (it draws anew each forward); call model.eval()"
         if why is None and (not isinstance(prompt, mx.array) or prompt.ndim != 1 or prompt.size == 0):
             why = "the prompt is not a non-empty 1-D array of token ids"
         stops: list[int] = []
@@ -310,11 +312,13 @@ class PrefixCache:
         return st
 
     def _draft_key(self, draft: Any) -> str:
-        """The draft model's weights hash (hashed once per draft, again when a parameter was replaced)."""
+        """The draft model's key (``draft_key``: its weights and its modules' attributes), hashed once
+        per draft and again when its look changed (the weights only when a parameter was replaced)."""
         seen = self._drafts.get(id(draft))
         now = Look(draft)
         if seen is None or not now.same(seen[0]):
-            seen = (now, weights_sha256(draft))
+            weights = weights_sha256(draft) if seen is None or not now.same_params(seen[0]) else seen[2]
+            seen = (now, draft_key(draft, weights, now.modules), weights)
             self._drafts[id(draft)] = seen
         return seen[1]
 
@@ -333,12 +337,13 @@ class PrefixCache:
         self._follow(rehash=True)
 
     def _follow(self, rehash: bool = False) -> None:
-        """Before a call: if a parameter was replaced or the config changed, re-hash and reopen."""
+        """Before a call: if a parameter was replaced (re-hashed), the config or a module's attribute
+        changed (an adapter's scale, a dropout, the training flag), reopen under the new identity."""
         now = Look(self.model)
         if not rehash and now.same(self._seen):
             return
-        pack = "sha256:" + weights_sha256(self.model)
-        if pack != self._pack or now.config != self._seen.config:
+        pack = "sha256:" + weights_sha256(self.model) if rehash or not now.same_params(self._seen) else self._pack
+        if pack != self._pack or now.config != self._seen.config or now.modules != self._seen.modules:
             self._pack = pack
             stores, self._stores = list(self._stores.values()), {}
             default = self._stores_for(settings_of(self.model, {}))
@@ -348,8 +353,8 @@ class PrefixCache:
             if self._boundary is None:
                 self.boundary = default_boundary(self.store.layout)
             self._add(identity_changes=1)
-            log.info("prefix cache: the model changed since the last call (weights or config); its identity "
-                     "is now %s", self.store.identity.key)
+            log.info("prefix cache: the model changed since the last call (weights, config or a module's settings); "
+                     "its identity is now %s", self.store.identity.key)
         self._seen = now
 
     # -- the rest ---------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ The layout of a prompt cache is probed once per setting (one forward of one toke
 c >= quantized_kv_start: the "q" phase, a second layout (and store) of the same identity.
 
 With a draft model (speculative decoding), each layout also names the draft's cache, as parts
-``d.<layer>...`` of the optional component ``draft-<16 hex digits of the draft's weights hash>``:
+``d.<layer>...`` of the optional component ``draft-<16 hex digits of the draft's key>`` (its weights
+and its modules' attributes, ``_identity.draft_key``):
 a snapshot saved without it (by a call without the draft, or with another draft) still matches
 and restores with the draft cache empty; the draft's own snapshots are never served to another
 draft (its component is another one), and calls without a draft do not read them.
