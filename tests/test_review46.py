@@ -80,3 +80,23 @@ def test_export_slot_never_writes_into_a_store(tmp_path: Any, capsys: pytest.Cap
     assert main(["--dir", store, "export-slot", sid, str(out)]) == 0  # a file elsewhere is replaced, as before
     assert out.read_bytes() == src.read_bytes()
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".part")]
+
+
+def test_a_big_endian_paged_pool_is_refused_like_a_big_endian_array(tmp_path: Any) -> None:
+    """dtype.name is 'float32' for '>f4' too: the pool's check must see the byte order, as the
+    array's does, or a restore lands swapped bytes (and a save stores them) without an error."""
+    layout = ss.Layout(rows={"kv": ss.Rows("float32", (8,))})
+    kv = RNG.standard_normal((50, 8)).astype(np.float32)
+    with _open(tmp_path / "s", layout) as s:
+        r = s.save(TOKENS[:50], {"kv": kv})
+        pool = np.zeros((4, 16, 8), ">f4")
+        with pytest.raises(ss.DestinationError, match="big-endian"):
+            s.restore(r, {"kv": ss.PagedRows(pool, [0, 1, 2, 3])})  # was: restored, every value swapped
+        assert not pool.any()
+        pool.reshape(-1, 8)[:50] = kv
+        with pytest.raises(ss.LayoutError, match="big-endian"):
+            s.save(TOKENS[100:150], {"kv": ss.PagedRows(pool, [0, 1, 2, 3])}, rows={"kv": 50})
+        assert s.match(TOKENS[100:150]) is None
+        little = np.zeros((4, 16, 8), "<f4")
+        s.restore(r, {"kv": ss.PagedRows(little, [0, 1, 2, 3])})
+        assert np.array_equal(little.reshape(-1, 8)[:50], kv)

@@ -292,6 +292,14 @@ def _canonical(dtype: str) -> np.dtype | None:
     return dt
 
 
+def _big_endian(name: str, what: str, dt: np.dtype, spec: PartSpec) -> str:
+    """Why a big-endian buffer is refused: dtype.name is "float16" for '>f2' too, so the name alone
+    passes while the bytes would be stored (or land) swapped. One message for arrays and pools."""
+    fix = f"pass arr.astype('<{dt.str[1:]}')" if not what else f"the pool must be of dtype '<{dt.str[1:]}'"
+    return (f"part {name!r}: {what}dtype {dt.str} is big-endian; the layout's {spec.dtype} is little-endian "
+            f"(the store's canonical order): {fix}")
+
+
 def _check_array(name: str, arr: np.ndarray, spec: PartSpec, rows: int, err: type[LayoutError]) -> None:
     """dtype/shape of a numpy array against the part spec (raw byte arrays pass on size alone)."""
     want = _canonical(spec.dtype)
@@ -303,9 +311,7 @@ def _check_array(name: str, arr: np.ndarray, spec: PartSpec, rows: int, err: typ
     elif arr.dtype.name != spec.dtype:
         raise err(f"part {name!r}: dtype is {arr.dtype.name}, the layout says {spec.dtype}")
     elif not _little_endian(arr.dtype):
-        # dtype.name is "float16" for '>f2' too: the bytes would be stored (or land) swapped
-        raise err(f"part {name!r}: dtype {arr.dtype.str} is big-endian; the layout's {spec.dtype} is "
-                  f"little-endian (the store's canonical order): pass arr.astype('<{arr.dtype.str[1:]}')")
+        raise err(_big_endian(name, "", arr.dtype, spec))
     if isinstance(spec, Fixed):
         if tuple(arr.shape) != spec.shape:
             raise err(f"part {name!r}: shape is {tuple(arr.shape)}, the layout says {spec.shape}")
@@ -341,7 +347,10 @@ def _check_rows_of(name: str, obj: object, spec: PartSpec, what: str, err: type[
         got = tuple(int(d) for d in shape)
     except (TypeError, ValueError):
         raise err(f"part {name!r}: the {what}'s row_shape {shape!r} is not a shape") from None
-    dt = _dtype_name(getattr(obj, "dtype", None))
+    reported = getattr(obj, "dtype", None)
+    if isinstance(reported, np.dtype) and not _little_endian(reported):  # a big-endian pool: bytes swapped
+        raise err(_big_endian(name, f"the {what}'s ", reported, spec))
+    dt = _dtype_name(reported)
     row_bytes = getattr(obj, "row_bytes", None)
     raw = dt in ("uint8", "int8", "bytes")
     fits = (row_bytes is None or row_bytes == spec.row_bytes) and (
