@@ -26,8 +26,10 @@ ROW = 5000
 N = 700  # 3.3 MiB of rows in 1 MiB chunks (payloads not 4 KiB multiples)
 LAYOUT = ss.Layout(fixed={"run": ss.Fixed("uint8", (MIB + 1000,))}, rows={"kv": ss.Rows("uint8", (ROW,))})
 
+# A RAM tier (a store without one reads buffered whatever was measured), too small to admit these
+# 1 MiB chunks: the page cache is what the tests watch to tell which way a restore read.
 _open = store_factory(identity=IDENT, layout=LAYOUT, chunk_bytes=MIB, staging_bytes=4 * MIB,
-                      budget=ss.Budget(reserve_bytes=0, ram_bytes=0), check_rows=None)
+                      budget=ss.Budget(reserve_bytes=0, ram_bytes=MIB), check_rows=None)
 
 
 @pytest.fixture
@@ -303,3 +305,42 @@ def test_close_stops_a_probe_in_flight(cold_fs: str, monkeypatch: pytest.MonkeyP
     closer.join(60)
     assert not closer.is_alive() and not thread.is_alive()
     assert os.listdir(os.path.join(cold_fs, "tmp")) == []
+
+
+@pytest.mark.parametrize("method", ["direct", "buffered"])
+def test_a_direct_read_chunk_goes_to_the_ram_tier_at_once(cold_fs: str, method: str) -> None:
+    """An O_DIRECT read leaves nothing in the page cache, so with a RAM tier the chunks it read are
+    admitted after that first restore (in the background, checked), and the next restore is served
+    from memory; a buffered read keeps the tier's second-sighting rule (the page cache holds them)."""
+    state = _state(9)
+    with _open(cold_fs, budget=ss.Budget(reserve_bytes=0, ram_bytes=64 * MIB)) as s:
+        r = s.save(list(range(N)), state)
+        s._reads.apply(_row(s._reads.key, method))
+        _cool(cold_fs)
+        out = _empty()
+        s.restore(r, out)
+        assert s._ram is not None and s._ram.drain(30)
+        big = s.describe(r).nbytes
+        assert (s._ram.used >= big - 2 * MIB) if method == "direct" else s._ram.used == 0
+        hits = s._ram.hits
+        out = _empty()
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+        assert (s._ram.hits > hits) == (method == "direct")
+
+
+def test_a_store_without_a_ram_tier_reads_buffered_whatever_was_measured(cold_fs: str) -> None:
+    """ram_bytes=0: the page cache is the only copy a next restore can read from memory, so a measured
+    'direct' is not used (and describe() says so); the restore leaves the pages cached, exact."""
+    state = _state(10)
+    with _open(cold_fs, budget=ss.Budget(reserve_bytes=0, ram_bytes=0)) as s:
+        r = s._reads
+        r.apply(_row(r.key, "direct"))
+        assert not r.on and "no RAM tier" in str(r.describe()["why"])
+        snap = s.save(list(range(N)), state)
+        big = _cool(cold_fs)
+        out = _empty()
+        s.restore(snap, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state) and _cached(big)
+    with _open(cold_fs, budget=ss.Budget(reserve_bytes=0, ram_bytes=0), direct_reads=True) as s:
+        assert s._reads.on  # forced: as asked

@@ -164,8 +164,9 @@ def _stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuf
                 raise read_failed(plan, cid, e, touched) from None
             if h.digest() != item.chunk.checksum:
                 raise corrupt(plan, cid, fd, "checksum mismatch", touched, damage, ram)
-            if ram is not None:  # admitted off this thread, from the file (see restore.ramtier)
-                ram.offer(cid, blob_path(cid), item.chunk.raw_len, item.chunk.checksum)
+            if ram is not None:  # admitted off this thread, from the file (see restore.ramtier); at its first
+                # restore: an O_DIRECT read leaves no page-cache copy for the next one (issue 48)
+                ram.offer(cid, blob_path(cid), item.chunk.raw_len, item.chunk.checksum, first=True)
     finally:
         if reader is not None:
             reader.stop()  # before the slot is reused, and before an error reaches the caller

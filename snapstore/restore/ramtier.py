@@ -111,8 +111,9 @@ class RamTier:
         with self._lock:
             return cid in self._items
 
-    def _wanted(self, cid: bytes, n: int) -> bool:
-        """Under the lock: should this restore of ``cid`` lead to admitting it (second sighting)?"""
+    def _wanted(self, cid: bytes, n: int, first: bool = False) -> bool:
+        """Under the lock: should this restore of ``cid`` lead to admitting it (second sighting, or
+        the first with ``first``)?"""
         if n == 0 or n > self.capacity // 2:
             return False
         if cid in self._items:
@@ -120,6 +121,9 @@ class RamTier:
             return False
         if cid in self._queued:
             return False
+        if first:
+            self._seen.pop(cid, None)
+            return True
         if cid not in self._seen:
             self._seen[cid] = None
             if len(self._seen) > 65536:
@@ -128,11 +132,13 @@ class RamTier:
         del self._seen[cid]
         return True
 
-    def offer(self, cid: bytes, path: str, raw_len: int, csum: bytes) -> None:
+    def offer(self, cid: bytes, path: str, raw_len: int, csum: bytes, first: bool = False) -> None:
         """A chunk was restored (verified) from the file at ``path``: admit it in the background if
-        it was restored before. Never blocks on the copy; a full queue drops the offer."""
+        it was restored before, or now with ``first`` (it was read with O_DIRECT, which left nothing
+        in the page cache: the RAM tier is then the only copy the next restore can read from memory,
+        issue 48). Never blocks on the copy; a full queue drops the offer."""
         with self._lock:
-            if self._stop or not self._wanted(cid, raw_len) or len(self._queue) >= _MAX_QUEUED:
+            if self._stop or not self._wanted(cid, raw_len, first) or len(self._queue) >= _MAX_QUEUED:
                 return
             self._queue.append((cid, path, raw_len, csum))
             self._queued.add(cid)

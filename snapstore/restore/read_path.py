@@ -270,9 +270,12 @@ class ReadPaths(DirectReads):
     """A store's cold-read method: forced (``forced`` True/False), else the one measured on its
     storage (loaded from the catalog at open, measured in the background when none fits)."""
 
-    def __init__(self, forced: bool | None):
+    def __init__(self, forced: bool | None, ram_tier: bool = True):
         super().__init__(bool(forced))
         self.forced = forced
+        # without a RAM tier the page cache is the only copy a next restore can read from memory, and an
+        # O_DIRECT read leaves none: such a store reads buffered unless forced (measured all the same)
+        self.ram_tier = ram_tier
         self.key = ""  # the storage the store directory is on (storage_key)
         self.row: ReadPathRow | None = None  # the measured choice in force (None: buffered, unmeasured)
         self._cold_rate: Callable[[], float] = lambda: 0.0
@@ -307,7 +310,8 @@ class ReadPaths(DirectReads):
             self.row = row
             if self.forced is not None or self._refused:
                 return
-            direct = row.method == "direct" and O_DIRECT != 0 and row.threads > 0 and row.piece >= ALIGN
+            direct = (row.method == "direct" and O_DIRECT != 0 and row.threads > 0 and row.piece >= ALIGN
+                      and self.ram_tier)
             self.on = direct
             if direct:
                 self.threads, self.piece = row.threads, row.piece
@@ -413,6 +417,10 @@ class ReadPaths(DirectReads):
             figures = {str(k): float(v) for k, v in json.loads(row.figures).items()}
         except (ValueError, AttributeError):
             figures = {}
+        why = row.reason
+        if row.method == "direct" and not self.on and not self.ram_tier:
+            why = ("buffered: this store has no RAM tier (ram_bytes=0), so the page cache is the only copy its next "
+                   f"restore can read from memory, and O_DIRECT would leave none (measured: {row.reason})")
         return {"method": "direct" if self.on else "buffered", "threads": self.threads if self.on else _BUFFERED_LANES,
-                "piece": self.piece if self.on else _BUFFERED_PIECE, "why": row.reason, "measured": row.measured,
+                "piece": self.piece if self.on else _BUFFERED_PIECE, "why": why, "measured": row.measured,
                 "figures": figures, "storage": row.storage}
