@@ -133,7 +133,7 @@ def identity() -> Identity:
     return Identity(build="bench", pack="kv-48L-bf16", kv="bf16")
 
 
-def open_store(path: str, *, ram: int = 0, chunk_bytes: int | None = None, codec: str | None = None,
+def open_store(path: str, *, ram: int | None = 0, chunk_bytes: int | None = None, codec: str | None = None,
                lay: Layout | None = None, staging_bytes: int | None = None, direct_reads: bool | None = None) -> Store:
     return Store.open(path, identity=identity(), layout=lay or layout(),
                       budget=Budget(ram_bytes=ram, disk_bytes=64 * GIB, reserve_bytes=256 * MIB),
@@ -203,65 +203,116 @@ def raw_read(path: str, bufs: list[np.ndarray]) -> float:
 
 
 # -- sections --------------------------------------------------------------------------------
+def measured_read_path(work: str) -> Any:
+    """The cold-read path a store measures on this file system (issue 48, snapstore.restore.read_path),
+    measured once here with the store's own probe, so every fresh store of a run reads as a store that
+    has measured does (and none starts its probe in the background mid-run). Returns the catalog row."""
+    sdir = os.path.join(work, "read-path")
+    with open_store(sdir) as s:
+        row, got = s._reads.measure_now(s._repo)
+    shutil.rmtree(sdir)
+    print(f"read path measured: {row.method}" + (f" {row.threads}x{row.piece >> 20}MiB" if row.method == "direct"
+                                                  else "") + f" — {row.reason}")
+    return row._replace(cold_rate=0.0)  # no drift to judge in the run's fresh stores
+
+
+_READ_PATH: Any = None  # measured_read_path()'s row, once per run
+
+
+def read_path_row(work: str) -> Any:
+    global _READ_PATH
+    if _READ_PATH is None:
+        _READ_PATH = measured_read_path(work)
+        _results["read_path"] = {"method": _READ_PATH.method, "threads": _READ_PATH.threads,
+                                 "piece": _READ_PATH.piece, "why": _READ_PATH.reason,
+                                 "figures": json.loads(_READ_PATH.figures)}
+    return _READ_PATH
+
+
 def section_core(args: argparse.Namespace, st: State, work: str) -> None:
-    """raw + store, interleaved in every repetition."""
+    """raw (buffered and O_DIRECT) + the store with its defaults (RAM tier on, the measured read path)
+    and with ``ram_bytes=0``, interleaved in every repetition; each ratio's baseline is the best raw method."""
     reps = args.repeat
     n = st.nbytes
     raw_path = os.path.join(work, "raw.bin")
+    row = read_path_row(work)
+    whole = _aligned(n)  # the O_DIRECT write's aligned source, made once before any clock
+    whole[:FIXED_BYTES] = st.fixed
+    whole[FIXED_BYTES:] = st.kv
     t: dict[str, list[float]] = {k: [] for k in (
-        "raw_write", "raw_cold", "raw_warm", "save", "restore_cold", "restore_warm", "restore_ram")}
-    sid = None
+        "raw_write", "raw_write_direct", "raw_cold", "raw_cold_direct", "raw_warm",
+        "save", "restore_cold", "restore_warm", "restore_ram",
+        "save_ram0", "restore_cold_ram0", "restore_warm_ram0")}
     for r in range(reps):
         gc.collect()
         t["raw_write"].append(raw_write(raw_path, [st.fixed, st.kv]))
-        sdir = os.path.join(work, f"store{r}")
-        with open_store(sdir) as s:
-            res: Any = None
+        drop_cache([raw_path])
+        t["raw_cold"].append(raw_read(raw_path, [st.dst_fixed, st.dst_kv]))
+        t["raw_warm"].append(raw_read(raw_path, [st.dst_fixed, st.dst_kv]))
+        t["raw_write_direct"].append(raw_write_direct(raw_path, whole))
+        drop_cache([raw_path])
+        t["raw_cold_direct"].append(raw_read_direct(raw_path, [st.dst_fixed, st.dst_kv], 4, 4 * MIB))
+        os.unlink(raw_path)
+        order = [("", None), ("_ram0", 0)] if r % 2 == 0 else [("_ram0", 0), ("", None)]
+        for tag, ram in order:  # the defaults (ram=None: the shipped RAM tier) and ram_bytes=0, alternating
+            sdir = os.path.join(work, f"store{r}{tag}")
+            with open_store(sdir, ram=ram) as s:
+                s._reads.apply(row)
+                res: Any = None
 
-            def save() -> None:
-                nonlocal res
-                res = s.save(st.tokens, st.parts(), parent=None)
+                def save(s: Store = s) -> None:
+                    nonlocal res
+                    res = s.save(st.tokens, st.parts(), parent=None)
 
-            t["save"].append(timed(save))
-            assert res.ok, res
-            sid = res.snapshot_id
-            assert res.stored_bytes >= n
-            files = blob_files(sdir)
-            drop_cache([raw_path])
-            t["raw_cold"].append(raw_read(raw_path, [st.dst_fixed, st.dst_kv]))
-            t["raw_warm"].append(raw_read(raw_path, [st.dst_fixed, st.dst_kv]))
-            drop_cache(files)
-            t["restore_cold"].append(timed(lambda: s.restore(sid, st.into())))
-            st.check()
-            t["restore_warm"].append(timed(lambda: s.restore(sid, st.into())))
-            st.check()
-        with open_store(sdir, ram=2 * GIB) as s:
-            for _ in range(2):  # the RAM tier admits a chunk on its second restore
-                s.restore(sid, st.into())
+                t["save" + tag].append(timed(save))
+                assert res.ok, res
+                sid = res.snapshot_id
+                assert res.stored_bytes >= n
+                drop_cache(blob_files(sdir))
+                t["restore_cold" + tag].append(timed(lambda s=s, sid=sid: s.restore(sid, st.into())))
                 st.check()
-            t["restore_ram"].append(timed(lambda: s.restore(sid, st.into())))
-            st.check()
-        if r > 0:
-            shutil.rmtree(os.path.join(work, f"store{r - 1}"))
-    shutil.rmtree(os.path.join(work, f"store{reps - 1}"))
-    os.unlink(raw_path)
+                if s._ram is not None:
+                    s._ram.drain()  # admission runs in the background, off the restore's path
+                t["restore_warm" + tag].append(timed(lambda s=s, sid=sid: s.restore(sid, st.into())))
+                st.check()
+                if not tag:  # later warm restores with the defaults: the RAM tier (admitted on the 2nd)
+                    if s._ram is not None:
+                        s._ram.drain()
+                    s.restore(sid, st.into())
+                    st.check()
+                    t["restore_ram"].append(timed(lambda s=s, sid=sid: s.restore(sid, st.into())))
+                    st.check()
+            shutil.rmtree(sdir)
+    del whole
     m = {k: gbps(n, median(v)) for k, v in t.items()}
-    _results["core"] = {"bytes": n, "GBps": m, "spread": {k: spread(v, n) for k, v in t.items()}}
+    m["raw_write_best"] = max(m["raw_write"], m["raw_write_direct"])
+    m["raw_cold_best"] = max(m["raw_cold"], m["raw_cold_direct"])
+    _results["core"] = {"bytes": n, "GBps": m, "spread": {k: spread(v, n) for k, v in t.items()},
+                        "read_path": _results.get("read_path")}
+    how = row.method if row.method == "buffered" else f"O_DIRECT {row.threads}x{row.piece >> 20}MiB"
     print(f"\n== raw vs snapstore: {n / MIB:.0f} MiB state ({st.tokens_n} tokens x {ROW_BYTES // 1024} KiB "
           f"bf16 K/V rows + {FIXED_BYTES // MIB} MiB fixed), medians of {reps}, checksums on ==")
-    print(f"{'':34}{'GB/s':>7}  {'x raw':>6}  min..max GB/s")
+    print(f"defaults = Budget() as shipped (RAM tier on), cold reads {how} (measured); ram=0 beside it; "
+          "x = vs the best raw method")
+    print(f"{'':40}{'GB/s':>7}  {'x best':>6}  min..max GB/s")
     rows = [
-        ("raw write + fsync", "raw_write", "raw_write"),
-        ("raw read, cold (fadvise DONTNEED)", "raw_cold", "raw_cold"),
+        ("raw write + fsync, buffered", "raw_write", "raw_write_best"),
+        ("raw write + fsync, O_DIRECT", "raw_write_direct", "raw_write_best"),
+        ("raw read, cold, buffered (DONTNEED)", "raw_cold", "raw_cold_best"),
+        ("raw read, cold, O_DIRECT 4x4MiB", "raw_cold_direct", "raw_cold_best"),
         ("raw read, warm", "raw_warm", "raw_warm"),
-        ("snapstore save", "save", "raw_write"),
-        ("snapstore restore, cold (ram=0)", "restore_cold", "raw_cold"),
-        ("snapstore restore, warm (ram=0)", "restore_warm", "raw_warm"),
-        ("snapstore restore, RAM tier on", "restore_ram", "raw_warm"),
+        ("snapstore save, defaults", "save", "raw_write_best"),
+        ("snapstore save, ram=0", "save_ram0", "raw_write_best"),
+        ("snapstore restore, cold, defaults", "restore_cold", "raw_cold_best"),
+        ("snapstore restore, cold, ram=0", "restore_cold_ram0", "raw_cold_best"),
+        ("snapstore restore, 1st warm, defaults", "restore_warm", "raw_warm"),
+        ("snapstore restore, 1st warm, ram=0", "restore_warm_ram0", "raw_warm"),
+        ("snapstore restore, later warm, defaults", "restore_ram", "raw_warm"),
     ]
     for label, k, base in rows:
-        print(f"{label:34}{m[k]:7.2f}  {m[k] / m[base]:6.2f}  {spread(t[k], n)}")
+        print(f"{label:40}{m[k]:7.2f}  {m[k] / m[base]:6.2f}  {spread(t[k], n)}")
     _results["core"]["ratios"] = {k: m[k] / m[b] for _, k, b in rows}
+    _results["core"]["baselines"] = {k: b for _, k, b in rows}
 
 
 def raw_write_direct(path: str, buf: np.ndarray) -> float:
@@ -928,6 +979,8 @@ def main() -> None:
                     help=f"work directory (same file system as the store would use; default {DEFAULT_DIR})")
     ap.add_argument("--only", default="core,issue12,alt,side,delta,codec,chunks,match,small,rss",
                     help="comma-separated sections: core,issue12,alt,side,delta,codec,chunks,match,small,rss")
+    ap.add_argument("--side-light", action="store_true", help="section side: the field workload only, raw "
+                    "buffered / O_DIRECT vs the store's defaults and ram=0 (issue 48), no peers, no chart")
     ap.add_argument("--chart", default=None,
                     help="where section side writes its PNG (default: benchmarks-side[-quick].png under --dir)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")

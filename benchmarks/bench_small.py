@@ -11,6 +11,10 @@ vLLM connector saves a link every 256 tokens). For each size and chain:
   first restore after the cold one (the pages just read in, the CPU's caches cold after the wait);
   "steady" the median of warm restores in a row (a server restoring a hot system prompt request
   after request), after a few; the raw read is timed the same two ways;
+- the floor of a restore that verifies (issue 48 item 2): the raw read plus the XXH3-128 of the same
+  bytes, timed the same three ways in the same run; each ``small.restore`` row of ``--json`` has
+  ``cold_floor_x``, ``warm_floor_x``, ``steady_floor_x`` (floor time / restore time) beside
+  ``cold_x``/``warm_x``/``steady_x``, and ``ram_floor_x`` (steady floor / RAM-tier restore);
 - a scheduler lookup at 3K tokens: ``match`` then ``describe`` (what the vLLM connector did before
   issue 31), ``Store.lookup`` (both in one read transaction), and ``Store.lookup`` as the vLLM
   connector calls it now (the prompt a list, weighed against prefill), p50 and p90;
@@ -33,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from snapstore import Budget, Identity, Layout, Rows, Store
+from snapstore.chunks.chunkfile import checksum_stream
 
 MIB = 1 << 20
 BLOCK = 32  # tokens per row (vLLM block)
@@ -47,6 +52,7 @@ LINKS = (1, 4, 12)
 STEADY_FIRST = 8
 STEADY = 30
 PREFILL_TOKENS_PER_S = 60_000.0
+_SUM_STEP = 512 << 10  # the floor reads and hashes in the steps a restore does on its own thread (restore.stream)
 
 
 def _layout() -> Layout:
@@ -80,6 +86,24 @@ def _raw_read(path: str, out: np.ndarray) -> None:
             n = os.preadv(fd, [mv[done:]], done)
             assert n > 0
             done += n
+    finally:
+        os.close(fd)
+
+
+def _raw_read_sum(path: str, out: np.ndarray) -> None:
+    """The floor of a restore that verifies (issue 48 item 2): the raw read plus the checksum of the
+    same bytes (XXH3-128, the restore's, fed in the restore's in-cache steps as they land)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mv, done = memoryview(out).cast("B"), 0
+        h = checksum_stream()
+        while done < len(mv):
+            step = mv[done:done + _SUM_STEP]
+            n = os.preadv(fd, [step], done)
+            assert n > 0
+            h.update(step[:n])
+            done += n
+        h.digest()
     finally:
         os.close(fd)
 
@@ -225,7 +249,7 @@ def section_small(args: Any, work: str) -> dict[str, Any]:
           f"{', '.join(map(str, LINKS))} links; medians of {reps}, checksums on; ms ==")
     print(f"{'tokens':>6} {'MiB':>5} {'links':>5} | {'raw cold':>8} {'restore':>8} {'x raw':>6} | "
           f"{'raw warm':>8} {'restore':>8} {'x raw':>6} | {'raw stdy':>8} {'restore':>8} {'x raw':>6} | "
-          f"{'RAM tier':>8}")
+          f"{'RAM tier':>8} | x floor: cold / warm / steady / RAM (floor = raw read + XXH3 of the bytes)")
     for n_tok in SIZES:
         rows = n_tok // BLOCK
         tokens = rng.integers(4, 50_000, size=n_tok, dtype=np.int64)
@@ -240,7 +264,7 @@ def section_small(args: Any, work: str) -> dict[str, Any]:
             sid = _build(sdir, tokens, kv, links)
             dst = np.zeros_like(kv)
             t: dict[str, list[float]] = {k: [] for k in ("raw_cold", "raw_warm", "raw_steady", "cold", "warm",
-                                                         "steady")}
+                                                         "steady", "floor_cold", "floor_warm", "floor_steady")}
             with _open(sdir) as s:
                 files = _blobs(sdir)
                 s.restore(sid, {"kv": dst})  # statements prepared, connection open: a serving process's state
@@ -248,6 +272,9 @@ def section_small(args: Any, work: str) -> dict[str, Any]:
                     _drop([raw_path])
                     t["raw_cold"].append(_timed(lambda: _raw_read(raw_path, dst)))
                     t["raw_warm"].append(_timed(lambda: _raw_read(raw_path, dst)))
+                    _drop([raw_path])
+                    t["floor_cold"].append(_timed(lambda: _raw_read_sum(raw_path, dst)))
+                    t["floor_warm"].append(_timed(lambda: _raw_read_sum(raw_path, dst)))
                     dst[:1] ^= 0xFF
                     _drop(files)
                     t["cold"].append(_timed(lambda: s.restore(sid, {"kv": dst})))
@@ -256,6 +283,7 @@ def section_small(args: Any, work: str) -> dict[str, Any]:
                     assert np.array_equal(dst, kv), "restore mismatch"
                     dst[:1] ^= 0xFF
                 for key, fn in (("raw_steady", lambda: _raw_read(raw_path, dst)),
+                                ("floor_steady", lambda: _raw_read_sum(raw_path, dst)),
                                 ("steady", lambda: s.restore(sid, {"kv": dst}))):
                     for _ in range(STEADY_FIRST):
                         fn()
@@ -274,11 +302,18 @@ def section_small(args: Any, work: str) -> dict[str, Any]:
             out["restore"][f"{n_tok}/{links}"] = {"tokens": n_tok, "links": links, "bytes": kv.nbytes, **m,
                                                   "cold_x": m["raw_cold"] / m["cold"],
                                                   "warm_x": m["raw_warm"] / m["warm"],
-                                                  "steady_x": m["raw_steady"] / m["steady"]}
+                                                  "steady_x": m["raw_steady"] / m["steady"],
+                                                  # issue 48 item 2: against the floor (raw read + checksum)
+                                                  "cold_floor_x": m["floor_cold"] / m["cold"],
+                                                  "warm_floor_x": m["floor_warm"] / m["warm"],
+                                                  "steady_floor_x": m["floor_steady"] / m["steady"],
+                                                  "ram_floor_x": m["floor_steady"] / m["ram"]}
             print(f"{n_tok:6} {kv.nbytes / MIB:5.1f} {links:5} | {m['raw_cold']:8.3f} {m['cold']:8.3f} "
                   f"{m['raw_cold'] / m['cold']:6.2f} | {m['raw_warm']:8.3f} {m['warm']:8.3f} "
                   f"{m['raw_warm'] / m['warm']:6.2f} | {m['raw_steady']:8.3f} {m['steady']:8.3f} "
-                  f"{m['raw_steady'] / m['steady']:6.2f} | {m['ram']:8.3f}")
+                  f"{m['raw_steady'] / m['steady']:6.2f} | {m['ram']:8.3f} | floor x "
+                  f"{m['floor_cold'] / m['cold']:.2f} / {m['floor_warm'] / m['warm']:.2f} / "
+                  f"{m['floor_steady'] / m['steady']:.2f} / {m['floor_steady'] / m['ram']:.2f}")
         os.unlink(raw_path)
     lk = out["lookup"]
     print("lookup at 3,072 tokens, 12 links (us): " + ", ".join(
