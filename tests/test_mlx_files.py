@@ -200,6 +200,41 @@ def test_store_prompt_cache_with_a_draft_model_restores_both_caches(tmp_path: Pa
     assert spec(got) == spec(cache)
 
 
+@pytest.mark.parametrize("max_tokens", [4, 5])  # the draft's cache lags the key; the target's too (4)
+def test_a_speculative_servers_reply_is_stored_as_the_prefix_both_caches_hold(max_tokens: int,
+                                                                                tmp_path: Path) -> None:
+    """After speculative decoding (issue 47 item 6) mlx_lm.server inserts the reply's cache under
+    prompt + reply, and the target's or the draft's cache holds one token fewer: the prefix both
+    hold is stored (it was refused: "kept in memory only"), and a restarted server's next turn
+    restores it into both caches."""
+    target, draft = mlx_models.draft_pair()
+    key = ("model", None, "draft")
+
+    def models(k: Any) -> Any:
+        return (target, draft) if k == key else None
+
+    cache = make_prompt_cache(target) + make_prompt_cache(draft)
+    n = len(make_prompt_cache(target))
+    cache_key = list(A)
+    for t, _lp, _d in G.speculative_generate_step(mx.array(A), target, draft, prompt_cache=cache,
+                                                   max_tokens=max_tokens, num_draft_tokens=3):
+        cache_key.append(int(t))  # as mlx_lm.server does with each token it streams
+    held = min(cache[0].offset, cache[n].offset)
+    assert held < len(cache_key)  # one of the caches lags the key
+    first = StorePromptCache(4, path=tmp_path, models=models)
+    first.insert_cache(key, cache_key, cache, cache_type="assistant")
+    assert first.stats()["saved"] == 1 and first.stats()["not_persisted"] == 0, first.stats()
+    first.close()
+    turn2 = cache_key + [60, 61, 62]
+    second = StorePromptCache(4, path=tmp_path, models=models)
+    got, rest = second.fetch_nearest_cache(key, turn2)
+    second.close()
+    assert got is not None and rest == turn2[held:] and all(c.offset == held for c in got)
+    want = [np.array(x) for c in cache for x in (c.keys[..., :held, :], c.values[..., :held, :])]
+    assert all(np.array_equal(np.array(a), b) for a, b in
+               zip([x for c in got for x in (c.keys[..., :held, :], c.values[..., :held, :])], want))
+
+
 def test_mlx_server_passes_mlx_lm_server_arguments_through_in_order() -> None:
     from snapstore.cli.parser import ArgumentsError, parse_command_line
 

@@ -33,7 +33,7 @@ from snapstore import Fixed, Layout, LayoutError, Rows
 
 from ._arrays import dtype_name, from_numpy, numpy_dtype, to_numpy
 
-__all__ = ["Node", "UnsupportedCacheError", "describe", "parts_of", "rebuild"]
+__all__ = ["Node", "UnsupportedCacheError", "describe", "held_tokens", "parts_of", "rebuild"]
 
 Parts = dict[str, np.ndarray]
 
@@ -119,13 +119,32 @@ def _layout(p: str, c: Any, fixed: dict[str, Fixed], rows: dict[str, Rows]) -> N
             _layout(f"{p}.{j}", x, fixed, rows)
 
 
-def parts_of(cache: list[Any], n: int) -> Parts:
+def parts_of(cache: list[Any], n: int, *, prefix: bool = False) -> Parts:
     """The cache's state after ``n`` tokens as host arrays named like :func:`describe`'s layout (copies:
-    the cache may go on reading while they are saved)."""
+    the cache may go on reading while they are saved). ``prefix``: a KV layer may hold more than
+    ``n`` tokens (its first ``n`` rows are the state after ``n``; other kinds must hold exactly ``n``)."""
     out: Parts = {}
     for i, c in enumerate(cache):
-        _parts(str(i), c, n, out)
+        _parts(str(i), c, n, out, prefix)
     return out
+
+
+def held_tokens(cache: list[Any]) -> int | None:
+    """The fewest tokens a KV layer of ``cache`` holds (None: no KV layer): a prefix every KV layer
+    has. After speculative decoding the target's and the draft's caches differ by a token."""
+    held: list[int] = []
+
+    def walk(c: Any) -> None:
+        kind = _kind(c)
+        if kind in ("kv", "qkv"):
+            held.append(int(c.offset))
+        elif kind == "list":
+            for x in c.caches:
+                walk(x)
+
+    for c in cache:
+        walk(c)
+    return min(held) if held else None
 
 
 def _rows(a: mx.array, n: int) -> np.ndarray:
@@ -133,10 +152,10 @@ def _rows(a: mx.array, n: int) -> np.ndarray:
     return to_numpy(mx.contiguous(a[0, :, :n, :].transpose(1, 0, 2)))
 
 
-def _parts(p: str, c: Any, n: int, out: Parts) -> None:
+def _parts(p: str, c: Any, n: int, out: Parts, prefix: bool = False) -> None:
     kind = _kind(c)
     if kind in ("kv", "qkv"):
-        if c.offset != n:
+        if c.offset != n and not (prefix and c.offset > n):
             raise LayoutError(f"layer {p} holds {c.offset} tokens, the capture names {n}")
         if kind == "kv":
             out[f"{p}.k"], out[f"{p}.v"] = _rows(c.keys, n), _rows(c.values, n)
@@ -159,7 +178,7 @@ def _parts(p: str, c: Any, n: int, out: Parts) -> None:
                 out[f"{p}.{j}"] = to_numpy(a)
     else:
         for j, x in enumerate(c.caches):
-            _parts(f"{p}.{j}", x, n, out)
+            _parts(f"{p}.{j}", x, n, out, prefix)
 
 
 def _window(c: Any) -> tuple[mx.array, mx.array, int, int]:

@@ -6,7 +6,9 @@ and the same in-memory LRU behaviour), with two additions:
 
 - ``insert_cache`` also saves the entry to the store (a delta over the deepest stored prefix of the
   same identity, so a conversation's turns and the chats sharing a system prompt store each row
-  once). mlx_lm.server inserts at the end of the system prompt and of the user's message while
+  once). A speculative server's entry (the target's cache, then the draft's) after a reply holds
+  one token fewer in one of the two caches than its key: the prefix both hold is stored.
+  mlx_lm.server inserts at the end of the system prompt and of the user's message while
   reading (``cache_type`` "system" / "user") and after each response ("assistant").
 - ``fetch_nearest_cache`` also asks the store: when a stored prefix of the prompt is longer than
   what memory holds, it is restored into a fresh prompt cache and returned with the rest of the
@@ -35,7 +37,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from snapstore import Budget, LayoutError, NotFoundError, RestoreError, StoreIOError
 
-from ._cache_state import UnsupportedCacheError, describe, destinations, parts_of, rebuild
+from ._cache_state import UnsupportedCacheError, describe, destinations, held_tokens, parts_of, rebuild
 from ._identity import CacheSettings
 from ._open import open_stores
 from ._reading import settings_of
@@ -129,10 +131,13 @@ class StorePromptCache(LRUPromptCache):  # type: ignore[misc]  # mlx_lm is untyp
             if phase is None or (e.stores.draft is None) != (not theirs):
                 self._not_persisted("a prompt cache unlike the one probed for these settings")
                 return
-            parts = parts_of(mine, len(ids))
+            # after speculative decoding the target's or the draft's cache lags the key by a token: store
+            # the prefix both hold (KV rows: the first n are the state after n tokens)
+            n = min(len(ids), held_tokens(mine + theirs) or len(ids)) if theirs else len(ids)
+            parts = parts_of(mine, n, prefix=bool(theirs))
             if theirs:
-                parts.update({f"d.{k}": v for k, v in parts_of(theirs, len(ids)).items()})
-            res = e.stores.store(phase).save(ids, parts, parent="auto")
+                parts.update({f"d.{k}": v for k, v in parts_of(theirs, n, prefix=True).items()})
+            res = e.stores.store(phase).save(ids[:n], parts, parent="auto")
         except (LayoutError, UnsupportedCacheError) as ex:  # a kind we do not store, or state not at len(ids)
             self._not_persisted(str(ex))
             return
