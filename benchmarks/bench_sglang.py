@@ -10,6 +10,10 @@ cache holds the files; one untimed read first), batches of 128 pages (SGLang's S
 median of ``--reps``, both backends alternated on one file system. Every read is checked byte-exact.
 
     .venv/bin/python benchmarks/bench_sglang.py [--dir DIR] [--reps 5] [--json out.json]
+
+``--server TOKENS`` (GPU, scripts/gpu_check.sh) instead starts real SGLang servers on a tiny random
+Llama and times a TOKENS-token prompt after a restart: restored by snapstore, by SGLang's file
+backend, and recomputed (no storage tier); the first output token is compared across the restart.
 """
 
 from __future__ import annotations
@@ -108,12 +112,92 @@ def run_shape(root: Path, name: str, shape: tuple[int, int, int, int, int], reps
     return {"page_bytes": page_bytes, "pages": n, "results": out}
 
 
+def _post(url: str, body: dict[str, Any], timeout: float = 300) -> Any:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _serve(model: Path, port: int, storage: list[str], env: dict[str, str]) -> Any:
+    """Start ``sglang.launch_server`` on the tiny model with HiCache (and ``storage``); wait for /health."""
+    import subprocess
+    import urllib.request
+
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(port),
+           "--skip-tokenizer-init", "--skip-server-warmup", "--disable-cuda-graph", "--page-size", "16",
+           "--mem-fraction-static", "0.5", "--enable-hierarchical-cache", "--hicache-ratio", "2",
+           "--hicache-write-policy", "write_through", "--hicache-storage-prefetch-policy", "wait_complete", *storage]
+    proc = subprocess.Popen(cmd, env={**os.environ, **env})
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise SystemExit(f"sglang exited with {proc.returncode} before it served: {cmd}") from None
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("sglang did not serve within 300 s")
+
+
+def server_run(root: Path, tokens: int) -> dict[str, Any]:
+    """GPU only: TTFT of a prompt after a restart, restored by snapstore vs SGLang's file backend vs recomputed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = root / "tiny-llama"
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=tokens + 64,
+                      torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model)
+    prompt = torch.randint(10, 32000, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    ec = {"backend_name": "snapstore", "module_path": "snapstore.engine.sglang", "class_name": "SnapstoreHiCache",
+          "interface_v1": 1, "path": str(root / "snap")}
+    modes = {"recomputed (no L3)": ([], {}),
+             "SGLang HiCacheFile": (["--hicache-storage-backend", "file"],
+                                    {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(root / "file")}),
+             "snapstore": (["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
+                            json.dumps(ec)], {})}
+    out: dict[str, Any] = {}
+    for label, (storage, env) in modes.items():
+        ttft, first = [], []
+        for _start in range(2):  # the second server is a restart: its GPU and host caches are empty
+            proc = _serve(model, 30111, storage, env)
+            try:
+                t0 = time.perf_counter()
+                r = _post("http://127.0.0.1:30111/generate",
+                          {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+                ttft.append(time.perf_counter() - t0)
+                first.append(r["output_ids"][-1])
+                time.sleep(5)  # write-through to the storage tier lands
+            finally:
+                proc.terminate()
+                proc.wait(60)
+        out[label] = {"ttft_first_s": ttft[0], "ttft_after_restart_s": ttft[1], "same_token": first[0] == first[1]}
+        print(label, out[label], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="a directory on the file system to measure (default: a temp dir)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--server", type=int, default=0, metavar="TOKENS",
+                    help="GPU only: a real SGLang server on a tiny random Llama, TTFT of a TOKENS-token prompt after a "
+                         "restart (snapstore vs HiCacheFile vs recomputed) instead of the CPU figures")
     args = ap.parse_args()
+    if args.server:
+        root = Path(tempfile.mkdtemp(prefix="bench-sglang-server-", dir=args.dir))
+        try:
+            res = server_run(root, args.server)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        return
     root = Path(tempfile.mkdtemp(prefix="bench-sglang-", dir=args.dir))
     try:
         load0 = os.getloadavg()

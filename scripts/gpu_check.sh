@@ -12,7 +12,9 @@
 # would name torch). The script fails if torch's version changed.
 # Then, each under its own time cap (all of it well inside 8 minutes): pytest -m gpu over every
 # test file with gpu tests, tests/test_engine_ordering.py (its cuda variants run the late-execution
-# suite against the real device), tests/test_paged.py -k cuda, and benchmarks/bench_gpu.py.
+# suite against the real device), tests/test_paged.py -k cuda, benchmarks/bench_gpu.py, and, where sglang
+# is installed, an SGLang server with snapstore as its HiCache storage tier (benchmarks/bench_sglang.py --server;
+# up to 5 minutes more, six server starts).
 # The exit status is 0 only when every step passed; the summary at the end says which did not.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +90,16 @@ step "pytest -m gpu" 180 "${PT[@]}" -m gpu "${gpu_files[@]}"
 step "engine ordering (late + cuda)" 120 "${PT[@]}" tests/test_engine_ordering.py
 step "paged -k cuda" 60 "${PT[@]}" tests/test_paged.py -k cuda
 step "bench_gpu" 180 "$PY" benchmarks/bench_gpu.py --dir scratch/bench-gpu ${OUT:+--json "$OUT/gpu.json"}
+# SGLang HiCache with snapstore as its storage tier (docs/engine.md §17): real servers on a tiny random
+# Llama, a 4096-token prompt after a restart, restored by snapstore vs SGLang's file backend vs
+# recomputed. Only where sglang is installed (the carried wheels or the registry); else said and skipped.
+if "$PY" -c 'import sglang' 2>/dev/null; then
+  mkdir -p scratch
+  step "sglang server (HiCache + snapstore)" 300 "$PY" benchmarks/bench_sglang.py --server 4096 --dir scratch \
+    ${OUT:+--json "$OUT/sglang.json"}
+else
+  echo "== sglang not installed in $VENV: the SGLang server run is skipped (pip install 'snapstore[sglang]')"
+fi
 
 echo "== [$SECONDS s] done"
 if [ ${#fail[@]} -ne 0 ]; then
