@@ -71,7 +71,7 @@ class ForwardClock:
             return self._clock()
         import torch
 
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         ev.record()
         return ev
 
