@@ -54,4 +54,5 @@ def pool_identity(config: Any, pool: Any, pool_name: str, build: str) -> snapsto
         extra["revision"] = str(extra_config["model_revision"])
     for key, value in dict(extra_config.get("key_extra") or {}).items():
         extra[f"user.{key}"] = _scalar(value)
-    return snapstore.Identity(build=build, pack=pack, kv=str(getattr(pool, "dtype", "bytes")), extra=extra)
+    kv = str(getattr(pool, "dtype", "bytes")).removeprefix("torch.")
+    return snapstore.Identity(build=build, pack=pack, kv=kv, extra=extra)
