@@ -100,3 +100,20 @@ def test_a_big_endian_paged_pool_is_refused_like_a_big_endian_array(tmp_path: An
         little = np.zeros((4, 16, 8), "<f4")
         s.restore(r, {"kv": ss.PagedRows(little, [0, 1, 2, 3])})
         assert np.array_equal(little.reshape(-1, 8)[:50], kv)
+
+
+@pytest.mark.parametrize("argv", [["inspect", "99999999999999999999999"],
+                                  ["export", "--id", "99999999999999999999999", "OUT"],
+                                  ["export-slot", "99999999999999999999999", "OUT"]])
+def test_a_snapshot_id_past_sqlites_range_is_a_usage_error(tmp_path: Any, capsys: pytest.CaptureFixture[str],
+                                                           argv: list[str]) -> None:
+    """Every command's snapshot id is read by one rule, the API's [1, 2**63): was a raw OverflowError
+    traceback from SQLite for export and export-slot, and for inspect (which checked only >= 1)."""
+    from snapstore.cli.main import main
+
+    with _open(tmp_path / "s") as s:
+        s.save(TOKENS, {"rec": REC, "kv": KV, "draft": DRAFT})
+    argv = [str(tmp_path / "out.bin") if a == "OUT" else a for a in argv]
+    assert main(["--dir", str(tmp_path / "s"), *argv]) == 2
+    assert "[1, 2**63)" in capsys.readouterr()[1]
+    assert not os.path.exists(tmp_path / "out.bin")

@@ -6,6 +6,7 @@ outlives a run (``main`` may run many times in one process: tests, an embedding 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -15,10 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from snapstore._errors import ConfigError
+from snapstore._refs import MAX_ID
 from snapstore.check.inspect import FORMAT
 from snapstore.cli.progress import Meter
 
-__all__ = ["EXIT_DAMAGE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "FORMAT", "CliContext", "UsageError"]
+__all__ = ["EXIT_DAMAGE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "FORMAT", "CliContext", "UsageError",
+           "snapshot_id_arg"]
 
 EXIT_OK, EXIT_DAMAGE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DELAY_ENV = "_SNAPSTORE_PROGRESS_DELAY"  # tests only: sleep per progress step (to interrupt mid-work)
@@ -26,6 +29,19 @@ DELAY_ENV = "_SNAPSTORE_PROGRESS_DELAY"  # tests only: sleep per progress step (
 
 class UsageError(ConfigError):
     """A problem with the command line or the store path: exit 2."""
+
+
+def snapshot_id_arg(text: str) -> int:
+    """argparse ``type=`` of every command's snapshot id (inspect, export, export-slot,
+    export-mlx-cache): a whole number in [1, 2**63), the API's range, so an id no snapshot can have
+    is a usage error (exit 2) and never reaches SQLite (which raised OverflowError past 2**63)."""
+    try:
+        v = int(text.lstrip("#"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a snapshot id is a whole number, got {text[:40]!r}") from None
+    if not 1 <= v <= MAX_ID:
+        raise argparse.ArgumentTypeError(f"snapshot ids are whole numbers in [1, 2**63), got {text[:40]}")
+    return v
 
 
 def _can_draw(stream: TextIO) -> bool:

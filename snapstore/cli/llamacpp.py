@@ -11,6 +11,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from snapstore.cli.context import snapshot_id_arg
+
 if TYPE_CHECKING:
     from snapstore.cli.context import CliContext
 
@@ -90,7 +92,7 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     _build_args(pi)
     pe = sub.add_parser("export-slot", parents=[common], formatter_class=fmt, description=_EXPORT_HELP,
                         help="write a snapshot as a slot file llama-server restores")
-    pe.add_argument("id", type=int, metavar="ID")
+    pe.add_argument("id", type=snapshot_id_arg, metavar="ID")
     pe.add_argument("out", metavar="FILE")
     pe.add_argument("--for-model", metavar="OTHER.gguf", help="write it for a server running this other GGUF "
                     "(only when its cache layout agrees exactly; an approximation, never an exact restore)")

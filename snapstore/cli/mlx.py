@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from snapstore.cli.context import CliContext
+from snapstore.cli.context import CliContext, snapshot_id_arg
 from snapstore.cli.render import stored_file
 
 __all__ = ["add_commands"]
@@ -73,7 +73,8 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
             p.add_argument("--session", metavar="S", help="session key (a newer snapshot of it supersedes older ones)")
             p.set_defaults(run=cmd_import)
         else:
-            p.add_argument("--id", type=int, metavar="N", help="the snapshot to write (instead of --tokens)")
+            p.add_argument("--id", type=snapshot_id_arg, metavar="N",
+                           help="the snapshot to write (instead of --tokens)")
             p.add_argument("--kv-bits", type=int, metavar="B", help="the KV quantization it was stored under")
             p.add_argument("--kv-group-size", type=int, default=64, metavar="G", help="with --kv-bits (default 64)")
             p.add_argument("--max-kv-size", type=int, metavar="N", help="the window it was stored under")

@@ -10,7 +10,7 @@ import argparse
 from typing import Any, NoReturn
 
 from snapstore.cli.commands import cmd_gc, cmd_inspect, cmd_stats, cmd_verify
-from snapstore.cli.context import UsageError
+from snapstore.cli.context import UsageError, snapshot_id_arg
 
 __all__ = ["ArgumentsError", "build_parser", "parse_command_line"]
 
@@ -150,16 +150,6 @@ def _nonneg_float(text: str) -> float:
     return v
 
 
-def _snapshot_id(text: str) -> int:
-    try:
-        v = int(text.lstrip("#"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a snapshot id is a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"snapshot ids start at 1, got {v}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
     fmt = argparse.RawDescriptionHelpFormatter
@@ -177,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pi = sub.add_parser("inspect", parents=[common], formatter_class=fmt, description=_INSPECT_HELP,
                         help="identities, snapshot trees, bytes, pins; one snapshot in detail")
-    pi.add_argument("id", nargs="?", type=_snapshot_id, metavar="ID", help="a snapshot id: show it in detail")
+    pi.add_argument("id", nargs="?", type=snapshot_id_arg, metavar="ID", help="a snapshot id: show it in detail")
 
     pv = sub.add_parser("verify", parents=[common], formatter_class=fmt, description=_VERIFY_HELP,
                         help="check integrity (exit 0 clean, 1 damage)")

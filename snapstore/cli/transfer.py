@@ -26,7 +26,7 @@ from snapstore.catalog.queries import SnapRow, Txn
 from snapstore.check.inspect import resolve_identity
 from snapstore.chunks.repo import DB_NAME, Repo
 from snapstore.cli.commands import _store_dir
-from snapstore.cli.context import EXIT_OK, FORMAT, CliContext, UsageError
+from snapstore.cli.context import EXIT_OK, FORMAT, CliContext, UsageError, snapshot_id_arg
 from snapstore.lifecycle.names import check_name
 from snapstore.transfer.export import write_export
 from snapstore.transfer.importer import read_header
@@ -71,7 +71,7 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
                         help="write a snapshot's chain as one portable, checksummed file")
     which = pe.add_mutually_exclusive_group(required=True)
     which.add_argument("--name", metavar="NAME", help="the snapshot this name pins (Store.name)")
-    which.add_argument("--id", type=int, metavar="ID", help="a snapshot id (as inspect lists them)")
+    which.add_argument("--id", type=snapshot_id_arg, metavar="ID", help="a snapshot id (as inspect lists them)")
     pe.add_argument("--identity", metavar="KEY", help="with --name: the identity whose name it is (a key or a "
                     "prefix of 6+ characters), when several identities use the name")
     pe.add_argument("--namespace", metavar="NS", help="with --name: the namespace whose name it is")
