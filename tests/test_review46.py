@@ -117,3 +117,34 @@ def test_a_snapshot_id_past_sqlites_range_is_a_usage_error(tmp_path: Any, capsys
     assert main(["--dir", str(tmp_path / "s"), *argv]) == 2
     assert "[1, 2**63)" in capsys.readouterr()[1]
     assert not os.path.exists(tmp_path / "out.bin")
+
+
+def test_a_named_snapshots_leading_prefix_matches_past_the_ttl_through_its_chain(tmp_path: Any) -> None:
+    """Names × TTL × block-granular prefixes: the named leaf's first rows are held by its (unnamed)
+    parent, which the TTL would expire but its child keeps; a prompt sharing only those rows must
+    still hit, as one sharing rows past the parent does (was: None — the parent's last_used failed
+    the TTL test, the name on its child was not consulted)."""
+    import time
+
+    layout = ss.Layout(rows={"kv": ss.Rows("uint8", (64,))}, tokens_per_row=16)
+    budget = ss.Budget(ttl=0.5, reserve_bytes=0)
+    base, more = TOKENS[:128], TOKENS[:128] + [9000 + i for i in range(64)]
+    s = ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=layout, budget=budget, chunk_bytes=4096)
+    with s:
+        s.save(base, {"kv": KV[:8]})
+        leaf = s.save(more, {"kv": KV[:12]})
+        s.name(leaf, "kept")
+    time.sleep(0.8)
+    s = ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=layout, budget=budget, chunk_bytes=4096)
+    with s:
+        assert s.match(more[:160] + [1] * 20) is not None  # past the parent: served by the leaf itself
+        hit = s.match(base[:64] + [1] * 20)  # within the parent's rows
+        assert hit is not None and hit.n_tokens == 64
+        dest = {"kv": np.zeros((4, 64), np.uint8)}
+        assert s.restore(hit, dest).rows == {"kv": 4} and dest["kv"].tobytes() == KV[:4].tobytes()
+        assert s.lookup(base[:64] + [1] * 20) is not None
+        s.unname("kept")
+    time.sleep(0.8)
+    s = ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=layout, budget=budget, chunk_bytes=4096)
+    with s:  # the name gone, the TTL applies to the whole chain again
+        assert s.match(base[:64] + [1] * 20) is None and s.snapshots() == []
