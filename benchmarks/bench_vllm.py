@@ -15,9 +15,14 @@ Llama of tests/vllm_driver.py and reports:
 ``--model hybrid`` runs part 1 on the tiny random Qwen3-Next (gated delta net + attention,
 bfloat16, 544-token blocks, prefix caching on, prefill in 544-token chunks) instead: prefill vs
 restored by snapstore (attention rows and the recurrent state pages at the prompt's last stored
-boundary); the ExampleConnector does not take hybrids.
+boundary); the ExampleConnector does not take hybrids. ``--model gemma3`` does the same on a tiny
+Gemma 3 text model (sliding window 64 + full attention, prefix caching on: full-attention rows and
+the window's blocks), ``--model tp2`` on the tiny Llama at ``tensor_parallel_size=2`` (each rank
+restores its own shard), ``--model deepseek`` on a tiny DeepSeek-V2 (MLA; vLLM's own prefix cache
+is off on a CPU).
 
-``python benchmarks/bench_vllm.py [--model llama|hybrid] [--long 3000] [--n 5] [--rounds 4] [--json out.json]``.
+``python benchmarks/bench_vllm.py [--model llama|hybrid|gemma3|tp2|deepseek] [--long 3000] [--n 5] [--rounds 4]
+[--json out.json]``.
 The model is tiny, so TTFT here is dominated by vLLM's per-request overhead and the K/V copy, not by attention FLOPs:
 read the ratios, not the absolute figures, and on a loaded machine run it twice.
 """
@@ -68,11 +73,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4,
                     help="restoring processes per connector, in ABBA order (TTFT: the median over all their prompts)")
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--model", choices=("llama", "hybrid"), default="llama",
-                    help="the tiny Llama (every part) or the tiny Qwen3-Next hybrid (TTFT only)")
+    ap.add_argument("--model", choices=("llama", *MODELS), default="llama",
+                    help="the tiny Llama (every part), or another tiny model / TP = 2 (TTFT only)")
     args = ap.parse_args()
-    if args.model == "hybrid":
-        hybrid(args)
+    if args.model in MODELS:
+        ttft_only(args)
         return
     subprocess.run([str(ROOT / "scripts" / "vllm_venv.sh")], check=True)
     rng = random.Random(7)
@@ -141,22 +146,33 @@ def main() -> None:
 
 
 HYBRID = {"dtype": "bfloat16", "prefix_cache": True, "chunked": 544, "max_len": 8192, "kv_mib": 512}
+#: --model: (description, build arguments, serve settings)
+MODELS: dict[str, tuple[str, list[str], dict[str, Any]]] = {
+    "hybrid": ("tiny Qwen3-Next (3 GDN + 1 attention layer, bf16)", ["--hybrid"], HYBRID),
+    "gemma3": ("tiny Gemma 3 text (2 sliding-window-64 + 2 full-attention layers)", ["--gemma3", "64"],
+               {"prefix_cache": True, "kv_mib": 256}),
+    "tp2": ("tiny Llama, tensor_parallel_size=2 (one core per rank)", [], {"tp": 2, "kv_mib": 256}),
+    "deepseek": ("tiny DeepSeek-V2 (MLA, 576-wide latent, CPU_MLA)", ["--deepseek-v2"],
+                 {"block_size": None, "kv_mib": 256}),
+}
 
 
-def hybrid(args: argparse.Namespace) -> None:
-    """TTFT of long prompts on the hybrid model: prefill vs restored by snapstore."""
+def ttft_only(args: argparse.Namespace) -> None:
+    """TTFT of long prompts on ``--model``: prefill vs restored by snapstore (a second process)."""
     subprocess.run([str(ROOT / "scripts" / "vllm_venv.sh")], check=True)
+    desc, build, spec = MODELS[args.model]
+    if spec.get("tp"):  # the workers' OpenMP threads, one core each (a one-NUMA-node machine)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(int(spec["tp"]))))
     rng = random.Random(7)
-    with tempfile.TemporaryDirectory(prefix="bench-vllm-hybrid-") as d:
+    with tempfile.TemporaryDirectory(prefix=f"bench-vllm-{args.model}-") as d:
         tmp = Path(d)
         model = str(tmp / "model")
-        subprocess.run([str(VPY), str(DRIVER), "build", model, "--hybrid"], check=True, capture_output=True)
+        subprocess.run([str(VPY), str(DRIVER), "build", model, *build], check=True, capture_output=True)
         warm = [rng.randrange(4, 512) for _ in range(64)]
         longs = [[rng.randrange(4, 512) for _ in range(args.long)] for _ in range(args.n)]
-        fig: dict[str, Any] = {"model": "tiny Qwen3-Next (3 GDN + 1 attention layer, bf16)", "long_tokens": args.long,
-                               "n": args.n, "load_before": os.getloadavg()}
-        base = _serve(tmp, "prefill", model, [warm, *longs], **HYBRID)
-        snap = {"connector": "snapstore", "extra": {"path": str(tmp / "store")}, **HYBRID}
+        fig: dict[str, Any] = {"model": desc, "long_tokens": args.long, "n": args.n, "load_before": os.getloadavg()}
+        base = _serve(tmp, "prefill", model, [warm, *longs], **spec)
+        snap = {"connector": "snapstore", "extra": {"path": str(tmp / "store")}, **spec}
         _serve(tmp, "snap1", model, [warm, *longs], **snap)
         snap2 = _serve(tmp, "snap2", model, [[5, *warm[1:]], *longs], **snap)
         fig["ttft_s"] = {"prefill": statistics.median(_ttfts(base)),

@@ -3,7 +3,8 @@ random Llama built at test time: K/V round-trips across processes with identical
 block-granular prefixes, the local prefix cache and chunked prefill, a damaged chunk recomputed,
 a store that cannot open disabling the connector; the key covers cache_salt and config overrides
 (and, checked against vLLM's own block hashes, LoRA and multimodal items); a failed load never
-saves what the blocks held; a sliding-window model is refused at start-up. Each vLLM process
+saves what the blocks held (sliding windows, MLA, tensor parallel: test_vllm_models.py; a cache the
+connector cannot save is refused at start-up: test_vllm_hybrid.py). Each vLLM process
 starts in 20-90 s: slow tier."""
 
 from __future__ import annotations
@@ -286,19 +287,3 @@ def test_failed_load_never_saves_what_the_blocks_held(
     assert p3["results"][0]["tokens"] == baseline_by_name["F"]
     worker = p2["stats"]["worker"]
     assert worker["load_errors"] == 2 and worker["saves_dropped"] >= 1 and worker["save_errors"] == 0
-
-
-def test_sliding_window_model_is_refused_at_start(
-        vllm_python: Path, prompts: dict[str, list[int]], tmp_path: Path) -> None:
-    """Issue 24 item 5: a model whose layers attend within a 64-token window (one sliding-window
-    KV cache group: vLLM frees blocks that leave the window) disables the connector at start-up
-    with a line naming the group; vLLM serves on and nothing is stored."""
-    swa = tmp_path / "swa"
-    subprocess.run([str(vllm_python), str(DRIVER), "build", str(swa), "--sliding-window", "64"], check=True,
-                   timeout=600, capture_output=True)
-    store = tmp_path / "store"
-    p = serve(str(swa), tmp_path, "p", [prompts["A"]], connector="snapstore", extra={"path": str(store)})
-    assert p["results"][0]["num_cached_tokens"] == 0
-    lines = [ln for ln in p["log"].splitlines() if "snapstore connector disabled" in ln]
-    assert len(lines) == 2 and all("KV cache group 0" in ln and "SlidingWindowSpec" in ln for ln in lines), lines
-    assert p["stats"]["worker"]["saves"] == 0

@@ -43,6 +43,12 @@ class FullAttentionSpec:  # vllm.v1.kv_cache_interface.FullAttentionSpec's field
 @dataclass(frozen=True)
 class SlidingWindowSpec(FullAttentionSpec):
     sliding_window: int = 64
+    extra_retained_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(FullAttentionSpec):
+    attention_chunk_size: int = 64
 
 
 @dataclass(frozen=True)
@@ -157,8 +163,8 @@ def test_state_block_index_needs_an_aligned_boundary() -> None:
      ["KV cache group 0", "'all' cache mode"]),
     (Config([Group(["m"], replace(MAMBA2, num_speculative_blocks=1)), Group(["a"], ATTN)]),
      ["KV cache group 0", "speculative state block"]),
-    (Config([Group(["a"], ATTN), Group(["s"], SlidingWindowSpec(BS, 1, 64, torch.bfloat16))]),
-     ["KV cache group 1", "SlidingWindowSpec (sliding window 64)"]),
+    (Config([Group(["a"], ATTN), Group(["c"], ChunkedLocalAttentionSpec(BS, 1, 64, torch.bfloat16))]),
+     ["KV cache group 1", "ChunkedLocalAttentionSpec"]),
     (Config([Group(["m"], MAMBA2), Group(["a"], replace(ATTN, block_size=32))]), ["block sizes [32, 544]"]),
     (Config([Group(["a"], replace(ATTN, head_size_v=32))]), ["value heads"]),
     (Config([]), ["no KV cache groups"]),
@@ -168,6 +174,36 @@ def test_what_cannot_be_saved_exactly_is_refused_by_name(cfg: Config, words: lis
         hybrid_layout(cfg)
     for w in words:
         assert w in str(e.value)
+
+
+def test_sliding_groups_store_the_window_below_each_boundary() -> None:
+    """Issue 50: a sliding-window group is a fixed part ``g<i>.win`` of the blocks a hit at a
+    boundary needs — vLLM skips tokens before ``H - window + 1`` for the token after ``H``, so
+    ``ceil((window - 1) / block)`` blocks below it — and a snapshot is never shorter than that."""
+    swa = SlidingWindowSpec(32, 2, 32, torch.float32, sliding_window=64)
+    full = FullAttentionSpec(32, 2, 32, torch.float32)
+    gemma = hybrid_layout(Config([Group(["l0", "l2"], swa), Group(["l1", "l3"], full)]))
+    assert [(p.name, p.kind, p.window_blocks) for p in gemma.parts] == [("g0.win", "window", 2), ("g1.kv", "attn", 0)]
+    assert gemma.main == 1 and not gemma.has_state and gemma.min_boundary == 64
+    lay = gemma.layout()
+    assert lay.fixed["g0.win"] == ss.Fixed("uint8", (2, 2, swa.page_size_bytes)) and gemma.rows(576) == {"g1.kv": 18}
+    ids = list(range(100, 119))  # a request's 19 blocks in one group
+    assert gemma.parts[0].blocks_at(ids, 576, 32) == [116, 117]  # tokens 512..575: the window of token 576
+    assert gemma.parts[1].blocks_at(ids, 576, 32) == ids[:18]
+    with pytest.raises(IndexError):
+        gemma.parts[0].blocks_at(ids, 32, 32)  # below the window: no such snapshot
+    mistral = hybrid_layout(Config([Group(["l0", "l1"], swa)]))
+    assert [p.name for p in mistral.parts] == ["g0.win"] and mistral.main == 0 and mistral.layout().rows == {}
+    odd = hybrid_layout(Config([Group(["l0"], replace(swa, sliding_window=65, extra_retained_tokens=1))]))
+    assert odd.parts[0].window_blocks == 3  # 65 tokens kept below the next one: 3 blocks of 32
+
+
+def test_a_window_writer_drops_the_blocks_vllm_already_holds() -> None:
+    """A negative block id (a window block inside vLLM's own prefix-cache hit) is never written."""
+    pool = np.zeros((4, 8), dtype=np.uint8)
+    w = PageWriter([pool], [2, -1])
+    w.write_from(0, memoryview(bytes(range(1, 17))))
+    assert pool[2].tolist() == list(range(1, 9)) and not pool[[0, 1, 3]].any()
 
 
 def test_mla_is_refused() -> None:

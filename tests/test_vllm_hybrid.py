@@ -34,9 +34,10 @@ SPEC: dict[str, Any] = {"dtype": "bfloat16", "prefix_cache": True, "chunked": BS
                         "kv_mib": 256}
 
 
-def hybrid_serve(*args: Any, **kw: Any) -> dict[str, Any]:
-    """``serve`` with SPEC, checking that vLLM used the pinned block size (what every count below assumes)."""
-    res = serve(*args, **kw, **SPEC)
+def hybrid_serve(*args: Any, prefix_off: bool = False, **kw: Any) -> dict[str, Any]:
+    """``serve`` with SPEC (``prefix_off``: vLLM's prefix cache off), checking that vLLM used the
+    pinned block size (what every count below assumes)."""
+    res = serve(*args, **kw, **{**SPEC, "prefix_cache": not prefix_off})
     assert res["block_size"] == BS, (
         f"vLLM used {res['block_size']}-token blocks, not the pinned {BS}: this CPU's state page needs larger "
         "blocks; raise BS (a multiple of 32) to at least that")
@@ -154,3 +155,17 @@ def test_damaged_state_chunk_recomputes_never_wrong_output(
     assert worker["load_errors"] == 1 and worker["loads"] == 0
     stats = snapstore_json(store, "stats")["stats"]
     assert stats["quarantined"] + stats["healed"] >= 1
+
+
+def test_a_cache_the_connector_cannot_save_is_refused_at_start(
+        hybrid_model: str, prompts: dict[str, list[int]], baseline: dict[str, list[int]], tmp_path: Path) -> None:
+    """Without vLLM's prefix cache a Mamba group runs in the 'none' cache mode: vLLM keeps no
+    state at block boundaries, so the connector is disabled at start-up with one line per side
+    naming the group and what to change; vLLM serves on (same output) and nothing is stored."""
+    store = tmp_path / "store"
+    p = hybrid_serve(hybrid_model, tmp_path, "p", [prompts["P1"]], connector="snapstore", extra={"path": str(store)},
+                     prefix_off=True)
+    assert p["results"][0]["tokens"] == baseline["P1"] and p["results"][0]["num_cached_tokens"] == 0
+    lines = [ln for ln in p["log"].splitlines() if "snapstore connector disabled" in ln]
+    assert len(lines) == 2 and all("KV cache group 0" in ln and "'none' cache mode" in ln for ln in lines), lines
+    assert p["stats"]["worker"]["saves"] == 0

@@ -4,7 +4,9 @@
 CPU attention backend takes) with a word-level tokenizer built locally: nothing is downloaded.
 
 ``python vllm_driver.py build DIR --sliding-window N`` writes a tiny random Mistral whose layers
-all attend within a window of N tokens.
+all attend within a window of N tokens; ``--gemma2 N`` / ``--gemma3 N`` a tiny Gemma 2 / Gemma 3
+text model whose layers alternate a window of N tokens and full attention; ``--deepseek-v2`` /
+``--deepseek-v3`` a tiny DeepSeek with MLA (the 576-wide latent the CPU MLA kernel takes).
 
 ``python vllm_driver.py serve SPEC.json`` starts one vLLM (``LLM``), serves the prompts of the
 spec one after another (greedy) and writes, per prompt, the output token ids,
@@ -13,7 +15,8 @@ token) and, for the snapstore connector, the microseconds its scheduler's lookup
 took for that request, to the spec's ``out`` path as JSON, with the connector's counters and the
 attention block size vLLM chose (``block_size``: a hybrid model's is raised to fit its state pages). The spec says which
 connector (``snapstore``, ``example`` or none), the prefix cache and chunked prefill settings,
-``hf_overrides``, ``idle_s`` (seconds the engine idles between prompts); a prompt is a list of
+``hf_overrides``, ``idle_s`` (seconds the engine idles between prompts), ``tp`` (tensor parallel
+size; the workers are other processes, so only the scheduler's counters come back); a prompt is a list of
 token ids or ``{"tokens": [...], "salt": "..."}``.
 
 ``python vllm_driver.py keys OUT.json`` checks the connector's keys against vLLM's own classes
@@ -73,6 +76,58 @@ def build_sliding(path: str, window: int) -> None:
     MistralForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
 
 
+def _replace_model(path: str, model: Any) -> None:
+    """Swap the Llama :func:`build` wrote for ``model`` (same tokenizer): its weights and config."""
+    for f in os.listdir(path):
+        if f.endswith((".safetensors", "config.json")) and "tokenizer" not in f:
+            os.remove(os.path.join(path, f))
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def build_mla(path: str, version: int) -> None:
+    """A tiny random DeepSeek-V2 (``version`` 2) or V3 (3): MLA with the latent the CPU MLA kernel
+    takes (``kv_lora_rank`` 512 + rope 64 = one 576-wide head per token), one dense layer and one
+    4-expert MoE layer, and the same tokenizer."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    build(path)
+    torch.manual_seed(0)
+    kw: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
+                              n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=512,
+                              q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_group=1,
+                              topk_group=1, max_position_embeddings=4096, tie_word_embeddings=False,
+                              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if version == 3:
+        model: Any = DeepseekV3ForCausalLM(DeepseekV3Config(topk_method="noaux_tc", **kw))
+    else:
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(topk_method="greedy", **kw))
+    model = model.to(torch.float32)
+    with torch.no_grad():  # larger logits: greedy choices far from ties
+        model.lm_head.weight.mul_(8.0)
+    _replace_model(path, model)
+
+
+def build_gemma(path: str, version: int, window: int) -> None:
+    """A tiny random Gemma 2 (``version`` 2) or Gemma 3 text model (3): layers alternate a sliding
+    window of ``window`` tokens and full attention (two KV cache groups), and the same tokenizer."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    build(path)
+    torch.manual_seed(0)
+    kw: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=2, num_key_value_heads=2, head_dim=32, sliding_window=window,
+                              max_position_embeddings=4096, tie_word_embeddings=True,
+                              layer_types=["sliding_attention", "full_attention"] * 2,
+                              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model: Any = Gemma2ForCausalLM(Gemma2Config(**kw)) if version == 2 else \
+        Gemma3ForCausalLM(Gemma3TextConfig(**kw))
+    # unscaled: Gemma scales its (tied) embeddings itself; larger ones make the output ignore the context
+    _replace_model(path, model.to(torch.float32))
+
+
 def build_hybrid(path: str) -> None:
     """A tiny random Qwen3-Next (gated delta net layers 0-2, full attention layer 3, a 4-expert
     MoE), bfloat16 (the CPU gated-delta-net kernel needs it, with a linear-attention head dim of
@@ -123,6 +178,8 @@ def serve(spec_path: str) -> None:
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=int(spec["chunked"]))
     if spec.get("hf_overrides"):
         kw["hf_overrides"] = spec["hf_overrides"]
+    if spec.get("tp"):  # tensor parallel: spawned workers (the caller binds their threads: VLLM_CPU_OMP_THREADS_BIND)
+        kw.update(tensor_parallel_size=int(spec["tp"]), distributed_executor_backend="mp")
     if spec.get("block_size", 32) is not None:  # None: vLLM's default
         kw["block_size"] = spec.get("block_size", 32)
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"),
@@ -271,6 +328,10 @@ if __name__ == "__main__":
     if sys.argv[1] == "build":
         if len(sys.argv) > 3 and sys.argv[3] == "--hybrid":
             build_hybrid(sys.argv[2])
+        elif len(sys.argv) > 3 and sys.argv[3] in ("--deepseek-v2", "--deepseek-v3"):
+            build_mla(sys.argv[2], int(sys.argv[3][-1]))
+        elif len(sys.argv) > 4 and sys.argv[3] in ("--gemma2", "--gemma3"):
+            build_gemma(sys.argv[2], int(sys.argv[3][-1]), int(sys.argv[4]))
         elif len(sys.argv) > 3 and sys.argv[3] == "--sliding-window":
             build_sliding(sys.argv[2], int(sys.argv[4]))
         else:

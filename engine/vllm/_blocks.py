@@ -59,12 +59,13 @@ class BlockGeometry:
     layers: int
     kv_heads: int
     block_size: int
-    entry: int  # last axis: 2 * head_size on the CPU backend
+    entry: int  # last axis: 2 * head_size on the CPU backend; MLA: the latent width (kv_lora_rank + rope dim)
     dtype: torch.dtype
+    latent: bool = False  # MLA: one latent vector per token (kv_heads 1, entry the latent width, no V half)
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
-        """``(kv_heads, block_size, entry)``: one block of one layer."""
+        """``(kv_heads, block_size, entry)``: one block of one layer (MLA on the CPU: ``(1, block_size, latent)``)."""
         return (self.kv_heads, self.block_size, self.entry)
 
     @property

@@ -41,7 +41,7 @@ import snapstore as ss
 
 from ._blocks import BlockWriter, gather_blocks, host_pools, torch_dtype_name, weights_hash
 from ._checks import attn_backend, exact_layout, hybrid_geometry, plan_groups, single_geometry
-from ._groups import HybridLayout, describe_groups, state_block_index
+from ._groups import HybridLayout, describe_groups
 from ._hybrid import group_views
 from ._hybrid_side import HybridSide
 from ._key import RequestKey, config_digest, request_key
@@ -88,6 +88,7 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
         self._rate = StepRate()  # scheduler: the engine's prefill rate, for match(prefill_tokens_per_s=)
         self._prompt_len: dict[str, int] = {}  # scheduler: every running request's prompt length
         self._clock = ForwardClock()  # worker: times each prefilling step's forward (on the cache's device)
+        self._tp, self._rank = 1, 0  # tensor parallel size, this worker's rank (set once the store opens)
         if role == KVConnectorRole.SCHEDULER and extra.get("on_load_error", "recompute") == "recompute":
             cfg.kv_load_failure_policy = "recompute"  # a failed load recomputes its blocks: never junk
         try:
@@ -101,10 +102,11 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
                 self._geo = hybrid_geometry(self._hy, kv_cache_config)
                 extra_keys = {"kv_groups": describe_groups(kv_cache_config), "alignment": str(self._hy.alignment),
                               "ssm_conv_layout": os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "")}
-            rank = 0
+            rank, self._tp = 0, int(pc.tensor_parallel_size)  # the scheduler matches as rank 0 (its chain)
             if role == KVConnectorRole.WORKER:
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
                 rank = int(get_tensor_model_parallel_rank())
+            self._rank = rank
             import vllm
 
             ident = self._geo.identity(
@@ -194,19 +196,19 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
         if num_external_tokens > 0 and request.request_id in self._matched and self._hy is not None:
             sid, hit = self._matched[request.request_id]
             per_group = blocks.get_block_ids()
-            n, at = hit // self._bs, state_block_index(hit, self._bs)
-            groups = [list(per_group[p.group][:n]) if p.kind == "attn" else [int(per_group[p.group][at])]
-                      for p in self._hy.parts]
-            main = self._hy.main
+            groups = [p.blocks_at(per_group[p.group], hit, self._bs) for p in self._hy.parts]
+            main, key = self._hy.main, self._keys[request.request_id]
             self._to_load[request.request_id] = LoadOp(request.request_id, sid, hit,
                                                        (hit - num_external_tokens) // self._bs, groups[main],
-                                                       self._keys[request.request_id].namespace, groups)
+                                                       key.namespace, groups,
+                                                       tokens=key.tokens[:hit] if self._tp > 1 else None)
         elif num_external_tokens > 0 and request.request_id in self._matched:
             sid, hit = self._matched[request.request_id]
             ids = list(blocks.get_block_ids()[0])  # every block of the request, resumed ones too
+            key = self._keys[request.request_id]
             self._to_load[request.request_id] = LoadOp(request.request_id, sid, hit,
                                                        (hit - num_external_tokens) // self._bs, ids[:hit // self._bs],
-                                                       self._keys[request.request_id].namespace)
+                                                       key.namespace, tokens=key.tokens[:hit] if self._tp > 1 else None)
 
     def build_connector_meta(self, scheduler_output: Any) -> SnapstoreConnectorMetadata:
         """This step's loads (newly scheduled requests with a match) and saves (requests whose
@@ -364,18 +366,34 @@ class SnapstoreConnector(HybridSide, KVConnectorBase_V1, SupportsHMA):  # type: 
                 if self._hy is not None:
                     self._load_hybrid(op)
                     continue
-                self._store.restore(ss.Match(op.snapshot_id, op.n_tokens, op.namespace),
-                                    into={"kv": BlockWriter(self._pools, op.block_ids)}, rows_from=op.rows_from)
+                self._store.restore(self._shard(op), into={"kv": BlockWriter(self._pools, op.block_ids)},
+                                    rows_from=op.rows_from)
                 self.stats["loads"] += 1
                 self.stats["loaded_blocks"] += len(op.block_ids) - op.rows_from
             except ss.SnapstoreError as e:  # corrupt / missing chunk, evicted snapshot: recompute, never junk
                 self.stats["load_errors"] += 1
                 self.stats["failed_blocks"] += len(op.block_ids) - op.rows_from
                 self._load_failed(op)
-                log.warning("snapstore: load for request %s failed, vLLM recomputes %d blocks: %s",
-                            op.req_id, len(op.block_ids) - op.rows_from, e)
+                log.warning("snapstore: load for request %s failed%s, vLLM recomputes %d blocks: %s", op.req_id,
+                            f" on tensor-parallel rank {self._rank}" if self._tp > 1 else "",
+                            len(op.block_ids) - op.rows_from, e)
         self.stats["load_us"] += int((time.perf_counter() - t0) * 1e6)
         LAST_STATS[self._side] = dict(self.stats)
+
+    def _shard(self, op: LoadOp) -> ss.Match:
+        """What this rank restores for ``op``: the scheduler's match names rank 0's snapshot; under
+        tensor parallelism every other rank finds its own shard of the same tokens (its own chain,
+        saved by the same save plan). A rank that holds less fails its load: its blocks are reported,
+        vLLM pools every rank's failed blocks and recomputes them on all ranks (never a mix)."""
+        if op.tokens is None or self._rank == 0:
+            return ss.Match(op.snapshot_id, op.n_tokens, op.namespace)
+        assert self._store is not None
+        m = self._store.match(op.tokens, namespace=op.namespace)
+        if m is None or m.n_tokens < op.n_tokens:
+            raise ss.SnapshotUnavailableError(
+                f"tensor-parallel rank {self._rank} holds {m.n_tokens if m else 0} of the {op.n_tokens} tokens rank 0 "
+                "matched (its shard was not saved, was evicted or dropped)")
+        return ss.Match(m.snapshot_id, op.n_tokens, op.namespace)
 
     def _load_failed(self, op: LoadOp) -> None:
         """Report the blocks (vLLM recomputes them) and keep this step's saves off them: the

@@ -87,7 +87,9 @@ def gather_pages(views: Sequence[np.ndarray], block_ids: Sequence[int], layers: 
 
 class PageWriter:
     """A snapstore ``PartWriter`` for one part: canonical bytes (block-major, then the part's
-    views in order) scattered into blocks ``block_ids``. Ranges may start or end anywhere."""
+    views in order) scattered into blocks ``block_ids``. Ranges may start or end anywhere. A
+    block id below 0 drops its bytes (a window block vLLM's own prefix cache already holds:
+    shared with other requests, never written)."""
 
     def __init__(self, views: Sequence[np.ndarray], block_ids: Sequence[int]):
         self._views = list(views)
@@ -107,5 +109,6 @@ class PageWriter:
             seg = int(np.searchsorted(self._starts, within, side="right")) - 1
             at = within - self._starts[seg]
             take = min(self._starts[seg + 1] - within, len(src) - pos)
-            self._views[seg][self._ids[row], at:at + take] = src[pos:pos + take]
+            if self._ids[row] >= 0:
+                self._views[seg][self._ids[row], at:at + take] = src[pos:pos + take]
             pos += take

@@ -10,7 +10,7 @@ from typing import Any
 
 import snapstore as ss
 
-from ._groups import HybridLayout, state_block_index
+from ._groups import GroupPart, HybridLayout
 from ._hybrid import PageWriter, gather_pages
 from ._key import RequestKey
 from ._ops import LAST_STATS, NULL_BLOCK, LoadOp, SaveOp, SnapstoreConnectorMetadata, Track
@@ -26,6 +26,7 @@ class HybridSide:
     _store: ss.Store | None
     _hy: HybridLayout | None
     _bs: int
+    _every: int
     _side: str
     stats: dict[str, int]
     _handles: list[Any]
@@ -35,6 +36,9 @@ class HybridSide:
     _recv_done: set[str]
     _matched: dict[str, tuple[int, int]]
     _stored: dict[str, tuple[int | str | None, int]]
+
+    def _shard(self, op: LoadOp) -> ss.Match:  # SnapstoreConnector's: this rank's snapshot of the hit
+        raise NotImplementedError
 
     def _lookup_hybrid(self, request: Any, key: RequestKey, num_computed_tokens: int) -> tuple[int, bool]:
         """A hybrid's hit: the longest stored boundary that is a prefix of the prompt (exact: a
@@ -50,7 +54,8 @@ class HybridSide:
         t0 = time.perf_counter()
         try:
             m = self._store.match(key.tokens[:limit], namespace=key.namespace)
-            if m is None or m.n_tokens % self._hy.alignment or m.n_tokens <= num_computed_tokens:
+            if m is None or m.n_tokens % self._hy.alignment or m.n_tokens <= num_computed_tokens \
+                    or m.n_tokens < self._hy.min_boundary:
                 return 0, False
             d = self._store.describe(m.snapshot_id, namespace=key.namespace)
             if d.n_tokens != m.n_tokens or dict(d.rows) != self._hy.rows(m.n_tokens):
@@ -68,10 +73,14 @@ class HybridSide:
 
     def _plan_hybrid_saves(self, meta: SnapstoreConnectorMetadata, computed: dict[str, int],
                            scheduler_output: Any) -> None:
-        """A save at each boundary whose state vLLM holds after this step: the end of this step's
-        chunk when it is aligned (the state lies in the block that ends there), or, when the chunk
-        ends the prompt, the prompt's last aligned boundary (vLLM's prefill checkpoint). Each is a
-        delta over the one before it; rows only above the request's stored prefix."""
+        """A save at each boundary whose pages vLLM holds after this step. With a recurrent state:
+        the end of this step's chunk when it is aligned (the state lies in the block that ends
+        there), or, when the chunk ends the prompt, the prompt's last aligned boundary (vLLM's
+        prefill checkpoint). Without one (full + sliding-window groups): every ``save_every``
+        boundary the step computed and the prompt's last one (a sliding group's window blocks
+        below a boundary the step reached are all still held: vLLM frees blocks only when the
+        next step is scheduled). Each is a delta over the one before it; rows only above the
+        request's stored prefix."""
         assert self._hy is not None
         for rid, done in computed.items():
             tr = self._reqs[rid]
@@ -79,27 +88,31 @@ class HybridSide:
             end = done + int(scheduler_output.num_scheduled_tokens.get(rid, 0))
             if tr.saved or end <= done:
                 continue
-            if end >= n_prompt:
-                at, tr.saved = self._hy.boundary(n_prompt), True
-            elif end % self._hy.alignment == 0:
-                at = end
+            last = self._hy.boundary(n_prompt) if end >= n_prompt else None
+            if last is not None:
+                tr.saved = True
+            if self._hy.has_state:
+                ats = [last] if last is not None else [end] if end % self._hy.alignment == 0 else []
             else:
-                continue
-            if at <= max(done, tr.stored, tr.last) or at < self._bs:
-                continue
-            n, idx = at // self._bs, state_block_index(at, self._bs)
-            try:
-                groups = [list(tr.groups[p.group][:n]) if p.kind == "attn" else [int(tr.groups[p.group][idx])]
-                          for p in self._hy.parts]
-            except IndexError:
-                log.warning("snapstore: request %s has fewer blocks than its boundary %d needs; not saved", rid, at)
-                continue
-            if any(p.kind == "state" and g == [NULL_BLOCK] for p, g in zip(self._hy.parts, groups)):
-                continue  # vLLM's null block: no state was kept at this boundary
-            main = self._hy.main
-            meta.saves.append(SaveOp(rid, tr.key.tokens[:at], groups[main], [at], tr.key.namespace, tr.parent,
-                                     tr.failed, groups))
-            tr.parent, tr.last = "auto", at
+                step = max(self._every, self._hy.alignment) // self._hy.alignment * self._hy.alignment
+                ats = [b for b in range(step, min(end, n_prompt) + 1, step) if b > done]
+                ats += [last] if last is not None and last not in ats else []
+            floor = max(done, tr.stored, tr.last)
+            for at in ats:
+                if at <= floor or at < max(self._bs, self._hy.min_boundary):
+                    continue
+                try:
+                    groups = [p.blocks_at(tr.groups[p.group], at, self._bs) for p in self._hy.parts]
+                except IndexError:
+                    log.warning("snapstore: request %s has fewer blocks than its boundary %d needs; not saved", rid,
+                                at)
+                    continue
+                if any(p.kind != "attn" and NULL_BLOCK in g for p, g in zip(self._hy.parts, groups)):
+                    continue  # vLLM's null block: no state (or window block) was kept at this boundary
+                main = self._hy.main
+                meta.saves.append(SaveOp(rid, tr.key.tokens[:at], groups[main], [at], tr.key.namespace, tr.parent,
+                                         tr.failed, groups))
+                tr.parent, tr.last, floor = "auto", at, at
 
     def _load_hybrid(self, op: LoadOp) -> None:
         """Restore every group's part of a hybrid snapshot (attention rows above ``rows_from``,
@@ -107,16 +120,25 @@ class HybridSide:
         finished (or failed) by :meth:`get_transfer_results`."""
         assert self._store is not None and self._hy is not None
         self._recv_done.add(op.req_id)
-        if any(p.kind == "state" and ids[0] == NULL_BLOCK for p, ids in zip(self._hy.parts, op.groups)):
-            raise ss.DestinationError(f"vLLM allocated no state block for request {op.req_id} at token {op.n_tokens}")
-        into = {p.name: PageWriter(self._views[p.name], ids) for p, ids in zip(self._hy.parts, op.groups)}
-        res = self._store.restore(ss.Match(op.snapshot_id, op.n_tokens, op.namespace), into=into,
-                                  rows_from=op.rows_from)
+        if any(p.kind != "attn" and NULL_BLOCK in ids for p, ids in zip(self._hy.parts, op.groups)):
+            raise ss.DestinationError(f"vLLM allocated no state (or window) block for request {op.req_id} at token "
+                                      f"{op.n_tokens}")
+        into = {p.name: PageWriter(self._views[p.name], self._writable(p, ids, op)) for p, ids in
+                zip(self._hy.parts, op.groups)}
+        res = self._store.restore(self._shard(op), into=into, rows_from=op.rows_from)
         if res.missing_components:  # an older snapshot without the draft: the target's state is whole
             log.info("snapstore: snapshot %d lacks %s; drafts for request %s start empty", op.snapshot_id,
                      sorted(res.missing_components), op.req_id)
         self.stats["loads"] += 1
         self.stats["loaded_blocks"] += len(op.block_ids) - op.rows_from
+
+    def _writable(self, part: GroupPart, ids: list[int], op: LoadOp) -> list[int]:
+        """A window part's blocks below ``op.rows_from`` are vLLM's own cached blocks (a local
+        prefix hit): -1, never written (:class:`PageWriter`); every other part's ids as they are."""
+        if part.kind != "window":
+            return ids
+        first = op.n_tokens // self._bs - len(ids)  # the block index of the window's first block
+        return [-1 if first + j < op.rows_from else b for j, b in enumerate(ids)]
 
     def _save_hybrid(self, op: SaveOp) -> None:
         """Copy a hybrid boundary's pages (attention blocks below it, the state page at it) and
@@ -126,7 +148,7 @@ class HybridSide:
         parts: dict[str, Any] = {}
         for p, ids in zip(self._hy.parts, op.groups):
             pages = gather_pages(self._views[p.name], ids, len(p.layers))
-            parts[p.name] = pages if p.kind == "attn" else pages[0]
+            parts[p.name] = pages[0] if p.kind == "state" else pages
         self.stats["save_copy_us"] += int((time.perf_counter() - t0) * 1e6)
         at = op.boundaries[-1]
         try:

@@ -29,6 +29,7 @@ class LoadOp:
     block_ids: list[int]
     namespace: str | None = None
     groups: list[list[int]] = field(default_factory=list)  # hybrid: each part's blocks (a state part: one)
+    tokens: list[int] | None = None  # tensor parallel: the hit's tokens, each rank finds its own shard by them
 
 
 @dataclass
