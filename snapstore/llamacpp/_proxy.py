@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from snapstore.llamacpp._bridge import SLOT_FREE_PATHS, LlamaBridge, Plan
 from snapstore.llamacpp._metrics import BridgeMetrics
 from snapstore.llamacpp._prompt import CHAT_PATHS, COMPLETION_PATHS
+from snapstore.llamacpp._rawhttp import exchange
 from snapstore.plan.recompute import PrefillRate
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ _ID_SLOT = re.compile(rb'(?<!\\)"id_slot":(\d+)')
 _PROMPT_N = re.compile(rb'(?<!\\)"prompt_n":(\d+)')
 _PROMPT_MS = re.compile(rb'(?<!\\)"prompt_ms":([0-9.eE+-]+)[,}]')
 _CACHE_N = re.compile(rb'(?<!\\)"cache_n":(\d+)')
+# llama-server's relay of other servers' answers: a bodiless status comes with a chunked terminator
+# that a strict client reads as the next response (_rawhttp); these go through the proxy's own framing
+RAW_PATHS = frozenset({"/cors-proxy"})
 
 
 def authorized(headers: Mapping[str, str], key: str | None) -> bool:
@@ -171,6 +175,9 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
         if foreign:
             bridge.foreign(+1)
         try:
+            if path in RAW_PATHS:  # relays any target's status, framed as llama-server frames it (_rawhttp)
+                resp, status = await _forward_raw(request, body)
+                return resp
             resp, status, cancelled = await _forward(request, body, sniff, plan)
             return resp  # a client that left: aiohttp's own finish of the response notices it quietly
         except asyncio.CancelledError:
@@ -183,6 +190,25 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
             if plan is not None:
                 plan.cache_n = sniff.cache_n  # not awaited: a cancelled handler must not wait for the save
                 in_pool(_after, bridge, plan, status < 400 and not cancelled, sniff.slot, cancelled)
+
+    async def _forward_raw(request: web.Request, body: bytes) -> tuple[web.StreamResponse, int]:
+        """``request`` forwarded by ``_rawhttp.exchange``: status, headers and body as the server sent them."""
+        from multidict import CIMultiDict
+
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_REQUEST}
+        up = await exchange(bridge.upstream + request.rel_url.path_qs, request.method, headers, body)
+        theirs: CIMultiDict[str] = CIMultiDict(up.headers)
+        out = web.StreamResponse(status=up.status, reason=up.reason or None, headers=_response_headers(theirs))
+        if up.close:
+            out.force_close()
+        if "chunked" not in theirs.get("Transfer-Encoding", "").lower() and "Content-Length" in theirs \
+                and up.status not in (204, 304) and not 100 <= up.status < 200:
+            out.content_length = int(theirs["Content-Length"])
+        await out.prepare(request)
+        async for chunk in up.body:
+            await out.write(chunk)
+        await out.write_eof()
+        return out, up.status
 
     async def _forward(request: web.Request, body: bytes, sniff: _SlotSniffer, plan: Plan | None
                        ) -> tuple[web.StreamResponse, int, bool]:
