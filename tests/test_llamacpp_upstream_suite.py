@@ -6,7 +6,9 @@ from the llama.cpp that llama-cpp-python's source distribution vendors (download
 registry into a work directory outside the repository): nothing of llama.cpp's code is kept here.
 It runs both ways — as the suite starts its servers (mostly ``--no-slots``) and with ``LLT_SLOTS_ON=1``
 (``/slots`` on, where the proxy's restores and saves run) — and asserts that mode B passes every test
-mode A passes. Each mode of the selection takes 2-6 minutes on two cores; ``SNAPSTORE_LLT_TESTS``
+mode A passes. Each mode of the selection takes 2-6 minutes on two quiet cores (mode B pays about
+2 s per server start for the proxy's own start; 7-15 minutes at load 10), at most
+``SNAPSTORE_LLT_TIMEOUT`` (720 s) per mode, a mode cut short failing the test; ``SNAPSTORE_LLT_TESTS``
 may name a smaller selection file (the runner's TESTS_FILE) and ``SNAPSTORE_LLT_WORK`` a work
 directory kept between runs (the sdist and the suite's venv fetched once). Skipped, with the reason,
 where the runner or the registry is not available.
@@ -70,7 +72,7 @@ def _run(work: Path, mode: str, slots_on: bool) -> dict[str, str]:
     tag = "slots" if slots_on else "default"
     env = {**os.environ, "LLT_WORK": str(work), "LLT_PYTHON": sys.executable, "LLT_PIP_PYTHON": sys.executable,
            "LLT_TAG": tag,
-           "LLT_SLOTS_ON": "1" if slots_on else "0", "RUN_TIMEOUT": os.environ.get("SNAPSTORE_LLT_TIMEOUT", "900")}
+           "LLT_SLOTS_ON": "1" if slots_on else "0", "RUN_TIMEOUT": os.environ.get("SNAPSTORE_LLT_TIMEOUT", "720")}
     env.pop("PIP_PYTHON", None)
     if os.environ.get("SNAPSTORE_LLT_TESTS"):
         env["TESTS_FILE"] = os.environ["SNAPSTORE_LLT_TESTS"]
