@@ -148,3 +148,27 @@ def test_a_named_snapshots_leading_prefix_matches_past_the_ttl_through_its_chain
     s = ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=layout, budget=budget, chunk_bytes=4096)
     with s:  # the name gone, the TTL applies to the whole chain again
         assert s.match(base[:64] + [1] * 20) is None and s.snapshots() == []
+
+
+def test_a_refused_import_into_a_new_directory_creates_no_store(tmp_path: Any,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Item 12 × item 1: ``import`` creates a store where there is none, but an import it refuses at
+    once (a marked file without --accept-identity, a bad --name) leaves nothing behind (was: an
+    empty store, created before the refusal)."""
+    from snapstore.cli.main import main
+
+    other = ss.Identity(build="eng-1.0", pack="sha256:review46-q4", kv="f16")
+    plain, marked = str(tmp_path / "q4.snapx"), str(tmp_path / "marked.snapx")
+    layout = ss.Layout(rows={"kv": ss.Rows("uint8", (64,))})
+    with ss.Store.open(str(tmp_path / "q4s"), identity=other, layout=layout) as s:
+        s.export(s.save(TOKENS, {"kv": KV}), plain)
+    with ss.Store.open(str(tmp_path / "q8s"), identity=IDENT, layout=layout) as s:
+        s.export(s.import_file(plain, accept_identity=other.key).snapshot_id, marked)
+    new = str(tmp_path / "new")
+    assert main(["--dir", new, "import", marked]) == 2
+    assert "--accept-identity" in capsys.readouterr()[1] and not os.path.exists(new)
+    assert main(["--dir", new, "import", plain, "--name", "a\x01b"]) == 2
+    assert not os.path.exists(new)
+    assert main(["--dir", new, "import", marked, "--accept-identity", other.key]) == 0  # then it is created
+    with ss.Store.open(new, identity=IDENT, layout=layout) as s:
+        assert s.match(TOKENS) is None and [i.imported_from for i in s.snapshots()] == [other.key]

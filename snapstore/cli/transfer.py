@@ -30,6 +30,7 @@ from snapstore.cli.context import EXIT_OK, FORMAT, CliContext, UsageError, snaps
 from snapstore.lifecycle.names import check_name
 from snapstore.transfer.export import write_export
 from snapstore.transfer.importer import read_header
+from snapstore.transfer.policy import identity_decision
 
 __all__ = ["add_commands", "cmd_export", "cmd_import"]
 
@@ -170,6 +171,10 @@ def cmd_import(args: argparse.Namespace, ctx: CliContext) -> int:
         raise UsageError(f"no export file at {args.file}")
     header = read_header(args.file)  # checked: a damaged header is refused before the store is opened
     identity = header.identity
+    if create:  # a refused import creates nothing: what the import would refuse at once, asked first
+        if args.name is not None:
+            check_name(args.name)
+        identity_decision(identity, identity, args.accept_identity, args.file, header.imported_from)
     if args.identity is not None:
         repo = Repo.open(root, readonly=True, create=False)
         try:
