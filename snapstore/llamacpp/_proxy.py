@@ -204,10 +204,13 @@ def make_app(bridge: LlamaBridge, metrics: BridgeMetrics) -> Any:
         if "chunked" not in theirs.get("Transfer-Encoding", "").lower() and "Content-Length" in theirs \
                 and up.status not in (204, 304) and not 100 <= up.status < 200:
             out.content_length = int(theirs["Content-Length"])
-        await out.prepare(request)
-        async for chunk in up.body:
-            await out.write(chunk)
-        await out.write_eof()
+        try:
+            await out.prepare(request)
+            async for chunk in up.body:
+                await out.write(chunk)
+            await out.write_eof()
+        finally:
+            await up.body.aclose()  # the upstream connection closed however the client's side ended
         return out, up.status
 
     async def _forward(request: web.Request, body: bytes, sniff: _SlotSniffer, plan: Plan | None

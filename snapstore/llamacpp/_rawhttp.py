@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.parse
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 
 __all__ = ["RawResponse", "exchange"]
@@ -26,7 +26,7 @@ class RawResponse:
     status: int
     reason: str
     headers: list[tuple[str, str]]
-    body: AsyncIterator[bytes]
+    body: AsyncGenerator[bytes, None]
     close: bool  # the server asked to close the connection (``Connection: close``)
 
 
@@ -52,7 +52,7 @@ async def exchange(url: str, method: str, headers: Mapping[str, str], body: byte
     lower = {k.lower(): v for k, v in out}
     bodiless = status in (204, 304) or 100 <= status < 200 or method == "HEAD"
 
-    async def stream() -> AsyncIterator[bytes]:
+    async def stream() -> AsyncGenerator[bytes, None]:
         try:
             if bodiless:
                 return
