@@ -141,6 +141,23 @@ def test_factory_builds_the_documented_backend(tmp_path: Path) -> None:
         StorageBackendFactory.create_backend("dynamic", config(str(tmp_path), interface_v1=0), pool)
     with pytest.raises(snapstore.ConfigError, match="unknown extra-config keys"):
         StorageBackendFactory.create_backend("dynamic", config(str(tmp_path), disk_gb=1), pool)
+    # SGLang's own keys in the same extra config are not the backend's to refuse
+    StorageBackendFactory.create_backend("dynamic", config(str(tmp_path), prefetch_threshold=256,
+                                                           hicache_storage_pass_prefix_keys=True), pool).close()
+
+
+def test_without_prefix_keys_each_call_is_a_chain_of_its_own(tmp_path: Path, caplog: Any) -> None:
+    pool = HostPages(6)
+    fill(pool, 9)
+    b = backend(str(tmp_path), pool)
+    keys = keys_of("np", 4)
+    with caplog.at_level("WARNING", logger="snapstore.engine.sglang"):
+        assert b.batch_set_v1(keys, slots(0, 4)) == [True] * 4
+    assert "hicache_storage_pass_prefix_keys" in caplog.text and b.counters["calls_without_prefix_keys"] == 1
+    assert b.batch_exists(keys) == 4 and b.batch_exists(keys[:2] + ["e" * 64]) == 2
+    assert b.batch_exists(keys[2:]) == 0  # split elsewhere: the chain is rooted at keys[0]
+    assert b.batch_exists(keys[2:], HiCacheStorageExtraInfo(prefix_keys=keys[:2])) == 2
+    b.close()
 
 
 def _writer(path: str, seed: int, n: int, tp_rank: int = 0, tp_size: int = 1) -> dict[str, Any]:

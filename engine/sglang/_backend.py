@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 import snapstore
 
-from ._identity import BACKEND_KEYS, pool_identity
+from ._identity import BACKEND_KEYS, SGLANG_KEYS, pool_identity
 from ._keys import TOKENS_PER_PAGE, chain_tokens, key_tokens
 from ._pages import PageReader, PageWriter, page_bytes_of, page_nbytes
 
@@ -60,11 +60,11 @@ class SnapstoreHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class 
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        unknown = sorted(k for k in extra if k not in BACKEND_KEYS and k not in ("drop_stale", "chunk_mib"))
+        unknown = sorted(k for k in extra if k not in BACKEND_KEYS and k not in SGLANG_KEYS)
         if unknown:
             raise snapstore.ConfigError(
                 f"SnapstoreHiCache: unknown extra-config keys {unknown}; the backend reads "
-                f"{sorted(BACKEND_KEYS | {'drop_stale', 'chunk_mib'})} (docs/engine.md, 'SGLang')")
+                f"{sorted(BACKEND_KEYS)} (docs/engine.md, 'SGLang')")
         if not extra.get("interface_v1"):
             raise snapstore.ConfigError(
                 "SnapstoreHiCache needs \"interface_v1\": 1 in --hicache-storage-backend-extra-config: "
@@ -79,6 +79,7 @@ class SnapstoreHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class 
         self.counters: Counter[str] = Counter()
         self.registered_pools: dict[str, Any] = {}
         self.mem_pool_host: Any = None
+        self._warned_prefix = False
         self._prefetch_pages: list[int] = []
         self._backup_pages: list[int] = []
 
@@ -136,9 +137,18 @@ class SnapstoreHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class 
         return name != KV or bool(self.storage_config.is_storage_writer)
 
     # -- the K/V chain --------------------------------------------------------------------------
-    @staticmethod
-    def _prefix(extra_info: HiCacheStorageExtraInfo | None) -> list[str]:
-        return list(extra_info.prefix_keys or []) if extra_info is not None else []
+    def _prefix(self, extra_info: HiCacheStorageExtraInfo | None) -> list[str]:
+        """The page keys before this call's, from the sequence start (none: the chain starts here)."""
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        if prefix is None:
+            self.counters["calls_without_prefix_keys"] += 1
+            if not self._warned_prefix:
+                self._warned_prefix = True
+                log.warning("SnapstoreHiCache: SGLang passes no prefix_keys, so each call's pages are chained "
+                            "from its own first page and a later call split elsewhere misses them; add "
+                            "\"hicache_storage_pass_prefix_keys\": true to --hicache-storage-backend-extra-config")
+            return []
+        return list(prefix)
 
     def _chain_hit(self, store: snapstore.Store, chain: Sequence[str]) -> tuple[snapstore.Match | None, int]:
         """The longest stored prefix of ``chain``: its match and its length in pages."""

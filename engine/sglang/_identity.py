@@ -20,7 +20,12 @@ _POOL_FIELDS = ("layout", "page_size", "head_num", "head_dim", "layer_num", "kv_
                 "storage_format_tag", "stores_page_envelope", "start_layer", "end_layer")
 # the extra-config keys that configure the backend itself (not part of the identity)
 BACKEND_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "path", "disk_mib",
-                          "max_entries", "ttl_s", "ram_mib", "model_digest", "model_revision", "key_extra"})
+                          "max_entries", "ttl_s", "ram_mib", "model_digest", "model_revision", "key_extra",
+                          "drop_stale", "chunk_mib"})
+# SGLang's own keys in the same extra config (its cache controller reads them; some versions pass them on)
+SGLANG_KEYS = frozenset({"prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                         "hicache_storage_pass_prefix_keys", "file_storage_path", "enable_metadata_cache",
+                         "metadata_ttl"})
 
 
 def _scalar(value: Any) -> str | int | float | bool | None:
