@@ -219,6 +219,9 @@ class _Clock:
 
 NAMESPACES = (None, "tenant-b")
 NAMES = ("plan", "doc", "tool")
+#: fixed-part seeds: few, so the same state is saved again (dedup), and by both identities (the pairs
+#: of 46A item 5: a native save beside an override import of the same state)
+SEEDS = st.integers(0, 3) | st.integers(0, 2**16)
 _MARGIN = 120.0  # seconds of real time a run may take between a step and the check of a deadline
 
 
@@ -325,6 +328,15 @@ class StoreStateMachine(RuleBasedStateMachine):
                 state.pop(name)
         return state
 
+    def _draw_n(self, data: st.DataObject, low: int = 1) -> int:
+        """A prefix length: often one of four boundaries (so saves meet again: dedup, the same state
+        under both identities, a prompt that is exactly a snapshot), else any."""
+        top = self.workload.max_tokens
+        bounds = sorted({b for b in (top // 4, top // 2, 3 * top // 4, top) if b >= low})
+        n: int = data.draw((st.sampled_from(bounds) | st.integers(low, top)) if bounds else st.integers(low, top),
+                           label="n")
+        return n
+
     def _valid_names(self, now: float) -> dict[tuple[str | None, str], _Name]:
         """Names whose ttl is clearly not over (a deadline within the margin is left unchecked)."""
         return {k: v for k, v in self.names.items() if v.expires is None or v.expires > now + _MARGIN}
@@ -381,11 +393,11 @@ class StoreStateMachine(RuleBasedStateMachine):
         commit = data.draw(st.booleans(), label="commit")
         parent = data.draw(st.sampled_from(["auto", None, "explicit", "named"]), label="parent")
         with_draft = data.draw(st.booleans(), label="with_draft")
-        seed = data.draw(st.integers(0, 2**16), label="seed")
+        seed = data.draw(SEEDS, label="seed")
         namespace = data.draw(st.sampled_from(NAMESPACES), label="namespace")
         w = self.workload
         conv = data.draw(st.integers(0, w.conversations - 1), label="conv")
-        n = data.draw(st.integers(1, w.max_tokens), label="n")
+        n = self._draw_n(data)
         state = self._state(conv, seed, with_draft)
         par: Any = parent
         q = w.tokens[conv][:n]
@@ -443,7 +455,7 @@ class StoreStateMachine(RuleBasedStateMachine):
             if saved is not None and saved.pending and not x.pending:
                 saved.pending, saved.order = False, self.clock
 
-    @rule(data=st.data(), seed=st.integers(0, 2**16))
+    @rule(data=st.data(), seed=SEEDS)
     def next_turn(self, data: st.DataObject, seed: int) -> None:
         """A session's conversation goes on: a longer prefix of it, committed in the same session
         (so supersede runs, often over a snapshot ``restore_elsewhere`` used from outside)."""
@@ -462,7 +474,7 @@ class StoreStateMachine(RuleBasedStateMachine):
                              parent="auto", namespace=saved.namespace)
         self._record(r, saved.conv, n, seed, session, True, state, saved.namespace)
 
-    @rule(data=st.data(), seed=st.integers(0, 2**16), session=st.sampled_from([None, "s0", "s1"]),
+    @rule(data=st.data(), seed=SEEDS, session=st.sampled_from([None, "s0", "s1"]),
           namespace=st.sampled_from(NAMESPACES), how=st.sampled_from(["commit", "abandon", "async", "error"]))
     def turn(self, data: st.DataObject, seed: int, session: str | None, namespace: str | None, how: str) -> None:
         """``Store.turn``: two captures a delta apart, then committed (the chain, root first), abandoned,
@@ -497,14 +509,14 @@ class StoreStateMachine(RuleBasedStateMachine):
                 "an abandoned turn left pending captures"
         self._sync_pending()
 
-    @rule(data=st.data(), seed=st.integers(0, 2**16), namespace=st.sampled_from(NAMESPACES),
+    @rule(data=st.data(), seed=SEEDS, namespace=st.sampled_from(NAMESPACES),
           session=st.sampled_from([None, "s0"]))
     def save_without_waiting(self, data: st.DataObject, seed: int, namespace: str | None, session: str | None) -> None:
         """``save(wait=False)`` then ``flush()``: the handle's result is what a waiting save returns."""
         assert self.store is not None
         w = self.workload
         conv = data.draw(st.integers(0, w.conversations - 1), label="conv")
-        n = data.draw(st.integers(1, w.max_tokens), label="n")
+        n = self._draw_n(data)
         state = w.state(conv, seed)
         h = self.store.save(w.tokens[conv][:n], state, session=session, namespace=namespace, wait=False)
         assert self.store.flush(timeout=60)
@@ -576,7 +588,7 @@ class StoreStateMachine(RuleBasedStateMachine):
         rate = data.draw(st.sampled_from([None, None, 1.0, 1e12, 2000.0]), label="prefill_tokens_per_s")
         w = self.workload
         conv = data.draw(st.integers(0, w.conversations - 1), label="conv")
-        q = w.tokens[conv][:data.draw(st.integers(1, w.max_tokens), label="n")]
+        q = w.tokens[conv][:self._draw_n(data)]
         live = self._live()
         skip: set[int] = set()
         if exclude and live:
@@ -701,11 +713,13 @@ class StoreStateMachine(RuleBasedStateMachine):
             ro.close()
 
     # -- names -------------------------------------------------------------------------------
-    @rule(data=st.data(), name=st.sampled_from(NAMES), ttl=st.sampled_from([None, None, 1800.0, 9000.0]),
-          unname=st.sampled_from([False, False, True]))
-    def name(self, data: st.DataObject, name: str, ttl: float | None, unname: bool) -> None:
+    @rule(data=st.data())
+    def name(self, data: st.DataObject) -> None:
         """name() a snapshot (maybe with ``ttl_s``), or unname() a name."""
         assert self.store is not None
+        name = data.draw(st.sampled_from(NAMES), label="name")
+        ttl = data.draw(st.sampled_from([None, None, 1800.0, 9000.0]), label="ttl_s")
+        unname = data.draw(st.sampled_from([False, False, True]), label="unname")
         if unname:
             self._unname(name, data.draw(st.sampled_from(NAMESPACES), label="namespace"))
             return
@@ -755,10 +769,12 @@ class StoreStateMachine(RuleBasedStateMachine):
         os.makedirs(os.path.join(self.root, "files"), exist_ok=True)
         return os.path.join(self.root, "files", f"f{len(self.files)}.snapx")
 
-    @rule(data=st.data(), by_name=st.booleans(), again=st.sampled_from([None, "right", None, "right", "skip"]))
-    def export(self, data: st.DataObject, by_name: bool, again: str | None) -> None:
+    @rule(data=st.data())
+    def export(self, data: st.DataObject) -> None:
         """Export a snapshot (by reference or by name); ``again``: import the file back at once, with
         the override key of the identity that computed the state or without one ("skip": not now)."""
+        by_name = data.draw(st.booleans(), label="by name")
+        again = data.draw(st.sampled_from([None, "right", None, "right", "skip"]), label="again")
         assert self.store is not None
         live = self._live()
         now = self.time.now()
@@ -802,12 +818,14 @@ class StoreStateMachine(RuleBasedStateMachine):
             at = live[at].parent_id
         return out[::-1]
 
-    @rule(data=st.data(), seed=st.integers(0, 2**16), namespace=st.sampled_from(NAMESPACES), name=st.booleans(),
-          again=st.sampled_from(["right", "right", None, "wrong", "skip"]))
-    def foreign_export(self, data: st.DataObject, seed: int, namespace: str | None, name: bool,
-                       again: str | None) -> None:
+    @rule(data=st.data())
+    def foreign_export(self, data: st.DataObject) -> None:
         """Another identity (another quant of the same model) saves the same workload and exports it;
         ``again``: import the file here at once (with the right override key, none, or a wrong one)."""
+        seed = data.draw(SEEDS, label="seed")
+        namespace = data.draw(st.sampled_from(NAMESPACES), label="namespace")
+        name = data.draw(st.booleans(), label="name it")
+        again = data.draw(st.sampled_from(["right", "right", None, "wrong", "skip"]), label="again")
         w = self.workload
         if self.foreign is None:
             ident = self.engine.identity
@@ -817,7 +835,7 @@ class StoreStateMachine(RuleBasedStateMachine):
                                       budget=Budget(disk_bytes=1 << 30, reserve_bytes=0, ram_bytes=0),
                                       chunk_bytes=self.engine.chunk_bytes, staging_bytes=self.engine.staging_bytes)
         conv = data.draw(st.integers(0, w.conversations - 1), label="conv")
-        n = data.draw(st.integers(1, w.max_tokens), label="n")
+        n = self._draw_n(data)
         with_draft = data.draw(st.booleans(), label="with draft")
         state = self._state(conv, seed, with_draft)
         r = self.foreign.save(w.tokens[conv][:n], state, namespace=namespace)
