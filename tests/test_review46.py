@@ -172,3 +172,15 @@ def test_a_refused_import_into_a_new_directory_creates_no_store(tmp_path: Any,
     assert main(["--dir", new, "import", marked, "--accept-identity", other.key]) == 0  # then it is created
     with ss.Store.open(new, identity=IDENT, layout=layout) as s:
         assert s.match(TOKENS) is None and [i.imported_from for i in s.snapshots()] == [other.key]
+
+
+@pytest.mark.parametrize("path", [None, 5, b"/tmp/x.snapx"])
+def test_a_path_that_is_not_a_path_is_a_snapstore_error(tmp_path: Any, path: Any) -> None:
+    """export and import_file read their path by the one rule Store.open's follows (a str or an
+    os.PathLike of str): was a raw TypeError from os.fspath / str.endswith."""
+    with _open(tmp_path / "s") as s:
+        r = s.save(TOKENS, {"rec": REC, "kv": KV, "draft": DRAFT})
+        with pytest.raises(ss.ConfigError, match="path must be a str"):
+            s.export(r, path)
+        with pytest.raises(ss.ConfigError, match="path must be a str"):
+            s.import_file(path)

@@ -19,7 +19,7 @@ from snapstore._errors import ConfigError, StoreIOError
 from snapstore.chunks.publish import fsync_dir
 from snapstore.chunks.repo import DB_NAME
 
-__all__ = ["check_destination", "publish_output", "store_holding"]
+__all__ = ["check_destination", "path_arg", "publish_output", "store_holding"]
 
 # a store's own entries (docs/format.md §1): no output takes one of these names, wherever it goes
 _STORE_NAMES = frozenset({DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", DB_NAME + "-journal"})
@@ -38,6 +38,15 @@ def store_holding(folder: str) -> str | None:
         here = up
 
 
+def path_arg(path: object, what: str) -> str:
+    """A caller's file path as a str: a str or an ``os.PathLike`` of str, as ``Store.open``'s path;
+    anything else (None, an int, bytes) is a :class:`ConfigError` naming ``what``, not a TypeError."""
+    p = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(p, str):
+        raise ConfigError(f"{what} path must be a str (or os.PathLike of str), got {path!r:.80}")
+    return p
+
+
 _ASK = "pass overwrite=True (`snapstore export --force`) to replace it"
 
 
@@ -47,7 +56,7 @@ def check_destination(path: str | os.PathLike[str], *, overwrite: bool, store_ro
 
     ``store_root``: the store being read (refused even if its catalog is momentarily absent).
     """
-    dest = os.fspath(path)
+    dest = path_arg(path, what)
     if not dest or dest.endswith(os.sep):
         raise ConfigError(f"{what} path {dest!r} names no file")
     folder = os.path.dirname(os.path.abspath(dest))

@@ -58,6 +58,7 @@ from snapstore.plan.fit import saved_layout_key
 from snapstore.plan.prefix import ContentSegment, content_key_of, content_tag, record_prefixes
 from snapstore.plan.restore_plan import check_plan, parts_fit
 from snapstore.transfer.chunkcheck import BadChunk, ChunkVerify
+from snapstore.transfer.destination import path_arg
 from snapstore.transfer.format import ChunkEntry, ExportHeader, ExportReader
 from snapstore.transfer.policy import identity_decision
 from snapstore.transfer.results import ImportResult
@@ -71,7 +72,7 @@ class _Gone(Exception):
 
 def open_export(path: str | os.PathLike[str]) -> BinaryIO:
     """Open an export file for reading: a regular file, never through a FIFO or device (no blocking)."""
-    p = os.fspath(path)
+    p = path_arg(path, "the export file")
     try:
         fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
@@ -87,7 +88,7 @@ def open_export(path: str | os.PathLike[str]) -> BinaryIO:
 def read_header(path: str | os.PathLike[str]) -> ExportHeader:
     """The checked header of an export file (its frames not read): what the CLI opens a store with.
     A damaged one is refused naming the file, as an import is (issue 46 item 14)."""
-    shown = os.fspath(path)
+    shown = path_arg(path, "the export file")
     with open_export(path) as f, _named_file(shown):
         return ExportReader(f, shown).header
 
@@ -124,7 +125,7 @@ def import_export(repo: Repo, path: str | os.PathLike[str], *, access: Access, l
     repo.refuse_write("import an export file")
     if name is not None:
         check_name(name)
-    shown = os.fspath(path)
+    shown = path_arg(path, "the export file")
     with open_export(path) as f, _named_file(shown):
         reader = ExportReader(f, shown)
         h = reader.header
