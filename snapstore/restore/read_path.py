@@ -126,8 +126,10 @@ def choose(rates: dict[str, float], candidates: Sequence[Candidate] = CANDIDATES
         return best, (f"{gbs(best)} vs {gbs(BUFFERED)}: O_DIRECT reads {rates[best.name] / max(buffered, 1.0):.2f}x "
                       "as fast here; the cost: it leaves nothing in the page cache, so the next restore of the "
                       f"same chunks reads the device again instead of the cache{cost}, unless the RAM tier holds them")
-    return BUFFERED, (f"{gbs(BUFFERED)} vs {gbs(best)}: buffered reads are at least as fast here "
-                      f"(O_DIRECT {rates[best.name] / buffered:.2f}x), and leave the pages cached")
+    x = rates[best.name] / buffered
+    lead = "buffered reads are faster here" if x < 1.0 else f"O_DIRECT is not {DIRECT_EDGE:.2f}x ahead"
+    return BUFFERED, (f"{gbs(BUFFERED)} vs {gbs(best)}: {lead} (O_DIRECT {x:.2f}x), and buffered reads leave "
+                      "the pages cached")
 
 
 def _aligned(n: int) -> memoryview:
