@@ -197,7 +197,8 @@ def test_a_restore_gives_up_when_its_slot_is_taken_meanwhile(models: dict[str, s
             def taken_meanwhile(*a: Any, **kw: Any) -> bytes:
                 slot = next(iter(bridge._reserved))
                 threading.Thread(target=other, args=(slot,), daemon=True).start()
-                for _ in range(400):  # until the server runs the other request in that slot
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:  # until the server runs the other request in that slot
                     if slot not in bridge.server.idle_slots():
                         break
                     time.sleep(0.005)
