@@ -184,3 +184,48 @@ def test_a_path_that_is_not_a_path_is_a_snapstore_error(tmp_path: Any, path: Any
             s.export(r, path)
         with pytest.raises(ss.ConfigError, match="path must be a str"):
             s.import_file(path)
+
+
+def test_export_slot_of_an_override_import_needs_the_override(tmp_path: Any,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Item 1 through another door: a slot file cannot carry the "imported under an override" mark,
+    and import-slot of it stores native state. export-slot of a marked snapshot is refused unless
+    --accept-identity names the identity that computed it; then it says the file is no exact prefix
+    (was: written silently with "exact": true)."""
+    pytest.importorskip("gguf")
+    import json
+
+    import helpers_llamacpp as h
+    from test_llamacpp_draft import BUILD, slot_file
+    from test_llamacpp_draft import TOKENS as SLOT_TOKENS
+
+    from snapstore.cli.main import main
+
+    def run(*argv: str) -> tuple[int, Any]:
+        code = main(list(argv))
+        out = capsys.readouterr()[0]
+        return code, (json.loads(out) if code == 0 and out.startswith("{") else None)
+
+    q4, q8 = h.write_llama(str(tmp_path / "q4.gguf")), h.write_llama(str(tmp_path / "q8.gguf"), seed=7)
+    a_file, b_file = tmp_path / "a.bin", tmp_path / "b.bin"
+    a_file.write_bytes(slot_file(SLOT_TOKENS, seed=9))
+    b_file.write_bytes(slot_file(SLOT_TOKENS, seed=8))
+    a, b = str(tmp_path / "A"), str(tmp_path / "B")
+    code, doc = run("--dir", a, "--json", "import-slot", str(a_file), "--model", q4, "--build", BUILD)
+    assert code == 0
+    assert run("--dir", b, "--json", "import-slot", str(b_file), "--model", q8, "--build", BUILD)[0] == 0
+    code, exp = run("--dir", a, "--json", "export", "--id", str(doc["snapshot_id"]), str(tmp_path / "a.snapx"))
+    assert code == 0
+    code, ins = run("--dir", b, "--json", "inspect")
+    key_b = ins["identities"][0]["key"]
+    code, imp = run("--dir", b, "--json", "import", str(tmp_path / "a.snapx"), "--identity", key_b,
+                    "--accept-identity", exp["identity_key"])
+    assert code == 0 and imp["imported_from"] == exp["identity_key"] and imp["links_added"] == 1
+    out = str(tmp_path / "out.bin")
+    assert main(["--dir", b, "export-slot", str(imp["snapshot_id"]), out]) == 2
+    assert f"--accept-identity {exp['identity_key']}" in capsys.readouterr()[1] and not os.path.exists(out)
+    code, done = run("--dir", b, "--json", "export-slot", str(imp["snapshot_id"]), out,
+                     "--accept-identity", exp["identity_key"])
+    assert code == 0 and done["exact"] is False and open(out, "rb").read() == a_file.read_bytes()
+    code, own = run("--dir", b, "--json", "export-slot", "1", str(tmp_path / "own.bin"))
+    assert code == 0 and own["exact"] is True  # the store's own state: exact, no flag needed

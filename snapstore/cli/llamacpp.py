@@ -96,6 +96,8 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     pe.add_argument("out", metavar="FILE")
     pe.add_argument("--for-model", metavar="OTHER.gguf", help="write it for a server running this other GGUF "
                     "(only when its cache layout agrees exactly; an approximation, never an exact restore)")
+    pe.add_argument("--accept-identity", metavar="KEY", help="write a snapshot imported under an identity "
+                    "override from KEY (the slot file cannot carry that mark: an approximation)")
     pe.add_argument("--cache-type-k", metavar="T", help="with --for-model: the target's -ctk (default f16)")
     pe.add_argument("--cache-type-v", metavar="T", help="with --for-model: the target's -ctv (default f16)")
     pe.add_argument("--no-draft", action="store_true", help="leave out the draft context's state (the SDFT block), "
@@ -214,7 +216,7 @@ def cmd_export_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     from snapstore.check.inspect import FORMAT
     from snapstore.chunks.publish import write_all
     from snapstore.cli.context import UsageError
-    from snapstore.llamacpp._slotstore import export_snapshot
+    from snapstore.llamacpp._slotstore import export_slot
     from snapstore.transfer.destination import check_destination, publish_output
 
     check = None
@@ -226,7 +228,8 @@ def cmd_export_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     # nothing a command does destroys a store (issue 46 item 10): never inside a store, never over a
     # store's own file; a file elsewhere is replaced (as before), by one rename of a fresh temp file
     dest = check_destination(args.out, overwrite=True, store_root=root, what="the slot file")
-    data = export_snapshot(root, args.id, check=check, draft=not (args.no_draft or args.for_model))
+    data, own = export_slot(root, args.id, check=check, draft=not (args.no_draft or args.for_model),
+                                accept_identity=args.accept_identity)
     tmp = os.path.join(os.path.dirname(os.path.abspath(dest)), f".{os.path.basename(dest)}.{secrets.token_hex(6)}.part")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -240,9 +243,12 @@ def cmd_export_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     publish_output(tmp, dest, overwrite=True)
     if ctx.json:
         ctx.emit_json({"format": FORMAT, "command": "export-slot", "snapshot_id": args.id, "file": args.out,
-                       "bytes": len(data), "for_model": args.for_model, "exact": not args.for_model})
+                       "bytes": len(data), "for_model": args.for_model, "exact": own and not args.for_model})
     else:
         ctx.line(f"wrote {args.out} ({len(data)} bytes)")
+    if not own:
+        ctx.note(f"snapstore: {args.out} is snapshot {args.id}, state identity {args.accept_identity} computed "
+                 "(imported under an identity override): a restore is an approximation, not an exact prefix")
     if args.for_model:
         ctx.note(f"snapstore: {args.out} is snapshot {args.id} written for {args.for_model}, whose cache layout "
                  "agrees; its state was computed with the snapshot's weights, so a restore there is an approximation, "

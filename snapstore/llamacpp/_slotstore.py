@@ -29,10 +29,11 @@ from snapstore.llamacpp._slotfile import SlotFile, decode, encode
 from snapstore.llamacpp._slotparts import DRAFT, SlotProto, empty_parts, from_parts, layout_for, to_parts
 from snapstore.llamacpp._slotwindow import fill_from_parent
 from snapstore.plan.recompute import PrefillRate
+from snapstore.transfer.policy import marked_output
 
 log = logging.getLogger("snapstore.llamacpp")
 
-__all__ = ["ImportResult", "SlotStore", "export_snapshot"]
+__all__ = ["ImportResult", "SlotStore", "export_slot", "export_snapshot"]
 
 
 def _identity_extra_of(root: str, sid: int) -> Identity:
@@ -56,14 +57,22 @@ def _identity_extra_of(root: str, sid: int) -> Identity:
 
 
 def export_snapshot(root: str, sid: int, *, check: Callable[[Mapping[str, Any]], object] | None = None,
-                    draft: bool = True) -> bytes:
+                    draft: bool = True, accept_identity: str | None = None) -> bytes:
+    """The slot file of snapshot ``sid`` (:func:`export_slot`, without saying whether it is exact)."""
+    return export_slot(root, sid, check=check, draft=draft, accept_identity=accept_identity)[0]
+
+
+def export_slot(root: str, sid: int, *, check: Callable[[Mapping[str, Any]], object] | None = None,
+                draft: bool = True, accept_identity: str | None = None) -> tuple[bytes, bool]:
     """The slot file of snapshot ``sid`` (any llama.cpp identity in the store), verified on restore;
     ``check`` is called with the snapshot's identity keys first and refuses by raising (the
     ``--for-model`` layout check, ``_formodel``); ``draft``: write the draft context's state
     (``SDFT``) where the snapshot has it (False: a target that does not run that draft). On a
     hybrid model the snapshot's stored prefixes are written back as llama-server's context
     checkpoints (``SCKP``, the deepest ``MAX_WRITTEN``): one restore each, so only here, not on
-    the proxy's restore path, which restores the exact prefix a request needs."""
+    the proxy's restore path, which restores the exact prefix a request needs. Returns the file and
+    whether it is the store's own state: a snapshot imported under an identity override is written
+    only when ``accept_identity`` names the identity that computed it (:func:`marked_output`)."""
     ident = _identity_extra_of(root, sid)
     if ident.extra.get("engine") != "llama.cpp":
         raise IdentityError(f"snapshot {sid} is not a llama.cpp slot (identity {ident.key})")
@@ -71,7 +80,9 @@ def export_snapshot(root: str, sid: int, *, check: Callable[[Mapping[str, Any]],
         check(ident.extra)
     proto = SlotProto.from_extra(ident.extra)
     with Store.open(root, identity=ident, layout=layout_for(proto), drop_stale=False) as store:
-        return _export(store, sid, proto, draft=draft, checkpoints=True)
+        mark = next((i.imported_from for i in store.snapshots() if i.snapshot_id == sid), None)
+        own = marked_output(mark, accept_identity, f"snapshot {sid}", "slot file")
+        return _export(store, sid, proto, draft=draft, checkpoints=True), own
 
 
 def _export(store: Store, ref: SnapshotRef, proto: SlotProto, session: str | None = None, *,

@@ -17,6 +17,10 @@ moved state is marked with the identity it came from (``snapshots.imported_from`
 own: match() and ``parent="auto"`` pass over it, and a snapshot saved over it (``parent=`` naming it)
 inherits the mark.
 
+A slot file (``snapstore export-slot``) cannot carry the mark: a marked snapshot is written as one
+only when ``--accept-identity`` names the identity that computed it, and reported as no exact
+prefix (:func:`marked_output`).
+
 The mark travels with the state (issue 46): a save is never deduplicated onto a marked snapshot
 (a native save is stored as native), and an export of a marked chain carries the mark (the
 header's ``imported_from``), so importing that file anywhere — the exporting identity's store
@@ -29,7 +33,7 @@ from __future__ import annotations
 from snapstore._errors import IdentityError
 from snapstore._identity import Identity
 
-__all__ = ["describe", "identity_decision"]
+__all__ = ["accepted_key", "describe", "identity_decision", "marked_output"]
 
 
 def describe(identity: Identity) -> str:
@@ -37,15 +41,38 @@ def describe(identity: Identity) -> str:
     return f"{identity.key} (build {identity.build!r}, pack {identity.pack!r}, kv {identity.kv!r})"
 
 
+def accepted_key(accept: object, example: str) -> str | None:
+    """The identity key ``accept`` names (``accept_identity`` / ``--accept-identity``): None, or a str,
+    its hex alone naming it too; IdentityError for anything else (``example``: a key to show)."""
+    if accept is not None and not isinstance(accept, str):
+        raise IdentityError(f"accept_identity must be an identity key (a str like {example!r}), got {accept!r}")
+    if accept is not None and not accept.startswith("id-"):
+        accept = "id-" + accept
+    return accept
+
+
+def marked_output(mark: str | None, accept: str | None, where: str, fmt: str) -> bool:
+    """Whether writing snapshot state out as ``fmt`` (a format that cannot carry the override mark:
+    a llama-server slot file) is exact: True for the store's own state; for state marked imported
+    under an override from ``mark`` it is written only when ``accept`` names ``mark`` (then False: an
+    approximation, never exact), else IdentityError — a file without the mark, imported again
+    (import-slot), would be native state of this identity: the mark laundered (issue 46 item 1)."""
+    if mark is None:
+        return True
+    if accepted_key(accept, mark) != mark:
+        raise IdentityError(
+            f"{where} holds state that identity {mark} computed (imported here under an identity override); a "
+            f"{fmt} cannot carry that mark, so imported again it would pass as this identity's own state; "
+            f"nothing written. Pass --accept-identity {mark} to write it anyway, as an approximation")
+    return False
+
+
 def identity_decision(source: Identity, target: Identity, accept: str | None, where: str,
                       mark: str | None = None) -> str | None:
     """None when ``source`` is ``target`` and the file is unmarked (an exact import); the key of the
     identity that computed the state when the caller accepts it by name (``accept`` equals it): the
     file's ``mark`` if it has one, else the source's; IdentityError otherwise, naming both and the override."""
-    if accept is not None and not isinstance(accept, str):
-        raise IdentityError(f"accept_identity must be an identity key (a str like {source.key!r}), got {accept!r}")
-    if accept is not None and not accept.startswith("id-"):
-        accept = "id-" + accept  # the key's hex alone names it too
+    accept = accepted_key(accept, source.key)
     if mark is not None:  # already foreign state where it was exported from: never exact anywhere
         if accept is None:
             raise IdentityError(
