@@ -360,6 +360,31 @@ def test_v2_mamba_pool_beside_kv(tmp_path: Path) -> None:
     b2.close()
 
 
+class FailingPages(HostPages):
+    """A host pool whose pages from ``bad`` on cannot be read (a device error, say)."""
+
+    bad = 2 * PAGE
+
+    def get_data_page(self, index: int, flat: bool = True) -> Any:
+        if index >= self.bad:
+            raise RuntimeError(f"page at {index} unreadable")
+        return super().get_data_page(index, flat)
+
+
+def test_a_store_error_is_a_false_never_raised_into_sglang(tmp_path: Path) -> None:
+    pool = FailingPages(4)
+    fill(pool, 11)
+    b = backend(str(tmp_path), pool)
+    keys = keys_of("f", 4)
+    assert b.batch_set_v1(keys, slots(0, 4), HiCacheStorageExtraInfo(prefix_keys=[])) == [True, True, False, False]
+    assert b.counters["set_errors"] == 1
+    assert b.batch_exists(keys, HiCacheStorageExtraInfo(prefix_keys=[])) == 2
+    b.close()
+    report = subprocess.run([sys.executable, "-m", "snapstore", "--dir", str(tmp_path), "verify"],
+                            capture_output=True, text=True, cwd=HERE.parent.parent)
+    assert report.returncode == 0, report.stdout + report.stderr  # the refused save left nothing behind
+
+
 def test_by_key_calls_and_clear(tmp_path: Path) -> None:
     pool = HostPages(4)
     fill(pool, 8)

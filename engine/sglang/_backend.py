@@ -151,9 +151,18 @@ class SnapstoreHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class 
         return list(prefix)
 
     def _chain_hit(self, store: snapstore.Store, chain: Sequence[str]) -> tuple[snapstore.Match | None, int]:
-        """The longest stored prefix of ``chain``: its match and its length in pages."""
-        m = store.match(chain_tokens(chain))
+        """The longest stored prefix of ``chain``: its match and its length in pages (a store error: none)."""
+        try:
+            m = store.match(chain_tokens(chain))
+        except snapstore.SnapstoreError as e:  # the engine serves on without its L3: a miss, counted
+            self._failed("match", e)
+            return None, 0
         return m, (0 if m is None else m.n_tokens // TOKENS_PER_PAGE)
+
+    def _failed(self, op: str, e: BaseException) -> None:
+        """Count and log a store error met while serving SGLang (it gets a miss or False, never the error)."""
+        self.counters[f"{op}_errors"] += 1
+        log.warning("SnapstoreHiCache: %s failed (%s); SGLang is answered as for a missing page", op, e)
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many of ``keys``, from the first, are stored after ``prefix_keys`` (a gap stops it)."""
@@ -186,8 +195,7 @@ class SnapstoreHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class 
         try:
             store.restore(m, into={"page": writer}, rows_from=base)
         except snapstore.SnapstoreError as e:  # a damaged or vanished page: the pages before it are good
-            self.counters["get_errors"] += 1
-            log.warning("SnapstoreHiCache: a stored page could not be read (%s); served as a miss", e)
+            self._failed("get", e)
         good = 0
         for row in writer.rows_done:  # rows arrive in order; count the leading run
             if row != base + good:
@@ -224,7 +232,11 @@ class SnapstoreHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class 
         for i in range(done, len(keys)):
             row = base + i
             reader = PageReader(pool, lambda r: int(starts[r - base]), row + 1, row_bytes)
-            res = store.save(tokens[:(row + 1) * TOKENS_PER_PAGE], {"page": reader}, parent=parent)
+            try:
+                res = store.save(tokens[:(row + 1) * TOKENS_PER_PAGE], {"page": reader}, parent=parent)
+            except snapstore.SnapstoreError as e:  # the disk, the source: these pages are not stored
+                self._failed("set", e)
+                break
             if not res.ok:
                 self.counters[f"set_skipped_{res.skipped}"] += len(keys) - i
                 break
@@ -246,7 +258,12 @@ class SnapstoreHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class 
 
     # -- one page per key (the legacy calls and the v2 side pools) ------------------------------
     def _has_page(self, store: snapstore.Store, key: str) -> snapstore.Match | None:
-        m = store.match(key_tokens(key))
+        """The snapshot of the page stored under ``key`` alone, or None."""
+        try:
+            m = store.match(key_tokens(key))
+        except snapstore.SnapstoreError as e:
+            self._failed("match", e)
+            return None
         return m if m is not None and m.n_tokens == TOKENS_PER_PAGE else None
 
     def _read_key(self, store: snapstore.Store, key: str, target: torch.Tensor) -> bool:
@@ -261,15 +278,18 @@ class SnapstoreHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class 
         try:
             store.restore(m, into={"page": dest})
         except snapstore.SnapstoreError as e:
-            self.counters["get_errors"] += 1
-            log.warning("SnapstoreHiCache: page %s could not be read (%s); served as a miss", key, e)
+            self._failed("get", e)
             return False
         return True
 
     def _write_key(self, store: snapstore.Store, key: str, value: torch.Tensor) -> bool:
         flat = np.asarray(value.contiguous().view(torch.uint8).numpy())
         part: Any = flat.reshape(1, -1) if store.layout.rows else flat
-        res = store.save(key_tokens(key), {"page": part}, parent=None)
+        try:
+            res = store.save(key_tokens(key), {"page": part}, parent=None)
+        except snapstore.SnapstoreError as e:
+            self._failed("set", e)
+            return False
         if not res.ok:
             self.counters[f"set_skipped_{res.skipped}"] += 1
         return bool(res.ok)
