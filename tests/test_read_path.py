@@ -344,3 +344,28 @@ def test_a_store_without_a_ram_tier_reads_buffered_whatever_was_measured(cold_fs
         assert all(np.array_equal(out[k], state[k]) for k in state) and _cached(big)
     with _open(cold_fs, budget=ss.Budget(reserve_bytes=0, ram_bytes=0), direct_reads=True) as s:
         assert s._reads.on  # forced: as asked
+
+
+def test_the_probe_never_takes_the_room_a_save_needs(cold_fs: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With less free space than twice the probe file plus a margin, nothing is written: the explicit
+    measurement says why (ENOSPC), the background one after a large cold restore keeps nothing."""
+    state = _state(11)
+    with _open(cold_fs) as s:
+        r = s.save(list(range(N)), state)
+        real = os.statvfs
+
+        class Full:
+            def __init__(self, st: Any) -> None:
+                self.f_bavail, self.f_frsize = 1000, st.f_frsize
+
+        monkeypatch.setattr(os, "statvfs", lambda p: Full(real(p)) if str(p).endswith("tmp") else real(p))
+        with pytest.raises(ss.StoreIOError, match="free") as e:
+            s._reads.measure_now(s._repo)
+        assert e.value.errno == 28
+        _cool(cold_fs)
+        out = _empty()
+        s.restore(r, out)
+        _wait_probe(s)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+        assert s._reads.row is None and os.listdir(os.path.join(cold_fs, "tmp")) == []
+    assert _rows(cold_fs) == []

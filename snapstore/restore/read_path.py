@@ -29,6 +29,7 @@ forces a method and measures nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import statistics
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snapstore._errors import SnapstoreError, StateError
+from snapstore._errors import SnapstoreError, StateError, StoreIOError
 from snapstore._forks import track
 from snapstore.catalog.rates import ReadPathRow
 from snapstore.chunks.direct_io import ALIGN, O_DIRECT, DirectReads
@@ -60,6 +61,7 @@ DRIFT = 2.0  # cold restores this many times faster or slower than at the choice
 # so the next restore of the same chunks reads memory (issue 12 measured it 1.9-2.5x slower after a direct read)
 DIRECT_EDGE = 1.25
 _RETRY_S = 600.0  # one process measures at most this often (a failed or stopped probe included)
+_FREE_MARGIN = 1 << 30  # free space the probe leaves untouched beyond twice its file (a save's room)
 _BUF = 16 << 20  # the probe's read buffer (reused: memory stays bounded), one staging slot's worth
 _BUFFERED_PIECE = 4 << 20  # a buffered read's request, as the restore's buffered path (restore.stream)
 _BUFFERED_LANES = 2  # files read at once by the buffered path (restore.stream's reader lanes)
@@ -213,6 +215,14 @@ def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
     OSError (a full disk, a read-only file system) reaches the caller; a method the file system
     refuses (EINVAL) counts 0."""
     size = max(ALIGN, size // ALIGN * ALIGN)
+    try:
+        vfs = os.statvfs(tmp_dir)
+        free = vfs.f_bavail * vfs.f_frsize
+    except OSError:
+        free = -1
+    if 0 <= free < 2 * size + _FREE_MARGIN:  # the probe never takes the room a save needs
+        raise StoreIOError(errno.ENOSPC, f"{free >> 20} MiB free under {tmp_dir}: the read-path probe needs "
+                           f"{(2 * size + _FREE_MARGIN) >> 20} MiB free; measured another time")
     fd, path = create_temp(tmp_dir)
     try:
         block = np.random.default_rng().integers(0, 256, size=min(size, 4 << 20), dtype=np.uint8)
