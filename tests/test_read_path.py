@@ -369,3 +369,23 @@ def test_the_probe_never_takes_the_room_a_save_needs(cold_fs: str, monkeypatch: 
         assert all(np.array_equal(out[k], state[k]) for k in state)
         assert s._reads.row is None and os.listdir(os.path.join(cold_fs, "tmp")) == []
     assert _rows(cold_fs) == []
+
+
+@pytest.mark.parametrize("probe", ["cachestat", "mincore"])
+def test_the_probe_drops_its_pages_with_either_residency_probe(cold_fs: str, monkeypatch: pytest.MonkeyPatch,
+                                                              probe: str) -> None:
+    """measure() checks that its file's pages really left before each read, with cachestat or with the
+    mincore fallback (which maps the file: it needs a readable descriptor), and says so (``dropped``)."""
+    from snapstore.chunks import residency
+
+    lib = residency._libc()
+    if lib is None:
+        pytest.skip("no libc probe on this platform")
+    if probe == "cachestat" and residency.probe_kind() != "cachestat":
+        pytest.skip("this kernel has no cachestat(2)")
+    monkeypatch.setattr(lib, "cachestat", probe == "cachestat")
+    tmp = os.path.dirname(cold_fs)
+    got = rp.measure(tmp, size=2 * MIB, rounds=1)
+    assert got.dropped and "could not be dropped" not in got.reason
+    assert all(v > 0 for v in got.rates.values())
+    assert lib.cachestat == (probe == "cachestat")

@@ -224,6 +224,7 @@ def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
         raise StoreIOError(errno.ENOSPC, f"{free >> 20} MiB free under {tmp_dir}: the read-path probe needs "
                            f"{(2 * size + _FREE_MARGIN) >> 20} MiB free; measured another time")
     fd, path = create_temp(tmp_dir)
+    rfd = -1
     try:
         block = np.random.default_rng().integers(0, 256, size=min(size, 4 << 20), dtype=np.uint8)
         done = 0
@@ -234,7 +235,8 @@ def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
         os.fsync(fd)  # clean pages: DONTNEED drops them
         buf = _aligned(_BUF)
         times: dict[str, list[float]] = {c.name: [] for c in candidates}
-        refused: set[str] = set()
+        refused: set[str] = {c.name for c in candidates if c.method == "direct"} if O_DIRECT == 0 else set()
+        rfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # the residency probe maps the file: a readable descriptor
         dropped = True
         for r in range(rounds):
             order = list(candidates[r % len(candidates):]) + list(candidates[:r % len(candidates)])
@@ -243,7 +245,7 @@ def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
                     continue
                 if stop is not None and stop():
                     raise _Stopped("the read-path probe was stopped (the store is closing)")
-                dropped &= _drop(fd, size)
+                dropped &= _drop(rfd, size)
                 t0 = time.perf_counter()
                 try:
                     if cand.method == "buffered":
@@ -260,8 +262,6 @@ def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
                     t0 = time.perf_counter()
                     _read_buffered(path, size, buf)
                     times.setdefault(CACHED, []).append(time.perf_counter() - t0)
-            if O_DIRECT == 0:
-                refused.update(c.name for c in candidates if c.method == "direct")
         rates = {name: (size / statistics.median(ts) if ts and name not in refused else 0.0)
                  for name, ts in times.items()}
         chosen, reason = choose(rates, candidates)
@@ -270,6 +270,8 @@ def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
         return Measured(rates, chosen, reason, dropped)
     finally:
         os.close(fd)
+        if rfd >= 0:
+            os.close(rfd)
         with contextlib.suppress(OSError):
             os.unlink(path)
 
