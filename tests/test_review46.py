@@ -229,3 +229,39 @@ def test_export_slot_of_an_override_import_needs_the_override(tmp_path: Any,
     assert code == 0 and done["exact"] is False and open(out, "rb").read() == a_file.read_bytes()
     code, own = run("--dir", b, "--json", "export-slot", "1", str(tmp_path / "own.bin"))
     assert code == 0 and own["exact"] is True  # the store's own state: exact, no flag needed
+
+
+def test_rows_past_a_lag_saved_before_the_layout_declared_it_are_never_served(tmp_path: Any) -> None:
+    """Item 4 across an engine upgrade: snapshots saved before the layout said ``Rows(lag=1)`` hold a
+    stale last draft row (the engine stored n rows where n-1 were valid). Under the lagging layout
+    they restore only the rows their tokens give (was: all of them, the stale row served as exact),
+    and a new save never deltas over one (was: a child restoring 199 draft rows, row 99 stale)."""
+    plain = ss.Layout(fixed=LAG.fixed, rows={"kv": LAG.rows["kv"], "draft": ss.Rows("uint8", (64,), component="draft")})
+    stale = np.concatenate([DRAFT[:99], np.zeros((1, 64), np.uint8)])  # the old engine's row 99: never computed
+
+    def dest(n: int) -> dict[str, np.ndarray]:
+        return {"rec": np.zeros((4, 8), np.float32), "kv": np.zeros((n, 64), np.uint8),
+                "draft": np.full((n, 64), 7, np.uint8)}
+
+    with _open(tmp_path / "s", plain) as s:
+        old = s.save(TOKENS[:100], {"rec": REC, "kv": KV[:100], "draft": stale})
+        s.save(TOKENS[100:200], {"rec": REC, "kv": KV[:100], "draft": stale})  # a root of another prompt
+        chain = s.save(TOKENS[100:200] + TOKENS[:50], {"rec": REC, "kv": KV[:150],
+                                                       "draft": np.concatenate([stale, DRAFT[100:150]])})
+        assert chain.parent_id is not None
+    with _open(tmp_path / "s") as s:  # the engine now declares the lag
+        assert s.lookup(TOKENS[:100]).rows == {"kv": 100, "draft": 99}
+        out = dest(100)
+        assert s.restore(old, out).rows == {"kv": 100, "draft": 99}
+        assert out["draft"][:99].tobytes() == DRAFT[:99].tobytes() and (out["draft"][99] == 7).all()
+        out = dest(150)  # the stale row inside a chain: nothing from it on is served
+        assert s.restore(chain, out).rows == {"kv": 150, "draft": 99} and (out["draft"][99:] == 7).all()
+        child = s.save(TOKENS[:200], {"rec": REC, "kv": np.concatenate([KV[:100], KV[:100]]),
+                                      "draft": np.concatenate([DRAFT[:99], DRAFT[:100]])})
+        assert child.parent_id is None  # not a delta over the stale row
+        with pytest.raises(ss.LayoutError, match="lag"):
+            s.save(TOKENS[:200], {"rec": REC, "kv": np.concatenate([KV[:100], KV[:100]]),
+                                  "draft": np.concatenate([DRAFT[:99], DRAFT[:100]])}, parent=old)
+        out = dest(200)
+        assert s.restore(child, out).rows == {"kv": 200, "draft": 199}
+        assert out["draft"][:199].tobytes() == np.concatenate([DRAFT[:99], DRAFT[:100]]).tobytes()

@@ -263,11 +263,20 @@ def check_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, co
                     f"for {p.row_end - p.row_start} rows", snapshot_id=sid)
             rows = p.row_end
             segments.append((link.id, p))
+        clip = rows_to is not None
         if rows_to is not None:
             if rows < rows_to:
                 raise SnapshotUnavailableError(f"snapshot {sid} part {name!r} holds {rows} rows, the match "
                                                f"needs {rows_to}; nothing was written", snapshot_id=sid)
             rows = rows_to
+        elif spec.lag:
+            # a link that stored rows past the ones its tokens give a lagging stream (saved before the
+            # layout declared the lag) holds a stale row there, which cannot be told from data: rows
+            # from the first such point on are never served (issue 46 item 4)
+            valid = min([layout.valid_rows(name, link.n_tokens) for link, p in zip(chain, present)
+                         if p is not None and p.row_end > layout.valid_rows(name, link.n_tokens)], default=rows)
+            if valid < rows:
+                rows, clip = valid, True
         rows_of[name] = rows
         held_rows = min(max(0, rows_from - spec.lag), rows)  # rows_from counts rows in step with the tokens
         part_bytes[name] = (rows - held_rows) * spec.row_bytes
@@ -280,6 +289,6 @@ def check_plan(c: PlanSource, sid: int, chain: list[SnapRow], layout: Layout, co
                     reads.append((off, ch, max(0, keep - off)))
                     read.append(ch)
                 off += ch.raw_len
-        parts.append(PartReads(name, spec, rows, rows_to is not None, tuple(reads)))
+        parts.append(PartReads(name, spec, rows, clip, tuple(reads)))
     return CheckedPlan(sid, n_tokens, tuple(s.id for s in chain), rows_of, frozenset(missing), part_bytes, held,
                        tuple(parts), tuple(read))

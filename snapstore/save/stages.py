@@ -165,6 +165,8 @@ class Saver:
                 if q is None or q.row_end > r or q.dtype != self.layout.rows[name].dtype or \
                         tuple(q.shape) != self.layout.rows[name].row_shape or not granularity_fits(q, self.layout):
                     return None
+                if q.row_end > self.layout.valid_rows(name, p.n_tokens):
+                    return None  # rows past its lag (saved before the layout declared it): no base for a delta
                 out[name] = q.row_end
             return out
 
@@ -196,8 +198,9 @@ class Saver:
             raise InvalidInputError(f"parent {sid} is not a prefix of these tokens")
         pr = parent_rows(snap)
         if pr is None:
-            raise LayoutError(f"parent {sid} lacks a row stream being saved, has more rows than this save, or holds "
-                              "rows of another dtype, row shape or tokens_per_row")
+            raise LayoutError(f"parent {sid} lacks a row stream being saved, has more rows than this save (or than "
+                              "its own tokens less the stream's Rows(lag=)), or holds rows of another dtype, row "
+                              "shape or tokens_per_row")
         return snap, pr
 
     def rows_vouched(self, t: Txn, parent: SnapRow, prows: dict[str, int], sources: dict[str, Source]) -> bool:
