@@ -160,6 +160,15 @@ def test_without_prefix_keys_each_call_is_a_chain_of_its_own(tmp_path: Path, cap
     b.close()
 
 
+def test_without_sglang_the_error_says_what_to_install(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['sglang'] = None\n"  # sglang not importable in this child
+            "import snapstore\n"
+            "try:\n    from snapstore.engine.sglang import SnapstoreHiCache\n"
+            "except snapstore.ConfigError as e:\n    assert isinstance(e, ImportError); print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE.parent.parent)
+    assert out.returncode == 0 and "pip install 'snapstore[sglang]'" in out.stdout, out.stdout + out.stderr
+
+
 def _writer(path: str, seed: int, n: int, tp_rank: int = 0, tp_size: int = 1) -> dict[str, Any]:
     """Write a chain of ``n`` pages (in two batches, the second after its prefix) and report page hashes."""
     pool = HostPages(n)

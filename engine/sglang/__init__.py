@@ -9,6 +9,7 @@ imported when its name is first asked for; the key mapping (``_keys``) works wit
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = ["SnapstoreHiCache"]
@@ -16,7 +17,7 @@ __all__ = ["SnapstoreHiCache"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from . import _backend  # imports sglang: only when the backend itself is wanted
-
-        return getattr(_backend, name)
+        importlib.import_module(f"{__name__}._deps")  # sglang missing: SglangMissingError says what to install
+        backend = importlib.import_module(f"{__name__}._backend")  # imports sglang: only when it is wanted
+        return getattr(backend, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
