@@ -265,3 +265,20 @@ def test_rows_past_a_lag_saved_before_the_layout_declared_it_are_never_served(tm
         out = dest(200)
         assert s.restore(child, out).rows == {"kv": 200, "draft": 199}
         assert out["draft"][:199].tobytes() == np.concatenate([DRAFT[:99], DRAFT[:100]]).tobytes()
+
+
+@pytest.mark.parametrize("axes", [(0.5, 1), ("a", 1), 5, None])
+def test_the_torch_pool_reads_axes_and_block_tables_by_the_numpy_pools_rule(axes: Any) -> None:
+    """Item 13's one numeric check, for the torch adapter's TorchPagedRows too: it took axes=(0.5, 1)
+    as (0, 1) and raised ValueError / TypeError for ('a', 1), 5, None or a block table of None."""
+    torch = pytest.importorskip("torch")
+    from snapstore.engine import TorchPagedRows
+
+    pool = torch.zeros((4, 16, 8))
+    with pytest.raises(ss.InvalidInputError, match="axes"):
+        TorchPagedRows(pool, [0, 1], axes=axes)
+    with pytest.raises(ss.InvalidInputError, match="axes"):
+        ss.PagedRows(np.zeros((4, 16, 8), np.float32), [0, 1], axes=axes)
+    with pytest.raises(ss.InvalidInputError, match="block_table"):
+        TorchPagedRows(pool, None)  # type: ignore[arg-type]
+    assert TorchPagedRows(pool, [0, 1], axes=(-3, -2)).axes == (0, 1)

@@ -22,11 +22,17 @@ from snapstore._errors import InvalidInputError
 from snapstore._numbers import integer
 from snapstore.parts.rowspan import RowSpan, row_span
 
-__all__ = ["PagedRows", "fitting_axes"]
+__all__ = ["PagedRows", "block_indices", "fitting_axes", "pool_axes"]
 
 
-def _axes(ndim: int, axes: Sequence[int]) -> tuple[int, int]:
-    """Normalise ``(block_axis, token_axis)`` for a pool of ``ndim`` dimensions."""
+def pool_axes(ndim: int, axes: object) -> tuple[int, int]:
+    """Normalise ``(block_axis, token_axis)`` for a pool of ``ndim`` dimensions: the one reading of a
+    paged pool's ``axes`` (numpy :class:`PagedRows` and the torch adapter's), InvalidInputError
+    for anything but two different integer axes of the pool."""
+    try:
+        axes = tuple(axes)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidInputError(f"axes must be (block_axis, token_axis), got {axes!r}") from None
     if len(axes) != 2:
         raise InvalidInputError(f"axes must be (block_axis, token_axis), got {axes!r}")
     out = []
@@ -38,6 +44,18 @@ def _axes(ndim: int, axes: Sequence[int]) -> tuple[int, int]:
     if out[0] == out[1]:
         raise InvalidInputError(f"axes {tuple(axes)!r}: the block axis and the token axis must differ")
     return out[0], out[1]
+
+
+def block_indices(block_table: object) -> np.ndarray:
+    """A block table (not a torch tensor) as a 1-D int64 array: the one reading of it for numpy
+    :class:`PagedRows` and the torch adapter; InvalidInputError for anything else."""
+    try:
+        table = np.asarray(block_table)
+    except (TypeError, ValueError):  # a ragged or odd sequence
+        table = np.asarray(None)
+    if table.ndim != 1 or (table.size and table.dtype.kind not in "iu"):
+        raise InvalidInputError(f"block_table must be a 1-D sequence of block indices, got {block_table!r:.80}")
+    return table.astype(np.int64, copy=False)
 
 
 def fitting_axes(pool_shape: Sequence[int], row_shape: Sequence[int]) -> list[tuple[int, int]]:
@@ -77,15 +95,12 @@ class PagedRows:
         if not isinstance(pool, np.ndarray):
             raise InvalidInputError(f"pool must be a numpy array, got {type(pool).__name__} "
                                     "(torch tensors: snapstore.engine.TorchPagedRows)")
-        b_ax, t_ax = _axes(pool.ndim, axes)
+        b_ax, t_ax = pool_axes(pool.ndim, axes)
         self.axes = (b_ax, t_ax)
         self.pool_shape = tuple(int(d) for d in pool.shape)
         # (block, slot, *row): a view, never a copy, so writes land in the engine's pool
         self._pool = np.moveaxis(pool, (b_ax, t_ax), (0, 1))
-        table = np.asarray(block_table)
-        if table.ndim != 1 or (table.size and table.dtype.kind not in "iu"):
-            raise InvalidInputError("block_table must be a 1-D sequence of block indices")
-        table = table.astype(np.int64, copy=False)
+        table = block_indices(block_table)
         n_blocks = self._pool.shape[0]
         if table.size and (int(table.min()) < 0 or int(table.max()) >= n_blocks):
             raise InvalidInputError(f"block_table names a block outside the pool's {n_blocks} blocks")
