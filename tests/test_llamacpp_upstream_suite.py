@@ -79,7 +79,8 @@ def _run(work: Path, mode: str, slots_on: bool) -> dict[str, str]:
     _setup(work, slots_on, env)
     subprocess.run(["bash", str(RUNNER / "run.sh"), mode], env=env, check=True, timeout=1500, capture_output=True)
     xml = work / "logs" / f"junit-{mode}-{tag}.xml"
-    assert xml.is_file(), f"mode {mode} wrote no results ({xml})"
+    assert xml.is_file(), (f"mode {mode} wrote no results ({xml}): cut short after {env['RUN_TIMEOUT']} s (a loaded "
+                           "machine: raise SNAPSTORE_LLT_TIMEOUT) or the runner failed (its log is beside it)")
     return _outcomes(xml)
 
 
