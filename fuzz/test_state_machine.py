@@ -42,7 +42,9 @@ class AccountedMachine(StoreStateMachine):
                                                 ).fetchone() or (0,))[0] == stats.stored_bytes
         for cid, size, refs in rows:
             assert refs > 0
-            assert os.path.getsize(repo.blob_path(cid)) == size
+            path = repo.blob_path(cid)
+            assert os.path.exists(path), f"chunk file {path} of a chunk row is missing"
+            assert os.path.getsize(path) == size
         infos = self.store.snapshots()
         # an import under an override is counted (it takes budget) though match() never serves it
         assert stats.logical_bytes == sum(x.logical_bytes for x in infos if x.matchable or x.imported_from)
