@@ -96,7 +96,8 @@ def kv_rows(h: np.ndarray) -> np.ndarray:
     """The K/V rows of a prefix whose hashes are ``h`` (float16 (n, 2, 64), finite)."""
     with np.errstate(over="ignore"):
         x = _mix(h[:, None] ^ (np.arange(128, dtype=np.uint64)[None, :] * _M))
-    return (((x >> np.uint64(40)) % np.uint64(2001)).astype(np.float32) / 1000 - 1).astype(np.float16).reshape(-1, 2, 64)
+    vals = ((x >> np.uint64(40)) % np.uint64(2001)).astype(np.float32) / 1000 - 1
+    return vals.astype(np.float16).reshape(-1, 2, 64)
 
 
 def fixed_state(h_last: int, n: int) -> np.ndarray:
@@ -113,7 +114,8 @@ _LOCK = threading.Lock()
 
 def _tally(method: str, key: str, nbytes: int, n: int = 1) -> None:
     name = threading.current_thread().name
-    op = "upload" if name.startswith("snapstore-upload") else "import" if name.startswith("snapstore-import") else _OP[0]
+    op = ("upload" if name.startswith("snapstore-upload") else "import" if name.startswith("snapstore-import")
+          else _OP[0])
     kind = key.split("/")[1] if key.count("/") >= 1 else "?"  # c chunk, m manifest, u use, l lease
     with _LOCK:
         c = _COUNTS.setdefault(op, {}).setdefault(f"{method} {kind}", [0, 0])
