@@ -400,9 +400,14 @@ class ReadPaths(DirectReads):
         got = measure(repo.tmp, PROBE_BYTES if size is None else size, PROBE_ROUNDS if rounds is None else rounds,
                       stop=lambda: self._stop)
         key = self.key or storage_key(repo.root)
+        # the cold rate drift is judged against: the store's, scaled from the method it was measured with
+        # to the one chosen (switching methods is no drift)
+        was = Candidate("direct", self.threads, self.piece).name if self.on else BUFFERED.name
+        now, before = got.rates.get(got.chosen.name, 0.0), got.rates.get(was, 0.0)
+        cold = float(self._cold_rate()) * (now / before if now > 0.0 and before > 0.0 else 1.0)
         row = ReadPathRow(key, got.chosen.method, got.chosen.threads, got.chosen.piece,
                           json.dumps({k: round(v) for k, v in got.rates.items()}, sort_keys=True), got.reason,
-                          float(self._cold_rate()), time.time())
+                          cold, time.time())
         repo.write(lambda t: t.set_read_path(row), durable=False)
         self.key = key
         self.apply(row)
