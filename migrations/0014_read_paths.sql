@@ -5,7 +5,8 @@
 -- again), method ('buffered': reads through the page cache with its read-ahead; 'direct': O_DIRECT
 -- reads, `threads` in flight of `piece` bytes each), figures (JSON: each method tried -> its median
 -- bytes per second), reason (one line: why this method), cold_rate (the store's measured cold
--- restore rate, bytes per second, when the choice was made; 0: none yet), measured (Unix seconds).
+-- restore rate when the choice was made, bytes per second, scaled from the method its restores used to
+-- the one chosen: what drift is judged against; 0: none yet), measured (Unix seconds).
 -- Written by whichever process measured last (last writer wins); a reader ignores a method it does not know.
 CREATE TABLE read_paths (
     storage TEXT PRIMARY KEY,
