@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("sglang")
+sglang = pytest.importorskip("sglang")
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -328,6 +328,12 @@ def test_two_tp_ranks_share_one_directory(tmp_path: Path) -> None:
     report = subprocess.run([sys.executable, "-m", "snapstore", "--dir", str(tmp_path), "verify", "--deep"],
                             capture_output=True, text=True, cwd=HERE.parent.parent)
     assert report.returncode == 0, report.stdout + report.stderr
+    shown = subprocess.run([sys.executable, "-m", "snapstore", "--dir", str(tmp_path), "inspect", "--json"],
+                           capture_output=True, text=True, cwd=HERE.parent.parent)
+    idents = [i["fields"] for i in json.loads(shown.stdout)["identities"]]
+    assert sorted(i["extra"]["tp"] for i in idents if i["extra"]["engine"] == "sglang") == ["0/2", "1/2"]
+    assert {i["kv"] for i in idents} == {"bfloat16"}
+    assert {i["build"] for i in idents} == {f"sglang-{sglang.__version__}"}
 
 
 def test_v2_mamba_pool_beside_kv(tmp_path: Path) -> None:
