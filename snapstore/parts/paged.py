@@ -14,7 +14,7 @@ whole rows are moved block by block with slice copies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -29,20 +29,17 @@ def pool_axes(ndim: int, axes: object) -> tuple[int, int]:
     """Normalise ``(block_axis, token_axis)`` for a pool of ``ndim`` dimensions: the one reading of a
     paged pool's ``axes`` (numpy :class:`PagedRows` and the torch adapter's), InvalidInputError
     for anything but two different integer axes of the pool."""
-    try:
-        axes = tuple(axes)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidInputError(f"axes must be (block_axis, token_axis), got {axes!r}") from None
-    if len(axes) != 2:
+    pair = tuple(axes) if isinstance(axes, Iterable) else ()
+    if len(pair) != 2:
         raise InvalidInputError(f"axes must be (block_axis, token_axis), got {axes!r}")
     out = []
-    for a in axes:
-        k = integer(a, f"axes {tuple(axes)!r}: each axis")
+    for a in pair:
+        k = integer(a, f"axes {pair!r}: each axis")
         if not -ndim <= k < ndim:
-            raise InvalidInputError(f"axes {tuple(axes)!r} do not fit a pool of {ndim} dimensions")
+            raise InvalidInputError(f"axes {pair!r} do not fit a pool of {ndim} dimensions")
         out.append(k % ndim)
     if out[0] == out[1]:
-        raise InvalidInputError(f"axes {tuple(axes)!r}: the block axis and the token axis must differ")
+        raise InvalidInputError(f"axes {pair!r}: the block axis and the token axis must differ")
     return out[0], out[1]
 
 
