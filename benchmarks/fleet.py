@@ -600,6 +600,10 @@ class Fleet:
             "verify_problems": problems + mid,
             "verify_final": {k: v[k] for k in ("manifests", "chunks", "chunk_bytes", "orphan_chunks", "live_leases")},
             "verify_midrun_runs": len(self.verify_midrun),
+            "verify_findings": [{"when": when, **{k: x[k][:5] for k in ("damaged_manifests", "missing_chunks",
+                                                                          "corrupt_chunks")}}
+                                for when, x in [*(("mid-run", y) for y in self.verify_midrun), ("final", v)]
+                                if x["damaged_manifests"] or x["missing_chunks"] or x["corrupt_chunks"]],
             "gc_runs": len(self.gc_runs) + 1,
             "gc_removed_chunks": sum(x["chunks_removed"] for x in self.gc_runs) + g["chunks_removed"],
             "gc_removed_leases": sum(x["leases_removed"] for x in self.gc_runs) + g["leases_removed"],

@@ -87,19 +87,14 @@ def _scan(client: S3Client, *, with_manifests: bool = True) -> _Scan:
         if len(scope) != 64 or parse_name(name) is None:
             other.append(info.key)
             continue
-        m: Manifest | None = None
-        why = ""
-        if with_manifests:
-            data = client.get(info.key, 256 << 20)
-            if data is None:
-                continue  # removed meanwhile
-            try:
-                m = decode(data)
-            except CorruptionError as e:
-                why = str(e)
-            if m is not None and (m.name != name or scope_key(m.identity_key, m.namespace).hex() != scope):
-                m, why = None, "its body names another key or scope than the one it is stored at"
-        manifests[(scope, name)] = (m, info, why)
+        if not with_manifests:
+            manifests[(scope, name)] = (None, info, "")
+            continue
+        got = _read_manifest(client, info, scope, name)
+        if got is not None:  # else removed meanwhile
+            manifests[(scope, name)] = got
+    if with_manifests:
+        _late_parents(client, manifests)
     uses = {}
     for info in client.list(_USE):
         scope, _, name = info.key[len(_USE):].partition("/")
@@ -109,6 +104,46 @@ def _scan(client: S3Client, *, with_manifests: bool = True) -> _Scan:
         scope, _, cid = info.key[len(_CHK):].partition("/")
         chunks[(scope, cid)] = info
     return _Scan(now, manifests, chunks, uses, leases, other)
+
+
+def _read_manifest(client: S3Client, info: ObjectInfo, scope: str,
+                   name: str) -> tuple[Manifest | None, ObjectInfo, str] | None:
+    """(manifest or None, info, why it does not parse) of one listed manifest; None if it is gone."""
+    data = client.get(info.key, 256 << 20)
+    if data is None:
+        return None
+    m: Manifest | None = None
+    why = ""
+    try:
+        m = decode(data)
+    except CorruptionError as e:
+        why = str(e)
+    if m is not None and (m.name != name or scope_key(m.identity_key, m.namespace).hex() != scope):
+        m, why = None, "its body names another key or scope than the one it is stored at"
+    return m, info, why
+
+
+def _late_parents(client: S3Client, manifests: dict[tuple[str, str], tuple[Manifest | None, ObjectInfo, str]]) -> None:
+    """Add the parents a listing missed though they exist. A LIST is not a snapshot: its pages are
+    read one after another (here between GETs of the manifests), so a parent published meanwhile
+    whose key sorts into a page already read is absent while its child, published after it, is
+    listed; such a healthy chain must not be reported (or, with ``--repair``, removed) as damaged.
+    Only parents the listing lacks are read (a HEAD each): the scan stays one listing."""
+    todo = sorted({(scope, m.parent) for (scope, _n), (m, _i, _w) in manifests.items()
+                   if m is not None and m.parent is not None and (scope, m.parent) not in manifests})
+    while todo:
+        scope, name = todo.pop()
+        if (scope, name) in manifests:
+            continue
+        info = client.head(manifest_key(scope, name))
+        got = None if info is None else _read_manifest(client, ObjectInfo(manifest_key(scope, name), info.size,
+                                                                          info.modified), scope, name)
+        if got is None:
+            continue  # really missing: _damage reports the child
+        manifests[(scope, name)] = got
+        m = got[0]
+        if m is not None and m.parent is not None and (scope, m.parent) not in manifests:
+            todo.append((scope, m.parent))
 
 
 def _damage(s: _Scan) -> tuple[dict[tuple[str, str], str], dict[tuple[str, str], list[str]]]:
