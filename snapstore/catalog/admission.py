@@ -19,10 +19,11 @@ __all__ = ["LIVE_NAME_SQL", "TTL_FRESH_SQL", "AdmissionQueries"]
 # snapshot's own leading rows: a block-granular prefix of the named snapshot is served through it),
 # is never expired by the store's TTL, in any query (match, lookup, expiry, gc). ``{sid}``: the column
 # holding the snapshot's id; binds one parameter, now (a name whose ttl ran out pins nothing). The
-# walk goes up from the live names (few, and chains short), never down a subtree.
-LIVE_NAME_SQL = ("EXISTS (WITH RECURSIVE kept(x) AS (SELECT snapshot_id FROM names "
+# walk goes up from the live names, never down a subtree, in an uncorrelated IN subquery: SQLite
+# builds that set once per statement, however many rows it tests.
+LIVE_NAME_SQL = ("{sid} IN (WITH RECURSIVE kept(x) AS (SELECT snapshot_id FROM names "
                  "WHERE expires IS NULL OR expires > ? UNION SELECT p.parent_id FROM snapshots p "
-                 "JOIN kept ON p.id = kept.x WHERE p.parent_id IS NOT NULL) SELECT 1 FROM kept WHERE kept.x = {sid})")
+                 "JOIN kept ON p.id = kept.x WHERE p.parent_id IS NOT NULL) SELECT x FROM kept)")
 # A snapshot the TTL still serves: used at or after the cutoff, or named. Binds (cutoff, now); with no
 # TTL the cutoff is 0 and the first test decides (the name is not looked up).
 TTL_FRESH_SQL = "({last_used} >= ? OR " + LIVE_NAME_SQL + ")"
@@ -104,7 +105,7 @@ class AdmissionQueries:
         if last_used >= not_before:
             return True
         sql = "SELECT " + LIVE_NAME_SQL.format(sid="?")
-        row = self._c.execute(sql, (time.time(), sid)).fetchone()
+        row = self._c.execute(sql, (sid, time.time())).fetchone()
         return bool(row and row[0])
 
     def all_names(self) -> list[tuple[int, str, str, int, float, float | None]]:
