@@ -4,8 +4,10 @@ The backend is built by SGLang's own ``StorageBackendFactory`` from the document
 driven through SGLang's storage interface (``HiCacheStorageConfig``, ``HiCacheStorageExtraInfo``,
 ``PoolTransfer``, ``PoolHitPolicy``). SGLang's host pool classes need torchvision to import (via
 ``sglang.srt.configs``) and there is no torchvision build for the CPU torch these machines carry,
-so the host pools here are ``HostPages``: the page calls of SGLang's ``MHATokenToKVPoolHost``
-(layer_first / page_first) and a Mamba-style state pool, copied line for line from sglang 0.5.23.
+so the host pools here are ``HostPages``: our own implementation of the page-call contract the
+backend relies on (``get_data_page``, ``get_dummy_flat_data_page``, ``set_from_flat_data_page`` over a
+``layer_first`` or ``page_first`` buffer, with the shapes sglang 0.5.23's ``MHATokenToKVPoolHost``
+documents) and a Mamba-style state pool. On a GPU machine ``scripts/gpu_check.sh`` runs SGLang's own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ PAGE = 4  # tokens per page
 
 
 class HostPages:
-    """The page calls of SGLang's MHATokenToKVPoolHost (mha.py, sglang 0.5.23) over a CPU buffer."""
+    """A host K/V pool with the page calls SGLang's backends use (the MHA layouts of sglang 0.5.23), on a CPU buffer."""
 
     def __init__(self, n_pages: int, *, layer_num: int = 2, head_num: int = 2, head_dim: int = 16,
                  dtype: Any = None, layout: str = "layer_first", page_size: int = PAGE) -> None:
