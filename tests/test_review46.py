@@ -314,3 +314,23 @@ def test_an_import_reads_each_links_parts_once_under_the_write_lock(tmp_path: An
         assert reads["parts"] <= 3 * links, reads  # was 1,949 for 60 links (n²/2)
         dest = {"kv": np.zeros((links * 4, 64), np.uint8)}
         assert s.restore(got.snapshot_id, dest).n_tokens == links * 4 and dest["kv"].tobytes() == kv.tobytes()
+
+
+def test_a_paged_pool_of_the_layouts_own_byte_dtype_is_checked_on_its_row_shape(tmp_path: Any) -> None:
+    """Item 3 for a uint8 layout (an fp8 cache kept as bytes): a pool whose rows are the layout's
+    bytes permuted ((H, 2, D) for (2, H, D)) was taken as "raw bytes" and saved and restored
+    scrambled without an error, while the same array was refused. A byte view of another dtype
+    still passes on its row bytes."""
+    layout = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 4, 8))})
+    kv = RNG.integers(0, 256, (32, 2, 4, 8), dtype=np.uint8)
+    with _open(tmp_path / "s", layout) as s:
+        r = s.save(TOKENS[:32], {"kv": kv})
+        pool = np.zeros((2, 16, 4, 2, 8), np.uint8)
+        with pytest.raises(ss.DestinationError, match=r"\(4, 2, 8\) uint8"):
+            s.restore(r, {"kv": ss.PagedRows(pool, [0, 1])})
+        assert not pool.any()
+        with pytest.raises(ss.LayoutError, match=r"\(4, 2, 8\) uint8"):
+            s.save(TOKENS[40:72], {"kv": ss.PagedRows(pool, [0, 1])})
+        right = np.zeros((2, 16, 2, 4, 8), np.uint8)
+        s.restore(r, {"kv": ss.PagedRows(right, [0, 1])})
+        assert right.reshape(32, 2, 4, 8).tobytes() == kv.tobytes()

@@ -352,7 +352,9 @@ def _check_rows_of(name: str, obj: object, spec: PartSpec, what: str, err: type[
         raise err(_big_endian(name, f"the {what}'s ", reported, spec))
     dt = _dtype_name(reported)
     row_bytes = getattr(obj, "row_bytes", None)
-    raw = dt in ("uint8", "int8", "bytes")
+    # a byte view of another dtype passes on row bytes; a pool of the layout's own dtype (uint8 K/V of
+    # an fp8 cache) is checked on its row shape like any other: axes that permute it scramble rows
+    raw = dt in ("uint8", "int8", "bytes") and dt != spec.dtype
     fits = (row_bytes is None or row_bytes == spec.row_bytes) and (
         raw or (got == spec.row_shape and (dt is None or dt == spec.dtype)))
     if fits:
