@@ -27,13 +27,15 @@ from snapstore.engine.hf._generate import _DECODE_FIELDS, _NEUTRAL_FIELDS, bypas
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_engine_hf import build  # noqa: E402
-from test_prefix_cache import BOUNDARY, S, cuts, digest, kw, prompts, reference, tokens  # noqa: E402
+from test_prefix_cache import BOUNDARY, S, cuts, digest, kw, pinned, prompts, reference, tokens  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
 
 def _pc(model: Any, path: Any, **kw_: Any) -> Any:
-    return hf.PrefixCache(model, str(path), budget=ss.Budget(reserve_bytes=0), boundary=BOUNDARY, **kw_)
+    """A PrefixCache with a real model's prefill rate (``pinned``: what these tests check is what a
+    restore gives, not the restore-or-recompute choice, which a tiny model's own rate may flip)."""
+    return pinned(hf.PrefixCache(model, str(path), budget=ss.Budget(reserve_bytes=0), boundary=BOUNDARY, **kw_))
 
 
 def _restored(pc: Any, ids: Any, **gen: Any) -> tuple[Any, int]:
