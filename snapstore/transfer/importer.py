@@ -45,7 +45,7 @@ from snapstore._errors import (
 )
 from snapstore._layout import Fixed, Layout, Rows
 from snapstore._tokens import TokenIndex, decode_tokens
-from snapstore.catalog.queries import ChunkRow, PartKind, PartRow, SnapRow, Txn
+from snapstore.catalog.queries import PartKind, SnapRow, Txn
 from snapstore.chunks.chunkfile import header_at, header_matches, scope_key
 from snapstore.chunks.publish import create_temp, discard, finish_temp, fsync_dirs, link_new, write_all
 from snapstore.chunks.repo import Repo
@@ -54,6 +54,7 @@ from snapstore.lifecycle.access import Access, Retry
 from snapstore.lifecycle.capacity import Capacity
 from snapstore.lifecycle.names import check_name, name_snapshot
 from snapstore.lifecycle.rules import evict_until
+from snapstore.plan.chain_rows import ChainRows
 from snapstore.plan.fit import saved_layout_key
 from snapstore.plan.prefix import ContentSegment, content_key_of, content_tag, record_prefixes
 from snapstore.plan.restore_plan import check_plan, parts_fit
@@ -316,29 +317,6 @@ def _commit(t: Txn, repo: Repo, h: ExportHeader, access: Access, layout: Layout,
 _UNRESTORABLE = (SnapshotUnavailableError, CorruptChunkError, DestinationError)  # what check_plan refuses with
 
 
-class _ChainReads:
-    """The import's transaction as a restore plan's source, each link's parts and chunk rows read
-    once: the checks below plan every matchable link over the same ancestors, and re-reading them
-    per link made a 400-link import spend 17 s under the write lock (quadratic in the chain)."""
-
-    def __init__(self, t: Txn) -> None:
-        self._t = t
-        self._parts: dict[int, list[PartRow]] = {}
-        self._chunks: dict[tuple[int, str], list[ChunkRow | None]] = {}
-
-    def parts(self, sid: int) -> list[PartRow]:
-        got = self._parts.get(sid)
-        if got is None:
-            got = self._parts[sid] = self._t.parts(sid)
-        return got
-
-    def part_chunks(self, sid: int, name: str) -> list[ChunkRow | None]:
-        got = self._chunks.get((sid, name))
-        if got is None:
-            got = self._chunks[(sid, name)] = self._t.part_chunks(sid, name)
-        return got
-
-
 def _check_restorable(t: Txn, h: ExportHeader, ids: list[int], layout: Layout, shown: str) -> None:
     """The whole chain, as inserted (inside the import's transaction), passes the checks a restore
     makes (:func:`snapstore.plan.restore_plan.check_plan`) before the one commit (issue 46 item 7):
@@ -348,7 +326,7 @@ def _check_restorable(t: Txn, h: ExportHeader, ids: list[int], layout: Layout, s
     chain = t.chain(ids[-1])
     leaf = chain[-1]
     comps = {spec.component for spec in layout.parts.values() if spec.component is not None}
-    reads = _ChainReads(t)
+    reads = ChainRows(t, [link.id for link in chain])  # every link's parts and chunks, read once for every check
     try:  # into the file's own layout, every component asked for
         check_plan(reads, leaf.id, chain, h.layout, {v.component for v in h.layout.parts.values() if v.component})
     except _UNRESTORABLE as err:
