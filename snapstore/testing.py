@@ -398,6 +398,13 @@ class StoreStateMachine(RuleBasedStateMachine):
         w = self.workload
         conv = data.draw(st.integers(0, w.conversations - 1), label="conv")
         n = self._draw_n(data)
+        live = self._live()
+        roots = sorted(i for i, x in live.items() if self._whole(x) and x.parent_id is None)
+        if roots and data.draw(st.booleans(), label="a live root's state again"):
+            # the same state as a stored root (maybe an override import of it: the pair of 46A item 5)
+            same = self.model[data.draw(st.sampled_from(roots), label="root")]
+            conv, n, seed, namespace = same.conv, same.n, same.fixed_seed, same.namespace
+            with_draft, parent, session = any(c is not None for c in same.components), None, None
         state = self._state(conv, seed, with_draft)
         par: Any = parent
         q = w.tokens[conv][:n]
