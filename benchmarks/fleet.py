@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from s3_fixtures import SeaweedCluster  # noqa: E402
+from s3_fixtures import SeaweedCluster, _die_with_parent  # noqa: E402
 
 import snapstore  # noqa: E402
 
@@ -329,7 +329,8 @@ class Node:
         cfg = {"dir": self.dir, "url": url}
         self.proc = subprocess.Popen([sys.executable, str(HERE), "--node", json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=open(self.dir + ".err", "wb"),  # noqa: SIM115
-                                     env=env, text=True, bufsize=1)
+                                     env=env, text=True, bufsize=1,
+                                     preexec_fn=_die_with_parent)  # noqa: PLW1509 - no node outlives the run
         self.fleet = fleet
         self.kill_at: str | None = None  # a phase to SIGKILL this node in
         self.killed: str | None = None
@@ -399,6 +400,8 @@ class Fleet:
         self.gc_runs: list[dict[str, Any]] = []
         self.joined = 0
         self.maint_errors: list[str] = []
+        self.maint_s: dict[str, list[float]] = {}
+        self.stop_at = float("inf")  # set to 0 to end the run early
 
     def add_counts(self, c: dict[str, dict[str, list[int]]]) -> None:
         with self.lock:
@@ -424,8 +427,10 @@ class Fleet:
 
     def maint(self, *argv: str) -> dict[str, Any] | None:
         """Run one snapstore CLI command on the maintenance node: its JSON report, or None (recorded) if it failed."""
+        t0 = time.perf_counter()
         p = subprocess.run([sys.executable, str(HERE), "--maint", *argv], capture_output=True, text=True,
                            env={**os.environ, **self.env}, timeout=300, check=False)
+        self.maint_s.setdefault(argv[0], []).append(time.perf_counter() - t0)  # with the process start
         lines = p.stdout.strip().splitlines()
         try:
             doc: dict[str, Any] = json.loads(lines[-1])
@@ -443,7 +448,9 @@ class Fleet:
         """One node slot: a node serves requests until the run ends; a killed one is replaced by a new, empty one."""
         gen = 0
         node = Node(self, f"n{slot}-{gen}", self.url)
-        while time.monotonic() < stop:
+        with self.lock:
+            self.slots[slot] = node
+        while time.monotonic() < min(stop, self.stop_at):
             req = work.next()
             res = node.request(req)
             if res is None:
@@ -457,11 +464,10 @@ class Fleet:
                 node = Node(self, f"n{slot}-{gen}", self.url)
                 with self.lock:
                     self.joined += 1
+                    self.slots[slot] = node
                 continue
             self.record(req, res)
             work.done(req, completed=True)
-            with self.lock:
-                self.slots[slot] = node
             time.sleep(self.a.think)
         node.close()
 
@@ -536,11 +542,19 @@ class Fleet:
             futs = [pool.submit(self.worker, i, work, stop) for i in range(a.nodes)]
             # on this (the main) thread: a server is killed when the thread that started it exits
             # (s3_fixtures' parent-death signal), so the restarted volume server must outlive the run
-            self.chaos(stop)
+            try:
+                self.chaos(stop)
+            except BaseException:  # Ctrl-C, SIGTERM: stop every node now, not at the end of the run
+                self.stop_at = 0.0
+                with self.lock:
+                    for n in self.slots.values():
+                        n.kill("interrupted")
+                raise
             for f in futs:
                 f.result()
         wall = time.monotonic() - self.t0
         out: dict[str, Any] = {"nodes": a.nodes, "minutes": a.minutes, "wall_s": round(wall, 1),
+                               "kill_every": a.kill_every, "gc_every": a.gc_every,
                                "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
         # -- a node joining empty with the shared tier vs one without it, the same requests
         reqs = [work.next() for _ in range(a.newcomer)]
@@ -611,6 +625,7 @@ class Fleet:
             "joined_empty": self.joined,
             "events": self.events,
             "maintenance_errors": self.maint_errors,
+            "maintenance_seconds": {k: [round(x, 1) for x in v] for k, v in self.maint_s.items()},
             "saved_logical_bytes": self.saved_logical,
             "unique_bytes": unique,
             "bucket_bytes": v["chunk_bytes"],
