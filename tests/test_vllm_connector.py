@@ -157,15 +157,16 @@ def test_the_prefill_rate_is_the_forwards_not_the_idle_time(model: str, prompts:
                                                              tmp_path: Path) -> None:
     """The scheduler's prefill rate (what its lookups weigh a restore against) is the workers'
     forward time of the steps that prefilled (issue 47 item 9): an engine that idles 1 s between
-    requests which each end in their prefill step (max_tokens=1) still reports a rate above what
-    any whole request achieved (its forward is only part of it). Timing a step to the next one
-    counted the idle second: ~300 tokens/s."""
+    requests which each end in their prefill step (max_tokens=1) reports a rate no lower than the
+    slowest whole request's (each step's forward is part of its request, so their pooled ratio is
+    at least the smallest request's ratio, on any load). Timing a step to the next one counted the
+    idle second: ~300 tokens/s where the requests ran at thousands."""
     names = ["A", "B", "C", "E"]
     p = serve(model, tmp_path, "p", [prompts[n] for n in names], connector="snapstore",
               extra={"path": str(tmp_path / "store")}, max_tokens=1, idle_s=1.0)
     rate = p["stats"]["scheduler"]["prefill_tokens_per_s"]
     whole = [(len(prompts[n]) - r["num_cached_tokens"]) / r["seconds"] for n, r in zip(names, p["results"])]
-    assert rate > min(whole) and rate > 2 * len(prompts["A"]), (rate, whole)
+    assert rate + 1 > min(whole), (rate, whole)  # the counter is truncated to an int
 
 
 def test_flipped_byte_in_a_chunk_is_recomputed_never_junk(
