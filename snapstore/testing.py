@@ -286,6 +286,8 @@ class StoreStateMachine(RuleBasedStateMachine):
         self.codec = data.draw(st.sampled_from(self.codecs), label="codec")
         self.admit = admit if self.open_takes_options else "always"
         self.store = self._open()
+        for _ in range(data.draw(st.integers(0, 3), label="first saves")):
+            self.save(data)  # a store with something in it: the other rules have work from the first step
 
     def _open(self) -> Store:
         if self.open_takes_options:

@@ -6,6 +6,7 @@ corrupts one row on save proves the machine fails when an integration is wrong.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -73,3 +74,25 @@ def test_machine_catches_a_broken_integration() -> None:
     broken.settings = settings(settings.default, phases=[Phase.generate], max_examples=50)  # no shrinking
     with pytest.raises(AssertionError, match="byte-exact"):
         broken("runTest").runTest()
+
+
+class DropsTheNamespace(TorchEngine):
+    """A broken integration: a tenant's state is saved in the default namespace (the kwarg is lost)."""
+
+    def save(self, store: ss.Store, tokens: np.ndarray, state: Any, **kw: Any) -> ss.SaveResult:
+        kw.pop("namespace", None)
+        return super().save(store, tokens, state, **kw)
+
+
+def test_machine_catches_an_integration_that_loses_the_namespace() -> None:
+    """The machine's namespaces (issue 46): a save that lands in the wrong namespace is found. The
+    machine moves time.time forward (TTLs, names' ttl_s); a failing run leaves the clock as it was."""
+    real = time.time
+    broken = StoreStateMachine.for_engine(DropsTheNamespace(LAYOUT), workload=WORK).TestCase
+    broken.settings = settings(settings.default, phases=[Phase.generate], max_examples=50)  # no shrinking
+    with pytest.raises((AssertionError, ss.IdentityError)) as err:  # a check fails, or a call for its namespace
+        broken("runTest").runTest()
+    assert isinstance(err.value, ss.IdentityError) or "namespace" in str(err.value) \
+        or "does not match its own tokens" in str(err.value)
+    assert time.time is real
+
