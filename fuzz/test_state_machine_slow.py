@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -25,11 +26,11 @@ from test_state_machine import RAW, TYPED, AccountedMachine  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def _sized(case: type, examples: int, steps: int) -> type:
+def _sized(case: Any, examples: int, steps: int) -> Any:
     """``case`` with at least ``examples`` runs of ``steps`` steps (more under a larger profile)."""
     base = settings.get_profile(PROFILE) if PROFILE in ("ci", "dev", "long") else settings.default
-    case.settings = settings(case.settings, max_examples=max(examples, base.max_examples),
-                             stateful_step_count=max(steps, base.stateful_step_count))
+    case.settings = settings(case.settings, max_examples=max(examples, base.max_examples or 0),
+                             stateful_step_count=max(steps, base.stateful_step_count or 0))
     return case
 
 

@@ -206,11 +206,11 @@ class _Clock:
         if self._real is None:
             self._real = time.time
             real = self._real
-            time.time = lambda: real() + self.offset  # type: ignore[assignment]
+            time.time = lambda: real() + self.offset
 
     def uninstall(self) -> None:
         if self._real is not None:
-            time.time = self._real  # type: ignore[method-assign]
+            time.time = self._real
             self._real = None
 
     def now(self) -> float:
@@ -291,7 +291,7 @@ class StoreStateMachine(RuleBasedStateMachine):
 
     def _open(self) -> Store:
         if self.open_takes_options:
-            return self.engine.open(self.dir, budget=self.budget, codec=self.codec,  # type: ignore[call-arg]
+            return self.engine.open(self.dir, budget=self.budget, codec=self.codec,
                                     admit=self.admit)
         return self.engine.open(self.dir, budget=self.budget, codec=self.codec)
 
@@ -402,7 +402,8 @@ class StoreStateMachine(RuleBasedStateMachine):
         n = self._draw_n(data)
         live = self._live()
         roots = sorted(i for i, x in live.items() if self._whole(x) and x.parent_id is None)
-        if roots and data.draw(st.booleans(), label="a live root's state again"):
+        again: bool = data.draw(st.booleans(), label="a live root's state again")
+        if roots and again:
             # the same state as a stored root (maybe an override import of it: the pair of 46A item 5)
             same = self.model[data.draw(st.sampled_from(roots), label="root")]
             conv, n, seed, namespace = same.conv, same.n, same.fixed_seed, same.namespace
@@ -668,8 +669,8 @@ class StoreStateMachine(RuleBasedStateMachine):
             reqs = [(ref, self._dest()), (self._ref(other), self._dest())]
             if self.model[other].namespace != saved.namespace:
                 return
-            res = store.restore_many(reqs, namespace=saved.namespace)
-            for (r, dest), rr in zip(reqs, res):
+            many = store.restore_many(reqs, namespace=saved.namespace)
+            for (r, dest), rr in zip(reqs, many):
                 got = self._got(dest, rr.rows, rr.missing_components)
                 assert _digest(got) == _digest(self._expected(r.snapshot_id)), "restore_many() was not byte-exact"
             return
@@ -681,7 +682,12 @@ class StoreStateMachine(RuleBasedStateMachine):
         comps: set[str | None] | None = None
         if how == "callable":
             seen: list[MatchDetails] = []
-            res = store.restore(ref, lambda d: (seen.append(d), dest)[1])
+
+            def plan_then_write(d: MatchDetails) -> dict[str, np.ndarray]:
+                seen.append(d)
+                return dest
+
+            res = store.restore(ref, plan_then_write)
             assert seen and seen[0].n_tokens == saved.n
         elif how == "base":
             comps = {None}
@@ -795,7 +801,8 @@ class StoreStateMachine(RuleBasedStateMachine):
         else:
             ok = sorted(i for i, x in live.items() if self._whole(x))
             marked = [i for i in ok if self.model[i].foreign]
-            if marked and data.draw(st.booleans(), label="one imported under an override"):
+            prefer: bool = data.draw(st.booleans(), label="one imported under an override")
+            if marked and prefer:
                 ok = marked  # the pair of 46A item 1: an export of another identity's state
             if not ok:
                 return
