@@ -595,7 +595,9 @@ class StoreStateMachine(RuleBasedStateMachine):
         assert self.store is not None
         namespace = data.draw(st.sampled_from(NAMESPACES), label="namespace")
         exclude = data.draw(st.booleans(), label="exclude")
-        rate = data.draw(st.sampled_from([None, None, 1.0, 1e12, 2000.0]), label="prefill_tokens_per_s")
+        # numpy scalars too: every numeric argument takes what numbers.Real takes (46B item 13)
+        rate = data.draw(st.sampled_from([None, None, 1.0, 1e12, 2000.0, np.int64(1), np.float32(2000.0)]),
+                         label="prefill_tokens_per_s")
         w = self.workload
         conv = data.draw(st.integers(0, w.conversations - 1), label="conv")
         q = w.tokens[conv][:self._draw_n(data)]
@@ -635,7 +637,8 @@ class StoreStateMachine(RuleBasedStateMachine):
         assert saved.namespace == ns and got.snapshot_id not in skip
         assert np.array_equal(self._tokens(saved), q[:saved.n]), f"{what} served a snapshot that is not a prefix"
 
-    @rule(data=st.data(), how=st.sampled_from(["match", "describe", "callable", "base", "rows_from", "many", "load"]))
+    @rule(data=st.data(), how=st.sampled_from(["match", "describe", "callable", "base", "rows_from", "many", "load",
+                                               "details"]))
     def restore_ways(self, data: st.DataObject, how: str) -> None:
         """The other ways to restore: a Match, describe() then restore, a callable ``into``, the base
         state alone, ``rows_from``, restore_many(), load() — each byte-exact, as the model says."""
@@ -677,6 +680,15 @@ class StoreStateMachine(RuleBasedStateMachine):
             return
         details = store.describe(ref)
         assert details.n_tokens == saved.n and details.snapshot_id == sid
+        if how == "details" and not saved.foreign:  # lookup()'s MatchDetails as the ref (46B item 2)
+            d = store.lookup(self._tokens(saved), namespace=saved.namespace)
+            assert d is not None and d.n_tokens == saved.n
+            dest = self._dest()
+            res = store.restore(d, dest)
+            assert res.n_tokens == d.n_tokens
+            got = self._got(dest, res.rows, res.missing_components)
+            assert _digest(got) == _digest(self._expected(d.snapshot_id)), "restore(MatchDetails) was not byte-exact"
+            return
         est = store.estimate_restore(ref)
         assert est.bytes >= 0 and est.seconds > 0
         dest = self._dest()
