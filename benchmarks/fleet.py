@@ -327,8 +327,9 @@ class Node:
         self.dir = os.path.join(fleet.tmp, name)
         env = {**os.environ, **fleet.env, **(extra_env or {})}
         cfg = {"dir": self.dir, "url": url}
+        self.err = open(self.dir + ".err", "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen([sys.executable, str(HERE), "--node", json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=open(self.dir + ".err", "wb"),  # noqa: SIM115
+                                     stdout=subprocess.PIPE, stderr=self.err,
                                      env=env, text=True, bufsize=1,
                                      preexec_fn=_die_with_parent)  # noqa: PLW1509 - no node outlives the run
         self.fleet = fleet
@@ -378,6 +379,7 @@ class Node:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.err.close()
 
 
 class Fleet:
