@@ -50,6 +50,7 @@ def test_short_fleet_run_survives_churn_and_faults(tmp_path: Path) -> None:
     assert r["restores_ok"] > 0 and r["s3"]["per_bucket_restore"]["count"] > 0
     assert r["acknowledged"] > 0 and r["verify_final"]["manifests"] > 0
     assert sum(r["kills"].values()) >= 2 and r["joined_empty"] == sum(r["kills"].values())
+    assert "crash" not in r["kills"], r["events"]  # no node died but those the run killed
     assert any("volume server 1 back" in e for e in r["events"])
     assert r["gc_runs"] >= 2
     # fleet-wide dedup: shared system prompts are stored once, whichever node saved them
