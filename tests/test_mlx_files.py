@@ -244,3 +244,50 @@ def test_mlx_server_passes_mlx_lm_server_arguments_through_in_order() -> None:
     assert args.passthrough == ["--model", "m", "--port", "8080", "--prompt-cache-size", "3"]
     with pytest.raises(ArgumentsError, match="unrecognized arguments: --model m"):  # only mlx-server passes through
         parse_command_line(["stats", "--model", "m"])
+
+
+def test_export_mlx_cache_keeps_the_override_mark_and_the_store_safe(tmp_path: Path) -> None:
+    """Issue 46 items 1 and 10 through export-mlx-cache: a snapshot imported under an identity override
+    (state another model's weights computed) is not written as a plain prompt-cache file — imported
+    again it would pass as this model's own state — unless accept_identity names who computed it (then
+    exact=False); and the file never lands on a store's own files."""
+    ours, theirs = mlx_models.build("llama"), mlx_models.build("llama", seed=1)
+    store = tmp_path / "s"
+    import_prompt_cache(cache_file(ours, A, tmp_path / "a.safetensors", "tiny"), ours, store, tokens=A,
+                        model_name="tiny")
+    other = import_prompt_cache(cache_file(theirs, A, tmp_path / "b.safetensors", "tiny"), theirs, store, tokens=A,
+                                model_name="tiny")
+    assert main(["--dir", str(store), "export", "--id", str(other.save.snapshot_id), str(tmp_path / "b.snapx")]) == 0
+    ident = {i["id"]: i["identity"] for i in _all_snapshots(store)}
+    our_key, their_key = ident[1], ident[other.save.snapshot_id]
+    assert our_key != their_key
+    assert main(["--dir", str(store), "import", str(tmp_path / "b.snapx"), "--identity", our_key,
+                 "--accept-identity", their_key]) == 0
+    marked = next(i["id"] for i in _all_snapshots(store) if i.get("imported_from") == their_key)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(snapstore.IdentityError, match="cannot carry that mark"):
+        export_prompt_cache(out, ours, store, snapshot_id=marked)
+    assert not out.exists()
+    ex = export_prompt_cache(out, ours, store, snapshot_id=marked, accept_identity=their_key)
+    assert ex.exact is False and out.exists()
+    assert export_prompt_cache(out, ours, store, tokens=A).exact is True  # the model's own state, replacing the file
+    db = store / "snapstore.db"
+    before = db.read_bytes()
+    with pytest.raises(snapstore.ConfigError, match="inside the snapstore store"):
+        export_prompt_cache(db, ours, store, tokens=A)
+    with pytest.raises(snapstore.ConfigError, match="a file is there already"):
+        export_prompt_cache(out, ours, store, tokens=A, overwrite=False)
+    assert db.read_bytes() == before
+    assert main(["--dir", str(store), "--json", "verify", "--deep"]) == 0
+
+
+def _all_snapshots(store: Path) -> list[dict[str, Any]]:
+    """Every snapshot in ``store``, of every identity, as ``snapstore inspect --json`` lists them."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["--dir", str(store), "--json", "inspect"]) == 0
+    snaps: list[dict[str, Any]] = json.loads(buf.getvalue())["snapshots"]
+    return snaps

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from typing import Any
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from snapstore import Budget, IdentityError, InvalidInputError, LayoutError, Match, NotFoundError, SaveResult
+from snapstore.transfer.destination import check_destination, publish_output
+from snapstore.transfer.policy import marked_output
 
 from ._cache_state import Node, UnsupportedCacheError, describe, destinations, parts_of, rebuild
 from ._identity import CacheSettings
@@ -60,6 +63,9 @@ class ExportResult:
     n_tokens: int
     file_bytes: int
     tokens_recorded: bool
+    # False for a snapshot imported under an identity override (written with accept_identity): the
+    # file cannot carry that mark, so it is an approximation, never this model's exact state
+    exact: bool = True
 
 
 def import_prompt_cache(file: str | os.PathLike[str], model: Any, path: str | os.PathLike[str] | None = None, *,
@@ -101,6 +107,7 @@ def export_prompt_cache(file: str | os.PathLike[str], model: Any, path: str | os
                         tokens: Sequence[int] | None = None, snapshot_id: int | None = None,
                         model_name: str = "", kv_bits: int | None = None, kv_group_size: int = 64,
                         max_kv_size: int | None = None, tokenizer_config: dict[str, Any] | None = None,
+                        accept_identity: str | None = None, overwrite: bool = True,
                         **store_options: Any) -> ExportResult:
     """Write a stored snapshot of ``model``'s as an mlx_lm prompt-cache file.
 
@@ -109,15 +116,27 @@ def export_prompt_cache(file: str | os.PathLike[str], model: Any, path: str | os
     cache). model_name and tokenizer_config go to the metadata mlx_lm reads (``model``,
     ``tokenizer_config``); the token ids are recorded as ``snapstore_tokens`` when known. Raises
     NotFoundError when no such snapshot is stored for this model and these settings.
+
+    Nothing written destroys a store (``transfer.destination``): never inside a store directory,
+    never a store's own file name; an existing file elsewhere is replaced only with ``overwrite``
+    (the default, as before), through a temporary file renamed into place. A snapshot imported under
+    an identity override is written only when ``accept_identity`` names the identity that computed
+    it (``transfer.policy.marked_output``): the file cannot carry the mark, and imported again it
+    would pass as this model's own state (issue 46 item 1); the result then says ``exact=False``.
     """
     if (tokens is None) == (snapshot_id is None):
         raise InvalidInputError("export_prompt_cache takes tokens= or snapshot_id=, one of them")
+    target = check_destination(file, overwrite=overwrite, what="the prompt-cache file")
     start = 0 if kv_bits is not None else None
     settings = CacheSettings(int(DEFAULTS["prefill_step_size"]), kv_bits, kv_group_size if kv_bits else None, start,
                              max_kv_size if not hasattr(model, "make_cache") else None)
     stores = open_stores(model, settings, path, options={"drop_stale": False, **store_options})
     try:
         phase, ref = _find(stores, tokens, snapshot_id)
+        store = stores.store(phase)
+        check_destination(target, overwrite=overwrite, store_root=store.path, what="the prompt-cache file")
+        mark = next((i.imported_from for i in store.snapshots() if i.snapshot_id == ref.snapshot_id), None)
+        own = marked_output(mark, accept_identity, f"snapshot {ref.snapshot_id}", "prompt-cache file")
         schema, layout = stores.schemas[phase]
         n = ref.n_tokens
         dest = destinations(layout, n)
@@ -129,8 +148,8 @@ def export_prompt_cache(file: str | os.PathLike[str], model: Any, path: str | os
                 "snapstore_config_sha256": str(stores.identity.extra.get("config_sha256", ""))}
         if tokens is not None:
             meta["snapstore_tokens"] = json.dumps([int(t) for t in tokens[:n]])
-        _write(file, cache, meta)
-        return ExportResult(ref.snapshot_id, n, os.path.getsize(file), tokens is not None)
+        _write(target, cache, meta, overwrite=overwrite)
+        return ExportResult(ref.snapshot_id, n, os.path.getsize(target), tokens is not None, own)
     finally:
         stores.close()
 
@@ -256,10 +275,13 @@ def _find(stores: Stores, tokens: Sequence[int] | None, snapshot_id: int | None)
     return best
 
 
-def _write(file: str | os.PathLike[str], cache: list[Any], meta: dict[str, str]) -> None:
-    """Write through a temporary file in the same directory, fsynced, then renamed over ``file``."""
-    name = os.fspath(file)
-    tmp = f"{name}.{os.getpid()}.tmp.safetensors"  # mx.save_safetensors adds the suffix when it is missing
+def _write(file: str, cache: list[Any], meta: dict[str, str], *, overwrite: bool) -> None:
+    """Write through a fresh temporary file in the same directory, fsynced, then put in place in one
+    step (``publish_output``: replaced only with ``overwrite``)."""
+    name = file
+    folder, base = os.path.split(os.path.abspath(name))
+    # mx.save_safetensors adds the suffix when it is missing; a random name: never a file already there
+    tmp = os.path.join(folder, f".{base}.{secrets.token_hex(6)}.tmp.safetensors")
     try:
         save_prompt_cache(tmp, cache, meta)
         fd = os.open(tmp, os.O_RDONLY)
@@ -268,7 +290,7 @@ def _write(file: str | os.PathLike[str], cache: list[Any], meta: dict[str, str])
         finally:
             os.close(fd)
         os.chmod(tmp, 0o600)
-        os.replace(tmp, name)
+        publish_output(tmp, name, overwrite=overwrite)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

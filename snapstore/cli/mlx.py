@@ -78,6 +78,8 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
             p.add_argument("--kv-bits", type=int, metavar="B", help="the KV quantization it was stored under")
             p.add_argument("--kv-group-size", type=int, default=64, metavar="G", help="with --kv-bits (default 64)")
             p.add_argument("--max-kv-size", type=int, metavar="N", help="the window it was stored under")
+            p.add_argument("--accept-identity", metavar="KEY", help="write a snapshot imported under an identity "
+                           "override from KEY (the file cannot carry that mark: an approximation)")
             p.set_defaults(run=cmd_export)
 
 
@@ -155,11 +157,15 @@ def cmd_export(args: argparse.Namespace, ctx: CliContext) -> int:
         raise UsageError("export-mlx-cache takes --tokens IDS or --id N, one of them")
     res = export_prompt_cache(args.file, _load_model(args.model), getattr(args, "dir", None), tokens=tokens,
                               snapshot_id=args.id, model_name=args.name or args.model, kv_bits=args.kv_bits,
-                              kv_group_size=args.kv_group_size, max_kv_size=args.max_kv_size)
+                              kv_group_size=args.kv_group_size, max_kv_size=args.max_kv_size,
+                              accept_identity=args.accept_identity)
     if ctx.json:
         ctx.emit_json({"format": FORMAT, "command": "export-mlx-cache", "snapshot_id": res.snapshot_id,
                        "n_tokens": res.n_tokens, "file": args.file, "bytes": res.file_bytes,
-                       "tokens_recorded": res.tokens_recorded})
+                       "tokens_recorded": res.tokens_recorded, "exact": res.exact})
     else:
         ctx.line(f"wrote {args.file} ({res.file_bytes} bytes): snapshot {res.snapshot_id}, {res.n_tokens} tokens")
+    if not res.exact:
+        ctx.note(f"snapstore: {args.file} is snapshot {res.snapshot_id}, state identity {args.accept_identity} "
+                 "computed (imported under an identity override): a restore is an approximation, not an exact prefix")
     return 0
