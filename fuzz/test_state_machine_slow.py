@@ -19,8 +19,7 @@ from hypothesis import settings
 
 from snapstore.testing import NumpyEngine
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from support.profile import PROFILE  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_state_machine import RAW, TYPED, AccountedMachine  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -28,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 def _sized(case: Any, examples: int, steps: int) -> Any:
     """``case`` with at least ``examples`` runs of ``steps`` steps (more under a larger profile)."""
-    base = settings.get_profile(PROFILE) if PROFILE in ("ci", "dev", "long") else settings.default
+    base = settings()  # the profile the root conftest.py loaded (ci unless told)
     case.settings = settings(case.settings, max_examples=max(examples, base.max_examples or 0),
                              stateful_step_count=max(steps, base.stateful_step_count or 0))
     return case
