@@ -1065,10 +1065,15 @@ class StoreStateMachine(RuleBasedStateMachine):
 
     @rule(gc=st.booleans(), deep=st.booleans(), warm=st.booleans())
     def maintenance(self, gc: bool, deep: bool, warm: bool) -> None:
-        """gc, then verify (quick or deep), stats and warm_up: reads that change nothing a match sees."""
+        """gc (else a dry run, which changes nothing), then verify (quick or deep), stats and warm_up:
+        reads that change nothing a match sees."""
         assert self.store is not None
         if gc:
             self.store.gc(grace=0)
+        else:
+            before = self._live()
+            self.store.gc(grace=0, dry_run=True)
+            assert set(self._live()) == set(before), "gc(dry_run=True) changed the store"
         report = self.store.verify(deep=deep)
         assert report.ok, f"verify found damage: {report.problems}"
         if warm:
