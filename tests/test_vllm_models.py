@@ -4,12 +4,14 @@ latents, the ``CPU_MLA`` backend, vLLM's own prefix cache forced off), sliding w
 one ``SlidingWindowSpec`` group; Gemma 3: sliding + full groups) and tensor parallelism
 (``tensor_parallel_size=2``, a tiny Llama).
 
-Each model case runs two vLLM processes on one store. Process 1 serves P (600 tokens; the connector saves
-it) and then Q (P's first 576 tokens and 24 others) under a cache salt: another namespace for the
-store and for vLLM's own prefix cache, so Q is computed whole there — the reference output, with
-no reuse of any kind (checked: no cached tokens). Process 2, new, serves Q and then P: Q restores
-576 tokens of P's from the store and generates exactly the reference; P too. Neither log has a
-"connector disabled" line or a failed load. Two processes per case (~30-60 s each): slow tier."""
+Each case runs two vLLM processes on one store. Process 1 serves P (600 tokens; the connector
+saves it), R (600 tokens sharing nothing with P) and then Q (P's first 576 tokens and 24 others)
+under a cache salt: another namespace for the store and for vLLM's own prefix cache, so Q is
+computed whole there — the reference output, with no reuse of any kind (checked: no cached
+tokens). Process 2, new, serves Q, P, R: Q restores 576 tokens of P's from the store and
+generates exactly the reference; P too; R's stored snapshot was damaged on purpose, its load
+fails and vLLM recomputes it (same output). No log has a "connector disabled" line or a failed
+load but that one. Two processes per case (~30-60 s each, unloaded): slow tier."""
 
 from __future__ import annotations
 
@@ -59,25 +61,49 @@ def _build(python: Path, tmp: Path, args: list[str]) -> str:
     return str(path)
 
 
+def _flip(files: list[Path]) -> None:
+    assert files
+    for f in files:
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        f.write_bytes(bytes(raw))
+
+
+def _snapshot_chunks(store: Path, sid: int) -> list[Path]:
+    """The chunk files of snapshot ``sid``'s own parts (a window or state part, rows above its parent)."""
+    out: list[Path] = []
+    for part in snapstore_json(store, "inspect", str(sid))["snapshot"]["parts"]:
+        for c in part["chunks"]:
+            out.extend(f for f in (store / "blobs").rglob(f"*{c['id']}*") if f.is_file())
+    return out
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_new_process_restores_the_stored_prefix_with_identical_output(
         case: str, vllm_python: Path, prompts: dict[str, list[int]], tmp_path: Path) -> None:  # noqa: F811
+    """Process 1 also serves R (sharing nothing with P); one byte of each chunk of R's longest
+    snapshot (its window blocks, latent rows or full-attention rows) is flipped before process 2
+    serves R last: its load fails its checksum and vLLM recomputes, output equal to process 1's."""
     build, spec = CASES[case]
     built = _build(vllm_python, tmp_path, build)
-    p, q = prompts["P"], prompts["Q"]
-    extra = {"path": str(tmp_path / "store")}
-    first = serve(built, tmp_path, "p1", [p, {"tokens": q, "salt": "reference"}], connector="snapstore",
+    p, q, r = prompts["P"], prompts["Q"], prompts["R"]
+    store = tmp_path / "store"
+    extra = {"path": str(store)}
+    first = serve(built, tmp_path, "p1", [p, r, {"tokens": q, "salt": "reference"}], connector="snapstore",
                   extra=extra, **spec)
-    assert [r["num_cached_tokens"] for r in first["results"]] == [0, 0]  # computed whole: the reference
-    ref_p, ref_q = (r["tokens"] for r in first["results"])
+    assert [x["num_cached_tokens"] for x in first["results"]] == [0, 0, 0]  # computed whole: the references
+    ref_p, ref_r, ref_q = (x["tokens"] for x in first["results"])
     assert not _failures(first)
-    second = serve(built, tmp_path, "p2", [q, p], connector="snapstore", extra=extra, **spec)
-    assert not _failures(second)
+    plain = [s for s in snapstore_json(store, "inspect")["snapshots"] if s["namespace"] is None]
+    _flip(_snapshot_chunks(store, max(s["id"] for s in plain)))  # R's leaf: saved after P's chain
+    second = serve(built, tmp_path, "p2", [q, p, r], connector="snapstore", extra=extra, **spec)
     assert second["results"][0]["num_cached_tokens"] == SHARED  # from the store: process 2 computed nothing before
     assert second["results"][1]["num_cached_tokens"] >= SHARED  # the store's or vLLM's own cache (Q's blocks)
-    assert [r["tokens"] for r in second["results"]] == [ref_q, ref_p]
+    assert [x["tokens"] for x in second["results"]] == [ref_q, ref_p, ref_r]
+    failed = _failures(second)
+    assert len(failed) == 1 and "load for request" in failed[0], failed  # R's damaged load only, recomputed
     worker = second["stats"]["worker"]
-    assert worker["loads"] >= 1 and worker["load_errors"] == 0 and second["stats"]["scheduler"]["hit_tokens"] >= SHARED
+    assert worker["loads"] >= 1 and worker["load_errors"] == 1 and second["stats"]["scheduler"]["hit_tokens"] >= SHARED
 
 
 def _rank_root_chunks(store: Path, rank: str, n_tokens: int) -> list[Path]:
@@ -87,12 +113,7 @@ def _rank_root_chunks(store: Path, rank: str, n_tokens: int) -> list[Path]:
     ident = next(i["key"] for i in doc["identities"] if i["fields"]["extra"]["tp"] == rank)
     snaps = [s for s in doc["snapshots"] if s["identity"] == ident and s["namespace"] is None
              and s["n_tokens"] == n_tokens]
-    out: list[Path] = []
-    for s in snaps:
-        for part in snapstore_json(store, "inspect", str(s["id"]))["snapshot"]["parts"]:
-            for c in part["chunks"]:
-                out.extend(f for f in (store / "blobs").rglob(f"*{c['id']}*") if f.is_file())
-    return out
+    return [f for s in snaps for f in _snapshot_chunks(store, s["id"])]
 
 
 def test_tensor_parallel_restores_each_rank_its_own_shard(
@@ -114,10 +135,7 @@ def test_tensor_parallel_restores_each_rank_its_own_shard(
     assert not _failures(first)
     ranks = {i["fields"]["extra"]["tp"]: i["snapshots"] for i in snapstore_json(store, "inspect")["identities"]}
     assert ranks == {"0/2": 9, "1/2": 9}  # P, R, Q: 256, 512, 576 each, per rank
-    for f in _rank_root_chunks(store, "1/2", 256):
-        raw = bytearray(f.read_bytes())
-        raw[len(raw) // 2] ^= 0x01
-        f.write_bytes(bytes(raw))
+    _flip(_rank_root_chunks(store, "1/2", 256))
     second = serve(model, tmp_path, "p2", [q, r], **spec)
     assert second["results"][0]["num_cached_tokens"] == SHARED
     assert [x["tokens"] for x in second["results"]] == [ref_q, ref_r]
