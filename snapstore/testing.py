@@ -343,6 +343,17 @@ class StoreStateMachine(RuleBasedStateMachine):
         """Names whose ttl is clearly not over (a deadline within the margin is left unchecked)."""
         return {k: v for k, v in self.names.items() if v.expires is None or v.expires > now + _MARGIN}
 
+    def _ttl_exempt(self, live: Mapping[int, Any], now: float) -> set[int]:
+        """What the store's TTL never passes over: named snapshots and their chains (docs/api.md,
+        "Named snapshots": a named snapshot's leading rows are served through the links below it)."""
+        out: set[int] = set()
+        for v in self._valid_names(now).values():
+            at: int | None = v.sid
+            while at is not None and at in live and at not in out:
+                out.add(at)
+                at = live[at].parent_id
+        return out
+
     def _unsure_names(self, now: float) -> bool:
         return any(v.expires is not None and abs(v.expires - now) <= _MARGIN for v in self.names.values())
 
@@ -380,7 +391,7 @@ class StoreStateMachine(RuleBasedStateMachine):
         assert n_got <= every, f"{what} served {n_got} tokens, more than any live prefix ({every})"
         now = self.time.now()
         if not self._unsure_names(now):
-            named = {v.sid for v in self._valid_names(now).values()}
+            named = self._ttl_exempt(live, now)
             least = max((self.model[i].n for i in self._candidates(live, q, ns, exclude, named)), default=0)
             # 46C item 8: a named snapshot stops matching once unused for the store's TTL
             assert n_got >= least, (f"{what} passed over a named snapshot ({least} tokens) after the store's "
@@ -999,7 +1010,7 @@ class StoreStateMachine(RuleBasedStateMachine):
             if seconds > self.budget.ttl + _MARGIN and not self._unsure_names(now):
                 # nothing was used since the jump: only named snapshots may match (46C item 8 if they do not)
                 live = self._live()
-                named = {v.sid for v in self._valid_names(now).values()}
+                named = self._ttl_exempt(live, now)
                 for sid in sorted(i for i in live if not self.model[i].foreign)[:6]:
                     saved = self.model[sid]
                     q = self._tokens(saved)
