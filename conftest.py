@@ -23,7 +23,8 @@ SLOW_MODULES = frozenset({
     # venv, ~20-90 s each); the slot-file codec tests (test_llamacpp_slotfile.py, a few seconds,
     # no server) stay fast
     "test_remote_fleet.py", "test_remote_stream.py", "test_remote_tee.py", "test_remote_tee_faults.py",
-    "test_remote_granularity.py", "test_fleet.py", "test_llamacpp_bridge.py", "test_llamacpp_identity.py",
+    "test_remote_granularity.py", "test_remote_scan.py", "test_fleet.py", "test_llamacpp_bridge.py",
+    "test_llamacpp_identity.py",
     "test_llamacpp_passthrough.py", "test_llamacpp_load.py", "test_vllm_connector.py",
     # the real sglang package (imports take seconds) and its storage backend in writer processes
     "test_sglang_hicache.py",

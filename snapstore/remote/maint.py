@@ -1,6 +1,7 @@
 """Maintenance of the shared tier: verify, gc (orphans, broken chains, the byte budget), stats, inspect.
 
-These list the whole prefix (never on an engine's hot path). Ages are measured on the server's
+These list the whole prefix (never on an engine's hot path) and read the manifests through a
+bounded pool (``scan_width()`` at once, the listing order and findings unchanged). Ages are measured on the server's
 clock (a probe object's LastModified), so a node with a skewed clock cannot make gc delete early.
 
 gc --remote, in this order: list the leases, then the manifests, the last-use markers and the
@@ -19,12 +20,15 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import blake3
 
+from snapstore._config import env_int
 from snapstore._errors import CorruptionError, RemoteError
 from snapstore.chunks.chunkfile import CODEC_RAW, HEADER_SIZE, checksum_stream, decode_payload, parse_header, scope_key
 from snapstore.remote.keys import LAYOUT, LEASE_TTL, chunk_key, gc_window, manifest_key, use_key
@@ -37,6 +41,15 @@ _MAN = f"{LAYOUT}/m/"
 _CHK = f"{LAYOUT}/c/"
 _USE = f"{LAYOUT}/u/"
 _LEASE = f"{LAYOUT}/l/"
+_SCAN_WIDTH = 16  # manifests read at once by a scan (docs/benchmarks.md "A fleet on one bucket")
+_AHEAD = 4  # reads in flight or done but not yet taken, per pool thread (bounds what the scan holds)
+
+
+def scan_width() -> int:
+    """How many manifests a maintenance scan reads at once: SNAPSTORE_REMOTE_SCAN_WIDTH, else 16.
+    The reads were one at a time; at a cloud store's ~15 ms a GET that alone capped gc at ~65
+    manifests/s (docs/design.md "Beyond one machine")."""
+    return max(1, env_int("SNAPSTORE_REMOTE_SCAN_WIDTH") or _SCAN_WIDTH)
 
 
 @dataclass
@@ -82,17 +95,29 @@ def _scan(client: S3Client, *, with_manifests: bool = True) -> _Scan:
     leases = _leases(client)  # first: see the module docstring
     manifests: dict[tuple[str, str], tuple[Manifest | None, ObjectInfo, str]] = {}
     other: list[str] = []
-    for info in client.list(_MAN):
-        scope, _, name = info.key[len(_MAN):].partition("/")
-        if len(scope) != 64 or parse_name(name) is None:
-            other.append(info.key)
-            continue
-        if not with_manifests:
-            manifests[(scope, name)] = (None, info, "")
-            continue
-        got = _read_manifest(client, info, scope, name)
-        if got is not None:  # else removed meanwhile
-            manifests[(scope, name)] = got
+    width = scan_width()
+    ahead = _AHEAD * width
+    with ThreadPoolExecutor(max_workers=width, thread_name_prefix="snapstore-scan") as pool:
+        pending: deque[tuple[tuple[str, str], Future[tuple[Manifest | None, ObjectInfo, str] | None]]] = deque()
+
+        def settle(limit: int) -> None:
+            while len(pending) > limit:
+                key, fut = pending.popleft()
+                got = fut.result()
+                if got is not None:  # else removed meanwhile
+                    manifests[key] = got
+
+        for info in client.list(_MAN):
+            scope, _, name = info.key[len(_MAN):].partition("/")
+            if len(scope) != 64 or parse_name(name) is None:
+                other.append(info.key)
+                continue
+            if not with_manifests:
+                manifests[(scope, name)] = (None, info, "")
+                continue
+            pending.append(((scope, name), pool.submit(_read_manifest, client, info, scope, name)))
+            settle(ahead)  # bounded: at most ``ahead`` manifests read and held beyond the listing
+        settle(0)
     if with_manifests:
         _late_parents(client, manifests)
     uses = {}
