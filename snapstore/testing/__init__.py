@@ -2,11 +2,16 @@
 
 As ``zarr.testing`` ships its store tests, this module ships snapstore's: Hypothesis strategies for
 layouts, token sequences and states, and :class:`StoreStateMachine`, a rule-based state machine
-that drives an engine's save/restore callables against a reference model through chains,
-branches, pending captures, restarts, gc and evictions, and checks after every step that
+that drives an engine's save/restore callables, and every other public operation of the Store
+(namespaces, names, TTLs on a moved clock, export/import with and without ``accept_identity``, write
+admission, the weighed match, lost chunk files, a rebuilt engine; docs/engine.md §10), against a
+reference model through chains, branches, pending captures, restarts, gc and evictions, and checks
+after every step that
 
-- every matchable snapshot restores byte-exact (fixed parts whole, the valid rows of every stream),
-- ``match()`` returns the longest committed, matchable prefix the model knows of,
+- every restorable snapshot restores byte-exact (fixed parts whole, the valid rows of every stream),
+- ``match()`` returns the longest committed, matchable prefix the model knows of, never state
+  imported under an identity override, and the override mark is on exactly such state,
+- every live name finds its snapshot, and a named one matches its own tokens past the TTL,
 - a snapshot with a live child never disappears (pins), budgets are never exceeded,
 - supersede leaves no matchable strict prefix in a session, and never takes away a snapshot
   restored from outside its session (it is detached instead), ``verify()`` finds no damage.
