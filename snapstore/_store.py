@@ -53,7 +53,7 @@ from snapstore.lifecycle.rules import log_drops, new_outside_use
 from snapstore.parts.buffers import Destination, PartSource
 from snapstore.plan.match import Prompt, best_match
 from snapstore.plan.restore_plan import RestorePlan
-from snapstore.remote.uploader import FlushResult, flush_all
+from snapstore.remote.uploader import FlushResult, flush_all, upload_saved
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.read import details_of, plan_of, planned_destination, stream_checked, wanted_components
 from snapstore.restore.read_path import ReadPaths
@@ -254,7 +254,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         """The synchronous save (``save(wait=True)``)."""
         assert self._run is not None  # set by open(); a Store is only handed out open
         res = self._run.run(tokens, parts, rows, session, parent, commit, namespace)
-        self._remote_saved(res)
+        upload_saved(self._remote, res)
         return res
 
     # -- pending captures --------------------------------------------------------------------
@@ -275,13 +275,8 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
             return skipped(self._repo.db, s.reason, None, 0, 0, ns)
         result = SaveResult(snapshot_id=sid, skipped=None, parent_id=snap.parent_id, stored_bytes=0,
                             logical_bytes=snap.logical_bytes, n_tokens=snap.n_tokens, namespace=ns or None)
-        self._remote_saved(result)
+        upload_saved(self._remote, result)
         return result
-
-    def _remote_saved(self, res: SaveResult) -> None:
-        """Shared-tier hook: a committed snapshot is durable locally; upload it (queued, or now in wait mode)."""
-        if self._remote is not None and res.snapshot_id is not None and not res.pending:
-            self._remote.saved(res.snapshot_id)
 
     @operation
     def abandon(self, res: SnapshotRef, *, namespace: str | None = None) -> None:

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from snapstore._errors import RemoteError, SnapstoreError
+from snapstore._results import SaveResult
 
-__all__ = ["FlushResult", "Uploader", "flush_all"]
+__all__ = ["FlushResult", "Uploader", "flush_all", "upload_saved"]
 
 
 @dataclass(frozen=True)
@@ -142,3 +143,10 @@ def flush_all(saves: Callable[[float | None], bool], remote: Any, timeout: float
         if e.errno != 110:  # ETIMEDOUT: the uploads go on in the background
             raise
         return FlushResult(timed_out=True, errors=[str(e)])
+
+
+def upload_saved(remote: Any, res: SaveResult) -> None:
+    """The Store's shared-tier hook after a save or commit: a committed snapshot is durable locally, so
+    ``remote`` (a RemoteTier or None) uploads it (queued, or now in wait mode); pending ones wait for commit."""
+    if remote is not None and res.snapshot_id is not None and not res.pending:
+        remote.saved(res.snapshot_id)
