@@ -16,7 +16,8 @@ A chunk frame carries a chunk file exactly as a store keeps it (the 64-byte chun
 the payload, raw or compressed: docs/format.md "Chunk files"), so its XXH3-128 of the raw bytes
 is checked too. Parsing is pure data: ``json.loads`` and every field type- and range-checked; a
 reader holds the header and one piece of a frame at a time (bounded memory at any chain size).
-Every failure is an :class:`ExportFileError` that names the section and what is wrong.
+Every failure is an :class:`ExportFileError` that names the section and what is wrong. Reading a file
+in order, checking as it goes, is :mod:`snapstore.transfer.reader`.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ import json
 import math
 import re
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import blake3
 import numpy as np
@@ -42,7 +42,7 @@ from snapstore._tokens import as_token_array
 from snapstore.chunks.chunkfile import CODEC_NAMES, HEADER_SIZE
 
 __all__ = ["FLAG_MARKED", "FORMAT", "FRAME_HEAD", "FRAME_TAIL", "PREAMBLE", "TRAILER", "VERSION", "ChainLink",
-           "ChunkEntry", "ExportHeader", "ExportReader", "LinkPart", "Preamble", "Trailer", "decode_header",
+           "ChunkEntry", "ExportHeader", "LinkPart", "Preamble", "Trailer", "decode_header",
            "encode_header", "frame_head", "pack_preamble", "pack_trailer"]
 
 FORMAT = "snapstore-export"
@@ -380,73 +380,3 @@ def decode_header(data: bytes) -> ExportHeader:
         raise _bad("'created' is not finite")
     return ExportHeader(ident, ns, name, layout, tuple(chain), tuple(table), _count(doc, "snapshot_id"),
                         _get(doc, "writer", str), float(created), mark)
-
-
-# -- reading ---------------------------------------------------------------------------------------
-class ExportReader:
-    """Reads an export file in order, checking as it goes: :attr:`header` at once, then
-    :meth:`frames` (each frame's bytes in pieces, its checksum checked once they are read), then
-    :meth:`finish` (the trailer, the whole-file checksum, the end of the file). Holds the header
-    and one piece at a time."""
-
-    def __init__(self, f: BinaryIO, path: str = "the export file") -> None:
-        self._f = f
-        self.path = path
-        self._whole = blake3.blake3()
-        pre = parse_preamble(self._read(PREAMBLE, "the preamble"))
-        data = self._read(pre.header_len, "the header")
-        if blake3.blake3(data).digest() != pre.header_digest:
-            raise ExportFileError("the header is altered (its BLAKE3 does not match the preamble's)")
-        self.header = decode_header(data)
-        if bool(pre.flags & FLAG_MARKED) != (self.header.imported_from is not None):
-            raise ExportFileError("the preamble's flags and the header disagree on whether the state was imported "
-                                  "under an identity override")
-
-    def _read(self, n: int, what: str) -> bytes:
-        data = self._f.read(n)
-        if len(data) != n:
-            raise ExportFileError(f"truncated: {what} has {len(data)} of {n} bytes")
-        self._whole.update(data)
-        return data
-
-    def frames(self) -> Iterator[tuple[int, ChunkEntry, Iterator[memoryview]]]:
-        """``(index, entry, pieces)`` per frame in table order; ``pieces`` yields the chunk file's
-        bytes. The frame's checksum is checked when the next frame is asked for (or at :meth:`finish`):
-        the caller consumes ``pieces`` and writes nothing it cannot take back before that."""
-        for i, e in enumerate(self.header.chunks):
-            head = self._read(FRAME_HEAD, f"chunk frame {i}'s head")
-            magic, idx = _FRAME.unpack(head)
-            if magic != FRAME_MAGIC or idx != i:
-                raise ExportFileError(f"chunk frame {i}'s head is altered (magic or index {idx} wrong)")
-            h = blake3.blake3(head)
-            pieces = self._pieces(i, e.stored_len, h)
-            yield i, e, pieces
-            for _rest in pieces:  # what the caller left unread still counts toward the checksums
-                pass
-            tail = self._read(FRAME_TAIL, f"chunk frame {i}'s checksum")
-            if h.digest() != tail:
-                raise ExportFileError(f"chunk frame {i} is altered (its BLAKE3 does not match)")
-
-    def _pieces(self, i: int, n: int, h: blake3.blake3) -> Iterator[memoryview]:
-        left = n
-        while left:
-            piece = self._read(min(PIECE, left), f"chunk frame {i}")  # ExportFileError when cut short
-            h.update(piece)
-            left -= len(piece)
-            yield memoryview(piece)
-
-    def finish(self) -> None:
-        """The trailer: frame count, the whole file's BLAKE3, and nothing after it."""
-        digest = self._whole.digest()  # of every byte before the trailer
-        data = self._f.read(TRAILER)
-        if len(data) != TRAILER:
-            raise ExportFileError(f"truncated: the trailer has {len(data)} of {TRAILER} bytes")
-        magic, frames, whole = _END.unpack(data)
-        if magic != END_MAGIC:
-            raise ExportFileError("the trailer is altered (its magic is wrong), or frames are missing")
-        if frames != len(self.header.chunks):
-            raise ExportFileError(f"the trailer counts {frames} frames, the header {len(self.header.chunks)}")
-        if whole != digest:
-            raise ExportFileError("the file is altered (the trailer's BLAKE3 of the whole file does not match)")
-        if self._f.read(1):
-            raise ExportFileError("the file has bytes after its trailer")

@@ -60,8 +60,9 @@ from snapstore.plan.prefix import ContentSegment, content_key_of, content_tag, r
 from snapstore.plan.restore_plan import check_plan, parts_fit
 from snapstore.transfer.chunkcheck import BadChunk, ChunkVerify
 from snapstore.transfer.destination import path_arg
-from snapstore.transfer.format import ChunkEntry, ExportHeader, ExportReader
+from snapstore.transfer.format import ChunkEntry, ExportHeader
 from snapstore.transfer.policy import identity_decision
+from snapstore.transfer.reader import ExportReader
 from snapstore.transfer.results import ImportResult
 
 __all__ = ["check_layout", "import_export", "open_export", "read_header"]
