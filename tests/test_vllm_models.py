@@ -31,9 +31,11 @@ SHARED = 576  # tokens Q shares with P: 18 blocks of 32, 36 of 16 (MLA)
 CASES: dict[str, tuple[list[str], dict[str, Any]]] = {
     # MLA: vLLM forces block size 16 and turns its own prefix cache and chunked prefill off on a CPU
     "deepseek_v2_mla": (["--deepseek-v2"], {"block_size": None}),
+    "deepseek_v3_mla": (["--deepseek-v3"], {"block_size": None}),
     # sliding windows: vLLM's own prefix cache on, as a server runs them (it keeps only the window's blocks)
     "mistral_sliding": (["--sliding-window", "64"], {"prefix_cache": True}),
     "gemma3_sliding_full": (["--gemma3", "64"], {"prefix_cache": True}),
+    "gemma2_sliding_full": (["--gemma2", "64"], {"prefix_cache": True}),
 }
 
 
