@@ -154,7 +154,8 @@ def server_run(root: Path, tokens: int) -> dict[str, Any]:
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model)
     prompt = torch.randint(10, 32000, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     ec = {"backend_name": "snapstore", "module_path": "snapstore.engine.sglang", "class_name": "SnapstoreHiCache",
-          "interface_v1": 1, "hicache_storage_pass_prefix_keys": True, "path": str(root / "snap")}
+          "interface_v1": 1, "hicache_storage_pass_prefix_keys": True, "path": str(root / "snap"),
+          "model_revision": "bench-seed0"}  # the weights written above (a run writes them anew)
     modes = {"recomputed (no L3)": ([], {}),
              "SGLang HiCacheFile": (["--hicache-storage-backend", "file"],
                                     {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(root / "file")}),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,8 @@ def config(path: str, *, model: str = "Qwen/Qwen3-0.6B", tp_rank: int = 0, tp_si
     """A HiCacheStorageConfig as SGLang's cache controller builds it, with the documented extra config."""
     ec = {"backend_name": "snapstore", "module_path": "snapstore.engine.sglang", "class_name": "SnapstoreHiCache",
           "interface_v1": 1, "path": path, **extra}
+    if "model_revision" not in extra and "model_digest" not in extra:
+        ec["model_revision"] = "r0"  # a hub id's weights are known only by the revision the operator gives
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
                                 is_page_first_layout=False, model_name=model, extra_config=ec)
@@ -146,6 +149,34 @@ def test_factory_builds_the_documented_backend(tmp_path: Path) -> None:
     # SGLang's own keys in the same extra config are not the backend's to refuse
     StorageBackendFactory.create_backend("dynamic", config(str(tmp_path), prefetch_threshold=256,
                                                            hicache_storage_pass_prefix_keys=True), pool).close()
+
+
+def test_the_weights_are_known_or_the_backend_refuses_to_start(tmp_path: Path) -> None:
+    """A hub id with no revision or digest: the backend cannot tell new weights under that name from
+    these, so it refuses to start (one clear error) rather than serve their pages; a local model
+    directory keys its weights by their files, so weights replaced in place miss."""
+    pool = HostPages(4)
+    fill(pool, 2)
+    with pytest.raises(snapstore.ConfigError, match="cannot tell which weights"):
+        StorageBackendFactory.create_backend("dynamic", config(str(tmp_path / "s"), model_revision=None), pool)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"w" * 64)
+    keys = keys_of("w", 4)
+    b = backend(str(tmp_path / "s"), pool, model=str(model), model_revision=None)
+    assert b.batch_set_v1(keys, slots(0, 4), HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 4
+    b.close()
+    b = backend(str(tmp_path / "s"), HostPages(4), model=str(model), model_revision=None)
+    assert b.batch_exists(keys, HiCacheStorageExtraInfo(prefix_keys=[])) == 4  # the same weights: a hit
+    b.close()
+    st = weights.stat()
+    weights.write_bytes(b"v" * 64)  # new weights in place, same size
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    b = backend(str(tmp_path / "s"), HostPages(4), model=str(model), model_revision=None)
+    assert b.batch_exists(keys, HiCacheStorageExtraInfo(prefix_keys=[])) == 0
+    b.close()
 
 
 def test_without_prefix_keys_each_call_is_a_chain_of_its_own(tmp_path: Path, caplog: Any) -> None:

@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 import snapstore
 
-from ._identity import BACKEND_KEYS, SGLANG_KEYS, pool_identity
+from ._identity import BACKEND_KEYS, SGLANG_KEYS, pool_identity, weights_pack
 from ._keys import TOKENS_PER_PAGE, chain_tokens, key_tokens
 from ._pages import PageReader, PageWriter, page_bytes_of, page_nbytes
 
@@ -69,6 +69,7 @@ class SnapstoreHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class 
             raise snapstore.ConfigError(
                 "SnapstoreHiCache needs \"interface_v1\": 1 in --hicache-storage-backend-extra-config: "
                 "pages move zero-copy between the host pool and the store, keyed by their chain")
+        weights_pack(extra, storage_config.model_name or "")  # the weights must be known before a page is kept
         self.storage_config = storage_config
         self.path = extra.get("path")
         self._extra = extra

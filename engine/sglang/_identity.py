@@ -8,6 +8,8 @@ own keys). A page written under one identity is never served under another.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +30,41 @@ SGLANG_KEYS = frozenset({"prefetch_threshold", "prefetch_timeout_base", "prefetc
                          "metadata_ttl"})
 
 
+# files whose bytes are a model's weights or config, in a local model directory
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def weights_pack(extra_config: Mapping[str, Any], model: str) -> str:
+    """The identity's ``pack``: what the served weights are (DESIGN invariant 12, the key is complete).
+
+    ``model_digest``, else ``model_revision`` from the extra config; else, where ``model`` is a
+    local model directory, a digest of its ``config.json`` and of each weight file's name, size and
+    modification time (weights replaced in place are other weights). Anything else (a hub id with no
+    revision) cannot be told apart from new weights under the same name, so the backend refuses to
+    start (ConfigError) rather than serve pages another model's weights computed.
+    """
+    given = extra_config.get("model_digest") or extra_config.get("model_revision")
+    if given:
+        return str(given)
+    if model and os.path.isdir(model):
+        h = hashlib.sha256()
+        try:
+            with open(os.path.join(model, "config.json"), "rb") as f:
+                h.update(f.read())
+        except FileNotFoundError:
+            pass
+        for entry in sorted(os.scandir(model), key=lambda e: e.name):
+            if entry.name.endswith(_WEIGHT_SUFFIXES) and entry.is_file():
+                st = entry.stat()
+                h.update(f"\0{entry.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        return f"sglang-files:{h.hexdigest()}"
+    raise snapstore.ConfigError(
+        f"SnapstoreHiCache cannot tell which weights SGLang serves as {model!r} (not a local model directory, "
+        "and no \"model_revision\" or \"model_digest\" in --hicache-storage-backend-extra-config): pages "
+        "new weights under the same name computed would be served as these; add \"model_revision\" (the "
+        "weights' commit) or \"model_digest\" (docs/engine.md, 'SGLang')")
+
+
 def _scalar(value: Any) -> str | int | float | bool | None:
     """An identity value: plain scalars as they are, anything else (a torch dtype) as its str."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -39,7 +76,7 @@ def pool_identity(config: Any, pool: Any, pool_name: str, build: str) -> snapsto
     """The identity of ``pool_name``'s pages under ``config`` (a ``HiCacheStorageConfig``)."""
     extra_config: Mapping[str, Any] = config.extra_config or {}
     model = config.model_name or ""
-    pack = str(extra_config.get("model_digest") or extra_config.get("model_revision") or f"sglang-model:{model}")
+    pack = weights_pack(extra_config, model)
     extra: dict[str, str | int | float | bool | None] = {
         "engine": "sglang", "model": model, "pool": pool_name, "pool_class": type(pool).__name__,
         "page_bytes": page_nbytes(pool),
