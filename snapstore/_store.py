@@ -88,7 +88,8 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         self.pending_lease = options.pending_lease
         # issue 12: O_DIRECT writes; issue 48: cold reads forced (direct_reads True/False) or measured (None)
         self.direct_io = direct_io
-        self._reads: ReadPaths = ReadPaths(direct_reads, ram_tier=bool(budget.ram_bytes))
+        self._reads: ReadPaths = ReadPaths(direct_reads, ram_tier=bool(budget.ram_bytes), reserve=budget.reserve_bytes,
+                                           background=budget.write_bytes_per_hour is None)
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingBuffer(options.staging_bytes, options.chunk_bytes)
         self._ram = RamTier(budget.ram_bytes or 0) if budget.ram_bytes else None

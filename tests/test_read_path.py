@@ -409,3 +409,38 @@ def test_switching_methods_is_no_drift(cold_fs: str, monkeypatch: pytest.MonkeyP
         assert row.cold_rate == pytest.approx(1.6e9)
         s._reads._cold_rate = lambda: 1.7e9  # as expected after the switch: no drift
         assert s._reads.stale() is None
+
+
+def test_one_prober_per_store_and_none_under_a_write_budget(cold_fs: str) -> None:
+    """Processes sharing a store take turns: one that finds the probe turn held (an flock of tmp/,
+    which another process's probe holds) measures nothing now; a store with a write budget
+    (Budget.write_bytes_per_hour: its writes are the operator's to pace) never measures unasked."""
+    import fcntl
+
+    state = _state(21)
+    with _open(cold_fs) as s:
+        r = s.save(list(range(N)), state)
+    fd = os.open(os.path.join(cold_fs, "tmp"), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process's probe in flight
+        with _open(cold_fs) as s:
+            _cool(cold_fs)
+            out = _empty()
+            s.restore(r, out)
+            _wait_probe(s)
+            assert all(np.array_equal(out[k], state[k]) for k in state)
+            assert s._reads.row is None  # its turn was taken: nothing measured, nothing kept
+    finally:
+        os.close(fd)
+    assert _rows(cold_fs) == []
+    with _open(cold_fs, budget=ss.Budget(reserve_bytes=0, ram_bytes=MIB // 2, write_bytes_per_hour=1 << 40)) as s:
+        _cool(cold_fs)
+        s.restore(r, _empty())
+        assert s._reads._thread is None and s._reads.row is None
+    assert _rows(cold_fs) == []
+    with _open(cold_fs) as s:  # the turn free, no write budget: the large cold restore measures
+        _cool(cold_fs)
+        s.restore(r, _empty())
+        _wait_probe(s)
+        assert s._reads.row is not None
+    assert len(_rows(cold_fs)) == 1

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from snapstore.chunks.direct_io import ALIGN, O_DIRECT, DirectReads
 from snapstore.chunks.publish import create_temp, write_all
 from snapstore.chunks.repo import Repo
 from snapstore.chunks.residency import resident
+from snapstore.restore.read_choice import BUFFERED, CACHED, CANDIDATES, DIRECT_EDGE, Candidate, Measured, choose
 from snapstore.restore.tiers import Tiers
 
 __all__ = ["BUFFERED", "CACHED", "CANDIDATES", "DIRECT_EDGE", "DRIFT", "PROBE_AFTER", "PROBE_BYTES", "REMEASURE_S",
@@ -57,50 +58,9 @@ PROBE_ROUNDS = 3  # medians of this many reads per method
 PROBE_AFTER = 64 << 20  # cold bytes one restore must read before the store measures (smaller: it cannot matter much)
 REMEASURE_S = 7 * 86400.0  # a choice older than this is measured again (a host's disk, its cache, change)
 DRIFT = 2.0  # cold restores this many times faster or slower than at the choice: measured again
-# O_DIRECT is chosen only this much faster than buffered. A buffered read also leaves the pages cached
-# (issue 12 measured the next restore 1.9-2.5x slower after a direct read), and the store's direct path
-# (bounce pieces in one staging slot, checked in order) reaches less of the raw O_DIRECT rate than its
-# buffered path reaches of the raw buffered one: on the issue-48 VM, raw O_DIRECT 1.30x raw buffered
-# (probe: 1.59x), yet the store's cold restore 1.55 GB/s direct vs 2.32 GB/s buffered (docs/benchmarks.md).
-DIRECT_EDGE = 2.0
 _RETRY_S = 600.0  # one process measures at most this often (a failed or stopped probe included)
 _FREE_MARGIN = 1 << 30  # free space the probe leaves untouched beyond twice its file (a save's room)
 _BUF = 16 << 20  # the probe's read buffer (reused: memory stays bounded), one staging slot's worth
-_BUFFERED_PIECE = 4 << 20  # a buffered read's request, as the restore's buffered path (restore.stream)
-_BUFFERED_LANES = 2  # files read at once by the buffered path (restore.stream's reader lanes)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One way of reading cold chunk files: buffered (page cache, read-ahead) or O_DIRECT with
-    ``threads`` reads of ``piece`` bytes in flight (pieces fit one 16 MiB staging slot)."""
-
-    method: str  # "buffered" | "direct"
-    threads: int
-    piece: int
-
-    @property
-    def name(self) -> str:
-        """As reports show it: ``buffered`` or ``direct 8x1MiB``."""
-        if self.method == "buffered":
-            return "buffered"
-        return f"direct {self.threads}x{self.piece >> 20}MiB"
-
-
-BUFFERED = Candidate("buffered", _BUFFERED_LANES, _BUFFERED_PIECE)
-CACHED = "buffered, cached"  # the figure of a buffered read straight after one: what O_DIRECT gives up
-CANDIDATES: tuple[Candidate, ...] = (BUFFERED, Candidate("direct", 8, 1 << 20), Candidate("direct", 4, 4 << 20))
-
-
-@dataclass(frozen=True)
-class Measured:
-    """What :func:`measure` found: each method's median rate (bytes/s; 0: the file system refused it),
-    the one chosen and why, and whether the page cache could be dropped (else the figures are of cached reads)."""
-
-    rates: dict[str, float]
-    chosen: Candidate
-    reason: str
-    dropped: bool
 
 
 def storage_key(path: str) -> str:
@@ -111,30 +71,6 @@ def storage_key(path: str) -> str:
     except (OSError, AttributeError):
         fsid = 0
     return f"{st.st_dev:x}:{fsid:x}"
-
-
-def choose(rates: dict[str, float], candidates: Sequence[Candidate] = CANDIDATES) -> tuple[Candidate, str]:
-    """The fastest candidate by ``rates`` (name -> bytes/s) and a line saying why; O_DIRECT only when
-    :data:`DIRECT_EDGE` ahead of buffered (a buffered read also leaves the pages cached)."""
-    buffered = rates.get(BUFFERED.name, 0.0)
-    direct = [c for c in candidates if c.method == "direct" and rates.get(c.name, 0.0) > 0.0]
-    best = max(direct, key=lambda c: rates[c.name], default=None)
-
-    def gbs(c: Candidate) -> str:
-        return f"{c.name} {rates[c.name] / 1e9:.2f} GB/s"
-
-    if best is None:
-        return BUFFERED, f"buffered {buffered / 1e9:.2f} GB/s; O_DIRECT refused by this file system"
-    if buffered <= 0.0 or rates[best.name] >= DIRECT_EDGE * buffered:
-        cached = rates.get(CACHED, 0.0)
-        cost = f" ({cached / 1e9:.2f} GB/s from the page cache)" if cached > 0.0 else ""
-        return best, (f"{gbs(best)} vs {gbs(BUFFERED)}: O_DIRECT reads {rates[best.name] / max(buffered, 1.0):.2f}x "
-                      "as fast here; the cost: it leaves nothing in the page cache, so the next restore of the "
-                      f"same chunks reads the device again instead of the cache{cost}, unless the RAM tier holds them")
-    x = rates[best.name] / buffered
-    lead = "buffered reads are faster here" if x < 1.0 else f"O_DIRECT is not {DIRECT_EDGE:.2f}x ahead"
-    return BUFFERED, (f"{gbs(BUFFERED)} vs {gbs(best)}: {lead} (O_DIRECT {x:.2f}x), and buffered reads leave "
-                      "the pages cached")
 
 
 def _aligned(n: int) -> memoryview:
@@ -153,9 +89,9 @@ def _drop(fd: int, size: int) -> bool:
 
 def _read_buffered(path: str, size: int, buf: memoryview) -> None:
     """Read the file as the buffered restore path reads chunk files: a lane per file, each sequential
-    in :data:`_BUFFERED_PIECE` requests (the probe's halves stand for two files, each its own description)."""
-    lane = -(-size // _BUFFERED_LANES // ALIGN) * ALIGN
-    share = len(buf) // _BUFFERED_LANES
+    in ``BUFFERED.piece`` requests (the probe's halves stand for two files, each its own description)."""
+    lane = -(-size // BUFFERED.threads // ALIGN) * ALIGN
+    share = len(buf) // BUFFERED.threads
 
     def run(k: int) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -163,14 +99,14 @@ def _read_buffered(path: str, size: int, buf: memoryview) -> None:
             out = buf[k * share:(k + 1) * share]
             pos, end = k * lane, min(size, (k + 1) * lane)
             while pos < end:
-                n = os.preadv(fd, [out[:min(len(out), _BUFFERED_PIECE, end - pos)]], pos)
+                n = os.preadv(fd, [out[:min(len(out), BUFFERED.piece, end - pos)]], pos)
                 if n <= 0:
                     raise OSError(5, "the probe file is shorter than written")
                 pos += n
         finally:
             os.close(fd)
 
-    _threads(_BUFFERED_LANES, run)
+    _threads(BUFFERED.threads, run)
 
 
 def _read_direct(path: str, size: int, buf: memoryview, cand: Candidate) -> None:
@@ -212,20 +148,22 @@ def _threads(n: int, run: Callable[[int], None]) -> None:
 
 
 def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
-            candidates: Sequence[Candidate] = CANDIDATES, stop: Callable[[], bool] | None = None) -> Measured:
+            candidates: Sequence[Candidate] = CANDIDATES, stop: Callable[[], bool] | None = None,
+            reserve: int = _FREE_MARGIN) -> Measured:
     """Measure each candidate's cold read rate of a ``size``-byte temp file in ``tmp_dir`` (removed
     afterwards), medians of ``rounds``; ``stop()`` true between reads abandons it (SnapstoreError).
     OSError (a full disk, a read-only file system) reaches the caller; a method the file system
-    refuses (EINVAL) counts 0."""
+    refuses (EINVAL) counts 0. ``reserve``: free space left untouched beyond twice the file (the
+    store's ``Budget.reserve_bytes``)."""
     size = max(ALIGN, size // ALIGN * ALIGN)
     try:
         vfs = os.statvfs(tmp_dir)
         free = vfs.f_bavail * vfs.f_frsize
     except OSError:
         free = -1
-    if 0 <= free < 2 * size + _FREE_MARGIN:  # the probe never takes the room a save needs
+    if 0 <= free < 2 * size + reserve:  # the probe never takes the room a save needs
         raise StoreIOError(errno.ENOSPC, f"{free >> 20} MiB free under {tmp_dir}: the read-path probe needs "
-                           f"{(2 * size + _FREE_MARGIN) >> 20} MiB free; measured another time")
+                           f"{(2 * size + reserve) >> 20} MiB free; measured another time")
     fd, path = create_temp(tmp_dir)
     rfd = -1
     try:
@@ -287,9 +225,14 @@ class ReadPaths(DirectReads):
     """A store's cold-read method: forced (``forced`` True/False), else the one measured on its
     storage (loaded from the catalog at open, measured in the background when none fits)."""
 
-    def __init__(self, forced: bool | None, ram_tier: bool = True):
+    def __init__(self, forced: bool | None, ram_tier: bool = True, *, reserve: int | None = None,
+                 background: bool = True):
         super().__init__(bool(forced))
         self.forced = forced
+        # the free space a probe leaves (the store's Budget.reserve_bytes); background False (a store
+        # with a write budget: its writes are the operator's to pace): never measured unasked
+        self.reserve = _FREE_MARGIN if reserve is None else max(0, int(reserve))
+        self.background = background
         # without a RAM tier the page cache is the only copy a next restore can read from memory, and an
         # O_DIRECT read leaves none: such a store reads buffered unless forced (measured all the same)
         self.ram_tier = ram_tier
@@ -368,7 +311,8 @@ class ReadPaths(DirectReads):
     def restored(self, repo: Repo, tiers: Tiers | None) -> None:
         """After a successful restore that read ``tiers``: start the background probe if it read at
         least :data:`PROBE_AFTER` cold bytes and the choice is missing or stale (never on a read-only store)."""
-        if tiers is None or tiers.get("cold", 0) < PROBE_AFTER or repo.readonly or self.forced is not None:
+        if (tiers is None or tiers.get("cold", 0) < PROBE_AFTER or repo.readonly or self.forced is not None
+                or not self.background):
             return
         reason = self.stale()
         if reason is None:
@@ -383,13 +327,31 @@ class ReadPaths(DirectReads):
             self._thread.start()
 
     def _probe(self, repo: Repo) -> None:
-        """The background probe: measure, keep, use; any failure leaves the current choice (retried later)."""
+        """The background probe: measure, keep, use; any failure leaves the current choice (retried later).
+        One prober per store directory at a time: the processes sharing it take turns on an flock of its
+        ``tmp/`` directory (no file of its own), and one that finds it held measures nothing now."""
         try:
-            with contextlib.suppress(OSError, SnapstoreError):
-                self.measure_now(repo)
+            with contextlib.suppress(OSError, SnapstoreError), self._only_prober(repo.tmp) as mine:
+                if mine:
+                    self.measure_now(repo)
         finally:
             with self._lock:
                 self._thread = None
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _only_prober(tmp_dir: str) -> Iterator[bool]:
+        """Whether this process holds the store's probe turn (an flock on ``tmp_dir``, released on exit)."""
+        fd = os.open(tmp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
 
     def measure_now(self, repo: Repo, size: int | None = None,
                     rounds: int | None = None) -> tuple[ReadPathRow, Measured]:
@@ -401,7 +363,7 @@ class ReadPaths(DirectReads):
             raise StateError(f"{repo.root} is open read-only: the read-path probe writes a temp file; "
                              "open it writable to measure")
         got = measure(repo.tmp, PROBE_BYTES if size is None else size, PROBE_ROUNDS if rounds is None else rounds,
-                      stop=lambda: self._stop)
+                      stop=lambda: self._stop, reserve=self.reserve)
         key = self.key or storage_key(repo.root)
         # the cold rate drift is judged against: the store's, scaled from the method it was measured with
         # to the one chosen (switching methods is no drift)
@@ -432,7 +394,7 @@ class ReadPaths(DirectReads):
                     f"SNAPSTORE_DIRECT_READS ({'on' if self.forced else 'off'})", "measured": None, "figures": {}}
         row = self.row
         if row is None:
-            return {"method": "buffered", "threads": _BUFFERED_LANES, "piece": _BUFFERED_PIECE,
+            return {"method": "buffered", "threads": BUFFERED.threads, "piece": BUFFERED.piece,
                     "why": "not measured on this storage yet: buffered until a large cold restore (or "
                     "`snapstore bench`) measures it", "measured": None, "figures": {}}
         try:
@@ -443,6 +405,6 @@ class ReadPaths(DirectReads):
         if row.method == "direct" and not self.on and not self.ram_tier:
             why = ("buffered: this store has no RAM tier (ram_bytes=0), so the page cache is the only copy its next "
                    f"restore can read from memory, and O_DIRECT would leave none (measured: {row.reason})")
-        return {"method": "direct" if self.on else "buffered", "threads": self.threads if self.on else _BUFFERED_LANES,
-                "piece": self.piece if self.on else _BUFFERED_PIECE, "why": why, "measured": row.measured,
+        return {"method": "direct" if self.on else "buffered", "threads": self.threads if self.on else BUFFERED.threads,
+                "piece": self.piece if self.on else BUFFERED.piece, "why": why, "measured": row.measured,
                 "figures": figures, "storage": row.storage}
