@@ -238,3 +238,26 @@ def test_database_file_link_refused(tmp_path: Any) -> None:
     from snapstore.chunks.repo import SnapshotRepo
     with pytest.raises(ss.StoreFormatError, match="snapstore.db is a symbolic link"):
         SnapshotRepo.open(str(root))
+
+
+def test_gc_removes_an_interrupted_bench_scratch_store_and_nothing_it_links_to(tmp_path: Any) -> None:
+    """`snapstore bench` keeps a scratch store in tmp/w-bench-*; an interrupted run leaves it, and gc
+    removes it once older than the grace (a fresh one stays), never following a link inside it."""
+    outside = tmp_path / "outside"
+    names = _bait(outside)
+    st = _open(str(tmp_path / "s"))
+    try:
+        old = os.path.join(st.path, "tmp", "w-bench-left")
+        _open(old).close()  # a store, as bench's scratch store is
+        os.symlink(outside, os.path.join(old, "link"))
+        fresh = os.path.join(st.path, "tmp", "w-bench-running")
+        os.mkdir(fresh)
+        os.utime(old, (1, 1))
+        dry = st.gc(grace=3600, dry_run=True)
+        assert dry.temp_files == [old] and os.path.isdir(old)
+        rep = st.gc(grace=3600)
+        assert rep.temp_files == [old]
+        assert not os.path.exists(old) and os.path.isdir(fresh)
+    finally:
+        st.close()
+    assert sorted(os.listdir(outside)) == sorted(names)

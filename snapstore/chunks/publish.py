@@ -21,6 +21,7 @@ __all__ = ["TEMP_PREFIX", "create_temp", "discard", "ensure_dir", "finish_temp",
            "link_new", "replace_into", "write_all", "write_temp"]
 
 TEMP_PREFIX = "w-"
+SCRATCH_PREFIX = TEMP_PREFIX + "bench-"  # a scratch store directory in tmp/ (`snapstore bench`); gc removes it
 _FILE_MODE = 0o600
 _DIR_MODE = 0o700
 

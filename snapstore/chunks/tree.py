@@ -18,7 +18,8 @@ from contextlib import contextmanager
 
 from snapstore._errors import StoreFormatError, StoreIOError
 
-__all__ = ["DB_FILES", "DB_NAME", "STORE_DIRS", "check_tree", "list_dir", "open_dir", "remove_in", "write_refusal"]
+__all__ = ["DB_FILES", "DB_NAME", "STORE_DIRS", "check_tree", "list_dir", "open_dir", "remove_in", "remove_tree_at",
+           "write_refusal"]
 
 DB_NAME = "snapstore.db"
 DB_FILES = (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm")
@@ -114,3 +115,20 @@ def remove_in(root: str, parts: tuple[str, ...], name: str,
         except FileNotFoundError:
             return None
         return st.st_size
+
+
+def remove_tree_at(dir_fd: int, name: str) -> None:
+    """Remove the directory ``name`` under ``dir_fd`` and everything in it, each entry relative to its
+    parent's descriptor: a link inside is unlinked, never followed; ``name`` itself being a link
+    fails (ELOOP/ENOTDIR) and removes nothing."""
+    fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        with os.scandir(fd) as entries:
+            for entry in list(entries):
+                if entry.is_dir(follow_symlinks=False):
+                    remove_tree_at(fd, entry.name)
+                else:
+                    os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)

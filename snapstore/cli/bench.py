@@ -32,6 +32,7 @@ from snapstore._identity import Identity
 from snapstore._layout import Fixed, Layout, Rows
 from snapstore._store import Store
 from snapstore.chunks.direct_io import ALIGN, O_DIRECT
+from snapstore.chunks.publish import SCRATCH_PREFIX
 from snapstore.chunks.repo import DB_NAME, Repo
 from snapstore.cli.context import EXIT_OK, FORMAT, CliContext, UsageError
 from snapstore.restore.rates import RestoreRates
@@ -51,8 +52,9 @@ and restores of the same bytes with the defaults, each with its ratio to the bes
 which cold-read path the store chose on this storage and why. Run it before filing a performance
 bug: it shows what your own disk gives.
 
-The scratch files and the scratch store live in the store's tmp/ and are removed at the end
-(interrupted: remove tmp/w-bench-* by hand); the read-path measurement is kept in the store's catalog.
+The scratch files and the scratch store live in the store's tmp/ and are removed at the end (an
+interrupted run leaves tmp/w-bench-*, which gc removes after its grace period); the read-path
+measurement is kept in the store's catalog.
 Figures of a busy machine are noisy: read the ratios, and run it again when it is quiet.
 
 examples:
@@ -171,7 +173,7 @@ def run_bench(root: str, size: int, repeat: int, note: Callable[[str], None] | N
         before = reads.describe()
         say(f"measuring cold reads of {size >> 20} MiB, {repeat} rounds ...")
         row, got = reads.measure_now(repo, size=size, rounds=max(repeat, PROBE_ROUNDS))
-        scratch = tempfile.mkdtemp(prefix="w-bench-", dir=repo.tmp)
+        scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=repo.tmp)
     finally:
         repo.close()
     try:

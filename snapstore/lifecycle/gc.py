@@ -24,9 +24,9 @@ from snapstore.catalog.copy import catalog_copy
 from snapstore.catalog.db import rolled_back
 from snapstore.catalog.fence import inside
 from snapstore.catalog.queries import Txn
-from snapstore.chunks.publish import TEMP_PREFIX
+from snapstore.chunks.publish import SCRATCH_PREFIX, TEMP_PREFIX
 from snapstore.chunks.repo import Repo
-from snapstore.chunks.tree import list_dir, remove_in
+from snapstore.chunks.tree import list_dir, open_dir, remove_in, remove_tree_at
 from snapstore.lifecycle.liveness import Liveness, reap_lock_files
 from snapstore.lifecycle.rules import (
     IdentityDrop,
@@ -79,8 +79,9 @@ def path_or_id(repo: Repo, cid: bytes) -> str:
 
 # -- files -----------------------------------------------------------------------------------
 def temp_files(repo: Repo, now: float, grace: float) -> list[str]:
-    """Leftover temp files of interrupted writes, older than ``grace`` seconds (in the real tmp/
-    only: a link in its place lists nothing)."""
+    """Leftover temp files of interrupted writes, and scratch store directories of an interrupted
+    ``snapstore bench``, older than ``grace`` seconds (in the real tmp/ only: a link in its place
+    lists nothing, and a link inside it is never followed)."""
     out = []
     for name in list_dir(repo.root, "tmp"):
         if name.startswith(TEMP_PREFIX):
@@ -89,16 +90,47 @@ def temp_files(repo: Repo, now: float, grace: float) -> list[str]:
                 st = os.stat(path, follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= grace:
+            scratch = stat.S_ISDIR(st.st_mode) and name.startswith(SCRATCH_PREFIX)
+            if (stat.S_ISREG(st.st_mode) or scratch) and now - st.st_mtime >= grace:
                 out.append(path)
     return sorted(out)
 
 
 def _size(path: str) -> int:
+    """A temp file's bytes, or a scratch directory's (its regular files, no link followed)."""
     try:
-        return os.stat(path, follow_symlinks=False).st_size
+        st = os.stat(path, follow_symlinks=False)
     except OSError:
         return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
+    total = 0
+    for folder, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                fst = os.stat(os.path.join(folder, f), follow_symlinks=False)
+            except OSError:
+                continue
+            total += fst.st_size if stat.S_ISREG(fst.st_mode) else 0
+    return total
+
+
+def _remove_temp(repo: Repo, path: str) -> int:
+    """Remove one of :func:`temp_files`' entries, never through a link; the bytes freed. A scratch
+    directory is removed relative to a descriptor of the real tmp/ (``open_dir``: a link planted in
+    place of tmp/ since the listing fails it), following no link inside it (``remove_tree_at``)."""
+    name = os.path.basename(path)
+    if not name.startswith(SCRATCH_PREFIX):
+        return remove_in(repo.root, ("tmp",), name) or 0
+    size = _size(path)
+    fd = open_dir(repo.root, "tmp")
+    try:
+        if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+            return 0
+        remove_tree_at(fd, name)
+    finally:
+        os.close(fd)
+    return size
 
 
 def _unlink_chunks(repo: Repo, ids: Iterable[bytes], progress: Progress | None = None,
@@ -140,7 +172,7 @@ def collect_orphans(repo: Repo, grace: float, dry_run: bool, progress: Progress 
     freed = _unlink_chunks(repo, old, progress, 0, total)
     for t in temps:
         try:
-            freed += remove_in(repo.root, ("tmp",), os.path.basename(t)) or 0  # never through a link
+            freed += _remove_temp(repo, t)
         except OSError:
             pass  # not removable now: the next gc tries again
         if progress is not None:
