@@ -380,27 +380,25 @@ class SnapstoreHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         """Read each transfer's pages into its pool (K/V as a chain, the side pools page by page)."""
-        res: dict[str, list[bool]] = {}
-        for t in transfers:
-            name = str(t.name)
-            if name == KV:
-                idx = t.host_indices if t.host_indices is not None else torch.empty(0, dtype=torch.int64)
-                res[name] = self._get_chain(KV, list(t.keys or []), idx, extra_info)
-            else:
-                res[name] = self._side_io(t, write=False)
-        return res
+        return self._v2(transfers, extra_info, write=False)
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         """Write each transfer's pages from its pool (K/V as a chain, the side pools page by page)."""
+        return self._v2(transfers, extra_info, write=True)
+
+    def _v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None, *,
+            write: bool) -> dict[str, list[bool]]:
+        """The v2 calls' one loop: each transfer by its pool, the K/V chain or a side pool."""
+        chain = self._set_chain if write else self._get_chain
         res: dict[str, list[bool]] = {}
         for t in transfers:
             name = str(t.name)
             if name == KV:
                 idx = t.host_indices if t.host_indices is not None else torch.empty(0, dtype=torch.int64)
-                res[name] = self._set_chain(KV, list(t.keys or []), idx, extra_info)
+                res[name] = chain(KV, list(t.keys or []), idx, extra_info)
             else:
-                res[name] = self._side_io(t, write=True)
+                res[name] = self._side_io(t, write=write)
         return res
 
     # -- maintenance ----------------------------------------------------------------------------
