@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import helpers_llamacpp as h  # noqa: E402
 
-from snapstore.llamacpp._bridge import LlamaBridge  # noqa: E402
+from snapstore.engine.llamacpp._bridge import LlamaBridge  # noqa: E402
 
 
 def ttft(url: str, system: str, user: str) -> tuple[float, int]:

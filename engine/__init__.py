@@ -1,11 +1,9 @@
-"""Engine adapter: torch tensors on any device <-> snapstore, through a bounded staging buffer.
+"""snapstore's integrations, one folder each: the torch adapter (``torch``), transformers (``hf``),
+mlx_lm (``mlx``), vLLM (``vllm``), SGLang (``sglang``) and llama-server (``llamacpp``).
 
-``TorchAdapter`` saves and restores named tensors of any layout (token axis anywhere, strided
-views, bf16/fp8) on CPU or CUDA; ``snapstore.engine.hf`` integrates Hugging Face transformers
-caches; ``snapstore.engine.mlx`` integrates mlx_lm (no torch). See docs/engine.md. The core package
-never imports torch. This package's torch names are loaded on first use (PEP 562), so that
-``import snapstore.engine.mlx`` does not import torch; without torch, using one of them raises
-:class:`TorchMissingError` saying what to install.
+Each uses only the core's public names (``import snapstore``). The torch adapter's names are also
+reachable here, as ``snapstore.engine.TorchAdapter`` and so on (their home before the integrations
+had folders), loaded on first use: importing this package imports no torch and no runtime.
 """
 
 from __future__ import annotations
@@ -14,11 +12,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._adapter import TorchAdapter, layout_of, part_sink, part_source
-    from ._dtypes import canonical, dtype_name, fixed_spec, rows_spec, torch_dtype
-    from ._paged import TorchPagedRows
-    from ._staging import DEFAULT_STAGING_BYTES, Staging
-    from ._tensor_io import TensorSink, TensorSource
+    from .torch import (
+        DEFAULT_STAGING_BYTES,
+        Staging,
+        TensorSink,
+        TensorSource,
+        TorchAdapter,
+        TorchPagedRows,
+        canonical,
+        dtype_name,
+        fixed_spec,
+        layout_of,
+        part_sink,
+        part_source,
+        rows_spec,
+        torch_dtype,
+    )
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
@@ -37,21 +46,12 @@ __all__ = [
     "torch_dtype",
 ]
 
-_WHERE = {
-    "TorchAdapter": "_adapter", "layout_of": "_adapter", "part_sink": "_adapter", "part_source": "_adapter",
-    "canonical": "_dtypes", "dtype_name": "_dtypes", "fixed_spec": "_dtypes", "rows_spec": "_dtypes",
-    "torch_dtype": "_dtypes", "TorchPagedRows": "_paged", "DEFAULT_STAGING_BYTES": "_staging",
-    "Staging": "_staging", "TensorSink": "_tensor_io", "TensorSource": "_tensor_io",
-}
-
 
 def __getattr__(name: str) -> Any:
-    """The torch adapter's names, imported on first use (torch is checked first: ``_deps``)."""
-    where = _WHERE.get(name)
-    if where is None:
+    """The torch adapter's names, from :mod:`snapstore.engine.torch` on first use."""
+    if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    importlib.import_module(f"{__name__}._deps")
-    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
+    value = getattr(importlib.import_module(f"{__name__}.torch"), name)
     globals()[name] = value
     return value
 

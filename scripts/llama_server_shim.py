@@ -129,8 +129,8 @@ def main() -> None:
         del srv
         os._exit(0)
     # proxy mode: the server where only the proxy talks to it, with what the proxy needs
-    from snapstore.llamacpp._bridge import LlamaBridge
-    from snapstore.llamacpp._proxy import run_proxy
+    from snapstore.engine.llamacpp._bridge import LlamaBridge
+    from snapstore.engine.llamacpp._proxy import run_proxy
 
     work = tempfile.mkdtemp(prefix="shim-")
     if not a.slot_save_path:

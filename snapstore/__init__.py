@@ -44,18 +44,18 @@ from snapstore._results import (
     SnapshotInfo,
     Stats,
 )
-from snapstore._store import Store
 from snapstore._tokens import TokensLike
-from snapstore.calls.turn import Turn
 from snapstore.check.verify import VerifyReport
 from snapstore.lifecycle.gc import GcReport
 from snapstore.parts.buffers import Destination, PartReader, PartSource, PartWriter
 from snapstore.parts.meta import EngineMeta
 from snapstore.parts.paged import PagedRows
 from snapstore.parts.rowspan import RowSpan, row_span
-from snapstore.plan.recompute import PrefillRate
+from snapstore.plan.restore_or_recompute import PrefillRate
 from snapstore.remote.uploader import FlushResult
 from snapstore.save.asynchronous import SaveHandle
+from snapstore.store.store import Store
+from snapstore.store.turn import Turn
 from snapstore.transfer.results import ExportResult, ImportResult
 
 __version__ = "0.1.0"

@@ -641,8 +641,8 @@ def proxy(bridge: Any) -> Iterator[tuple[str, Any]]:
 
     from aiohttp import web
 
-    from snapstore.llamacpp._metrics import BridgeMetrics
-    from snapstore.llamacpp._proxy import make_app
+    from snapstore.engine.llamacpp._metrics import BridgeMetrics
+    from snapstore.engine.llamacpp._proxy import make_app
 
     metrics = BridgeMetrics()
     bridge.events = metrics.events()

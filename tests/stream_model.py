@@ -160,7 +160,7 @@ class LateCuda:
         self.fail_at: int | None = None
         self.on_copy: Callable[[int], None] | None = None
 
-    # -- the backend API (engine/_device.py) -----------------------------------------------
+    # -- the backend API (engine/torch/_device.py) -----------------------------------------------
     def is_device(self, t: torch.Tensor) -> bool:
         """True for tensors made by :meth:`to_device` / :meth:`empty` (and views of them)."""
         return t.untyped_storage().data_ptr() in self._device_storage and t.untyped_storage().nbytes() > 0
@@ -303,7 +303,7 @@ class CudaHarness:
     SPIN = 20_000_000  # GPU cycles a launched kernel waits before it runs (~10 ms)
 
     def __init__(self) -> None:
-        from snapstore.engine._device import CUDA
+        from snapstore.engine.torch._device import CUDA
 
         self.backend = CUDA
         self.hazards: list[str] = []

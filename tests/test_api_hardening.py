@@ -16,9 +16,9 @@ import pytest
 from support import IDENT, LAYOUT, empty_like_state, make_state, open_store, part_hashes
 
 import snapstore as ss
-from snapstore import _store
 from snapstore.catalog import db as _db
 from snapstore.lifecycle.bookkeeping import USE_EVERY_S
+from snapstore.store import store as _store
 
 FIXED_ONLY = ss.Layout(fixed={"state": ss.Fixed("float32", (4, 4))})
 

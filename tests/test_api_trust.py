@@ -398,7 +398,7 @@ def test_an_allocate_that_raises_is_released(tmp_path: Any) -> None:
 def test_turn_commit_without_waiting_commits_when_the_captures_land(tmp_path: Any, monkeypatch: Any) -> None:
     """Turn.commit(wait=False) returns at once and commits when the last capture in flight lands;
     the turn lists its in-flight handles; store.commit() of a handle in flight says what to do."""
-    from snapstore import _store
+    from snapstore.store import store as _store
 
     tokens = list(range(300))
     gate = threading.Event()

@@ -428,7 +428,7 @@ def test_forked_child_opens_its_own_store_whatever_module_lock_a_parent_thread_h
 def test_forked_child_hashes_a_model_whatever_a_parent_thread_held(tmp_path: Any) -> None:
     """The llama.cpp integration's model-hash cache is process-wide too: a parent thread inside
     file_sha256() at the fork left its lock held, and the child's first identity hung on it."""
-    from snapstore.llamacpp import _identity
+    from snapstore.engine.llamacpp import _identify as _identity
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(1000))

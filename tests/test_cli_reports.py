@@ -21,8 +21,8 @@ import snapstore as ss
 from snapstore.check.inspect import inspect_snapshot, inspect_store, resolve_identity
 from snapstore.chunks.repo import SnapshotRepo
 from snapstore.cli.commands import inspect_doc
-from snapstore.cli.context import CliContext
 from snapstore.cli.parser import ArgumentsError, build_parser
+from snapstore.console.context import CliContext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -380,7 +380,7 @@ def test_conjugate_views_refused_clearly(where: str, tmp_path: Any) -> None:
 # -- item 7: one shared staging for staging=None ------------------------------------------------
 def test_staging_none_shares_one_pinned_buffer(late: LateCuda, tmp_path: Any) -> None:
     """Device parts without a staging share one (pinned) buffer, not one per part."""
-    from snapstore.engine._torch import shared_staging
+    from snapstore.engine.torch._device_staging import shared_staging
     parts_cpu = {f"kv{i}": _rand((24, 3, 10), torch.bfloat16, 30 + i) for i in range(8)}
     layout = layout_of(rows=parts_cpu)
     store = _open(tmp_path / "s", layout=layout)

@@ -23,8 +23,8 @@ pytest.importorskip("aiohttp")
 import helpers_llamacpp as h  # noqa: E402
 
 import snapstore as ss  # noqa: E402
-from snapstore.llamacpp._bridge import LlamaBridge  # noqa: E402
-from snapstore.llamacpp._slotstore import SlotStore, export_snapshot  # noqa: E402
+from snapstore.engine.llamacpp._bridge import LlamaBridge  # noqa: E402
+from snapstore.engine.llamacpp._slotstore import SlotStore, export_snapshot  # noqa: E402
 
 BUILD = "test-build-1"
 SYS = h.text_of(60, seed=5)

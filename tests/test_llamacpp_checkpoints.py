@@ -23,11 +23,11 @@ pytest.importorskip("gguf")
 
 import helpers_llamacpp as h  # noqa: E402
 
-from snapstore.llamacpp import _slotfile as S  # noqa: E402
-from snapstore.llamacpp._identity import model_info  # noqa: E402
-from snapstore.llamacpp._slotckpt import CKPT_STATE_MAGIC, checkpoint_slots  # noqa: E402
-from snapstore.llamacpp._slotmodel import KvLayer, RecLayer, SlotFile  # noqa: E402
-from snapstore.llamacpp._slotstore import SlotStore, export_snapshot  # noqa: E402
+from snapstore.engine.llamacpp import _slotfile as S  # noqa: E402
+from snapstore.engine.llamacpp._identify import model_info  # noqa: E402
+from snapstore.engine.llamacpp._slotckpt import CKPT_STATE_MAGIC, checkpoint_slots  # noqa: E402
+from snapstore.engine.llamacpp._slotmodel import KvLayer, RecLayer, SlotFile  # noqa: E402
+from snapstore.engine.llamacpp._slotstore import SlotStore, export_snapshot  # noqa: E402
 
 BUILD = "test-build-checkpoints"
 

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snapstore.llamacpp import _slotfile as S
-from snapstore.llamacpp import _slotparts as P
-from snapstore.llamacpp._slotmodel import KvLayer, ModelShape, RecLayer, SlotFile, SwaCache
-from snapstore.llamacpp._slotwindow import widen
+from snapstore.engine.llamacpp import _slotfile as S
+from snapstore.engine.llamacpp import _slotparts as P
+from snapstore.engine.llamacpp._slotmodel import KvLayer, ModelShape, RecLayer, SlotFile, SwaCache
+from snapstore.engine.llamacpp._slotwindow import widen
 
 F16, F32 = 1, 0
 W = 8  # K/V elements per token per layer

@@ -25,9 +25,9 @@ pytest.importorskip("gguf")
 import helpers_llamacpp as h  # noqa: E402
 
 from snapstore.cli.main import main  # noqa: E402
-from snapstore.llamacpp import _slotfile as S  # noqa: E402
-from snapstore.llamacpp._identity import model_info  # noqa: E402
-from snapstore.llamacpp._slotstore import SlotStore  # noqa: E402
+from snapstore.engine.llamacpp import _slotfile as S  # noqa: E402
+from snapstore.engine.llamacpp._identify import model_info  # noqa: E402
+from snapstore.engine.llamacpp._slotstore import SlotStore  # noqa: E402
 
 BUILD = "test-build-draft"
 F16 = 1
@@ -146,7 +146,7 @@ def _without_draft(sf: S.SlotFile) -> S.SlotFile:
 
 
 def _dest(store: SlotStore, n: int) -> dict[str, np.ndarray]:
-    from snapstore.llamacpp._slotparts import empty_parts
+    from snapstore.engine.llamacpp._slotparts import empty_parts
 
     assert store.store is not None
     return empty_parts(store.store.layout, n)

@@ -25,12 +25,12 @@ pytest.importorskip("gguf")
 import helpers_llamacpp as h  # noqa: E402
 
 from snapstore.cli.main import main  # noqa: E402
-from snapstore.llamacpp import _slotfile as S  # noqa: E402
-from snapstore.llamacpp._formodel import CacheLayoutMismatchError, check_for_model  # noqa: E402
-from snapstore.llamacpp._identity import model_info, model_shape  # noqa: E402
-from snapstore.llamacpp._slotmodel import KvLayer, ModelShape, RecLayer, SlotFile  # noqa: E402
-from snapstore.llamacpp._slotparts import SlotProto  # noqa: E402
-from snapstore.llamacpp._slotstore import SlotStore  # noqa: E402
+from snapstore.engine.llamacpp import _slotfile as S  # noqa: E402
+from snapstore.engine.llamacpp._formodel import CacheLayoutMismatchError, check_for_model  # noqa: E402
+from snapstore.engine.llamacpp._identify import model_info, model_shape  # noqa: E402
+from snapstore.engine.llamacpp._slotmodel import KvLayer, ModelShape, RecLayer, SlotFile  # noqa: E402
+from snapstore.engine.llamacpp._slotparts import SlotProto  # noqa: E402
+from snapstore.engine.llamacpp._slotstore import SlotStore  # noqa: E402
 
 BUILD = "test-build-formodel"
 F16, F32, Q8_0 = 1, 0, 8

@@ -24,8 +24,8 @@ pytest.importorskip("aiohttp")
 
 import helpers_llamacpp as h  # noqa: E402
 
-from snapstore.llamacpp._bridge import LlamaBridge  # noqa: E402
-from snapstore.llamacpp._identity import model_info  # noqa: E402
+from snapstore.engine.llamacpp._bridge import LlamaBridge  # noqa: E402
+from snapstore.engine.llamacpp._identify import model_info  # noqa: E402
 
 BUILD = "test-build-1"
 SYS = h.text_of(60, seed=5)
@@ -207,7 +207,7 @@ def test_the_start_up_probe_leaves_the_slot_as_it_was(models, tmp_path):
 def test_a_background_save_planned_under_an_older_identity_is_refused(models, tmp_path):
     """The slot is copied out under the request's identity, the identity moves on before the
     background store runs: the save is refused (identity_changed), nothing stored under the new one."""
-    from snapstore.llamacpp._bridge import BridgeEvents
+    from snapstore.engine.llamacpp._bridge import BridgeEvents
 
     slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
     with h.server_process(models["a"], slots) as srv:
@@ -282,7 +282,7 @@ def test_import_slot_takes_the_servers_identity_only_with_upstream(models, tmp_p
 
 
 def test_request_inputs_the_identity_cannot_key_are_declined():
-    from snapstore.llamacpp._served import Served, request_unkeyable
+    from snapstore.engine.llamacpp._served import Served, request_unkeyable
 
     served = Served(model_path="m.gguf", build="b", n_slots=1, loras=({"id": 0, "path": "l.gguf", "scale": 1.0},),
                     signature="s")

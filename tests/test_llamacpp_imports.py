@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "snapstore" / "llamacpp"
+PKG = Path(__file__).resolve().parent.parent / "engine" / "llamacpp"
 
 
 def _graph() -> dict[str, set[str]]:
@@ -19,10 +19,10 @@ def _graph() -> dict[str, set[str]]:
                 continue
             if node.level == 1:  # from ._x import ... / from . import _x
                 names = [node.module] if node.module else [a.name for a in node.names]
-            elif node.module == "snapstore.llamacpp":  # from snapstore.llamacpp import _x
+            elif node.module == "snapstore.engine.llamacpp":  # from snapstore.engine.llamacpp import _x
                 names = [a.name for a in node.names]
-            elif node.module and node.module.startswith("snapstore.llamacpp."):  # from snapstore.llamacpp._x import
-                names = [node.module[len("snapstore.llamacpp."):]]
+            elif node.module and node.module.startswith("snapstore.engine.llamacpp."):  # ... llamacpp._x import
+                names = [node.module[len("snapstore.engine.llamacpp."):]]
             else:
                 continue
             out[p.stem].update(n.split(".")[0] for n in names if n and n.split(".")[0] in mods)

@@ -28,7 +28,7 @@ pytest.importorskip("aiohttp")
 
 import helpers_llamacpp as h  # noqa: E402
 
-from snapstore.llamacpp._bridge import LlamaBridge  # noqa: E402
+from snapstore.engine.llamacpp._bridge import LlamaBridge  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BUILD = "test-build-inv"

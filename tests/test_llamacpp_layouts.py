@@ -22,9 +22,9 @@ pytest.importorskip("gguf")
 
 import helpers_llamacpp as h  # noqa: E402
 
-from snapstore.llamacpp import _slotfile as S  # noqa: E402
-from snapstore.llamacpp._identity import model_info  # noqa: E402
-from snapstore.llamacpp._slotstore import SlotStore  # noqa: E402
+from snapstore.engine.llamacpp import _slotfile as S  # noqa: E402
+from snapstore.engine.llamacpp._identify import model_info  # noqa: E402
+from snapstore.engine.llamacpp._slotstore import SlotStore  # noqa: E402
 
 BUILD = "test-build-layouts"
 ARCHS = ["llama", "lfm2", "granitehybrid", "nemotron_h", "mamba2", "qwen35", "qwen3next", "gemma3", "gpt-oss"]
@@ -189,7 +189,7 @@ def test_proxy_restart_restores_system_prompt(models, tmp_path, arch):
     system prompt: the stored boundary is restored and the answer is the uninterrupted run's."""
     pytest.importorskip("aiohttp")
     pytest.importorskip("xllamacpp")
-    from snapstore.llamacpp._bridge import LlamaBridge
+    from snapstore.engine.llamacpp._bridge import LlamaBridge
 
     model = models[arch]
     slots, store = str(tmp_path / "slots"), str(tmp_path / "store")

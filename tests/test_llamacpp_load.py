@@ -22,7 +22,7 @@ pytest.importorskip("aiohttp")
 
 import helpers_llamacpp as h  # noqa: E402
 
-from snapstore.llamacpp._bridge import LlamaBridge  # noqa: E402
+from snapstore.engine.llamacpp._bridge import LlamaBridge  # noqa: E402
 
 SLOTS = 2
 CLIENTS = 4 * SLOTS

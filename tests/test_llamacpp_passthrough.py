@@ -28,8 +28,8 @@ pytest.importorskip("aiohttp")
 
 import helpers_llamacpp as h  # noqa: E402
 
-from snapstore.llamacpp._bridge import LlamaBridge  # noqa: E402
-from snapstore.llamacpp._prompt import tokens_in  # noqa: E402
+from snapstore.engine.llamacpp._bridge import LlamaBridge  # noqa: E402
+from snapstore.engine.llamacpp._prompt import tokens_in  # noqa: E402
 
 BUILD = "test-build-pt"
 KEY = "sekrit-key"
@@ -341,7 +341,7 @@ def test_server_ram_cache_still_works(model, tmp_path, via):
 def test_exact_repeat_restored_after_restart(model, tmp_path, caplog):
     """A completion stored whole is restored whole after a restart (the server re-reads one token),
     its save logged as what it is; the output equals a store-less run."""
-    caplog.set_level(logging.INFO, logger="snapstore.llamacpp")
+    caplog.set_level(logging.INFO, logger="snapstore.engine.llamacpp")
     prompt = h.text_of(240, 12)
     store = str(tmp_path / "store")
     with target("proxy", model, tmp_path, store=store) as t:

@@ -26,8 +26,8 @@ pytest.importorskip("aiohttp")
 
 import helpers_llamacpp as h  # noqa: E402
 
-from snapstore.llamacpp._bridge import BridgeEvents, LlamaBridge  # noqa: E402
-from snapstore.llamacpp._slotfile import decode  # noqa: E402
+from snapstore.engine.llamacpp._bridge import BridgeEvents, LlamaBridge  # noqa: E402
+from snapstore.engine.llamacpp._slotfile import decode  # noqa: E402
 
 BUILD = "provenance-test"
 SYS = h.text_of(60, seed=5)
@@ -93,7 +93,7 @@ def test_a_lora_requests_slot_is_never_stored_as_the_base_models(models: dict[st
     cache (a request without ``lora`` keeps a slot's cache whatever adapters computed it). Whatever
     the store holds for the base request's prompt is the base model's K/V; the declined store is
     counted."""
-    from snapstore.llamacpp._identity import model_info
+    from snapstore.engine.llamacpp._identify import model_info
 
     slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
     shape = model_info(models["llama"]).shape
@@ -142,7 +142,7 @@ def test_an_adapter_scale_change_stores_no_slot_filled_before_it(models: dict[st
     """Item 3: ``POST /lora-adapters`` changes the scale; the next request for the same chat must not be
     stored from a slot computed at the old scale: what the store holds under the new identity is the
     K/V a fresh server computes at the new scale."""
-    from snapstore.llamacpp._identity import model_info
+    from snapstore.engine.llamacpp._identify import model_info
 
     slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
     shape = model_info(models["llama"]).shape
@@ -273,7 +273,7 @@ def test_id_slot_minus_one_means_any_idle_slot(models: dict[str, str], tmp_path:
 def test_a_server_without_slots_is_fronted_untouched(models: dict[str, str], tmp_path: Path) -> None:
     """Item 11: llama-server started with ``--no-slots`` (as llama.cpp's own test harness starts it):
     the proxy starts, says what it cannot do, and passes every request through as the server answers."""
-    from snapstore.cli.llamacpp import listen_line
+    from snapstore.engine.llamacpp.cli import listen_line
 
     slots, store = str(tmp_path / "slots"), str(tmp_path / "store")
     prompt = h.text_of(50, seed=61)

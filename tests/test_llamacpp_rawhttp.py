@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from snapstore.llamacpp._rawhttp import exchange
+from snapstore.engine.llamacpp._rawhttp import exchange
 
 NO_CONTENT = b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\nAccess-Control-Allow-Origin: *\r\n\r\n0\r\n\r\n"
 CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\nX-A: 2\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"

@@ -17,9 +17,9 @@ pytest.importorskip("gguf")
 
 import helpers_llamacpp as h  # noqa: E402
 
-from snapstore.llamacpp import _slotfile as S  # noqa: E402
-from snapstore.llamacpp import _slotparts as P  # noqa: E402
-from snapstore.llamacpp._identity import model_info  # noqa: E402
+from snapstore.engine.llamacpp import _slotfile as S  # noqa: E402
+from snapstore.engine.llamacpp import _slotparts as P  # noqa: E402
+from snapstore.engine.llamacpp._identify import model_info  # noqa: E402
 
 
 def _fa_off(p):
@@ -179,6 +179,6 @@ def test_identity_module_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys, snapstore.cli.main, snapstore.llamacpp._bridge, snapstore.llamacpp._proxy, "
-            "snapstore.cli.llamacpp; assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, snapstore.cli.main, snapstore.engine.llamacpp._bridge, snapstore.engine.llamacpp._proxy, "
+            "snapstore.engine.llamacpp.cli; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))

@@ -23,7 +23,7 @@ pytest.importorskip("aiohttp")
 
 import helpers_llamacpp as h  # noqa: E402
 
-from snapstore.llamacpp._bridge import LlamaBridge, holding_candidates  # noqa: E402
+from snapstore.engine.llamacpp._bridge import LlamaBridge, holding_candidates  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +80,7 @@ WRITERS = {"llama": h.write_llama, "granitehybrid": h.write_granitehybrid}
 @pytest.mark.parametrize("unified", [False, True], ids=["per-slot-kv", "kv-unified"])
 @pytest.mark.parametrize("arch", list(WRITERS))
 def test_concurrent_restores_land_in_the_slots_that_serve_them(tmp_path, arch, unified, caplog):
-    caplog.set_level(logging.INFO, logger="snapstore.llamacpp")
+    caplog.set_level(logging.INFO, logger="snapstore.engine.llamacpp")
     model = WRITERS[arch](str(tmp_path / f"{arch}.gguf"))
     params = {"kv_unified": unified}
     store = str(tmp_path / "store")
@@ -112,7 +112,7 @@ def test_concurrent_restores_land_in_the_slots_that_serve_them(tmp_path, arch, u
 
 def test_a_request_that_names_its_slot_gets_its_restore_there(tmp_path, caplog):
     """``id_slot`` in the request: the restore goes to that slot, not to one the proxy would pick."""
-    caplog.set_level(logging.INFO, logger="snapstore.llamacpp")
+    caplog.set_level(logging.INFO, logger="snapstore.engine.llamacpp")
     model = h.write_llama(str(tmp_path / "llama.gguf"))
     store = str(tmp_path / "store")
     msgs = _first_turns()[0]

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from snapstore.llamacpp._proxy import _SlotSniffer
-from snapstore.plan.recompute import PrefillRate
+from snapstore.engine.llamacpp._proxy import _SlotSniffer
+from snapstore.plan.restore_or_recompute import PrefillRate
 
 
 def _sse_trace() -> bytes:

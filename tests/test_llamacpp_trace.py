@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from snapstore.llamacpp._trace import ProbeTrace
+from snapstore.engine.llamacpp._trace import ProbeTrace
 
 
 def page(prompt: int, secs: float, decodes: int, busy: float, tmax: int) -> str:

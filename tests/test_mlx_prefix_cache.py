@@ -341,7 +341,7 @@ def test_dropout_in_training_mode_is_not_served_and_quantization_settings_are_se
     from mlx.utils import tree_unflatten
     from mlx_lm.tuner.lora import LoRALinear
 
-    from snapstore.engine.mlx._identity import module_settings
+    from snapstore.engine.mlx._identify import module_settings
 
     model = mlx_models.build("llama")
     path, layer = next((p, m) for p, m in model.named_modules() if type(m).__name__ == "Linear")

@@ -23,7 +23,7 @@ from support.pagecache import cached_pages, drop_cache
 from test_plan_memo import BLOCK, _chain, _open, _state
 
 import snapstore as ss
-from snapstore.catalog.rates import RateRow
+from snapstore.catalog.rate_queries import RateRow
 from snapstore.chunks import direct_io
 from snapstore.chunks.chunkfile import ChunkHeader
 from snapstore.chunks.open_files import OpenFiles

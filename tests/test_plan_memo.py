@@ -380,7 +380,7 @@ def test_warm_up_plans_the_most_recently_used_snapshots(tmp_path: Any) -> None:
     a snapshot used longer ago than the PLANNED most recent ones is planned from the catalog."""
     import gc
 
-    from snapstore.calls.warm import PLANNED
+    from snapstore.store.warm import PLANNED
 
     prompts = [[i, *range(100, 100 + 8 * BLOCK)] for i in range(PLANNED + 1)]
     with _open(tmp_path / "s") as s:

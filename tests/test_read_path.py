@@ -17,7 +17,7 @@ from support import IDENT, store_factory
 from support.pagecache import cached_pages, drop_cache
 
 import snapstore as ss
-from snapstore.catalog.rates import ReadPathRow
+from snapstore.catalog.rate_queries import ReadPathRow
 from snapstore.chunks import direct_io as _direct_io
 from snapstore.restore import read_path as rp
 

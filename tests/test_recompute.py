@@ -18,9 +18,9 @@ from support import store_factory
 from support.profile import examples
 
 import snapstore as ss
-from snapstore.catalog.rates import RateRow
+from snapstore.catalog.rate_queries import RateRow
 from snapstore.lifecycle.bookkeeping import USE_EVERY_S
-from snapstore.plan.recompute import GOOD_ENOUGH, MAX_CONSIDERED, PrefillRate, decide
+from snapstore.plan.restore_or_recompute import GOOD_ENOUGH, MAX_CONSIDERED, PrefillRate, decide
 from snapstore.restore.rates import DECAY, GUESS_BYTES_PER_S, GUESS_FIXED_S, STAGE_EVERY_S, RestoreRates, TierFit
 
 ROW = 4096  # bytes a token
@@ -475,7 +475,7 @@ def test_the_vllm_scheduler_rates_the_forwards_its_workers_timed() -> None:
 
 def test_the_proxy_reads_the_servers_prompt_timing_across_chunks() -> None:
     pytest.importorskip("aiohttp")
-    from snapstore.llamacpp._proxy import _SlotSniffer
+    from snapstore.engine.llamacpp._proxy import _SlotSniffer
 
     body = b'data: {"id_slot":1,"timings":{"prompt_n":600,"prompt_ms":300.0,"predicted_n":4}}\n\n'
     for cut in range(1, len(body)):

@@ -11,10 +11,10 @@ import pytest
 import snapstore as ss
 from snapstore import ConfigError, CorruptionError
 from snapstore._identity import canonical_json
-from snapstore.remote.lookup import RemoteHit
+from snapstore.remote.bucket_restore import describe_remote
+from snapstore.remote.find_chain import RemoteHit
 from snapstore.remote.manifest import ChunkEntry, Manifest, PartEntry, decode, encode, parse_name
 from snapstore.remote.s3client import parse_url
-from snapstore.remote.stream import describe_remote
 
 
 def _m(**kw: object) -> Manifest:

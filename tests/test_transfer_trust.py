@@ -324,8 +324,8 @@ def test_the_shared_tiers_missing_check_counts_a_lost_or_quarantined_chunk(tmp_p
     from concurrent.futures import ThreadPoolExecutor
 
     from snapstore.remote.fetch import Fetcher
-    from snapstore.remote.lookup import RemoteHit
-    from snapstore.remote.publish import Publisher
+    from snapstore.remote.find_chain import RemoteHit
+    from snapstore.remote.upload_chain import Publisher
 
     with open_store(tmp_path / "s") as s, ThreadPoolExecutor(1) as pool:
         res = s.save(TOKENS[:100], {"rec": REC1, "kv": KV[:100]})

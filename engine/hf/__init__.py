@@ -4,7 +4,7 @@ and ``PrefixCache``, the one-line prefix cache for ``model.generate`` (docs/engi
 The parts a cache is stored as are listed in :mod:`snapstore.engine.hf._cache`; the prefix cache's
 modules are ``_prefix_cache`` (the calls), ``_capture`` (pending captures on a worker thread),
 ``_generate`` (what generate arguments it serves), ``_watch`` (the model's identity, looked at per
-call) and ``_identity`` (weights and config digests).
+call) and ``_identify`` (weights and config digests).
 """
 
 from __future__ import annotations

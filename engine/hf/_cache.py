@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from .. import _deps  # noqa: F401  (before torch: without it, an error that says what to install)
+from ..torch import _deps  # noqa: F401  (before torch: without it, an error that says what to install)
 
 # isort: split
 import torch
@@ -54,11 +54,11 @@ from snapstore import (
     UnsupportedCacheError,
 )
 
-from .._adapter import TorchAdapter
-from .._dtypes import dtype_name, torch_dtype
-from .._staging import Staging, shared_staging
-from .._types import TokenIds
-from ._identity import config_sha256, identity, weights_sha256
+from ..torch._adapter import TorchAdapter
+from ..torch._device_staging import Staging, shared_staging
+from ..torch._dtypes import dtype_name, torch_dtype
+from ..torch._types import TokenIds
+from ._identify import config_sha256, identity, weights_sha256
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PretrainedConfig, PreTrainedModel

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._identity import config_sha256, tensors_sha256
+from ._identify import config_sha256, tensors_sha256
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -7,22 +7,49 @@ CacheList, bfloat16 included. ``StorePromptCache`` is mlx_lm.server's LRUPromptC
 store (``snapstore mlx-server``); ``import_prompt_cache`` / ``export_prompt_cache`` turn the files
 ``mlx_lm.cache_prompt`` writes into snapshots and back.
 Installed with the ``mlx`` extra: ``pip install 'snapstore[mlx]'``.
-See docs/engine.md, section 16.
+See docs/engine.md, section 16. The names load on first use (PEP 562), so the ``snapstore`` CLI can
+register its MLX commands (:mod:`snapstore.engine.mlx.cli`) without mlx; where mlx or mlx_lm is
+missing, using a name (``from snapstore.engine.mlx import PrefixCache``) raises :class:`MlxMissingError`,
+an ImportError that says what to install.
 """
 
 from __future__ import annotations
 
-from . import _deps  # noqa: F401  (first: without mlx or mlx_lm, an error that says what to install)
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# isort: split
-from .._prefix_policy import PrefixCacheStats
-from ._cache_state import UnsupportedCacheError, describe, parts_of, rebuild
-from ._deps import MlxMissingError
-from ._files import ExportResult, ImportResult, PromptCacheMismatchError, export_prompt_cache, import_prompt_cache
-from ._identity import weights_sha256
-from ._prefix_cache import PrefixCache
-from ._server_cache import StorePromptCache
+if TYPE_CHECKING:
+    from .._prefix_policy import PrefixCacheStats
+    from ._cache_state import UnsupportedCacheError, describe, parts_of, rebuild
+    from ._deps import MlxMissingError
+    from ._files import ExportResult, ImportResult, PromptCacheMismatchError, export_prompt_cache, import_prompt_cache
+    from ._identify import weights_sha256
+    from ._prefix_cache import PrefixCache
+    from ._server_cache import StorePromptCache
 
 __all__ = ["ExportResult", "ImportResult", "MlxMissingError", "PrefixCache", "PrefixCacheStats",
            "PromptCacheMismatchError", "StorePromptCache", "UnsupportedCacheError", "describe", "export_prompt_cache",
            "import_prompt_cache", "parts_of", "rebuild", "weights_sha256"]
+
+_WHERE = {
+    "PrefixCacheStats": "snapstore.engine._prefix_policy", "UnsupportedCacheError": "._cache_state",
+    "describe": "._cache_state", "parts_of": "._cache_state", "rebuild": "._cache_state",
+    "MlxMissingError": "._deps", "ExportResult": "._files", "ImportResult": "._files",
+    "PromptCacheMismatchError": "._files", "export_prompt_cache": "._files", "import_prompt_cache": "._files",
+    "weights_sha256": "._identify", "PrefixCache": "._prefix_cache", "StorePromptCache": "._server_cache",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The integration's names, imported on first use; mlx and mlx_lm are checked first (``_deps``)."""
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    importlib.import_module("._deps", __name__)
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -30,7 +30,7 @@ from snapstore.transfer.destination import check_destination, publish_output
 from snapstore.transfer.policy import marked_output
 
 from ._cache_state import Node, UnsupportedCacheError, describe, destinations, parts_of, rebuild
-from ._identity import CacheSettings
+from ._identify import CacheSettings
 from ._open import open_stores
 from ._reading import DEFAULTS
 from ._stores import Stores

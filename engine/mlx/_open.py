@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from snapstore import Budget
 
 from ._arrays import dtype_name
-from ._identity import CacheSettings, draft_key, identity, weights_sha256
+from ._identify import CacheSettings, draft_key, identity, weights_sha256
 from ._stores import Stores
 
 __all__ = ["kv_field", "open_stores"]

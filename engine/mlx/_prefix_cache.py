@@ -41,7 +41,7 @@ from ._arrays import dtype_name
 from ._cache_state import UnsupportedCacheError, destinations, parts_of, rebuild
 from ._captures import Captures
 from ._deps import mlx_generate
-from ._identity import CacheSettings, Look, draft_key, identity, training_dropout, weights_sha256
+from ._identify import CacheSettings, Look, draft_key, identity, training_dropout, weights_sha256
 from ._reading import bypass_reason, read, settings_of, wrap_processors, wrap_progress
 from ._stores import Stores
 from ._stream import generate as _generate

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from ._deps import mlx_generate
-from ._identity import CacheSettings
+from ._identify import CacheSettings
 
 __all__ = ["DEFAULTS", "bypass_reason", "quantizer", "read", "settings_of", "wrap_processors", "wrap_progress"]
 

@@ -38,7 +38,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from snapstore import Budget, LayoutError, NotFoundError, RestoreError, StoreIOError
 
 from ._cache_state import UnsupportedCacheError, describe, destinations, held_tokens, parts_of, rebuild
-from ._identity import CacheSettings
+from ._identify import CacheSettings
 from ._open import open_stores
 from ._reading import settings_of
 from ._stores import Stores

@@ -7,7 +7,7 @@ c >= quantized_kv_start: the "q" phase, a second layout (and store) of the same 
 
 With a draft model (speculative decoding), each layout also names the draft's cache, as parts
 ``d.<layer>...`` of the optional component ``draft-<16 hex digits of the draft's key>`` (its weights
-and its modules' attributes, ``_identity.draft_key``):
+and its modules' attributes, ``_identify.draft_key``):
 a snapshot saved without it (by a call without the draft, or with another draft) still matches
 and restores with the draft cache empty; the draft's own snapshots are never served to another
 draft (its component is another one), and calls without a draft do not read them.
@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from snapstore import Budget, Fixed, Identity, Layout, Rows, Store
 
 from ._cache_state import Node, describe
-from ._identity import CacheSettings
+from ._identify import CacheSettings
 from ._reading import quantizer
 
 __all__ = ["Stores"]

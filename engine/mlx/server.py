@@ -21,7 +21,7 @@ import mlx_lm.server as mlx_server
 
 from snapstore import Budget
 
-from ._identity import CacheSettings
+from ._identify import CacheSettings
 from ._server_cache import ServedModels, StorePromptCache
 
 __all__ = ["install", "main", "server_settings"]

@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 import snapstore
 
-from ._identity import BACKEND_KEYS, SGLANG_KEYS, pool_identity, weights_pack
+from ._identify import BACKEND_KEYS, SGLANG_KEYS, pool_identity, weights_pack
 from ._keys import TOKENS_PER_PAGE, chain_tokens, key_tokens
 from ._pages import PageReader, PageWriter, page_bytes_of, page_nbytes
 

@@ -121,7 +121,7 @@ class ChunkQueries:
 
     def recently_used(self, identity_key: str, limit: int) -> list[tuple[int, str]]:
         """(id, namespace) of the identity's committed, matchable snapshots, the most recently used
-        first: what ``warm_up`` plans into the memo (calls/warm.py)."""
+        first: what ``warm_up`` plans into the memo (store/warm.py)."""
         return [(int(i), str(ns)) for i, ns in self._c.execute(
             "SELECT id, namespace FROM snapshots WHERE identity_id = (SELECT id FROM identities WHERE key = ?) "
             "AND state = 1 AND matchable = 1 ORDER BY last_used DESC, id DESC LIMIT ?", (identity_key, limit))]

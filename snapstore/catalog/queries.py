@@ -22,11 +22,11 @@ import numpy as np
 
 from snapstore._errors import CorruptionError
 from snapstore._tokens import BLOCK, Link, Segment, decode_tokens
-from snapstore.catalog.admission import TTL_FRESH_SQL, AdmissionQueries
+from snapstore.catalog.admission_queries import TTL_FRESH_SQL, AdmissionQueries
 from snapstore.catalog.chunk_queries import QUARANTINED_USERS_SQL, ChunkQueries
 from snapstore.catalog.find_keys import FIND_SEED, extend
 from snapstore.catalog.prefix_queries import PrefixQueries
-from snapstore.catalog.rates import RateQueries
+from snapstore.catalog.rate_queries import RateQueries
 from snapstore.catalog.rows import (
     N_SNAP,
     SNAP_COLS,

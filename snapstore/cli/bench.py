@@ -30,13 +30,13 @@ from snapstore._config import Budget, default_dir
 from snapstore._errors import CorruptionError
 from snapstore._identity import Identity
 from snapstore._layout import Fixed, Layout, Rows
-from snapstore._store import Store
 from snapstore.chunks.direct_io import ALIGN, O_DIRECT
 from snapstore.chunks.publish import SCRATCH_PREFIX
 from snapstore.chunks.repo import DB_NAME, Repo
-from snapstore.cli.context import EXIT_OK, FORMAT, CliContext, UsageError
+from snapstore.console.context import EXIT_OK, FORMAT, CliContext, UsageError
 from snapstore.restore.rates import RestoreRates
 from snapstore.restore.read_path import BUFFERED, CACHED, CANDIDATES, PROBE_ROUNDS, ReadPaths, storage_key
+from snapstore.store.store import Store
 
 __all__ = ["add_commands", "cmd_bench"]
 

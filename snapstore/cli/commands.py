@@ -21,8 +21,8 @@ from snapstore.check.report import SnapshotReport, StoreReport
 from snapstore.check.verify import VerifyReport, verify
 from snapstore.chunks.repo import DB_NAME, Repo, SnapshotRepo
 from snapstore.cli import render as render
-from snapstore.cli.context import EXIT_DAMAGE, EXIT_OK, FORMAT, CliContext, UsageError
 from snapstore.cli.remote import run_remote
+from snapstore.console.context import EXIT_DAMAGE, EXIT_OK, FORMAT, CliContext, UsageError
 from snapstore.lifecycle.gc import gc
 
 __all__ = ["cmd_gc", "cmd_inspect", "cmd_remote", "cmd_stats", "cmd_verify", "inspect_doc"]

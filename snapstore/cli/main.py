@@ -6,7 +6,7 @@ no such snapshot, 2 usage or I/O error, 130 interrupted. See docs/cli.md.
 
 This module is the entry point: it parses (:mod:`snapstore.cli.parser`), runs the command
 (:mod:`snapstore.cli.commands`, which renders through :mod:`snapstore.cli.render`) with a fresh
-:class:`~snapstore.cli.context.CliContext`, and maps errors to exit codes.
+:class:`~snapstore.console.context.CliContext`, and maps errors to exit codes.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 from snapstore._cli_start import take_over
 from snapstore._errors import NotFoundError, SnapstoreError
-from snapstore.cli.context import EXIT_DAMAGE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliContext, UsageError
 from snapstore.cli.parser import ArgumentsError, build_parser, parse_command_line
+from snapstore.console.context import EXIT_DAMAGE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliContext, UsageError
 
 __all__ = ["UsageError", "build_parser", "main"]
 

@@ -10,7 +10,7 @@ import argparse
 from typing import Any, NoReturn
 
 from snapstore.cli.commands import cmd_gc, cmd_inspect, cmd_stats, cmd_verify
-from snapstore.cli.context import UsageError, snapshot_id_arg
+from snapstore.console.context import UsageError, snapshot_id_arg
 
 __all__ = ["ArgumentsError", "build_parser", "parse_command_line"]
 
@@ -204,11 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_remote_flags(sp, name)
     for sp, run in ((pi, cmd_inspect), (pv, cmd_verify), (pg, cmd_gc), (ps, cmd_stats)):
         sp.set_defaults(run=run)
-    from snapstore.cli.transfer import add_commands as add_transfer  # export, import (issue 32)
+    from snapstore.cli.export_import import add_commands as add_transfer  # export, import (issue 32)
     add_transfer(sub, common)
-    from snapstore.cli.llamacpp import add_commands  # import-slot, export-slot, llama-proxy (no heavy imports)
+    from snapstore.engine.llamacpp.cli import add_commands  # import-slot, export-slot, llama-proxy (no heavy imports)
     add_commands(sub, common)
-    from snapstore.cli.mlx import add_commands as add_mlx  # mlx-server, import-/export-mlx-cache (no mlx import)
+    from snapstore.engine.mlx.cli import add_commands as add_mlx  # mlx-server, import-/export-mlx-cache (no mlx import)
     add_mlx(sub, common)
     from snapstore.cli.bench import add_commands as add_bench  # bench: the storage's limits and the store's figures
     add_bench(sub, common)

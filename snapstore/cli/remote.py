@@ -14,7 +14,7 @@ from typing import Any
 from snapstore._config import MIB, env_int
 from snapstore._errors import ConfigError
 from snapstore.cli import render as render
-from snapstore.cli.context import EXIT_DAMAGE, EXIT_OK, FORMAT, CliContext
+from snapstore.console.context import EXIT_DAMAGE, EXIT_OK, FORMAT, CliContext
 from snapstore.remote.maint import gc_remote, inspect_remote, stats_remote, verify_remote
 from snapstore.remote.s3client import S3Client
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from snapstore._config import MIB
-from snapstore.cli.context import CliContext
-from snapstore.cli.progress import human_bytes
+from snapstore.console.context import CliContext
+from snapstore.console.progress import human_bytes
 
 __all__ = ["gc", "inspect_all", "inspect_one", "remote_counters", "remote_gc", "remote_inspect", "remote_stats",
            "remote_verify", "stats", "verify", "verify_status"]
@@ -353,18 +353,3 @@ def remote_inspect(remote: dict[str, Any], out: CliContext) -> None:
 def verify_status(ok: bool, repaired: bool) -> str:
     """The ``status`` of a verify (local or shared tier): clean, repaired or damaged."""
     return "clean" if ok else ("repaired" if repaired else "damaged")
-
-
-def stored_file(doc: dict[str, Any], out: CliContext) -> int:
-    """An imported file's save (``import-slot``, ``import-mlx-cache``): the JSON document, else the
-    snapshot id on stdout and what was stored on stderr; exit 1 when the save was skipped."""
-    sid = doc["snapshot_id"]
-    if out.json:
-        out.emit_json(doc)
-    elif sid is None:
-        out.line(f"skipped: {doc['skipped']}")
-    else:
-        out.line(str(sid))
-        out.note(f"snapshot {sid}: {doc['n_tokens']} tokens, {doc['stored_bytes']} new bytes stored "
-                 f"(file {doc['file_bytes']} bytes), parent {doc['parent_id']}")
-    return 0 if sid is not None else 1

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from snapstore._errors import SnapstoreError
 from snapstore.catalog.queries import Txn
-from snapstore.catalog.rates import RateRow
+from snapstore.catalog.rate_queries import RateRow
 
 if TYPE_CHECKING:
     from snapstore.chunks.repo import Repo

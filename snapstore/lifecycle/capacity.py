@@ -8,7 +8,7 @@ from collections.abc import Callable
 from snapstore._config import Budget
 from snapstore._errors import CorruptionError
 from snapstore.catalog.queries import Txn
-from snapstore.lifecycle.rules import over_budget
+from snapstore.lifecycle.eviction import over_budget
 
 __all__ = ["Capacity"]
 

@@ -27,16 +27,15 @@ from snapstore.catalog.queries import Txn
 from snapstore.chunks.publish import SCRATCH_PREFIX, TEMP_PREFIX
 from snapstore.chunks.repo import Repo
 from snapstore.chunks.tree import list_dir, open_dir, remove_in, remove_tree_at
+from snapstore.lifecycle.eviction import evict_until, over_budget
 from snapstore.lifecycle.liveness import Liveness, reap_lock_files
 from snapstore.lifecycle.rules import (
     IdentityDrop,
     drop_dead_pending,
     drop_identities,
     drop_stale,
-    evict_until,
     expire,
     log_drops,
-    over_budget,
 )
 
 __all__ = ["GcReport", "Progress", "collect_orphans", "gc", "path_or_id", "temp_files"]

@@ -2,9 +2,10 @@
 
 Open-time housekeeping, :meth:`Store.close` and ``gc`` call the same functions, with their
 differences as arguments: drop dead pending captures, drop stale identities (:func:`drop_stale`:
-the one staleness rule of invariant 7), expire, evict;
+the one staleness rule of invariant 7), expire;
 plus delete, supersede (with the session rule: what another session uses is detached, not
-dropped) and the pruning of chain links. Each bumps its own counter. Chunk rows
+dropped) and the pruning of chain links.
+Eviction is :mod:`snapstore.lifecycle.eviction`. Each bumps its own counter. Chunk rows
 they remove are recorded on the transaction (:attr:`Txn.freed`); the repository's write path
 unlinks the files after the commit (:meth:`snapstore.chunks.repo.Repo.write`).
 """
@@ -24,18 +25,11 @@ from snapstore.catalog.rows import identity_fields
 from snapstore.lifecycle.liveness import Liveness
 
 __all__ = ["IdentityDrop", "drop_dead_pending", "drop_identities", "drop_leaf", "drop_stale", "drop_subtree",
-           "evict_until", "expire", "log_drops", "new_outside_use", "over_budget", "supersede", "used_elsewhere"]
+           "expire", "log_drops", "new_outside_use", "supersede", "used_elsewhere"]
 
 log = logging.getLogger("snapstore")
 
 
-def over_budget(t: Txn, disk_bytes: int | None, max_entries: int | None) -> str | None:
-    """Which limit the catalog exceeds now ("disk_budget", "max_entries"), or None."""
-    if disk_bytes is not None and t.stored_bytes() > disk_bytes:
-        return "disk_budget"
-    if max_entries is not None and t.entry_count() > max_entries:
-        return "max_entries"
-    return None
 
 
 def drop_subtree(t: Txn, sid: int) -> tuple[list[int], list[int]]:
@@ -124,26 +118,6 @@ def supersede(t: Txn, new: SnapRow, index: TokenIndex) -> int:
     return count
 
 
-def evict_until(t: Txn, fits: Callable[[list[bytes]], bool], protect: Iterable[int]) -> tuple[bool, list[int]]:
-    """Pop least-recently-used committed leaves (never ``protect``) until ``fits(t.freed)``.
-
-    Returns (fits now, snapshot ids evicted, pruned chain links included); counts "evictions".
-    """
-    keep = set(protect)
-    gone: list[int] = []
-    evicted = 0
-    t.drop_expired_names(time.time())  # an expired name no longer protects its snapshot
-    while not fits(t.freed):
-        # one leaf at a time: dropping it may turn its (older) parent into the next LRU leaf
-        leaves = t.lru_leaves(keep, limit=1)
-        if not leaves:
-            return False, gone
-        own, pruned = drop_leaf(t, leaves[0].id)
-        gone += own + pruned
-        evicted += 1
-    if evicted:
-        t.add_counter("evictions", evicted)
-    return True, gone
 
 
 def drop_dead_pending(t: Txn, live: Liveness) -> tuple[list[int], list[int], list[str]]:

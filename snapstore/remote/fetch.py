@@ -30,11 +30,11 @@ from snapstore.chunks.chunkfile import HEADER_SIZE, header_at, header_matches, s
 from snapstore.chunks.publish import TEMP_PREFIX, fsync_dirs, link_new
 from snapstore.chunks.repo import Repo
 from snapstore.chunks.settle import held, settle
-from snapstore.lifecycle.rules import evict_until
+from snapstore.lifecycle.eviction import evict_until
 from snapstore.plan.prefix import record_prefixes
 from snapstore.remote.check import BadObject, ChunkCheck, corrupt
+from snapstore.remote.find_chain import RemoteHit
 from snapstore.remote.keys import chunk_key, pause_point
-from snapstore.remote.lookup import RemoteHit
 from snapstore.remote.manifest import ChunkEntry
 from snapstore.remote.s3client import S3Client
 

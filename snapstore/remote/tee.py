@@ -36,13 +36,13 @@ from snapstore.catalog.db import Conn
 from snapstore.catalog.queries import ChunkRow
 from snapstore.chunks.chunkfile import HEADER_SIZE
 from snapstore.plan.restore_plan import PlanItem
+from snapstore.remote.bucket_restore import plan_by_chunk
 from snapstore.remote.check import BadObject, ChunkCheck
 from snapstore.remote.fetch import Fetcher, NoRoom, read_error
+from snapstore.remote.find_chain import RemoteHit
 from snapstore.remote.keys import chunk_key, pause_point
-from snapstore.remote.lookup import RemoteHit
 from snapstore.remote.manifest import ChunkEntry
 from snapstore.remote.s3client import S3Client
-from snapstore.remote.stream import plan_by_chunk
 
 __all__ = ["Importer", "hold_limit", "tee_restore"]
 

@@ -36,14 +36,14 @@ from snapstore.chunks.chunkfile import scope_key
 from snapstore.chunks.repo import Repo
 from snapstore.lifecycle.access import Retry
 from snapstore.plan.prefix import granularity
+from snapstore.remote.bucket_restore import describe_remote, stream_restore
 from snapstore.remote.fetch import Fetcher, NoRoom
+from snapstore.remote.find_chain import Lookup, RemoteHit, RemoteMatch
 from snapstore.remote.keys import LAYOUT, LEASE_TTL, chunk_key, gc_window, manifest_key, use_key
-from snapstore.remote.lookup import Lookup, RemoteHit, RemoteMatch
 from snapstore.remote.manifest import ChunkEntry
-from snapstore.remote.publish import Publisher
 from snapstore.remote.s3client import S3Client
-from snapstore.remote.stream import describe_remote, stream_restore
 from snapstore.remote.tee import Importer, hold_limit, tee_restore
+from snapstore.remote.upload_chain import Publisher
 from snapstore.remote.uploader import FlushResult, Uploader
 from snapstore.restore.read import planned_destination
 

@@ -14,7 +14,7 @@ shared among its tiers in proportion to what the model predicted for each before
 Before a tier has been seen its estimate is a stated guess (:data:`GUESS_BYTES_PER_S`, and
 :data:`GUESS_FIXED_S` per restore) and the estimate says so (``measured=False``).
 
-The sums live in the catalog (``restore_rates``, :mod:`snapstore.catalog.rates`): loaded at open
+The sums live in the catalog (``restore_rates``, :mod:`snapstore.catalog.rate_queries`): loaded at open
 (read-only stores too), and handed to the store's bookkeeping (:class:`snapstore.lifecycle.bookkeeping.Ledger`)
 at most every :data:`STAGE_EVERY_S` seconds and at close, so a restore never writes for it.
 """
@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from snapstore._results import RestoreEstimate
-from snapstore.catalog.rates import RateRow
+from snapstore.catalog.rate_queries import RateRow
 
 __all__ = ["DECAY", "DISK_TIERS", "GUESS_BYTES_PER_S", "GUESS_FIXED_S", "LOCAL_TIERS", "STAGE_EVERY_S", "TIERS",
            "RestoreRates", "TierFit"]

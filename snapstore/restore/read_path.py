@@ -42,7 +42,7 @@ import numpy as np
 
 from snapstore._errors import SnapstoreError, StateError, StoreIOError
 from snapstore._forks import track
-from snapstore.catalog.rates import ReadPathRow
+from snapstore.catalog.rate_queries import ReadPathRow
 from snapstore.chunks.direct_io import ALIGN, O_DIRECT, DirectReads
 from snapstore.chunks.publish import create_temp, write_all
 from snapstore.chunks.repo import Repo

@@ -27,7 +27,8 @@ from snapstore.catalog.queries import PartKind, SnapRow, SnapState, Txn
 from snapstore.chunks.chunkfile import HEADER_SIZE, checksum, header_at, header_matches, scope_key
 from snapstore.lifecycle.access import Retry
 from snapstore.lifecycle.capacity import Capacity
-from snapstore.lifecycle.rules import evict_until, new_outside_use, supersede
+from snapstore.lifecycle.eviction import evict_until
+from snapstore.lifecycle.rules import new_outside_use, supersede
 from snapstore.parts.buffers import Source, as_source
 from snapstore.plan.fit import saved_layout_key
 from snapstore.plan.prefix import (

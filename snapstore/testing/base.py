@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine
 from snapstore._config import Budget
 from snapstore._layout import Fixed
 from snapstore._results import Match, RestoreResult, SaveResult
-from snapstore._store import Store
+from snapstore.store.store import Store
 from snapstore.testing.engine import NumpyEngine, Workload
 from snapstore.testing.model import _MARGIN, _Clock, _File, _Name, _Saved
 

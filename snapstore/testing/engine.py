@@ -11,7 +11,7 @@ from snapstore._config import Budget
 from snapstore._identity import Identity
 from snapstore._layout import Fixed, Layout
 from snapstore._results import RestoreResult, SaveResult
-from snapstore._store import Store
+from snapstore.store.store import Store
 
 
 class Workload:

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
 from snapstore._identity import Identity
-from snapstore._store import Store
+from snapstore.store.store import Store
 from snapstore.testing.engine import NumpyEngine, Workload
 from snapstore.testing.model import _MARGIN, _digest
-from snapstore.testing.transfer import _Transfer
+from snapstore.testing.names_and_files import _Transfer
 
 
 class StoreStateMachine(_Transfer):

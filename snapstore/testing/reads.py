@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
 from snapstore._results import Match, MatchDetails
-from snapstore._store import Store
+from snapstore.store.store import Store
 from snapstore.testing.model import NAMESPACES, _digest
 from snapstore.testing.saves import _Saves
 

@@ -52,8 +52,8 @@ from snapstore.chunks.repo import Repo
 from snapstore.chunks.settle import held, settle
 from snapstore.lifecycle.access import Access, Retry
 from snapstore.lifecycle.capacity import Capacity
-from snapstore.lifecycle.names import check_name, name_snapshot
-from snapstore.lifecycle.rules import evict_until
+from snapstore.lifecycle.eviction import evict_until
+from snapstore.lifecycle.naming import check_name, name_snapshot
 from snapstore.plan.chain_rows import ChainRows
 from snapstore.plan.fit import saved_layout_key
 from snapstore.plan.prefix import ContentSegment, content_key_of, content_tag, record_prefixes

@@ -3,7 +3,7 @@
 A snapshot is served only to the identity that computed it (invariant 10). Two operator acts
 move state across anyway, and both follow the same rule:
 
-- ``snapstore llama-cpp export-slot --for-model OTHER.gguf`` (:mod:`snapstore.llamacpp._formodel`)
+- ``snapstore llama-cpp export-slot --for-model OTHER.gguf`` (:mod:`snapstore.engine.llamacpp._formodel`)
   writes a slot file for another model after checking that its cache layout agrees exactly; it
   writes nothing into the store;
 - ``Store.import_file(path, accept_identity=KEY)`` / ``snapstore import --accept-identity KEY``

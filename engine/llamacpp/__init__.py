@@ -1,0 +1,13 @@
+"""llama.cpp integration: llama-server slot files as deduplicated, verified, budgeted snapshots.
+
+``SlotStore`` imports/exports slot files; ``LlamaBridge`` gives a running llama-server prefix
+persistence (restore the longest stored prefix into a slot, save at system-prompt and
+conversation boundaries); ``snapstore llama-proxy`` serves the bridge as an HTTP proxy. No torch
+anywhere here. See docs/engine.md ("llama.cpp").
+"""
+
+from __future__ import annotations
+
+from ._slotfile import KNOWN_VERSIONS, ModelShape, SlotFile, SlotFormatError, decode, encode
+
+__all__ = ["KNOWN_VERSIONS", "ModelShape", "SlotFile", "SlotFormatError", "decode", "encode"]

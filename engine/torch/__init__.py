@@ -1,0 +1,58 @@
+"""The torch engine adapter: torch tensors on any device <-> snapstore, through a bounded staging buffer.
+
+``TorchAdapter`` saves and restores named tensors of any layout (token axis anywhere, strided
+views, bf16/fp8) on CPU or CUDA (docs/engine.md). Its names are loaded on first use (PEP 562), so
+importing this package, or ``snapstore.engine``, imports no torch; without torch, using one of them
+raises :class:`TorchMissingError` saying what to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._adapter import TorchAdapter, layout_of, part_sink, part_source
+    from ._device_staging import DEFAULT_STAGING_BYTES, Staging
+    from ._dtypes import canonical, dtype_name, fixed_spec, rows_spec, torch_dtype
+    from ._tensor_io import TensorSink, TensorSource
+    from ._torch_paged import TorchPagedRows
+
+__all__ = [
+    "DEFAULT_STAGING_BYTES",
+    "Staging",
+    "TensorSink",
+    "TensorSource",
+    "TorchAdapter",
+    "TorchPagedRows",
+    "canonical",
+    "dtype_name",
+    "fixed_spec",
+    "layout_of",
+    "part_sink",
+    "part_source",
+    "rows_spec",
+    "torch_dtype",
+]
+
+_WHERE = {
+    "TorchAdapter": "_adapter", "layout_of": "_adapter", "part_sink": "_adapter", "part_source": "_adapter",
+    "canonical": "_dtypes", "dtype_name": "_dtypes", "fixed_spec": "_dtypes", "rows_spec": "_dtypes",
+    "torch_dtype": "_dtypes", "TorchPagedRows": "_torch_paged", "DEFAULT_STAGING_BYTES": "_device_staging",
+    "Staging": "_device_staging", "TensorSink": "_tensor_io", "TensorSource": "_tensor_io",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The torch adapter's names, imported on first use (torch is checked first: ``_deps``)."""
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    importlib.import_module(f"{__name__}._deps")
+    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

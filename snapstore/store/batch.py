@@ -1,0 +1,160 @@
+"""Plan, then write: a destination chosen from the checked plan, and batches of restores.
+
+``Store.restore(m, into=callable)`` first checks the plan as ``describe`` does, hands it to the
+engine's callable (which allocates exactly the blocks it needs and returns the destinations),
+then restores. ``Store.restore_many`` builds every plan in one read transaction and streams them
+as one: a chunk that several chains share (a common system prompt) is read and checked once,
+then copied into each destination.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from snapstore._errors import InvalidInputError, RestoreError
+from snapstore._layout import Layout
+from snapstore._refs import SnapshotRef, ref_namespace, resolve_ref, session_key
+from snapstore._results import Match, RestoreResult
+from snapstore._tokens import TokensLike
+from snapstore.lifecycle.bookkeeping import Ledger, record_use
+from snapstore.lifecycle.rules import new_outside_use
+from snapstore.parts.buffers import Destination, Sink
+from snapstore.plan.restore_plan import PlanItem, RestorePlan
+from snapstore.restore.rates import RestoreRates
+from snapstore.restore.read import stream_checked, wanted_components
+from snapstore.save.stages import count_of
+from snapstore.store.gate import CallGate, operation
+
+if TYPE_CHECKING:
+    from snapstore.catalog.db import Conn
+    from snapstore.catalog.queries import SnapRow, Txn
+    from snapstore.chunks.direct_io import DirectReads
+    from snapstore.chunks.repo import Repo
+    from snapstore.chunks.staging import StagingBuffer
+    from snapstore.restore.ramtier import RamTier
+
+__all__ = ["BatchStore", "StoreBatches", "restore_batch"]
+
+
+class BatchStore(Protocol):
+    """What a batch of restores uses of its Store (:class:`snapstore.Store` is one): typed here, so
+    this module sits below the Store rather than importing it."""
+
+    _remote: Any
+    _repo: Repo
+    _staging: StagingBuffer
+    _ram: RamTier | None
+    _ledger: Ledger
+    _reads: DirectReads
+    _rates: RestoreRates
+
+    def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
+              wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]: ...
+
+
+class _FanSink(Sink):
+    """One chunk, several destinations: read and checked once (staged), then written to each."""
+
+    def __init__(self, sinks: list[Sink]):
+        super().__init__(sinks[0].name, sinks[0].nbytes)
+        self.sinks = sinks
+
+    def view(self, start: int, end: int) -> memoryview | None:
+        return None  # no single place to read into: the staging buffer holds it for every copy
+
+    def write(self, start: int, data: memoryview) -> None:
+        for s in self.sinks:
+            s.write(start, data)
+
+
+def _merged(plans: list[RestorePlan]) -> RestorePlan:
+    """Every plan's items as one plan; items that write the same chunk at the same place share a read."""
+    groups: dict[tuple[str, bytes, int, int], list[PlanItem]] = {}
+    for plan in plans:
+        for item in plan.items:
+            groups.setdefault((item.sink.name, item.chunk.id, item.offset, item.skip), []).append(item)
+    items = [g[0] if len(g) == 1 else PlanItem(_FanSink([i.sink for i in g]), g[0].offset, g[0].chunk, g[0].skip)
+             for g in groups.values()]
+    return RestorePlan(plans[0].snapshot_id, plans[0].n_tokens, [], {}, set(), items)
+
+
+def restore_batch(store: BatchStore, requests: list[tuple[Any, Any]], wanted: set[str], namespace: str | None,
+                  rows_from: int, session: str | None = None) -> list[RestoreResult]:
+    """Validate every request's plan, then stream them together; one error fails the batch.
+
+    ``session``: the caller's, for the session rule (as ``Store.restore``). Shared-tier matches are
+    fetched into the local tier first (``RemoteTier.localize``)."""
+    if store._remote is not None:
+        requests = store._remote.localize(requests, store, wanted, rows_from)
+    refs = []
+    for k, pair in enumerate(requests):
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise InvalidInputError(f"restore_many: request {k} must be a (match, into) pair, got {pair!r}")
+        m, into = pair
+        if not isinstance(into, Mapping):
+            raise InvalidInputError(f"restore_many: request {k}: into must be a mapping of part name to buffer")
+        ref = resolve_ref(m)  # the one reading of a ref (a MatchDetails' n_tokens honoured, as restore() does)
+        refs.append((ref.snapshot_id, ref_namespace(ref, namespace), into, ref.upto))
+    if not refs:
+        return []
+    t0 = time.perf_counter()
+
+    def build(c: Conn) -> list[tuple[bool, RestorePlan]]:
+        out = []
+        for sid, ns, into, upto in refs:
+            snap, plan = store._plan(c, sid, ns, into, wanted, rows_from, upto)
+            out.append((new_outside_use(snap, session), plan))  # the session rule's signal (lifecycle.rules)
+        return out
+
+    built = store._repo.db.read(build)
+    plans = [p for _, p in built]
+    tiers: dict[str, int] = {}
+    try:
+        stream_checked(_merged(plans), None, store._repo, store._staging, store._ram, store._ledger.count,
+                       store._reads, tiers)
+    except RestoreError as e:
+        e.args = (f"restore_many ({len(plans)} requests, failed as one; every destination counts as "
+                  f"touched={e.touched}): {e}",)
+        raise
+    dt = time.perf_counter() - t0
+    store._rates.observe(tiers, dt)  # one restore of the batch's bytes, as the restore rates count it
+    record_use(store._repo, store._ledger, [(p.snapshot_id, outside) for outside, p in built])
+    return [RestoreResult(p.n_tokens, p.rows, frozenset(p.missing_components), p.chain, p.nbytes, dt)
+            for p in plans]
+
+
+class StoreBatches:
+    """match_many() and restore_many(): a base of :class:`snapstore.Store`, which supplies the
+    attributes and calls declared here (those of :class:`BatchStore`, its layout, gate and match)."""
+
+    _remote: Any
+    _repo: Repo
+    _staging: StagingBuffer
+    _ram: RamTier | None
+    _ledger: Ledger
+    _reads: DirectReads
+    _rates: RestoreRates
+    _gate: CallGate
+    layout: Layout
+
+    def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
+              wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
+        raise NotImplementedError  # the Store's: the checked plan of one snapshot
+
+    def match(self, tokens: TokensLike, *, namespace: str | None = None) -> Match | None:
+        raise NotImplementedError  # the Store's match()
+
+    @operation
+    def match_many(self, token_lists: Iterable[TokensLike], *, namespace: str | None = None) -> list[Match | None]:
+        """``match()`` for each of many prompts (a scheduler admitting a batch), in order."""
+        return [self.match(t, namespace=namespace) for t in token_lists]
+
+    @operation
+    def restore_many(self, requests: Iterable[tuple[SnapshotRef, Mapping[str, Destination]]],
+                     components: Iterable[str] | None = None, *, namespace: str | None = None,
+                     rows_from: int = 0, session: str | None = None) -> list[RestoreResult]:
+        """Restore many (match, into) pairs at once; a chunk their chains share is read once."""
+        return restore_batch(self, list(requests), wanted_components(self.layout, components), namespace,
+                             count_of(rows_from, "rows_from"), session_key(session))
