@@ -24,8 +24,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from snapstore._config import Budget
-from snapstore._errors import SnapstoreError
+from snapstore import Budget, SnapstoreError
 
 from ._identify import ModelInfo
 from ._prompt import CHAT_PATHS, prompt_of

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from snapstore._errors import IdentityError
+from snapstore import IdentityError
 
 from ._slotmodel import GGML_TYPES, ModelShape
 from ._slotparts import SlotProto

@@ -14,9 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from snapstore._errors import ConfigError, InvalidInputError
-from snapstore._forks import ProcessLock
-from snapstore._identity import Identity
+from snapstore import ConfigError, Identity, InvalidInputError
 
 from ._modelshape import shape_of
 from ._slotmodel import GGML_TYPES, ModelShape
@@ -26,8 +24,10 @@ __all__ = ["BUILD_ENV", "UNKNOWN_BUILDS", "ModelInfo", "build_warning", "file_sh
            "model_info", "model_shape"]
 
 BUILD_ENV = "SNAPSTORE_LLAMA_BUILD"
-_HASHES: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: hashed once per process
-_LOCK = ProcessLock()  # fresh in a forked child (snapstore._forks)
+# (path, size, mtime_ns) -> sha256: hashed once per process. No lock: a dict's get and set are each
+# atomic, and two threads asking at once may both hash the file (the same digest), as before
+_HASHES: dict[tuple[str, int, int], str] = {}
+
 
 class ModelInfo:
     """A GGUF's SHA-256 and cache shape."""
@@ -45,16 +45,15 @@ def file_sha256(path: str) -> str:
     """SHA-256 hex of a file, hashed once per process for one (path, size, mtime)."""
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    with _LOCK:
-        if key in _HASHES:
-            return _HASHES[key]
+    known = _HASHES.get(key)
+    if known is not None:
+        return known
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(16 << 20):
             h.update(chunk)
     digest = h.hexdigest()
-    with _LOCK:
-        _HASHES[key] = digest
+    _HASHES[key] = digest
     return digest
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from snapstore._errors import InvalidInputError
+from snapstore import InvalidInputError
 
 from ._slotmodel import ModelShape
 

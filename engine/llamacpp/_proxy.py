@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from snapstore.plan.restore_or_recompute import PrefillRate
+from snapstore import PrefillRate
 
 from ._bridge import SLOT_FREE_PATHS, LlamaBridge, Plan
 from ._metrics import BridgeMetrics

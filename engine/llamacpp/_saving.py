@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from snapstore._errors import InvalidInputError, SnapstoreError, StateError
+from snapstore import InvalidInputError, SnapstoreError, StateError
 
 from ._prompt import lcp as _lcp
 from ._prompt import tokens_in as _tokens_in

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from snapstore._errors import SnapstoreError
+from snapstore import SnapstoreError
 
 from ._identify import ModelInfo, file_sha256, model_info
 from ._slotfile import SlotFile

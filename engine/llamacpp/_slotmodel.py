@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from snapstore._errors import CorruptionError
+from snapstore import CorruptionError
 
 __all__ = [
     "CKPT_MAGIC",

@@ -20,8 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from snapstore._errors import InvalidInputError, SnapstoreError
-from snapstore._layout import Fixed, Layout, Rows
+from snapstore import Fixed, InvalidInputError, Layout, Rows, SnapstoreError
 
 from ._slotmodel import (
     FORM_PLAIN,

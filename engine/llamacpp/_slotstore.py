@@ -15,14 +15,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from snapstore._config import Budget
-from snapstore._errors import IdentityError, NotFoundError, StateError
-from snapstore._identity import Identity
-from snapstore._refs import SnapshotRef
-from snapstore._results import Match, SaveResult
+from snapstore import (
+    Budget,
+    Identity,
+    IdentityError,
+    Match,
+    NotFoundError,
+    PrefillRate,
+    SaveResult,
+    SnapshotRef,
+    StateError,
+    Store,
+)
 from snapstore.catalog.rows import identity_fields
-from snapstore.plan.restore_or_recompute import PrefillRate
-from snapstore.store.store import Store
 from snapstore.transfer.policy import marked_output
 
 from ._identify import ModelInfo, identity_for, model_info

@@ -17,8 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from snapstore._refs import SnapshotRef
-from snapstore.store.store import Store
+from snapstore import SnapshotRef, Store
 
 from ._slotmodel import SlotFile, SlotFormatError
 from ._slotparts import SlotProto, empty_parts

@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
-from snapstore._errors import SnapstoreError, StoreIOError
+from snapstore import SnapstoreError, StoreIOError
 
 __all__ = ["JsonObject", "LlamaServer", "UpstreamError", "unreachable"]
 
