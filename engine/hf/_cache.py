@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from ..torch import _deps  # noqa: F401  (before torch: without it, an error that says what to install)
+# first: the torch adapter's names check torch (without it, TorchMissingError says what to install)
+from ..torch import Staging, TokenIds, TorchAdapter, dtype_name, shared_staging, torch_dtype
 
 # isort: split
 import torch
@@ -54,10 +55,6 @@ from snapstore import (
     UnsupportedCacheError,
 )
 
-from ..torch._adapter import TorchAdapter
-from ..torch._device_staging import Staging, shared_staging
-from ..torch._dtypes import dtype_name, torch_dtype
-from ..torch._types import TokenIds
 from ._identify import config_sha256, identity, weights_sha256
 
 if TYPE_CHECKING:

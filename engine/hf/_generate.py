@@ -21,7 +21,7 @@ import torch
 from snapstore import InvalidInputError
 
 from .._prefix_policy import CachePrefix, positions
-from ..torch._types import TokenIds
+from ..torch import TokenIds
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, GenerationConfig, PreTrainedModel

@@ -10,16 +10,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from snapstore import Identity
 
-from ..torch._copy import copy_range, flat_bytes, same_width, sync_copy
-from ..torch._device import CUDA
-from ..torch._dtypes import dtype_name
+from ..torch import dtype_name, tensors_sha256
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -40,31 +38,6 @@ def config_sha256(config: PretrainedConfig) -> str:
 def weights_sha256(model: PreTrainedModel, chunk: int = 64 << 20) -> str:
     """SHA-256 over every parameter and buffer of the state dict (name, dtype, shape, C-order bytes)."""
     return tensors_sha256(sorted(model.state_dict().items()), chunk)
-
-
-@torch.no_grad()
-def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]], chunk: int = 64 << 20) -> str:
-    """SHA-256 over named tensors, in the order given (name, dtype, shape, C-order bytes).
-
-    Contiguous CPU tensors are hashed in place; anything else (device, strided) is copied through
-    one reused host buffer of ``chunk`` bytes (page-locked for CUDA), so memory stays bounded.
-    """
-    h = hashlib.sha256()
-    buf: torch.Tensor | None = None
-    for name, t in named:
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        c = same_width(t.detach().resolve_conj().resolve_neg())
-        if c.device.type == "cpu" and (c.dim() == 0 or c.is_contiguous()):
-            h.update(flat_bytes(c).numpy().data)
-            continue
-        n = c.numel() * c.element_size()
-        if buf is None or (c.device.type == "cuda" and not buf.is_pinned()):
-            buf = torch.empty(chunk, dtype=torch.uint8, pin_memory=c.device.type == "cuda" and CUDA.available())
-        for a in range(0, n, chunk):
-            b = min(n, a + chunk)
-            copy_range(c, a, b, buf[:b - a], False, sync_copy)
-            h.update(buf[:b - a].numpy().data)
-    return h.hexdigest()
 
 
 def identity(model: PreTrainedModel, *, build: str | None = None, pack: str | None = None, kv: str | None = None,

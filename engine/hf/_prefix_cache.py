@@ -42,7 +42,7 @@ from snapstore import (
 
 from .._prefix_policy import COUNTERS, CachePrefix, PrefixCacheStats, check_boundary, default_boundary
 from .._prefix_policy import cuts as _cuts
-from ..torch._types import TokenIds
+from ..torch import TokenIds
 from . import _cache
 from ._capture import Captures
 from ._generate import (
@@ -61,7 +61,7 @@ from ._watch import Look
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
 
-    from ..torch._adapter import TorchAdapter
+    from ..torch import TorchAdapter
 
 __all__ = ["BatchNotSupportedError", "PrefixCache", "PrefixCacheStats", "default_boundary"]
 

@@ -13,16 +13,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._adapter import TorchAdapter, layout_of, part_sink, part_source
-    from ._device_staging import DEFAULT_STAGING_BYTES, Staging
+    from ._device_staging import DEFAULT_STAGING_BYTES, Staging, shared_staging
     from ._dtypes import canonical, dtype_name, fixed_spec, rows_spec, torch_dtype
+    from ._tensor_hash import tensors_sha256
     from ._tensor_io import TensorSink, TensorSource
     from ._torch_paged import TorchPagedRows
+    from ._types import TokenIds
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
     "Staging",
     "TensorSink",
     "TensorSource",
+    "TokenIds",
     "TorchAdapter",
     "TorchPagedRows",
     "canonical",
@@ -32,6 +35,8 @@ __all__ = [
     "part_sink",
     "part_source",
     "rows_spec",
+    "shared_staging",
+    "tensors_sha256",
     "torch_dtype",
 ]
 
@@ -40,6 +45,9 @@ _WHERE = {
     "canonical": "_dtypes", "dtype_name": "_dtypes", "fixed_spec": "_dtypes", "rows_spec": "_dtypes",
     "torch_dtype": "_dtypes", "TorchPagedRows": "_torch_paged", "DEFAULT_STAGING_BYTES": "_device_staging",
     "Staging": "_device_staging", "TensorSink": "_tensor_io", "TensorSource": "_tensor_io",
+    # for the other integrations that hold torch tensors (transformers): the process's shared staging
+    # buffer, the token-ids type, and the bounded-memory hash of named tensors
+    "shared_staging": "_device_staging", "TokenIds": "_types", "tensors_sha256": "_tensor_hash",
 }
 
 

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from snapstore import InvalidInputError, LayoutError, RowSpan, row_span
-from snapstore.parts.paged import block_indices, pool_axes  # the numpy pool's own readings of both
+from snapstore import InvalidInputError, LayoutError, PagedRows, RowSpan, row_span
 
 from ._copy import copy_range, flat_bytes, host_u8, same_width, sync_copy
 from ._dtypes import dtype_name
@@ -44,13 +43,13 @@ class TorchPagedRows:
         if not isinstance(pool, torch.Tensor):
             raise InvalidInputError(f"pool must be a torch tensor, got {type(pool).__name__} "
                                     "(numpy pools: snapstore.PagedRows)")
-        b_ax, t_ax = pool_axes(pool.dim(), axes)  # the one reading of axes, numpy PagedRows' too
+        b_ax, t_ax = PagedRows.pool_axes(pool.dim(), axes)  # the one reading of axes, numpy PagedRows' too
         # what the core checks against the layout's stream before a byte moves (as snapstore.PagedRows reports it)
         self.axes, self.pool_shape = (b_ax, t_ax), tuple(int(d) for d in pool.shape)
         self.dtype = _dtype_or_none(pool.dtype)
         self._pool = same_width(pool.detach().movedim((b_ax, t_ax), (0, 1)))  # a view: writes land in the pool
         self.device = pool.device
-        table = torch.as_tensor(block_indices(block_table) if not isinstance(block_table, torch.Tensor)
+        table = torch.as_tensor(PagedRows.block_indices(block_table) if not isinstance(block_table, torch.Tensor)
                                 else block_table)
         if table.dim() != 1 or table.dtype.is_floating_point or table.dtype == torch.bool:
             raise InvalidInputError("block_table must be a 1-D sequence of block indices")

@@ -88,6 +88,11 @@ class PagedRows:
     axes is refused, naming the axes that fit).
     """
 
+    # the one reading of a pool's ``axes`` and of a block table, for a twin over another array type
+    # (snapstore.engine.TorchPagedRows): ``PagedRows.pool_axes(ndim, axes)``, ``PagedRows.block_indices(table)``
+    pool_axes = staticmethod(pool_axes)
+    block_indices = staticmethod(block_indices)
+
     def __init__(self, pool: np.ndarray, block_table: Sequence[int] | np.ndarray, axes: Sequence[int] = (0, 1)):
         if not isinstance(pool, np.ndarray):
             raise InvalidInputError(f"pool must be a numpy array, got {type(pool).__name__} "
