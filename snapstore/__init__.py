@@ -7,7 +7,7 @@ request, process or restart that starts with the same tokens. See docs/api.md.
 from __future__ import annotations
 
 from snapstore import _cli_start  # noqa: F401  first: Ctrl-C while the snapstore command starts (issue 46)
-from snapstore._config import Budget
+from snapstore._config import Budget, default_dir
 from snapstore._errors import (
     ConfigError,
     CorruptChunkError,
@@ -56,6 +56,7 @@ from snapstore.remote.uploader import FlushResult
 from snapstore.save.asynchronous import SaveHandle
 from snapstore.store.store import Store
 from snapstore.store.turn import Turn
+from snapstore.transfer.output_file import OutputFile
 from snapstore.transfer.results import ExportResult, ImportResult
 
 __version__ = "0.1.0"
@@ -86,6 +87,7 @@ __all__ = [
     "Match",
     "MatchDetails",
     "NotFoundError",
+    "OutputFile",
     "RemoteError",
     "PagedRows",
     "PartReader",
@@ -115,6 +117,7 @@ __all__ = [
     "Turn",
     "VerifyReport",
     "__version__",
+    "default_dir",
     "dtype_size",
     "row_span",
 ]

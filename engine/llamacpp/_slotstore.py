@@ -17,7 +17,6 @@ from typing import Any
 
 from snapstore import (
     Budget,
-    Identity,
     IdentityError,
     Match,
     NotFoundError,
@@ -27,8 +26,6 @@ from snapstore import (
     StateError,
     Store,
 )
-from snapstore.catalog.rows import identity_fields
-from snapstore.transfer.policy import marked_output
 
 from ._identify import ModelInfo, identity_for, model_info
 from ._served import unseen_runtime
@@ -40,26 +37,6 @@ from ._slotwindow import fill_from_parent
 log = logging.getLogger("snapstore.engine.llamacpp")
 
 __all__ = ["ImportResult", "SlotStore", "export_slot", "export_snapshot"]
-
-
-def _identity_extra_of(root: str, sid: int) -> Identity:
-    """The identity of snapshot ``sid`` (read-only look at the catalog; no other identity's data)."""
-    from snapstore.chunks.repo import SnapshotRepo
-
-    repo = SnapshotRepo.open(root)
-    try:
-        def run(c: Any) -> Identity:
-            snap = c.snapshot(sid)
-            if snap is None:
-                raise NotFoundError(f"no snapshot {sid} in {root}")
-            for iid, _key, canonical, *_ in c.identities():
-                if iid == snap.identity_id:
-                    where = f"catalog row identities({iid}) column canonical"
-                    return Identity.from_dict(identity_fields(canonical, where))
-            raise NotFoundError(f"snapshot {sid} has no identity row")
-        return repo.db.read(run)
-    finally:
-        repo.close()
 
 
 def export_snapshot(root: str, sid: int, *, check: Callable[[Mapping[str, Any]], object] | None = None,
@@ -78,16 +55,15 @@ def export_slot(root: str, sid: int, *, check: Callable[[Mapping[str, Any]], obj
     checkpoints (``SCKP``, the deepest ``MAX_WRITTEN``): one restore each, so only here, not on
     the proxy's restore path, which restores the exact prefix a request needs. Returns the file and
     whether it is the store's own state: a snapshot imported under an identity override is written
-    only when ``accept_identity`` names the identity that computed it (:func:`marked_output`)."""
-    ident = _identity_extra_of(root, sid)
+    only when ``accept_identity`` names the identity that computed it (``Store.check_export``)."""
+    ident = Store.identity_of(root, sid)  # any identity in the store: a look at the catalog, nothing written
     if ident.extra.get("engine") != "llama.cpp":
         raise IdentityError(f"snapshot {sid} is not a llama.cpp slot (identity {ident.key})")
     if check is not None:
         check(ident.extra)
     proto = SlotProto.from_extra(ident.extra)
     with Store.open(root, identity=ident, layout=layout_for(proto), drop_stale=False) as store:
-        mark = next((i.imported_from for i in store.snapshots() if i.snapshot_id == sid), None)
-        own = marked_output(mark, accept_identity, f"snapshot {sid}", "slot file")
+        own = store.check_export(sid, "slot file", accept_identity=accept_identity)
         return _export(store, sid, proto, draft=draft, checkpoints=True), own
 
 

@@ -129,7 +129,7 @@ def _build_args(p: argparse.ArgumentParser) -> None:
 
 
 def _root(args: argparse.Namespace, create: bool) -> str:
-    from snapstore._config import default_dir
+    from snapstore import default_dir
     from snapstore.console.context import UsageError
 
     root = str(getattr(args, "dir", None) or default_dir())
@@ -139,6 +139,7 @@ def _root(args: argparse.Namespace, create: bool) -> str:
 
 
 UNSPECIFIED_BUILD = "unspecified"  # the build of an import that named none
+MIB = 1 << 20
 
 
 def _build(args: argparse.Namespace, ctx: CliContext) -> str:
@@ -158,8 +159,7 @@ def _build(args: argparse.Namespace, ctx: CliContext) -> str:
 
 def cmd_import_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     """import-slot FILE --model MODEL: store a slot file; print the snapshot id."""
-    from snapstore.check.inspect import FORMAT
-    from snapstore.console.context import stored_file
+    from snapstore.console.context import FORMAT, stored_file
 
     from ._slotstore import SlotStore
 
@@ -186,7 +186,7 @@ def cmd_import_slot(args: argparse.Namespace, ctx: CliContext) -> int:
 
 def _server_slotstore(args: argparse.Namespace, ctx: CliContext) -> Any:
     """A SlotStore under the identity the running server at --upstream has now (as llama-proxy takes it)."""
-    from snapstore._errors import ConfigError
+    from snapstore import ConfigError
 
     from ._identify import BUILD_ENV, build_warning, model_info
     from ._served import identify, model_of, served_now
@@ -213,12 +213,8 @@ def _server_slotstore(args: argparse.Namespace, ctx: CliContext) -> Any:
 
 def cmd_export_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     """export-slot ID FILE: write the snapshot as a slot file."""
-    import secrets
-
-    from snapstore.check.inspect import FORMAT
-    from snapstore.chunks.publish import write_all
-    from snapstore.console.context import UsageError
-    from snapstore.transfer.destination import check_destination, publish_output
+    from snapstore import OutputFile
+    from snapstore.console.context import FORMAT, UsageError
 
     from ._slotstore import export_slot
 
@@ -229,21 +225,12 @@ def cmd_export_slot(args: argparse.Namespace, ctx: CliContext) -> int:
         raise UsageError("--cache-type-k/-v only go with --for-model (a plain export writes the snapshot's own types)")
     root = _root(args, create=False)
     # nothing a command does destroys a store (issue 46 item 10): never inside a store, never over a
-    # store's own file; a file elsewhere is replaced (as before), by one rename of a fresh temp file
-    dest = check_destination(args.out, overwrite=True, store_root=root, what="the slot file")
-    data, own = export_slot(root, args.id, check=check, draft=not (args.no_draft or args.for_model),
+    # store's own file (checked before the snapshot is read); a file elsewhere is replaced (as before),
+    # by one rename of a fresh temporary file (snapstore.OutputFile)
+    with OutputFile(args.out, overwrite=True, store_root=root, what="the slot file") as out:
+        data, own = export_slot(root, args.id, check=check, draft=not (args.no_draft or args.for_model),
                                 accept_identity=args.accept_identity)
-    tmp = os.path.join(os.path.dirname(os.path.abspath(dest)), f".{os.path.basename(dest)}.{secrets.token_hex(6)}.part")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        write_all(fd, data)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    publish_output(tmp, dest, overwrite=True)
+        out.write(data)
     if ctx.json:
         ctx.emit_json({"format": FORMAT, "command": "export-slot", "snapshot_id": args.id, "file": args.out,
                        "bytes": len(data), "for_model": args.for_model, "exact": own and not args.for_model})
@@ -271,7 +258,7 @@ def _for_model_check(args: argparse.Namespace) -> Any:
 
 def cmd_llama_proxy(args: argparse.Namespace, ctx: CliContext) -> int:
     """llama-proxy: serve until interrupted."""
-    from snapstore._config import MIB, Budget
+    from snapstore import Budget
     from snapstore.console.context import UsageError
 
     from ._bridge import LlamaBridge

@@ -18,16 +18,22 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from snapstore import Budget, IdentityError, InvalidInputError, LayoutError, Match, NotFoundError, SaveResult
-from snapstore.transfer.destination import check_destination, publish_output
-from snapstore.transfer.policy import marked_output
+from snapstore import (
+    Budget,
+    IdentityError,
+    InvalidInputError,
+    LayoutError,
+    Match,
+    NotFoundError,
+    OutputFile,
+    SaveResult,
+)
 
 from ._cache_state import Node, UnsupportedCacheError, describe, destinations, parts_of, rebuild
 from ._identify import CacheSettings
@@ -37,6 +43,7 @@ from ._stores import Stores
 
 __all__ = ["ExportResult", "ImportResult", "PromptCacheMismatchError", "export_prompt_cache", "import_prompt_cache"]
 
+_WHAT = "the prompt-cache file"
 _KINDS = {"kv": "KVCache", "qkv": "QuantizedKVCache", "rot": "RotatingKVCache", "arrays": "ArraysCache",
           "list": "CacheList"}
 
@@ -117,16 +124,16 @@ def export_prompt_cache(file: str | os.PathLike[str], model: Any, path: str | os
     ``tokenizer_config``); the token ids are recorded as ``snapstore_tokens`` when known. Raises
     NotFoundError when no such snapshot is stored for this model and these settings.
 
-    Nothing written destroys a store (``transfer.destination``): never inside a store directory,
+    Nothing written destroys a store (``snapstore.OutputFile``): never inside a store directory,
     never a store's own file name; an existing file elsewhere is replaced only with ``overwrite``
     (the default, as before), through a temporary file renamed into place. A snapshot imported under
     an identity override is written only when ``accept_identity`` names the identity that computed
-    it (``transfer.policy.marked_output``): the file cannot carry the mark, and imported again it
+    it (``Store.check_export``): the file cannot carry the mark, and imported again it
     would pass as this model's own state (issue 46 item 1); the result then says ``exact=False``.
     """
     if (tokens is None) == (snapshot_id is None):
         raise InvalidInputError("export_prompt_cache takes tokens= or snapshot_id=, one of them")
-    target = check_destination(file, overwrite=overwrite, what="the prompt-cache file")
+    target = OutputFile(file, overwrite=overwrite, what=_WHAT).path  # checked before any work
     start = 0 if kv_bits is not None else None
     settings = CacheSettings(int(DEFAULTS["prefill_step_size"]), kv_bits, kv_group_size if kv_bits else None, start,
                              max_kv_size if not hasattr(model, "make_cache") else None)
@@ -134,9 +141,8 @@ def export_prompt_cache(file: str | os.PathLike[str], model: Any, path: str | os
     try:
         phase, ref = _find(stores, tokens, snapshot_id)
         store = stores.store(phase)
-        check_destination(target, overwrite=overwrite, store_root=store.path, what="the prompt-cache file")
-        mark = next((i.imported_from for i in store.snapshots() if i.snapshot_id == ref.snapshot_id), None)
-        own = marked_output(mark, accept_identity, f"snapshot {ref.snapshot_id}", "prompt-cache file")
+        out = OutputFile(target, overwrite=overwrite, store_root=store.path, what=_WHAT, suffix=".safetensors")
+        own = store.check_export(ref, "prompt-cache file", accept_identity=accept_identity)
         schema, layout = stores.schemas[phase]
         n = ref.n_tokens
         dest = destinations(layout, n)
@@ -148,7 +154,8 @@ def export_prompt_cache(file: str | os.PathLike[str], model: Any, path: str | os
                 "snapstore_config_sha256": str(stores.identity.extra.get("config_sha256", ""))}
         if tokens is not None:
             meta["snapstore_tokens"] = json.dumps([int(t) for t in tokens[:n]])
-        _write(target, cache, meta, overwrite=overwrite)
+        with out:  # mx.save_safetensors adds the suffix to a name without it: the temporary name has it
+            save_prompt_cache(out.tmp_path, cache, meta)
         return ExportResult(ref.snapshot_id, n, os.path.getsize(target), tokens is not None, own)
     finally:
         stores.close()
@@ -273,24 +280,3 @@ def _find(stores: Stores, tokens: Sequence[int] | None, snapshot_id: int | None)
                                 f"settings ({ident}; pass the kv/window settings it was stored with)")
         raise NotFoundError(f"no prefix of these tokens is stored for this model under these cache settings ({ident})")
     return best
-
-
-def _write(file: str, cache: list[Any], meta: dict[str, str], *, overwrite: bool) -> None:
-    """Write through a fresh temporary file in the same directory, fsynced, then put in place in one
-    step (``publish_output``: replaced only with ``overwrite``)."""
-    name = file
-    folder, base = os.path.split(os.path.abspath(name))
-    # mx.save_safetensors adds the suffix when it is missing; a random name: never a file already there
-    tmp = os.path.join(folder, f".{base}.{secrets.token_hex(6)}.tmp.safetensors")
-    try:
-        save_prompt_cache(tmp, cache, meta)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.chmod(tmp, 0o600)
-        publish_output(tmp, name, overwrite=overwrite)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -131,7 +131,7 @@ def _load_model(path: str) -> Any:
 def cmd_import(args: argparse.Namespace, ctx: CliContext) -> int:
     """import-mlx-cache FILE --model DIR [--tokens IDS]: store the file; print the snapshot id."""
     _need_mlx()
-    from snapstore.check.inspect import FORMAT
+    from snapstore.console.context import FORMAT
 
     from . import import_prompt_cache
 
@@ -148,8 +148,7 @@ def cmd_import(args: argparse.Namespace, ctx: CliContext) -> int:
 def cmd_export(args: argparse.Namespace, ctx: CliContext) -> int:
     """export-mlx-cache FILE --model DIR (--tokens IDS | --id N): write the snapshot as a prompt-cache file."""
     _need_mlx()
-    from snapstore.check.inspect import FORMAT
-    from snapstore.console.context import UsageError
+    from snapstore.console.context import FORMAT, UsageError
 
     from . import export_prompt_cache
 

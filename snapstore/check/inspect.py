@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from snapstore._errors import InvalidInputError, NotFoundError, StoreFormatError
+from snapstore._identity import Identity
 from snapstore._results import SnapshotInfo, Stats
 from snapstore.catalog.queries import ChunkRow, PartKind, PartRow, SnapRow, SnapState, Txn
 from snapstore.catalog.rows import identity_fields
@@ -29,8 +30,8 @@ from snapstore.check.report import (
 from snapstore.chunks.chunkfile import CODEC_NAMES
 from snapstore.plan.restore_plan import needs_quarantined
 
-__all__ = ["FORMAT", "inspect_snapshot", "inspect_store", "resolve_identity", "snapshot_entry", "snapshot_info",
-           "snapshot_infos", "stats_of"]
+__all__ = ["FORMAT", "inspect_snapshot", "inspect_store", "resolve_identity", "snapshot_entry", "snapshot_identity",
+           "snapshot_info", "snapshot_infos", "stats_of"]
 
 FORMAT = 1  # the version of the JSON reports (docs/cli.md)
 
@@ -184,6 +185,19 @@ def inspect_snapshot(c: Txn, root: str, sid: int) -> SnapshotReport:
     chain = [ChainLink(id=x.id, n_tokens=x.n_tokens, base_tokens=x.base_tokens, pending=x.state == SnapState.PENDING,
                        matchable=bool(x.matchable)) for x in c.chain(sid)]
     return SnapshotReport(dir=os.path.abspath(root), snapshot=entry, chain=chain)
+
+
+def snapshot_identity(c: Txn, root: str, sid: int) -> Identity:
+    """The Identity snapshot ``sid`` was saved under, whichever it is (``Store.identity_of``);
+    NotFoundError when the store has no such snapshot, StoreFormatError for a damaged identity row."""
+    s = c.snapshot(sid)
+    if s is None:
+        raise NotFoundError(f"no snapshot {sid} in {root} (evicted, superseded, abandoned or never saved)")
+    for ident_id, _key, canonical, *_ in c.identities():
+        if ident_id == s.identity_id:
+            where = f"catalog row identities({ident_id}) column canonical"
+            return Identity.from_dict(identity_fields(canonical, where))
+    raise NotFoundError(f"snapshot {sid} in {root} has no identity row (run `snapstore verify`)")
 
 
 def resolve_identity(c: Txn, key: str) -> str:

@@ -1,4 +1,5 @@
-"""The Store's export and import: ``export``, ``import_file`` (a base of :class:`snapstore.Store`,
+"""The Store's export and import: ``export``, ``import_file``, and for an integration's own file formats
+``check_export`` and ``identity_of`` (a base of :class:`snapstore.Store`,
 which supplies the attributes declared here; the format is :mod:`snapstore.transfer.format`)."""
 
 from __future__ import annotations
@@ -8,16 +9,19 @@ import time
 from collections.abc import Callable
 
 from snapstore._errors import InvalidInputError, NotFoundError
+from snapstore._identity import Identity
 from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, namespace_key, ref_namespace, snapshot_id
 from snapstore.catalog.queries import SnapRow, Txn
-from snapstore.chunks.repo import Repo
+from snapstore.check.inspect import snapshot_identity
+from snapstore.chunks.repo import Repo, SnapshotRepo
 from snapstore.lifecycle.access import Access
 from snapstore.lifecycle.capacity import Capacity
 from snapstore.lifecycle.naming import check_name, resolve_name
 from snapstore.store.gate import CallGate, operation
 from snapstore.transfer.export import write_export
 from snapstore.transfer.importer import import_export
+from snapstore.transfer.policy import marked_output
 from snapstore.transfer.results import ExportResult, ImportResult
 
 __all__ = ["StoreTransfer"]
@@ -58,6 +62,33 @@ class StoreTransfer:
 
         return write_export(self._repo, sid, path, chain_of=chain_of, name=name, overwrite=overwrite,
                             progress=progress)
+
+    @operation
+    def check_export(self, ref: SnapshotRef, fmt: str, *, namespace: str | None = None,
+                     accept_identity: str | None = None) -> bool:
+        """Whether snapshot ``ref`` may be written out as ``fmt`` — a file format that cannot carry the
+        mark of state imported under an identity override (a llama-server slot file, an mlx_lm prompt
+        cache) — and whether that file is exact: True for this identity's own state; False for state
+        imported under an override when ``accept_identity`` names the identity that computed it (an
+        approximation: say so); IdentityError otherwise, and nothing should be written. The one policy
+        for state crossing identities (:mod:`snapstore.transfer.policy`, docs/api.md)."""
+        sid, ns = snapshot_id(ref), ref_namespace(ref, namespace)
+        snap = self._repo.db.read(lambda t: self._access.own(t, t.snapshot(sid), ns))
+        return marked_output(snap.imported_from, accept_identity, f"snapshot {sid}", fmt)
+
+    @staticmethod
+    def identity_of(path: str | os.PathLike[str], snapshot: SnapshotRef) -> Identity:
+        """The Identity snapshot ``snapshot`` (its id) was saved under in the store at ``path``, whichever
+        identity that is: what to open the store with to read a snapshot known only by its id
+        (``snapstore export-slot ID``). A read-only look at a private copy of the catalog (nothing is
+        written); NotFoundError when the store has no such snapshot."""
+        sid = snapshot_id(snapshot)
+        root = os.fspath(path)
+        repo = SnapshotRepo.open(root)
+        try:
+            return repo.db.read(lambda c: snapshot_identity(c, root, sid))
+        finally:
+            repo.close()
 
     @operation
     def import_file(self, path: str | os.PathLike[str], name: str | None = None, *,
