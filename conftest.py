@@ -13,33 +13,18 @@ settings.register_profile("ci", max_examples=30, stateful_step_count=30, **_COMM
 settings.register_profile("long", max_examples=1000, stateful_step_count=50, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# The slow tier (tests/README.md): the reliability campaigns, and the integration modules that
-# start servers, model runtimes or many processes. `make test` deselects it; `./test.sh` and CI
-# run everything. Single expensive tests elsewhere carry `@pytest.mark.slow` themselves.
-SLOW_MODULES = frozenset({
-    # reliability campaigns: crash kills, power-loss replay, corruption trials, multi-process concurrency
-    "test_crash.py", "test_power_loss.py", "test_concurrency.py", "test_corruption.py",
-    # servers: SeaweedFS (s3_fixtures.py), a real llama-server (xllamacpp), real vLLM processes (own
-    # venv, ~20-90 s each); the slot-file codec tests (test_llamacpp_slotfile.py, a few seconds,
-    # no server) stay fast
-    "test_remote_fleet.py", "test_remote_stream.py", "test_remote_tee.py", "test_remote_tee_faults.py",
-    "test_remote_granularity.py", "test_remote_scan.py", "test_fleet.py", "test_llamacpp_bridge.py",
-    "test_llamacpp_identity.py",
-    "test_llamacpp_passthrough.py", "test_llamacpp_load.py", "test_vllm_connector.py",
-    # the real sglang package (imports take seconds) and its storage backend in writer processes
-    "test_sglang_hicache.py",
-    # model runtimes: transformers models built at test time
-    "test_engine_hf.py", "test_engine_hf_device.py", "test_prefix_cache.py", "test_prefix_cache_keys.py",
-    # mlx_lm models built at test time, in two processes (a restart)
-    "test_mlx_restart.py",
-    # many processes: the CLI as a subprocess per command, owners in other PID/UTS namespaces,
-    # repair beside a resaving process, the GPU benchmark's child
-    "test_cli.py", "test_owners.py", "test_repair.py", "test_bench_gpu.py",
-})
+# The slow tier (tests/README.md), by folder: tests/reliability/ (crash, power-loss, corruption and
+# concurrency campaigns) and tests/servers/ (real SeaweedFS, llama-server and mlx_lm.server processes).
+# Elsewhere a slow module says so itself (`pytestmark = pytest.mark.slow`: model runtimes, many
+# processes), and single expensive tests carry `@pytest.mark.slow`. `make test` deselects the tier;
+# `./test.sh` and CI run everything.
+SLOW_FOLDERS = ("reliability", "servers")
+_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test of a slow-tier module ``slow``."""
+    """Mark every test under a slow-tier folder ``slow``."""
+    slow = tuple(os.path.join(_TESTS, f) + os.sep for f in SLOW_FOLDERS)
     for item in items:
-        if item.path.name in SLOW_MODULES:
+        if str(item.path).startswith(slow):
             item.add_marker(pytest.mark.slow)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the test suite (sets up .venv first). Extra arguments go to pytest: with none that names a
 # path (options only, e.g. `-m "not slow" -n auto`) every tier runs (tests/ and fuzz/); an argument
-# that names a file or folder (`tests/test_x.py`, `tests/test_x.py::test_y`) runs only what it names.
+# that names a file or folder (`tests/store`, `tests/store/test_x.py::test_y`) runs only what it names.
 set -euo pipefail
 cd "$(dirname "$0")"
 ./scripts/bootstrap.sh

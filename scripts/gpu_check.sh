@@ -11,8 +11,8 @@
 # reachable, `pip install -e .[dev]` plus transformers at the hf extra's pin (the hf extra itself
 # would name torch). The script fails if torch's version changed.
 # Then, each under its own time cap (all of it well inside 8 minutes): pytest -m gpu over every
-# test file with gpu tests, tests/test_engine_ordering.py (its cuda variants run the late-execution
-# suite against the real device), tests/test_paged.py -k cuda, benchmarks/bench_gpu.py, and, where sglang
+# test file with gpu tests, tests/engine/torch/test_engine_ordering.py (its cuda variants run the late-execution
+# suite against the real device), tests/parts/test_paged.py -k cuda, benchmarks/bench_gpu.py, and, where sglang
 # is installed, an SGLang server with snapstore as its HiCache storage tier (benchmarks/bench_sglang.py --server;
 # up to 5 minutes more, six server starts).
 # The exit status is 0 only when every step passed; the summary at the end says which did not.
@@ -85,10 +85,10 @@ PY
 echo "== [$SECONDS s] set up"
 
 PT=("$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra)
-mapfile -t gpu_files < <(grep -l "mark.gpu" tests/test_*.py)
+mapfile -t gpu_files < <(grep -rl --include="test_*.py" "mark.gpu" tests)
 step "pytest -m gpu" 180 "${PT[@]}" -m gpu "${gpu_files[@]}"
-step "engine ordering (late + cuda)" 120 "${PT[@]}" tests/test_engine_ordering.py
-step "paged -k cuda" 60 "${PT[@]}" tests/test_paged.py -k cuda
+step "engine ordering (late + cuda)" 120 "${PT[@]}" tests/engine/torch/test_engine_ordering.py
+step "paged -k cuda" 60 "${PT[@]}" tests/parts/test_paged.py -k cuda
 step "bench_gpu" 180 "$PY" benchmarks/bench_gpu.py --dir scratch/bench-gpu ${OUT:+--json "$OUT/gpu.json"}
 # SGLang HiCache with snapstore as its storage tier (docs/engine.md §17): real servers on a tiny random
 # Llama, a 4096-token prompt after a restart, restored by snapstore vs SGLang's file backend vs

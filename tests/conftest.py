@@ -1,12 +1,26 @@
 """Shared fixtures (a fresh store directory, a store, an isolated environment) and, for the tests that
-import them from here, the names of the support package (tests/support/)."""
+import them from here, the names of the support package (tests/support/).
+
+tests/ mirrors the code: a folder per package (tests/README.md). A few test modules share helpers with
+another folder's (``from test_plan_memo import _chain``); so every folder holding tests is on the
+import path before any is collected, whatever the order (pytest refuses two test modules of one name).
+"""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import pytest
-from support import IDENT, LAYOUT, empty_like_state, make_state, open_store, part_hashes, sha
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _folder in sorted({d for d, _, files in os.walk(_TESTS) if "__pycache__" not in d
+                       and any(f.startswith("test_") and f.endswith(".py") for f in files)}):
+    if _folder not in sys.path:
+        sys.path.append(_folder)
+
+from support import IDENT, LAYOUT, empty_like_state, make_state, open_store, part_hashes, sha  # noqa: E402
 
 __all__ = ["IDENT", "LAYOUT", "empty_like_state", "make_state", "part_hashes", "sha"]
 

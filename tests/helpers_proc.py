@@ -19,7 +19,7 @@ Modes:
             a metadata transaction that has committed), ``when`` = ``before`` or ``after`` the call.
 ``conc``    threads doing a mixed workload for a while; prints one JSON line of totals at the end.
 ``power``   records every file-system event of a few saves (Python os calls + a recording SQLite
-            VFS) to a JSON-lines log for the power-loss model (tests/test_power_loss.py).
+            VFS) to a JSON-lines log for the power-loss model (tests/reliability/test_power_loss.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -121,6 +123,17 @@ def install_crash_point(spec: str) -> None:
     elif name == "txn":
         from snapstore.catalog.db import Database
         orig_write = Database.write_collect
+        orig_writing = Database.writing  # a save's transaction: a block (Database.writing), not a callback
+
+        @contextmanager
+        def writing(self: Any) -> Iterator[Any]:
+            with orig_writing(self) as t:
+                fire = hit()
+                if fire and when == "before":
+                    _die()
+                yield t
+                if fire:
+                    _die()  # the block's statements ran, COMMIT did not
 
         def write(self: Any, fn: Any, **kw: Any) -> Any:
             def body(c: Any) -> Any:
@@ -133,9 +146,22 @@ def install_crash_point(spec: str) -> None:
                 return r
             return orig_write(self, body, **kw)
         Database.write_collect = write  # type: ignore[method-assign]
+        Database.writing = writing  # type: ignore[method-assign]
     elif name == "dbwrite":
         from snapstore.catalog.db import Database
         Database.write_collect = wrap(Database.write_collect)  # type: ignore[method-assign]
+        whole = Database.writing
+
+        @contextmanager
+        def writing_whole(self: Any) -> Iterator[Any]:
+            fire = hit()
+            if fire and when == "before":
+                _die()
+            with whole(self) as t:
+                yield t
+            if fire:
+                _die()  # committed
+        Database.writing = writing_whole  # type: ignore[method-assign]
     else:
         raise SystemExit(f"unknown crash point {spec}")
 

@@ -1,4 +1,4 @@
-"""A process that runs PrefixCache calls on the tiny MLX models (tests/test_mlx_restart.py).
+"""A process that runs PrefixCache calls on the tiny MLX models (tests/engine/mlx/test_mlx_restart.py).
 
 argv: store directory, phase ("1" or "2"), output .npz. For every case in mlx_models.CASES it
 runs that phase's calls and writes each call's tokens, log-probabilities and the cache's stats.

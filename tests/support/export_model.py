@@ -1,6 +1,6 @@
 """A model of the export file format (docs/format.md §14), written from the spec, not from
 snapstore.transfer: what a chain *is* (links of tokens and part bytes), the file it encodes to, and
-one-field breakages of it. tests/test_transfer_trust.py builds malformed files with it;
+one-field breakages of it. tests/transfer/test_transfer_trust.py builds malformed files with it;
 fuzz/test_export_model.py draws files from it and imports each into a real store.
 
 The writer packs every section itself (struct, json, blake3, xxhash): a header field can be broken
