@@ -191,6 +191,13 @@ class ChainReads:
             self._cache._put(self._stamp, sid, e, sum(len(link.tokens) + _ROW_BYTES for link in chain))
         return chain
 
+    def kept_chain(self, sid: int) -> list[SnapRow] | None:
+        """The chain kept for committed snapshot ``sid`` (root first, its own row last), or None when
+        not kept: reads nothing. match() checks a candidate's links against it instead of the
+        catalog (issue 48)."""
+        e = self._cache._get(self._stamp, sid)
+        return e.chain if e is not None else None
+
     def chain_parts(self, ids: Sequence[int]) -> Parts:
         """As :meth:`Txn.chain_parts`; kept for the exact chain of a kept snapshot."""
         e = self._cache._get(self._stamp, ids[-1]) if ids else None

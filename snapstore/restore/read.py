@@ -42,13 +42,14 @@ def wanted_components(layout: Layout, components: Iterable[str] | None) -> set[s
     return wanted
 
 
-def plan_of(c: Txn, access: Access, layout: Layout, sid: int, ns: str, into: Mapping[str, Destination] | None,
-            wanted: set[str], rows_from: int = 0, upto: int | None = None,
+def plan_of(c: Txn | ChainReads, access: Access, layout: Layout, sid: int, ns: str,
+            into: Mapping[str, Destination] | None, wanted: set[str], rows_from: int = 0, upto: int | None = None,
             chunks: list[ChunkRow] | None = None, memo: ChainCache | None = None) -> tuple[SnapRow, RestorePlan]:
     """Check that ``sid`` is this store's to restore and build (and validate) its plan; ``upto``:
     the tokens of a block-granular prefix match (rows [0, upto // g) only, :mod:`snapstore.plan.prefix`).
-    ``memo``: the store's kept plan reads (``Repo.plans``), used while the catalog generation stands."""
-    reads = c if memo is None else memo.reads(c)
+    ``memo``: the store's kept plan reads (``Repo.plans``), used while the catalog generation stands;
+    ``c`` may be those reads already made in this transaction (:meth:`ChainCache.reads`: the stamp read once)."""
+    reads = c if memo is None or isinstance(c, ChainReads) else memo.reads(c)
     snap = access.readable(reads, sid, ns, rows_from)
     rows_to = rows_limit(layout, snap, upto)
     bound = rows_bound(layout, snap, rows_to)

@@ -23,7 +23,7 @@ from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, excluded, namespace_key
 from snapstore._results import LoadResult, Match, MatchDetails, RecomputeDecision, RestoreEstimate
 from snapstore._tokens import TokensLike, as_token_array
-from snapstore.catalog.chain_cache import ChainCache, Stamp
+from snapstore.catalog.chain_cache import ChainCache, ChainReads, Stamp
 from snapstore.catalog.db import Database
 from snapstore.catalog.queries import ChunkRow, SnapRow, Txn
 from snapstore.chunks.repo import Repo
@@ -38,8 +38,9 @@ from snapstore.store.gate import CallGate, operation
 from snapstore.store.load import load_prefix
 from snapstore.store.recompute import chosen_match, chunks_estimate, weigh
 from snapstore.store.warm import warm_up
+from snapstore.tiers.stack import Tiers
 
-__all__ = ["StoreLookup", "lookup_prefix"]
+__all__ = ["KeptReads", "StoreLookup", "lookup_prefix"]
 
 
 def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLike, *, namespace: str | None,
@@ -68,11 +69,12 @@ def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLi
     key = access.identity_key
 
     def run(c: Txn) -> MatchDetails | None:
-        found = best_match(c, layout, key, ns, arr, skip, not_before)
+        reads = KeptReads(c, memo)
+        found = best_match(c, layout, key, ns, arr, skip, not_before, reads)
         if found is None:
             return None
         hit, n_hit = found
-        snap, plan = plan_of(c, access, layout, hit.id, ns, None, wanted, 0, n_hit, memo=memo)
+        snap, plan = plan_of(reads.plans(), access, layout, hit.id, ns, None, wanted, 0, n_hit, memo=memo)
         return details_of(snap, plan, ns, 0)
 
     if weighed is None:
@@ -88,18 +90,19 @@ def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLi
 
     def run_weighed(c: Txn) -> tuple[RecomputeDecision, dict[int, Match], MatchDetails | None]:
         plans: dict[int, tuple[SnapRow, RestorePlan]] = {}
+        reads = KeptReads(c, memo)
 
         def estimate(m: Match, sure: float) -> RestoreEstimate | None:
             chunks: list[ChunkRow] = []
             try:
-                plans[m.snapshot_id] = plan_of(c, access, layout, m.snapshot_id, ns, None, wanted, 0, m.n_tokens,
-                                               chunks, memo)
+                plans[m.snapshot_id] = plan_of(reads.plans(), access, layout, m.snapshot_id, ns, None, wanted, 0,
+                                               m.n_tokens, chunks, memo)
             except SnapstoreError:
                 return None  # unreadable since it matched: not a choice (its restore would fail alike)
             return estimate_chunks(chunks, plans[m.snapshot_id][1].stamp, sure)
 
-        decision, by_id = weigh(best_match(c, layout, key, ns, prompt, skip, not_before),
-                                lambda passed: best_match(c, layout, key, ns, prompt, passed, not_before),
+        decision, by_id = weigh(best_match(c, layout, key, ns, prompt, skip, not_before, reads),
+                                lambda passed: best_match(c, layout, key, ns, prompt, passed, not_before, reads),
                                 skip, estimate, None, rate, namespace)
         if decision.chosen is None:
             return decision, by_id, None
@@ -111,6 +114,28 @@ def lookup_prefix(db: Database, access: Access, layout: Layout, tokens: TokensLi
     return details
 
 
+class KeptReads:
+    """A lookup's kept plan reads (:meth:`ChainCache.reads`), made at most once per transaction and
+    only when asked (a match asks once a candidate's own tokens match: a miss reads no stamp).
+    ``made``: what was made — the reads the plans of the same transaction then use — or None."""
+
+    __slots__ = ("_c", "_memo", "made")
+
+    def __init__(self, c: Txn, memo: ChainCache | None) -> None:
+        self._c = c
+        self._memo = memo
+        self.made: Txn | ChainReads | None = None
+
+    def __call__(self) -> ChainReads | None:
+        if self.made is None and self._memo is not None:
+            self.made = self._memo.reads(self._c)
+        return self.made if isinstance(self.made, ChainReads) else None
+
+    def plans(self) -> Txn | ChainReads:
+        """What a plan of this transaction reads through: the reads made, else the transaction."""
+        return self.made if self.made is not None else self._c
+
+
 class StoreLookup:
     """``lookup`` and ``load``: a base of :class:`snapstore.Store`, which supplies what is declared here."""
 
@@ -118,7 +143,7 @@ class StoreLookup:
     _repo: Repo
     _access: Access
     _ledger: Ledger
-    _remote: Any
+    _tiers: Tiers
     layout: Layout
     budget: Budget
     match: Callable[..., Match | None]
@@ -138,7 +163,7 @@ class StoreLookup:
             if prefill_tokens_per_s is not None else None
         return lookup_prefix(self._repo.db, self._access, self.layout, tokens, namespace=namespace, exclude=exclude,
                              components=components, ttl=self.budget.ttl, count=self._ledger.count,
-                             two_calls=(match, self.describe) if self._remote is not None else None, weighed=weighed,
+                             two_calls=(match, self.describe) if self._tiers.shared.present else None, weighed=weighed,
                              memo=self._repo.plans)
 
     @operation
