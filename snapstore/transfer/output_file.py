@@ -56,7 +56,7 @@ class OutputFile:
             if self._fd is None:
                 self._fd = os.open(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                                    0o600)
-            write_all(self._fd, data)
+            write_all(self._fd, memoryview(data))
         except OSError as err:
             self.discard()
             raise StoreIOError(err.errno or errno.EIO, f"cannot write {self.path}: {err.strerror}") from None

@@ -39,7 +39,8 @@ TREE = {
     "snapstore/console/__init__.py": "",
     "snapstore/console/context.py": "class CliContext: ...\n",
     "snapstore/cli/__init__.py": "",
-    "snapstore/cli/parser.py": "from snapstore.engine.llm.cli import add_commands\nfrom snapstore.console.context import CliContext\n",
+    "snapstore/cli/parser.py": "from snapstore.engine.llm.cli import add_commands\n"
+                               "from snapstore.console.context import CliContext\n",
     "snapstore/engine/__init__.py": "",
     "snapstore/engine/_shared.py": "from snapstore import Budget\n",
     "snapstore/engine/torch/__init__.py": '__all__ = ["Adapter"]\nfrom ._adapter import Adapter\n',
