@@ -15,7 +15,8 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import apsw
@@ -37,6 +38,11 @@ APPLICATION_ID = 0x534E5053  # "SNPS"
 MIN_SQLITE = (3, 51, 3)
 _BUSY_TIMEOUT_MS = 10_000
 _BUSY_RETRIES = 50
+
+
+def _backoff(attempt: int) -> None:
+    """Sleep before try ``attempt + 1`` of a statement SQLite answered busy (jittered, at most 0.5 s)."""
+    time.sleep(min(0.5, 0.005 * 2**min(attempt, 7)) * random.random())
 # The catalog read through a memory map: match() walks a candidate's chain of token blobs, and a
 # pread per overflow page doubled that walk (docs/benchmarks.md, "match() fifth pass").
 DEFAULT_MMAP_MIB = 256
@@ -199,7 +205,7 @@ class Database:
             except apsw.BusyError:
                 if c is not None:
                     c.close()
-                time.sleep(min(0.5, 0.005 * 2**min(attempt, 7)) * random.random())
+                _backoff(attempt)
             except apsw.Error as e:
                 if c is not None:
                     c.close()
@@ -273,6 +279,36 @@ class Database:
         finally:
             c.pragma("synchronous", "FULL")
 
+    @contextmanager
+    def writing(self) -> Iterator[Txn]:
+        """A durable write transaction as a block, opened and committed where its caller reads it (a
+        save: its COMMIT is the publish point): BEGIN IMMEDIATE here, COMMIT when the block ends,
+        ROLLBACK if it raises. Busy is waited out at BEGIN and COMMIT as :meth:`write` does; the block
+        runs once (it holds the write lock: in WAL nothing in it waits on another connection)."""
+        self._refuse_write()
+        with inside():  # a fork waits for the whole transaction (catalog.fence)
+            c = self.conn()
+            try:
+                self._until_free(c, "BEGIN IMMEDIATE")
+                yield Txn(c)
+                self._until_free(c, "COMMIT")  # a busy COMMIT leaves the transaction open: tried again
+            except BaseException as e:
+                self._rollback(c)
+                if isinstance(e, apsw.Error):
+                    raise translate(e) from None
+                raise
+
+    @staticmethod
+    def _until_free(c: Raw, sql: str) -> None:
+        """Run ``sql`` (no rows), trying again while SQLite answers busy, as :meth:`_transact` does."""
+        for attempt in range(_BUSY_RETRIES):
+            try:
+                c.execute(sql)
+                return
+            except apsw.BusyError:
+                _backoff(attempt)
+        raise StoreIOError(16, "the store database stayed locked by another process for too long")
+
     @fenced
     def try_write(self, fn: Callable[[Txn], T]) -> tuple[bool, T | None]:
         """Run ``fn`` in a write transaction only if the write lock is free now: (ran, result).
@@ -321,7 +357,7 @@ class Database:
             try:
                 c.execute(begin)
             except apsw.BusyError:
-                time.sleep(min(0.5, 0.005 * 2**min(attempt, 7)) * random.random())
+                _backoff(attempt)
                 continue
             except apsw.Error as e:
                 raise translate(e) from None
@@ -334,7 +370,7 @@ class Database:
                 return result, t.freed
             except apsw.BusyError:
                 self._rollback(c)
-                time.sleep(min(0.5, 0.005 * 2**min(attempt, 7)) * random.random())
+                _backoff(attempt)
                 continue
             except BaseException as e:
                 self._rollback(c)

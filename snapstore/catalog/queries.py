@@ -279,9 +279,10 @@ class Txn(ChunkQueries, AdmissionQueries, RateQueries, PrefixQueries):
         return bool(links) and int(good) == int(links) and low == 0
 
     def insert_snapshot(self, **v: Any) -> int:
-        """Insert one snapshot row; its find key is derived here from its parent's (never passed in)."""
-        v["find_key"] = self.derive_find_key(v["parent_id"], v["base_tokens"], v["n_tokens"], v["token_width"],
-                                             v["tokens"])
+        """Insert one snapshot row; ``find_key`` as given (a save's, from its tokens), else derived here."""
+        if v.get("find_key") is None:
+            v["find_key"] = self.derive_find_key(v["parent_id"], v["base_tokens"], v["n_tokens"],
+                                                 v["token_width"], v["tokens"])
         v.setdefault("layout_key", None)  # schema v9: the saver names its parts' layout (plan.fit)
         v.setdefault("imported_from", None)  # schema v11: set by an import under an identity override
         self._c.execute(

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from snapstore._errors import ConfigError, CorruptionError, SnapstoreError, StoreFormatError, StoreIOError
@@ -116,11 +117,34 @@ class Repo:
         try:
             result, freed = self.db.write_collect(fn, durable=durable)
         except BaseException:
-            try:
-                self.sweep(discard)  # the retry (or the caller) republishes what it needs: no orphans
-            except SnapstoreError:
-                pass  # left as orphans for gc; the transaction's own error is the one to report
+            self._discard(discard)
             raise
+        self._committed(freed, committed, deferred)
+        return result
+
+    @contextmanager
+    def writing(self, *, discard: Iterable[bytes] = (), committed: Callable[[], None] | None = None,
+                deferred: Callable[[], None] | None = None) -> Iterator[Txn]:
+        """:meth:`write` as a block (:meth:`Database.writing`: opened and committed where the caller
+        reads it), under the same rule: ``discard`` unlinked if it fails, freed files after the commit."""
+        try:
+            with self.db.writing() as t:
+                yield t
+        except BaseException:
+            self._discard(discard)
+            raise
+        self._committed(t.freed, committed, deferred)
+
+    def _discard(self, ids: Iterable[bytes]) -> None:
+        """A failed write's own files, unlinked when still unreferenced (its retry republishes them)."""
+        try:
+            self.sweep(ids)
+        except SnapstoreError:
+            pass  # left as orphans for gc; the transaction's own error is the one to report
+
+    def _committed(self, freed: Iterable[bytes], committed: Callable[[], None] | None,
+                   deferred: Callable[[], None] | None) -> None:
+        """After a commit: the hook, then the freed files unlinked; nothing here fails the call."""
         if committed is not None:
             committed()
         try:
@@ -128,7 +152,6 @@ class Repo:
         except SnapstoreError:
             if deferred is not None:
                 deferred()
-        return result
 
     def sweep(self, ids: Iterable[bytes], batch: int = 1 << 30) -> int:
         """Unlink chunk files whose rows are gone, ``batch`` per write transaction; returns bytes freed.

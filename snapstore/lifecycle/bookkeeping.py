@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from snapstore._errors import SnapstoreError
@@ -21,7 +22,7 @@ from snapstore.catalog.rate_queries import RateRow
 if TYPE_CHECKING:
     from snapstore.chunks.repo import Repo
 
-__all__ = ["USE_EVERY_S", "Batch", "Ledger", "flush_if_free", "record_use", "write_with"]
+__all__ = ["USE_EVERY_S", "Batch", "Ledger", "flush_if_free", "record_use", "write_with", "writing"]
 
 T = TypeVar("T")
 
@@ -126,15 +127,34 @@ def write_with(repo: Repo, ledger: Ledger, fn: Callable[[Txn], T], *, durable: b
     The bookkeeping is taken out of the ledger and given back if the transaction fails, so a
     retried or rolled-back transaction neither loses nor doubles it.
     """
-    batch = ledger.take()
+    with _taken(ledger) as batch:
 
-    def run(t: Txn) -> T:
-        batch.apply(t)
-        return fn(t)
+        def run(t: Txn) -> T:
+            batch.apply(t)
+            return fn(t)
 
-    try:
         return repo.write(run, durable=durable, discard=discard, committed=committed,
                           deferred=lambda: ledger.count("unlink_deferred"))
+
+
+@contextmanager
+def writing(repo: Repo, ledger: Ledger, *, discard: Iterable[bytes] = (),
+            committed: Callable[[], None] | None = None) -> Iterator[Txn]:
+    """:func:`write_with` as a block (:meth:`Repo.writing`): a durable write transaction opened and
+    committed where its caller reads it (a save's, whose COMMIT publishes it), ``ledger``'s
+    bookkeeping written first in it and given back if it does not commit."""
+    with _taken(ledger) as batch, repo.writing(discard=discard, committed=committed,
+                                               deferred=lambda: ledger.count("unlink_deferred")) as t:
+        batch.apply(t)
+        yield t
+
+
+@contextmanager
+def _taken(ledger: Ledger) -> Iterator[Batch]:
+    """The bookkeeping recorded so far, for one transaction; given back if the block raises."""
+    batch = ledger.take()
+    try:
+        yield batch
     except BaseException:
         ledger.give_back(batch)
         raise

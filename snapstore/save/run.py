@@ -2,24 +2,32 @@
 capacity pre-check, publish (:mod:`snapstore.save.chunker`), commit — redone when it loses a race
 (:class:`snapstore.lifecycle.access.Retry`), skipped with a reason when it does not fit
 (:class:`snapstore.save.stages.Skip`).
+
+The flow runs one way down: the engine's parts -> the stages -> chunk files (durable) -> one
+metadata transaction, opened and committed here (:func:`snapstore.lifecycle.bookkeeping.writing`
+over the catalog's ``Database.writing``), whose COMMIT publishes the snapshot. The tokens are
+hashed once per save (the BLAKE3 chain and the find keys), for every attempt.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import numpy as np
 
 from snapstore._errors import InvalidInputError, NotFoundError, SnapstoreError, StateError
 from snapstore._refs import namespace_key, session_key, snapshot_id
 from snapstore._results import SaveResult
-from snapstore._tokens import TokenIndex, as_token_array
+from snapstore._tokens import BLOCK, TokenIndex, as_token_array
 from snapstore.catalog.db import Database
+from snapstore.catalog.find_keys import find_keys
 from snapstore.catalog.queries import SnapRow, Txn
+from snapstore.chunks.repo import Repo
 from snapstore.lifecycle.access import Access, Retry
 from snapstore.lifecycle.admission import Admission, sighting_key
+from snapstore.lifecycle.bookkeeping import Ledger, writing
 from snapstore.lifecycle.capacity import Capacity
 from snapstore.parts.buffers import Source
 from snapstore.save.chunker import Chunker
@@ -27,8 +35,6 @@ from snapstore.save.delta import RowsAbove
 from snapstore.save.stages import MAX_ATTEMPTS, WHOLE_AFTER, Saver, Skip, validate_parts
 
 __all__ = ["HOOKS", "SaveRun", "skipped"]
-
-T = TypeVar("T")
 
 # Test hooks: name -> callable run at that point (tests force race windows through them; empty
 # in production). "save_committed": a save's transaction has committed, its freed files not yet
@@ -42,14 +48,6 @@ def _hook(name: str) -> None:
         fn()
 
 
-class Write(Protocol):
-    """The store's write transaction (:meth:`snapstore.Store._write`): bookkeeping persisted with it,
-    ``discard`` unlinked if it fails, ``committed`` run right after the commit."""
-
-    def __call__(self, fn: Callable[[Txn], T], *, durable: bool = True, discard: Iterable[bytes] = (),
-                 committed: Callable[[], None] | None = None) -> T: ...
-
-
 def skipped(db: Database | None, reason: str, par: SnapRow | None, logical: int, n: int, ns: str) -> SaveResult:
     """Count a save skipped for ``reason`` and describe it (nothing was stored). ``db`` None: the
     caller counted it already (in the transaction that decided it)."""
@@ -61,13 +59,14 @@ def skipped(db: Database | None, reason: str, par: SnapRow | None, logical: int,
 
 @dataclass(frozen=True)
 class SaveRun:
-    """What a save needs of its store: the stages, the catalog, and the store's write path."""
+    """What a save needs of its store: the stages, the store directory (its catalog) and the
+    bookkeeping its transaction persists."""
 
     stages: Saver
     chunker: Chunker
     capacity: Capacity
-    db: Database
-    write: Write
+    repo: Repo
+    ledger: Ledger
     access: Access  # this identity's row id in a transaction, and its re-creation when dropped
     count: Callable[[str], None]  # bump one in-memory counter
     check_rows: bool
@@ -83,7 +82,8 @@ class SaveRun:
         session = session_key(session)
         ns = namespace_key(namespace)
         sources, row_counts = validate_parts(self.stages.layout, parts, rows, n)
-        index = TokenIndex(arr)
+        index = TokenIndex(arr)  # the BLAKE3 chain: prefix keys, the anchor
+        keys = find_keys(arr)  # the find keys: parent="auto"'s candidates and the snapshot's own key
         reason = self.admit(index, session, ns)  # once, not per attempt: a sighting is consumed by the first
         if reason is not None:
             return skipped(None, reason, None, 0, n, ns)
@@ -91,10 +91,10 @@ class SaveRun:
             # "auto" whose parent keeps being evicted under it: after WHOLE_AFTER tries store it whole
             use = None if parent == "auto" and attempt >= WHOLE_AFTER else parent
             try:
-                return self.once(arr, index, sources, row_counts, session, use, commit, ns)
+                return self.once(arr, index, keys, sources, row_counts, session, use, commit, ns)
             except Retry as r:
                 if r.identity_gone:
-                    self.access.ensure_identity(self.db)  # committed on its own before the save is redone
+                    self.access.ensure_identity(self.repo.db)  # committed on its own before the save is redone
                 if r.parent_gone and use not in ("auto", None):
                     raise NotFoundError(f"parent {snapshot_id(use)} was removed (evicted, superseded or "
                                         "abandoned) during the save; save again with parent='auto'") from None
@@ -106,18 +106,19 @@ class SaveRun:
         read; {} when it has none or the save would fail: the save itself then says why)."""
         try:
             ns = namespace_key(namespace)
-            index = TokenIndex(arr)
-            _par, prows = self.db.read(lambda t: self.stages.resolve_parent(t, parent, index, ns, row_counts, False))
+            index, keys = TokenIndex(arr), find_keys(arr)
+            _par, prows = self.repo.db.read(lambda t: self.stages.resolve_parent(t, parent, index, keys, ns, row_counts,
+                                                                                 False))
         except SnapstoreError:
             return {}
         return prows
 
-    def once(self, arr: np.ndarray, index: TokenIndex, sources: dict[str, Source], row_counts: dict[str, int],
-             session: str | None, parent: Any, commit: bool, ns: str) -> SaveResult:
+    def once(self, arr: np.ndarray, index: TokenIndex, keys: np.ndarray, sources: dict[str, Source],
+             row_counts: dict[str, int], session: str | None, parent: Any, commit: bool, ns: str) -> SaveResult:
         """One attempt: parent, plan, capacity pre-check, publish, commit (Retry / Skip / saved)."""
-        saver, db = self.stages, self.db
+        saver, db = self.stages, self.repo.db
         n = len(arr)
-        par, prows = db.read(lambda t: saver.resolve_parent(t, parent, index, ns, row_counts, commit))
+        par, prows = db.read(lambda t: saver.resolve_parent(t, parent, index, keys, ns, row_counts, commit))
         floors = {name: src.reader.base_rows for name, src in sources.items() if isinstance(src.reader, RowsAbove)}
         if any(prows.get(name, 0) < f for name, f in floors.items()):
             # a wait=False save copied only the rows above the parent it predicted (save.delta)
@@ -135,17 +136,13 @@ class SaveRun:
         reason = self.capacity.precheck(plan.upper_bytes, db.read(lambda t: t.stored_bytes()))
         if reason is not None:
             return skipped(db, reason, par, plan.logical_bytes, n, ns)
-        refs = self.chunker.store(plan.pieces)
+        refs = self.chunker.store(plan.pieces)  # the chunk files, durable before a row names them
         created = [r.id for rs in refs for r in rs if r.created]
-
-        def commit_txn(t: Txn) -> Any:
-            done = saver.commit(t, iid=self.access.iid(t), plan=plan, refs=refs, arr=arr, index=index,
-                                session=session, commit=commit, ns=ns)
-            self.admission.debit(t, 0 if done.existed else done.new_bytes)  # dedup hits are free
-            return done
-
-        try:
-            done = self.write(commit_txn, discard=created, committed=lambda: _hook("save_committed"))
+        try:  # the one metadata transaction: its COMMIT publishes the snapshot (invariant 4)
+            with writing(self.repo, self.ledger, discard=created, committed=lambda: _hook("save_committed")) as t:
+                done = saver.commit(t, iid=self.access.iid(t), plan=plan, refs=refs, arr=arr, index=index,
+                                    find_key=int(keys[n // BLOCK]), session=session, commit=commit, ns=ns)
+                self.admission.debit(t, 0 if done.existed else done.new_bytes)  # dedup hits are free
         except Skip as s:
             return skipped(db, s.reason, par, plan.logical_bytes, n, ns)
         return SaveResult(snapshot_id=done.snapshot_id, skipped=None, parent_id=done.parent_id,
@@ -170,4 +167,4 @@ class SaveRun:
             t.add_counter(f"skipped:{reason}", 1)
             return reason
 
-        return self.db.write(decide)
+        return self.repo.db.write(decide)

@@ -22,7 +22,6 @@ from snapstore._layout import Fixed, Layout, Rows
 from snapstore._numbers import integer
 from snapstore._refs import snapshot_id
 from snapstore._tokens import TokenIndex, encode_tokens
-from snapstore.catalog.find_keys import find_keys
 from snapstore.catalog.queries import PartKind, SnapRow, SnapState, Txn
 from snapstore.chunks.chunkfile import HEADER_SIZE, checksum, header_at, header_matches, scope_key
 from snapstore.lifecycle.access import Retry
@@ -153,9 +152,10 @@ class Saver:
         self._own = own  # the store's one ownership check (snapstore.lifecycle.access.Access.own)
 
     # -- stage 2: the parent -------------------------------------------------------------------
-    def resolve_parent(self, t: Txn, parent: Any, index: TokenIndex, ns: str, row_counts: dict[str, int],
-                       commit: bool) -> tuple[SnapRow | None, dict[str, int]]:
-        """The parent this save is a delta over ("auto", None or an id) and its rows per stream."""
+    def resolve_parent(self, t: Txn, parent: Any, index: TokenIndex, keys: np.ndarray, ns: str,
+                       row_counts: dict[str, int], commit: bool) -> tuple[SnapRow | None, dict[str, int]]:
+        """The parent this save is a delta over ("auto", None or an id) and its rows per stream
+        (``keys``: the tokens' find keys, computed once per save)."""
         n = len(index)
 
         def parent_rows(p: SnapRow) -> dict[str, int] | None:
@@ -177,7 +177,7 @@ class Saver:
             if parent != "auto":
                 raise InvalidInputError(f"parent must be 'auto', None or a snapshot id, got {parent!r}")
             broken = t.quarantined_users()
-            keys = find_keys(index.tokens)  # candidates by find key; the BLAKE3 prefix key below decides
+            # candidates by find key; the BLAKE3 prefix key below decides
             for sid, cn, key, _own, _lk in list(t.match_candidates(self.identity_key, ns, keys, n - 1, 0.0)):
                 if key != index.prefix_key(cn):
                     continue
@@ -262,8 +262,9 @@ class Saver:
 
     # -- stage 5: the commit -------------------------------------------------------------------
     def commit(self, t: Txn, *, iid: int, plan: SavePlan, refs: list[list[ChunkRef]], arr: np.ndarray,
-               index: TokenIndex, session: str | None, commit: bool, ns: str) -> Committed:
-        """The save's metadata transaction: Retry / Skip, or the snapshot inserted (or found)."""
+               index: TokenIndex, find_key: int, session: str | None, commit: bool, ns: str) -> Committed:
+        """The save's metadata transaction: Retry / Skip, or the snapshot inserted (or found). Its token
+        segment is encoded here, once; the catalog gets the find key with it (``find_key``: of ``arr``)."""
         par = plan.parent
         n = len(arr)
         now = time.time()
@@ -294,8 +295,8 @@ class Saver:
         sid = t.insert_snapshot(
             identity_id=iid, namespace=ns, parent_id=par.id if par else None,
             depth=(par.depth + 1) if par else 0, n_tokens=n, base_tokens=par.n_tokens if par else 0,
-            token_width=width, tokens=tokens_blob, anchor=index.anchor(n), prefix_key=index.prefix_key(n),
-            content_key=content_key, session=session,
+            token_width=width, tokens=tokens_blob, find_key=find_key, anchor=index.anchor(n),
+            prefix_key=index.prefix_key(n), content_key=content_key, session=session,
             state=SnapState.COMMITTED if commit else SnapState.PENDING,
             owner=None if commit else self.owner, now=now, logical_bytes=plan.logical_bytes,
             layout_key=saved_layout_key(self.layout, [name for name, _r0, _r1 in plan.segments]),

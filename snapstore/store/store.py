@@ -172,8 +172,8 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         stages = Saver(layout=self.layout, identity_key=self.identity.key, owner=owner,
                        chunk_bytes=self.chunk_bytes, chunker=self._chunker, capacity=self._capacity,
                        blob_path=repo.blob_path, renew=self._lease_owner.renew, own=self._access.own)
-        self._run = SaveRun(stages=stages, chunker=self._chunker, capacity=self._capacity, db=repo.db,
-                            write=self._write, access=self._access, count=self._ledger.count,
+        self._run = SaveRun(stages=stages, chunker=self._chunker, capacity=self._capacity, repo=repo,
+                            ledger=self._ledger, access=self._access, count=self._ledger.count,
                             check_rows=self.check_rows, admission=self._admission)
         dead, dropped = self._write(lambda t: housekeep(  # dead owners' captures, stale identities, expired ones
             t, root=repo.root, lease=self.pending_lease, now=time.time(), identity_key=self.identity.key,
