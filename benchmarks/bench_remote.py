@@ -128,8 +128,8 @@ def main() -> None:
                 assert m is not None and m.n_tokens == n
                 t1 = time.perf_counter()
                 if mode == "fetch":  # fetch (verified, into the local tier), then the local restore
-                    local = B._remote.materialize(m, lambda c, fr: B._capacity.excess(c) is None,  # noqa: SLF001
-                                                  B._access.iid, layout)  # noqa: SLF001
+                    local = B._tiers.shared.materialize(m, lambda c, fr: B._capacity.excess(c) is None,  # noqa: SLF001
+                                                        B._access.iid, layout)  # noqa: SLF001
                     t2 = time.perf_counter()
                     B.restore(local, {"st": dest_st, "kv": dest_kv})
                     t3 = time.perf_counter()

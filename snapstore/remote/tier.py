@@ -30,7 +30,7 @@ from snapstore._config import env_flag, env_int
 from snapstore._errors import ConfigError, InvalidInputError, RemoteError, SnapshotUnavailableError
 from snapstore._identity import Identity
 from snapstore._layout import Layout
-from snapstore._results import Match, RestoreResult
+from snapstore._results import Match, RestoreResult, SaveResult
 from snapstore.catalog.db import Conn
 from snapstore.chunks.chunkfile import scope_key
 from snapstore.chunks.repo import Repo
@@ -65,7 +65,10 @@ def restore_mode() -> str:
 
 
 class RemoteTier:
-    """One Store's shared tier: upload queue, lookup, fetch into the local tier or stream to the caller."""
+    """One Store's shared tier: upload queue, lookup, fetch into the local tier or stream to the caller
+    (the S3 implementation of :class:`snapstore.tiers.base.SharedTier`)."""
+
+    present = True
 
     def __init__(self, client: S3Client, repo: Repo, identity: Identity, owner: str,
                  count: Callable[[str, int], None], *, wait: bool, queue: int):
@@ -88,12 +91,15 @@ class RemoteTier:
         return scope_key(self._identity.key, ns).hex()
 
     # -- hooks the Store calls ---------------------------------------------------------------
-    def saved(self, sid: int) -> None:
-        """After a save or commit made ``sid`` durable and visible locally: publish it (queued or now)."""
+    def saved(self, res: SaveResult) -> None:
+        """After a save or commit made ``res`` durable locally: a committed snapshot is published (queued, or
+        now in wait mode); a pending one waits for its commit."""
+        if res.snapshot_id is None or res.pending:
+            return
         if self._uploader is not None:
-            self._uploader.enqueue(sid)
+            self._uploader.enqueue(res.snapshot_id)
         else:
-            self.publish(sid)
+            self.publish(res.snapshot_id)
 
     def publish(self, sid: int) -> None:
         """Publish a committed snapshot's chain now (see remote.publish)."""
@@ -125,6 +131,10 @@ class RemoteTier:
             self._importer.close()  # finishes the imports queued: the restores' local copies
             self._import_pool.shutdown(wait=True)
             self._pool.shutdown(wait=True)
+
+    def has(self, m: object) -> bool:
+        """Whether ``m`` is a match this tier found (:meth:`lookup`): restored through :meth:`restore`."""
+        return getattr(m, "remote", None) is not None
 
     def lookup(self, arr: np.ndarray, ns: str, have: int) -> RemoteMatch | None:
         """The longest chain in the bucket matching ``arr``, longer than ``have`` (see remote.lookup)."""

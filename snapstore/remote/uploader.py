@@ -14,12 +14,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from snapstore._errors import RemoteError, SnapstoreError
-from snapstore._results import SaveResult
 
-__all__ = ["FlushResult", "Uploader", "flush_all", "upload_saved"]
+__all__ = ["FlushResult", "Uploader", "flush_all"]
 
 
 @dataclass(frozen=True)
@@ -128,25 +126,17 @@ class Uploader:
             self._thread.join(timeout=5)
 
 
-def flush_all(saves: Callable[[float | None], bool], remote: Any, timeout: float | None) -> FlushResult:
+def flush_all(saves: Callable[[float | None], bool], uploads: Callable[[float | None], FlushResult],
+              timeout: float | None) -> FlushResult:
     """``Store.flush``: wait for the saves made with ``wait=False`` (``saves(timeout)``), then for the
-    shared tier's uploads (``remote``, a RemoteTier or None) within what is left of ``timeout``."""
+    shared tier's uploads (``uploads``: its flush) within what is left of ``timeout``."""
     deadline = None if timeout is None else time.monotonic() + timeout
     if not saves(timeout):
         return FlushResult(timed_out=True)
-    if remote is None:
-        return FlushResult()
     try:
-        res: FlushResult = remote.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return res
+        return uploads(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except RemoteError as e:
         if e.errno != 110:  # ETIMEDOUT: the uploads go on in the background
             raise
         return FlushResult(timed_out=True, errors=[str(e)])
 
-
-def upload_saved(remote: Any, res: SaveResult) -> None:
-    """The Store's shared-tier hook after a save or commit: a committed snapshot is durable locally, so
-    ``remote`` (a RemoteTier or None) uploads it (queued, or now in wait mode); pending ones wait for commit."""
-    if remote is not None and res.snapshot_id is not None and not res.pending:
-        remote.saved(res.snapshot_id)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Callable
 
 import numpy as np
 
@@ -66,8 +65,7 @@ def _scatter(targets: Targets, lo: int, data: memoryview) -> None:
 
 
 def stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuffer, reads: DirectReads,
-                  ram: RamTier | None, touched: bool, damage: Damage,
-                  blob_path: Callable[[bytes], str]) -> bool | None:
+                  ram: RamTier | None, touched: bool, damage: Damage) -> bool | None:
     """Write the chunks of ``run`` (raw, not cached, host destinations) with O_DIRECT reads; returns
     touched, or None (nothing read) when the file system refuses O_DIRECT: read them buffered then."""
     own: dict[int, int] = {}  # each file's descriptor in the run -> one of its own, set to O_DIRECT
@@ -79,7 +77,7 @@ def stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuff
             return None
         own[fd] = mine
     try:
-        return _stream_direct(plan, run, staging, reads, ram, touched, damage, blob_path, own)
+        return _stream_direct(plan, run, staging, reads, ram, touched, damage, own)
     finally:
         for mine in own.values():
             os.close(mine)
@@ -107,8 +105,7 @@ def _reopen(fd: int) -> int | None:
 
 
 def _stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuffer, reads: DirectReads,
-                   ram: RamTier | None, touched: bool, damage: Damage, blob_path: Callable[[bytes], str],
-                   own: dict[int, int]) -> bool:
+                   ram: RamTier | None, touched: bool, damage: Damage, own: dict[int, int]) -> bool:
     """stream_direct's body: ``own`` maps each descriptor of the run to its O_DIRECT description."""
     slot, _ = staging.acquire()
     reader: ReadAhead | None = None
@@ -166,7 +163,7 @@ def _stream_direct(plan: RestorePlan, run: list[DirectItem], staging: StagingBuf
                 raise corrupt(plan, cid, fd, "checksum mismatch", touched, damage, ram)
             if ram is not None:  # admitted off this thread, from the file (see restore.ramtier); at its first
                 # restore: an O_DIRECT read leaves no page-cache copy for the next one (issue 48)
-                ram.offer(cid, blob_path(cid), item.chunk.raw_len, item.chunk.checksum, first=True)
+                ram.offer(item.chunk, first=True)
     finally:
         if reader is not None:
             reader.stop()  # before the slot is reused, and before an error reaches the caller

@@ -6,8 +6,9 @@ and holds no extra memory, while a hot prefix restored again is served at memory
 Admission never runs on the restoring thread. Copying a chunk into fresh memory costs a page
 fault per 4 KiB page (~1.3-2 GB/s here, slower than reading the page cache), and it made the
 first warm restore of a prefix slower than a cold one (docs/benchmarks.md). A restore only
-*offers* the chunk (its file path): one background thread reads the file again (from the page
-cache the restore just filled), checks its XXH3 against the catalog's, and admits it. The RAM
+*offers* the chunk (its catalog row): one background thread reads it again from the file tier
+(:meth:`snapstore.chunks.file_tier.FileTier.read_into`, from the page cache the restore just filled),
+checked against the catalog's XXH3, and admits it. The RAM
 copy never comes from the engine's destination, which the engine may change once restore returns.
 
 Nor does admission compete with a restore for the CPU or the GIL: on 2 vCPUs a background reader +
@@ -22,23 +23,13 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from snapstore._errors import CorruptionError
 from snapstore._forks import track
-from snapstore.chunks.chunkfile import (
-    CODEC_RAW,
-    HEADER_SIZE,
-    checksum,
-    checksum_stream,
-    decode_fd,
-    header_matches,
-    open_chunk,
-    parse_header,
-    read_exact,
-)
+from snapstore.catalog.rows import ChunkRow
+from snapstore.chunks.file_tier import FileTier
 
 __all__ = ["RamTier"]
 
@@ -47,21 +38,24 @@ __all__ = ["RamTier"]
 _TEST_HOOK: Callable[[bytes], None] | None = None
 
 _MAX_QUEUED = 256  # offers waiting for the admission thread; more are dropped (admitted next time)
-_PIECE = 4 << 20  # admission reads and checks a raw chunk in pieces, yielding to restores between them
 _NICE = 10  # the admission thread's niceness increment (best effort, Linux: per-thread priority)
 
 
 class RamTier:
-    """An LRU of verified, decoded chunk bytes keyed by chunk id (content-addressed: never stale)."""
+    """An LRU of verified, decoded chunk bytes keyed by chunk id (content-addressed: never stale); a
+    :class:`snapstore.tiers.base.Tier` that admits from ``source``, the store's chunk files."""
 
-    def __init__(self, capacity: int):
+    name = "ram"
+
+    def __init__(self, capacity: int, source: FileTier):
         self.capacity = capacity
+        self._source = source
         self.used = 0
         self.hits = 0
         self._items: OrderedDict[bytes, memoryview] = OrderedDict()
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # restored once: admitted next time
         self._lock = threading.Lock()
-        self._queue: deque[tuple[bytes, str, int, bytes]] = deque()
+        self._queue: deque[ChunkRow] = deque()
         self._queued: set[bytes] = set()
         self._cv = threading.Condition(self._lock)
         self._busy = False  # the admission thread is working on an offer
@@ -106,10 +100,23 @@ class RamTier:
                 self.hits += 1
             return data
 
-    def holds(self, cid: bytes) -> bool:
+    def has(self, cid: bytes) -> bool:
         """Whether the chunk is held now (an estimate's probe: no hit counted, its place unchanged)."""
         with self._lock:
             return cid in self._items
+
+    def read_into(self, chunk: ChunkRow, out: memoryview) -> bool:
+        """The held bytes of ``chunk`` copied into ``out`` (checked when admitted; a hit); False when not
+        held. A restore takes the held view instead (:meth:`get`): no copy but the one into its destination."""
+        data = self.get(chunk.id)
+        if data is None:
+            return False
+        out[:len(data)] = data
+        return True
+
+    def measure(self) -> int:
+        """The bytes held now."""
+        return self.used
 
     def _wanted(self, cid: bytes, n: int, first: bool = False) -> bool:
         """Under the lock: should this restore of ``cid`` lead to admitting it (second sighting, or
@@ -132,15 +139,16 @@ class RamTier:
         del self._seen[cid]
         return True
 
-    def offer(self, cid: bytes, path: str, raw_len: int, csum: bytes, first: bool = False) -> None:
-        """A chunk was restored (verified) from the file at ``path``: admit it in the background if
-        it was restored before, or now with ``first`` (it was read with O_DIRECT, which left nothing
-        in the page cache: the RAM tier is then the only copy the next restore can read from memory,
-        issue 48). Never blocks on the copy; a full queue drops the offer."""
+    def offer(self, chunk: ChunkRow, first: bool = False) -> None:
+        """A chunk was restored (verified) from its file: admit it in the background if it was
+        restored before, or now with ``first`` (it was read with O_DIRECT, which left nothing in the
+        page cache: the RAM tier is then the only copy the next restore can read from memory, issue
+        48). Never blocks on the copy; a full queue drops the offer."""
+        cid = chunk.id
         with self._lock:
-            if self._stop or not self._wanted(cid, raw_len, first) or len(self._queue) >= _MAX_QUEUED:
+            if self._stop or not self._wanted(cid, chunk.raw_len, first) or len(self._queue) >= _MAX_QUEUED:
                 return
-            self._queue.append((cid, path, raw_len, csum))
+            self._queue.append(chunk)
             self._queued.add(cid)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="snapstore-ramtier", daemon=True)
@@ -180,7 +188,8 @@ class RamTier:
                     self._busy = False
                     self._cv.notify_all()
                     return
-                cid, path, n, csum = self._queue.popleft()
+                chunk = self._queue.popleft()
+                cid = chunk.id
                 self._busy = True
             try:
                 if not self._yield_to_restores():
@@ -188,8 +197,8 @@ class RamTier:
                 hook = _TEST_HOOK
                 if hook is not None:
                     hook(cid)
-                data = _load(path, n, csum, self._yield_to_restores)
-                if data is not None:
+                data = np.empty(chunk.raw_len, dtype=np.uint8).data
+                if self._source.read_into(chunk, data, self._yield_to_restores):  # checked, in pieces
                     self._insert(cid, data)
             except Exception:  # noqa: S110 - admission is best effort: a later restore offers it again
                 pass
@@ -209,13 +218,21 @@ class RamTier:
             hits, self.hits = self.hits, 0
             return hits
 
-    def discard(self, cid: bytes) -> None:
-        """Forget a chunk (it was found corrupt or dropped)."""
+    def delete(self, cids: Iterable[bytes]) -> int:
+        """Forget chunks (found corrupt, or dropped); the bytes freed."""
+        freed = 0
         with self._lock:
-            self._seen.pop(cid, None)
-            old = self._items.pop(cid, None)
-            if old is not None:
-                self.used -= len(old)
+            for cid in cids:
+                self._seen.pop(cid, None)
+                old = self._items.pop(cid, None)
+                if old is not None:
+                    freed += len(old)
+            self.used -= freed
+        return freed
+
+    def discard(self, cid: bytes) -> None:
+        """Forget one chunk (:meth:`delete`)."""
+        self.delete((cid,))
 
     def clear(self) -> None:
         """Forget everything and stop the admission thread (the store is closing)."""
@@ -234,32 +251,3 @@ class RamTier:
             self._thread = None
             self._stop = False
 
-
-def _load(path: str, n: int, csum: bytes, pause: Callable[[], bool]) -> memoryview | None:
-    """Read and decode the chunk file at ``path`` into fresh memory; None unless it is the chunk
-    the catalog describes (``n`` raw bytes with checksum ``csum``). ``pause()`` is called between
-    pieces (it blocks while a restore runs); False from it abandons the load."""
-    try:
-        fd, st = open_chunk(path)  # never blocks: a FIFO at the path is damage, not a stuck admission thread
-    except (OSError, CorruptionError):
-        return None  # evicted meanwhile, or not a regular file
-    try:
-        head = parse_header(os.pread(fd, HEADER_SIZE, 0))
-        if not header_matches(head, n, csum, st.st_size):
-            return None
-        out = np.empty(n, dtype=np.uint8).data
-        if head.codec != CODEC_RAW:  # compressed: decoded whole (rare; zstd is not the default)
-            decode_fd(head, fd, out)
-            return out if checksum(out) == csum else None
-        h = checksum_stream()
-        for off in range(0, n, _PIECE):
-            if off and not pause():
-                return None
-            piece = out[off:off + _PIECE]
-            read_exact(fd, piece, HEADER_SIZE + off)
-            h.update(piece)
-        return out if h.digest() == csum else None
-    except (OSError, CorruptionError):
-        return None
-    finally:
-        os.close(fd)

@@ -232,7 +232,7 @@ def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], stagin
         if tiers is not None and warm is not None:
             tally_opened(opened, warm, tiers)
         try:
-            touched = _stream_window(plan, opened, staging, ram, touched, found, blob_path, reads, warm)
+            touched = _stream_window(plan, opened, staging, ram, touched, found, reads, warm)
         except BaseException:
             if files is not None:  # a file that failed a read or a check is opened afresh next time
                 files.forget(item.chunk.id for item in items)
@@ -261,8 +261,8 @@ def _cold_targets(entry: _Opened, reads: DirectReads | None, cold: dict[int, boo
 
 
 def _stream_window(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ram: RamTier | None,
-                   touched: bool, damage: Damage, blob_path: Callable[[bytes], str],
-                   reads: DirectReads | None, warm: dict[int, bool] | None = None) -> bool:
+                   touched: bool, damage: Damage, reads: DirectReads | None,
+                   warm: dict[int, bool] | None = None) -> bool:
     """Write one window's chunks in order, as runs of cold chunks (read with O_DIRECT) and runs of
     the others (buffered: cached, compressed, RAM-tier or writer destinations); returns touched.
     ``warm``: the window's files found cached, per descriptor, where the tier tally probed them."""
@@ -284,9 +284,8 @@ def _stream_window(plan: RestorePlan, opened: list[_Opened], staging: StagingBuf
     for direct, entries, items in runs:
         done = None
         if direct and reads is not None:
-            done = stream_direct(plan, items, staging, reads, ram, touched, damage, blob_path)
-        touched = done if done is not None else _stream(plan, entries, staging, ram, touched, damage, blob_path,
-                                                                 warm)
+            done = stream_direct(plan, items, staging, reads, ram, touched, damage)
+        touched = done if done is not None else _stream(plan, entries, staging, ram, touched, damage, warm)
     return touched
 
 
@@ -310,8 +309,7 @@ def _file_lanes(fds: list[int]) -> list[int]:
 
 
 def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ram: RamTier | None,
-            touched: bool, damage: Damage, blob_path: Callable[[bytes], str],
-            warm: dict[int, bool] | None = None) -> bool:
+            touched: bool, damage: Damage, warm: dict[int, bool] | None = None) -> bool:
     """Write ``opened`` chunks through the page cache, in order (the caller closes their files); returns
     touched. ``warm``: files known cached or not (the tier tally's probes), else probed here."""
     # Raw chunks with a contiguous destination are read in place by reader threads (a lane per file)
@@ -384,7 +382,7 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
                             touched = True
                             item.sink.write(item.offset + item.skip, out[item.skip:])  # rows_from
                             if ram is not None:
-                                ram.offer(cid, blob_path(cid), n, item.chunk.checksum)
+                                ram.offer(item.chunk)
                     finally:
                         staging.release(slot)
                     if good:
@@ -402,8 +400,8 @@ def _stream(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ra
             if not good:
                 raise corrupt(plan, cid, fd, reason, _stopped(reader, touched), damage, ram,
                               head if in_place else None)
-            if ram is not None:  # admitted off this thread, from the file (see restore.ramtier)
-                ram.offer(cid, blob_path(cid), n, item.chunk.checksum)
+            if ram is not None:  # admitted off this thread, from the file tier (see restore.ramtier)
+                ram.offer(item.chunk)
     finally:
         if reader is not None:
             reader.stop()  # before the descriptors close, and before an error reaches the caller

@@ -111,7 +111,7 @@ def probe_chunks(chunks: Iterable[ChunkRow], blob_path: Callable[[bytes], str], 
         cid = chunk.id
         if cid in first or cid in in_ram:
             continue
-        if ram is not None and ram.holds(cid):
+        if ram is not None and ram.has(cid):
             in_ram.add(cid)
         else:
             first[cid] = chunk

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from snapstore.chunks.direct_io import DirectReads
     from snapstore.chunks.repo import Repo
     from snapstore.chunks.staging import StagingBuffer
-    from snapstore.restore.ramtier import RamTier
+    from snapstore.tiers.stack import Tiers
 
 __all__ = ["BatchStore", "StoreBatches", "restore_batch"]
 
@@ -42,10 +42,9 @@ class BatchStore(Protocol):
     """What a batch of restores uses of its Store (:class:`snapstore.Store` is one): typed here, so
     this module sits below the Store rather than importing it."""
 
-    _remote: Any
+    _tiers: Tiers
     _repo: Repo
     _staging: StagingBuffer
-    _ram: RamTier | None
     _ledger: Ledger
     _reads: DirectReads
     _rates: RestoreRates
@@ -86,8 +85,7 @@ def restore_batch(store: BatchStore, requests: list[tuple[Any, Any]], wanted: se
 
     ``session``: the caller's, for the session rule (as ``Store.restore``). Shared-tier matches are
     fetched into the local tier first (``RemoteTier.localize``)."""
-    if store._remote is not None:
-        requests = store._remote.localize(requests, store, wanted, rows_from)
+    requests = store._tiers.shared.localize(requests, store, wanted, rows_from)
     refs = []
     for k, pair in enumerate(requests):
         if not isinstance(pair, tuple) or len(pair) != 2:
@@ -112,7 +110,7 @@ def restore_batch(store: BatchStore, requests: list[tuple[Any, Any]], wanted: se
     plans = [p for _, p in built]
     tiers: dict[str, int] = {}
     try:
-        stream_checked(_merged(plans), None, store._repo, store._staging, store._ram, store._ledger.count,
+        stream_checked(_merged(plans), None, store._repo, store._staging, store._tiers.ram, store._ledger.count,
                        store._reads, tiers)
     except RestoreError as e:
         e.args = (f"restore_many ({len(plans)} requests, failed as one; every destination counts as "
@@ -129,10 +127,9 @@ class StoreBatches:
     """match_many() and restore_many(): a base of :class:`snapstore.Store`, which supplies the
     attributes and calls declared here (those of :class:`BatchStore`, its layout, gate and match)."""
 
-    _remote: Any
+    _tiers: Tiers
     _repo: Repo
     _staging: StagingBuffer
-    _ram: RamTier | None
     _ledger: Ledger
     _reads: DirectReads
     _rates: RestoreRates

@@ -26,6 +26,7 @@ from snapstore.restore.rates import DISK_TIERS, LOCAL_TIERS, RestoreRates
 from snapstore.restore.read import plan_of, wanted_components
 from snapstore.restore.tiers import probe_chunks
 from snapstore.store.gate import CallGate, operation
+from snapstore.tiers.stack import Tiers
 
 __all__ = ["RestoreRates", "RestoreTimer", "StoreRecompute", "choose_match", "chosen_match", "chunks_estimate",
            "estimate_of", "restored", "weigh"]
@@ -58,11 +59,11 @@ def chunks_estimate(store: Any, chunks: list[ChunkRow], stamp: Stamp | None = No
     takes any restore that cheap, :func:`snapstore.plan.restore_or_recompute.decide`)."""
     rates: RestoreRates = store._rates
     if sure > 0.0:
-        where = LOCAL_TIERS if store._ram is not None else DISK_TIERS  # the tiers its chunks can be in
+        where = LOCAL_TIERS if store._tiers.ram is not None else DISK_TIERS  # the tiers its chunks can be in
         bound = rates.bound(sum(chunk.raw_len for chunk in chunks), where)
         if bound.seconds <= sure:
             return bound
-    return rates.estimate(probe_chunks(chunks, store._repo.blob_path, store._ram, store._repo.files, stamp))
+    return rates.estimate(probe_chunks(chunks, store._repo.blob_path, store._tiers.ram, store._repo.files, stamp))
 
 
 def weigh(found: Found | None, next_found: Callable[[set[int]], Found | None], skip: set[int],
@@ -140,7 +141,7 @@ class StoreRecompute:
     supplies the attributes declared here."""
 
     _gate: CallGate
-    _remote: Any
+    _tiers: Tiers
     _rates: RestoreRates
     _ledger: Ledger
     layout: Layout
@@ -158,9 +159,8 @@ class StoreRecompute:
         """:meth:`estimate_restore`, or an upper bound where it is under ``sure`` seconds (a weighed
         match's first choice, :func:`chunks_estimate`)."""
         wanted = wanted_components(self.layout, components)
-        remote = self._remote
-        return estimate_of(self, m, wanted, namespace,
-                           lambda r: int(remote.nbytes(r, self.layout, wanted)) if remote is not None else 0, sure)
+        shared = self._tiers.shared
+        return estimate_of(self, m, wanted, namespace, lambda r: shared.nbytes(r, self.layout, wanted), sure)
 
 
 
@@ -173,7 +173,7 @@ class RestoreTimer:
 
     def __init__(self, store: StoreRecompute, m: object, rows_from: int) -> None:
         self.store, self.m, self.rows_from = store, m, rows_from
-        self.remote = store._remote is not None and getattr(m, "remote", None) is not None
+        self.remote = store._tiers.shared.has(m)
         self.t0 = time.perf_counter()
         self.tiers: dict[str, int] = {}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from snapstore._config import Budget
 from snapstore._identity import Identity
@@ -19,6 +19,7 @@ from snapstore.lifecycle.gc import GcReport
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.rates import RestoreRates
 from snapstore.store.gate import CallGate, operation
+from snapstore.tiers.stack import Tiers
 
 __all__ = ["StoreReports"]
 
@@ -30,8 +31,7 @@ class StoreReports:
 
     _repo: Repo
     _gate: CallGate
-    _ram: RamTier | None
-    _remote: Any
+    _tiers: Tiers
     _rates: RestoreRates
     identity: Identity
     budget: Budget
@@ -39,6 +39,11 @@ class StoreReports:
 
     def _write(self, fn: Callable[[Txn], T], *, durable: bool = True) -> T:
         raise NotImplementedError  # the Store's write transaction (bookkeeping included)
+
+    @property
+    def _ram(self) -> RamTier | None:
+        """The RAM tier, or None without ``ram_bytes`` (as the restore passes it on, and tests drain it)."""
+        return self._tiers.ram
 
     @operation
     def snapshots(self) -> list[SnapshotInfo]:
@@ -53,8 +58,9 @@ class StoreReports:
         st = self._repo.db.read(lambda t: stats_of(t, self.budget.disk_bytes or 0, self._ram.used if self._ram else 0))
         # this process's restore rates are newer than the catalog's (written at most every 30 s, and at close)
         st = dataclasses.replace(st, restore_rates={**st.restore_rates, **self._rates.rates()})
-        if self._remote is not None:  # the shared tier's live upload queue, next to its counters
-            st = dataclasses.replace(st, remote={**st.remote, **self._remote.uploads()})
+        uploads = self._tiers.shared.uploads()  # the shared tier's live upload queue, next to its counters
+        if uploads:
+            st = dataclasses.replace(st, remote={**st.remote, **uploads})
         return st
 
     @operation
@@ -62,9 +68,8 @@ class StoreReports:
         """Check the store (see snapstore verify); returns a VerifyReport."""
         from snapstore.check.verify import verify
         report = verify(self._repo, deep=deep, pending_lease=self.pending_lease)
-        if self._ram is not None:
-            for cid in report.damaged_chunks:
-                self._ram.discard(cid)
+        if self._tiers.ram is not None:
+            self._tiers.ram.delete(report.damaged_chunks)
         return report
 
     @operation

@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, TypeVar, overload
+from typing import Literal, TypeVar, overload
 
 from snapstore._config import Budget, StoreOptions, resolved_budget, store_options
 from snapstore._errors import ConfigError, StateError
@@ -37,8 +37,7 @@ from snapstore.lifecycle.rules import log_drops, new_outside_use
 from snapstore.parts.buffers import Destination, PartSource
 from snapstore.plan.match import Prompt, best_match
 from snapstore.plan.restore_plan import RestorePlan
-from snapstore.remote.uploader import FlushResult, flush_all, upload_saved
-from snapstore.restore.ramtier import RamTier
+from snapstore.remote.uploader import FlushResult, flush_all
 from snapstore.restore.read import details_of, plan_of, planned_destination, stream_checked, wanted_components
 from snapstore.restore.read_path import ReadPaths
 from snapstore.save.asynchronous import AsyncSaver, SaveHandle, copy_budget
@@ -63,6 +62,7 @@ from snapstore.store.snapshot_ops import (
 )
 from snapstore.store.transfer import StoreTransfer
 from snapstore.store.turn import Turn
+from snapstore.tiers.stack import Tiers
 
 __all__ = ["Store"]
 
@@ -92,12 +92,11 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
                                            background=budget.write_bytes_per_hour is None)
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingBuffer(options.staging_bytes, options.chunk_bytes)
-        self._ram = RamTier(budget.ram_bytes or 0) if budget.ram_bytes else None
+        self._tiers = Tiers(repo, budget.ram_bytes)  # RAM (or none), the chunk files, the shared tier (set by _start)
         self._rates = RestoreRates()  # restore throughput per tier (issue 32); loaded from the catalog by open()
-        self._ledger = Ledger(self._ram.take_hits if self._ram is not None else None, self._rates)
+        self._ledger = Ledger(self._tiers.ram.take_hits if self._tiers.ram is not None else None, self._rates)
         self._capacity = Capacity(repo.root, budget, repo.blob_path)
         self._saver = AsyncSaver(async_copy_bytes)  # issue 12: save(wait=False); no thread until a save queues
-        self._remote: Any = None  # the shared tier (snapstore.remote.tier.RemoteTier) when remote= is set
         self._gate = CallGate()  # public calls in flight versus close()
         self._access = Access(identity)  # the ownership checks; its owner token is set by _start
         self._lease_owner: Owner | None = None
@@ -180,8 +179,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
             drop_stale=drop_stale, ttl=self.budget.ttl))
         log_drops(dropped, "stale at this open (the same model; Store.open(drop_stale=False) keeps them)")
         reap_lock_files(repo.root, dead)
-        from snapstore.remote.tier import open_remote  # imported on demand: obstore only where remote= is used
-        self._remote = open_remote(remote, repo, self.identity, owner, self._ledger.count, remote_wait)
+        self._tiers.open_shared(remote, self.identity, owner, self._ledger.count, remote_wait)
 
     def _teardown(self, dead_owners: Iterable[str] = ()) -> None:
         """Release what :meth:`_start` acquired (a failed open, or close() after its transaction):
@@ -192,8 +190,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
                 reap_lock_files(self._repo.root, dead_owners)
             if self._pool is not None and not self._gate.forked:  # a forked child's: the parent's threads
                 self._pool.shutdown(wait=True)
-            if self._ram is not None:
-                self._ram.clear()
+            self._tiers.close_local()
             self._reads.stop()  # a read-path probe in flight (restore.read_path)
         finally:
             self._repo.close()
@@ -255,7 +252,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         """The synchronous save (``save(wait=True)``)."""
         assert self._run is not None  # set by open(); a Store is only handed out open
         res = self._run.run(tokens, parts, rows, session, parent, commit, namespace)
-        upload_saved(self._remote, res)
+        self._tiers.shared.saved(res)
         return res
 
     # -- pending captures --------------------------------------------------------------------
@@ -276,7 +273,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
             return skipped(self._repo.db, s.reason, None, 0, 0, ns)
         result = SaveResult(snapshot_id=sid, skipped=None, parent_id=snap.parent_id, stored_bytes=0,
                             logical_bytes=snap.logical_bytes, n_tokens=snap.n_tokens, namespace=ns or None)
-        upload_saved(self._remote, result)
+        self._tiers.shared.saved(result)
         return result
 
     @operation
@@ -318,11 +315,11 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         prompt = Prompt(arr)  # kept: restore or recompute matches it again past each prefix it weighs
         found = self._repo.db.read(lambda c: best_match(c, self.layout, self.identity.key, ns, prompt, skip,
                                                         not_before))
-        far = self._remote.lookup(arr, ns, found[1] if found is not None else 0) if self._remote is not None else None
+        far = self._tiers.shared.lookup(arr, ns, found[1] if found is not None else 0)
         if prefill_tokens_per_s is not None:  # restore or recompute: store/recompute.py weighs the prefixes
             return choose_match(self, prompt, ns, namespace, skip, not_before, found, far, prefill_tokens_per_s)
         if far is not None:
-            return far  # type: ignore[no-any-return]
+            return far
         if found is None:
             self._ledger.count("misses")
             return None
@@ -354,13 +351,14 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         k = count_of(rows_from, "rows_from")
         wanted = wanted_components(self.layout, components)
         timer = RestoreTimer(self, m, k)  # its time and tiers, for the restore rates (store/recompute.py)
-        if self._remote is not None and getattr(m, "remote", None) is not None:
+        if self._tiers.shared.has(m):
             # a shared-tier match: fetched into the local tier (then restored below), or streamed (remote.tier)
-            m = self._remote.restore(m, into, self.layout, wanted, k, lambda t, _freed: self._capacity.excess(t)
-                                     is None, lambda n: self._capacity.precheck(n, 0) is None, self._access.iid)
-            if isinstance(m, RestoreResult):
-                timer.done(m.n_tokens, m.bytes_restored)
-                return m
+            got = self._tiers.shared.restore(m, into, self.layout, wanted, k, lambda t, _freed: self._capacity.excess(t)
+                                             is None, lambda n: self._capacity.precheck(n, 0) is None, self._access.iid)
+            if isinstance(got, RestoreResult):
+                timer.done(got.n_tokens, got.bytes_restored)
+                return got
+            m = got
         ref = resolve_ref(m)  # the one reading of a ref: a Match's or MatchDetails' n_tokens is honoured
         sid, ns = ref.snapshot_id, ref_namespace(ref, namespace)
         t0 = time.perf_counter()
@@ -407,7 +405,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         uploads. A FlushResult (uploads published/failed/dropped); false when ``timeout`` ran out."""
         self._gate.check()
         limit = optional_real(timeout, "timeout", minimum=0.0, unit="seconds")
-        return flush_all(self._saver.flush, self._remote, limit)
+        return flush_all(self._saver.flush, self._tiers.shared.flush, limit)
 
     def close(self) -> None:
         """Abandon this store's pending captures (and dead owners'), flush counters, release resources.
@@ -427,9 +425,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         owner = self._lease_owner
         assert owner is not None or self._repo.readonly  # set by open(); a Store is only handed out open
         try:
-            remote, self._remote = self._remote, None
-            if remote is not None and not self._gate.forked:  # in a forked child: the parent's threads, sockets
-                remote.close()  # finishes the queued uploads first
+            self._tiers.close_shared(self._gate.forked)  # finishes the queued uploads first
             if owner is None:
                 return  # read-only: nothing was started, nothing to retire
             self._rates.flush_next()  # the restore rates measured since the last hand-over: written by retire's txn

@@ -1,0 +1,1 @@
+"""The places a store's bytes live, behind one interface (docs/design.md, "Tiers")."""
