@@ -7,11 +7,12 @@ that quarantines the chunks it found damaged (:mod:`snapstore.plan.restore_plan`
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from snapstore._errors import CorruptionError, InvalidInputError, RestoreError, StoreIOError
 from snapstore._layout import Layout
 from snapstore._results import MatchDetails, RecomputeDecision
-from snapstore.catalog.chain_cache import ChainCache, ChainReads
+from snapstore.catalog.chain_cache import ChainCache, ChainReads, Stamp
 from snapstore.catalog.queries import ChunkRow, SnapRow, SnapState, Txn
 from snapstore.chunks.direct_io import DirectReads
 from snapstore.chunks.repo import Repo
@@ -27,7 +28,8 @@ from snapstore.restore.read_path import ReadPaths
 from snapstore.restore.stream import stream_plan
 from snapstore.restore.tiers import Tiers
 
-__all__ = ["details_of", "plan_of", "planned_destination", "stream_checked", "wanted_components"]
+__all__ = ["Planned", "allocated", "destination", "details_of", "plan_of", "planned", "planned_destination",
+           "stream_checked", "wanted_components"]
 
 
 def wanted_components(layout: Layout, components: Iterable[str] | None) -> set[str]:
@@ -42,13 +44,30 @@ def wanted_components(layout: Layout, components: Iterable[str] | None) -> set[s
     return wanted
 
 
-def plan_of(c: Txn | ChainReads, access: Access, layout: Layout, sid: int, ns: str,
-            into: Mapping[str, Destination] | None, wanted: set[str], rows_from: int = 0, upto: int | None = None,
-            chunks: list[ChunkRow] | None = None, memo: ChainCache | None = None) -> tuple[SnapRow, RestorePlan]:
-    """Check that ``sid`` is this store's to restore and build (and validate) its plan; ``upto``:
-    the tokens of a block-granular prefix match (rows [0, upto // g) only, :mod:`snapstore.plan.prefix`).
-    ``memo``: the store's kept plan reads (``Repo.plans``), used while the catalog generation stands;
-    ``c`` may be those reads already made in this transaction (:meth:`ChainCache.reads`: the stamp read once)."""
+@dataclass(frozen=True)
+class Planned:
+    """A snapshot's plan, checked once (:func:`planned`): bound to destinations as often as a call
+    needs — describe()'s none, then the mapping a restore's callable ``into`` returned — without
+    reading or checking the catalog again."""
+
+    snap: SnapRow
+    checked: CheckedPlan
+    stamp: Stamp | None  # the catalog stamp it was read under, when planned through the memo
+
+    def bind(self, into: Mapping[str, Destination] | None, chunks: list[ChunkRow] | None = None) -> RestorePlan:
+        """The plan into ``into`` (None: a description), every destination checked before a write."""
+        plan = bind(self.checked, into, chunks)
+        plan.stamp = self.stamp
+        return plan
+
+
+def planned(c: Txn | ChainReads, access: Access, layout: Layout, sid: int, ns: str, wanted: set[str],
+            rows_from: int = 0, upto: int | None = None, memo: ChainCache | None = None) -> Planned:
+    """Check that ``sid`` is this store's to restore and check its plan: the one planning step of a
+    restore, a describe, a batch and a lookup. ``upto``: the tokens of a block-granular prefix match
+    (rows [0, upto // g) only, :mod:`snapstore.plan.prefix`). ``memo``: the store's kept plan reads
+    (``Repo.plans``), used while the catalog generation stands; ``c`` may be those reads already
+    made in this transaction (:meth:`ChainCache.reads`: the stamp read once)."""
     reads = c if memo is None or isinstance(c, ChainReads) else memo.reads(c)
     snap = access.readable(reads, sid, ns, rows_from)
     rows_to = rows_limit(layout, snap, upto)
@@ -66,10 +85,15 @@ def plan_of(c: Txn | ChainReads, access: Access, layout: Layout, sid: int, ns: s
         checked = check_plan(rows, sid, chain, layout, wanted, rows_from, rows_to)
         if kept is not None:
             kept.keep_checked(sid, ids, key, checked, len(checked.chunks))
-    plan = bind(checked, into, chunks)
-    if kept is not None:
-        plan.stamp = kept.stamp
-    return snap, plan
+    return Planned(snap, checked, kept.stamp if kept is not None else None)
+
+
+def plan_of(c: Txn | ChainReads, access: Access, layout: Layout, sid: int, ns: str,
+            into: Mapping[str, Destination] | None, wanted: set[str], rows_from: int = 0, upto: int | None = None,
+            chunks: list[ChunkRow] | None = None, memo: ChainCache | None = None) -> tuple[SnapRow, RestorePlan]:
+    """:func:`planned`, bound to ``into`` (None: described; ``chunks`` gets the chunk rows it reads)."""
+    p = planned(c, access, layout, sid, ns, wanted, rows_from, upto, memo)
+    return p.snap, p.bind(into, chunks)
 
 
 def details_of(snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int,
@@ -107,17 +131,30 @@ def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: Stag
         raise
 
 
-def planned_destination(into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Destination]],
-                        plan: Callable[[], MatchDetails]) -> Mapping[str, Destination]:
-    """restore()'s ``into``: a mapping as it is, or a callable's destinations for the checked plan
-    (``plan()``); what the callable raises reaches the caller as is (nothing has been written yet)."""
-    if not callable(into) or isinstance(into, Mapping):
-        if not isinstance(into, Mapping):
-            raise InvalidInputError("into must be a mapping of part name to writable buffer, or a callable "
-                                    "that takes the plan (MatchDetails) and returns one")
+def destination(into: object) -> Mapping[str, Destination] | None:
+    """restore()'s ``into`` before the plan: a mapping as it is, None for a callable (handed the
+    checked plan, :func:`allocated`); anything else raises InvalidInputError."""
+    if isinstance(into, Mapping):
         return into
-    into = into(plan())
-    if not isinstance(into, Mapping):
+    if callable(into):
+        return None
+    raise InvalidInputError("into must be a mapping of part name to writable buffer, or a callable "
+                            "that takes the plan (MatchDetails) and returns one")
+
+
+def allocated(into: object, details: MatchDetails) -> Mapping[str, Destination]:
+    """A callable ``into``'s destinations for the checked plan ``details``; what it raises reaches
+    the caller as is (nothing has been written yet)."""
+    assert callable(into)  # destination() said so
+    dest = into(details)
+    if not isinstance(dest, Mapping):
         raise InvalidInputError(f"the destination callable must return a mapping of part name to buffer, "
-                                f"got {type(into).__name__}; nothing was written")
-    return into
+                                f"got {type(dest).__name__}; nothing was written")
+    return dest
+
+
+def planned_destination(into: object, plan: Callable[[], MatchDetails]) -> Mapping[str, Destination]:
+    """:func:`destination`, else :func:`allocated` for the checked plan ``plan()`` (the shared tier's
+    restore, whose plan is its manifests')."""
+    dest = destination(into)
+    return dest if dest is not None else allocated(into, plan())

@@ -1,29 +1,37 @@
 """Plan, then write: a destination chosen from the checked plan, and batches of restores.
 
-``Store.restore(m, into=callable)`` first checks the plan as ``describe`` does, hands it to the
-engine's callable (which allocates exactly the blocks it needs and returns the destinations),
-then restores. ``Store.restore_many`` builds every plan in one read transaction and streams them
-as one: a chunk that several chains share (a common system prompt) is read and checked once,
-then copied into each destination.
+``Store.restore(m, into=callable)`` checks the plan once (:func:`plan_then_bind`), hands its
+description (``describe``'s MatchDetails) to the engine's callable (which allocates exactly the
+blocks it needs and returns the destinations), then binds that same plan to them and restores.
+``Store.restore_many`` builds every plan in one read transaction and streams them as one: a chunk
+that several chains share (a common system prompt) is read and checked once, then copied into
+each destination.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from snapstore._errors import InvalidInputError, RestoreError
 from snapstore._layout import Layout
 from snapstore._refs import SnapshotRef, ref_namespace, resolve_ref, session_key
-from snapstore._results import Match, RestoreResult
+from snapstore._results import Match, MatchDetails, RecomputeDecision, RestoreResult
 from snapstore._tokens import TokensLike
 from snapstore.lifecycle.bookkeeping import Ledger, record_use
 from snapstore.lifecycle.rules import new_outside_use
 from snapstore.parts.buffers import Destination, Sink
 from snapstore.plan.restore_plan import PlanItem, RestorePlan
 from snapstore.restore.rates import RestoreRates
-from snapstore.restore.read import stream_checked, wanted_components
+from snapstore.restore.read import (
+    Planned,
+    allocated,
+    destination,
+    details_of,
+    stream_checked,
+    wanted_components,
+)
 from snapstore.save.stages import count_of
 from snapstore.store.gate import CallGate, operation
 
@@ -35,7 +43,7 @@ if TYPE_CHECKING:
     from snapstore.chunks.staging import StagingBuffer
     from snapstore.tiers.stack import Tiers
 
-__all__ = ["BatchStore", "StoreBatches", "restore_batch"]
+__all__ = ["BatchStore", "PlanStore", "StoreBatches", "plan_then_bind", "restore_batch"]
 
 
 class BatchStore(Protocol):
@@ -49,8 +57,17 @@ class BatchStore(Protocol):
     _reads: DirectReads
     _rates: RestoreRates
 
-    def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
-              wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]: ...
+    def _plan(self, c: Txn, sid: int, ns: str, wanted: set[str], rows_from: int = 0,
+              upto: int | None = None) -> Planned: ...
+
+
+class PlanStore(Protocol):
+    """What :func:`plan_then_bind` uses of its Store: the catalog and the one planning step."""
+
+    _repo: Repo
+
+    def _plan(self, c: Txn, sid: int, ns: str, wanted: set[str], rows_from: int = 0,
+              upto: int | None = None) -> Planned: ...
 
 
 class _FanSink(Sink):
@@ -79,6 +96,24 @@ def _merged(plans: list[RestorePlan]) -> RestorePlan:
     return RestorePlan(plans[0].snapshot_id, plans[0].n_tokens, [], {}, set(), items)
 
 
+def plan_then_bind(store: PlanStore, sid: int, ns: str,
+                   into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Destination]],
+                   wanted: set[str], rows_from: int, upto: int | None, why: RecomputeDecision | None,
+                   reading: Callable[[], None]) -> tuple[SnapRow, RestorePlan]:
+    """restore()'s plan, made once in one read transaction, then bound to the destinations (each
+    checked before a byte is written). A callable ``into`` gets the plan's description (describe()'s
+    MatchDetails, ``why`` the match's decision) and returns them. ``reading`` starts the restore's
+    timer: before the plan for a mapping, after a callable's allocation (the engine's time)."""
+    dest = destination(into)  # a mapping as it is (None: a callable); anything else raises before the plan
+    if dest is not None:
+        reading()
+    p = store._repo.db.read(lambda c: store._plan(c, sid, ns, wanted, rows_from, upto))
+    if dest is None:
+        dest = allocated(into, details_of(p.snap, p.bind(None), ns, rows_from, why))
+        reading()
+    return p.snap, p.bind(dest)
+
+
 def restore_batch(store: BatchStore, requests: list[tuple[Any, Any]], wanted: set[str], namespace: str | None,
                   rows_from: int, session: str | None = None) -> list[RestoreResult]:
     """Validate every request's plan, then stream them together; one error fails the batch.
@@ -102,8 +137,8 @@ def restore_batch(store: BatchStore, requests: list[tuple[Any, Any]], wanted: se
     def build(c: Conn) -> list[tuple[bool, RestorePlan]]:
         out = []
         for sid, ns, into, upto in refs:
-            snap, plan = store._plan(c, sid, ns, into, wanted, rows_from, upto)
-            out.append((new_outside_use(snap, session), plan))  # the session rule's signal (lifecycle.rules)
+            p = store._plan(c, sid, ns, wanted, rows_from, upto)
+            out.append((new_outside_use(p.snap, session), p.bind(into)))  # the session rule's signal (lifecycle.rules)
         return out
 
     built = store._repo.db.read(build)
@@ -136,8 +171,8 @@ class StoreBatches:
     _gate: CallGate
     layout: Layout
 
-    def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
-              wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
+    def _plan(self, c: Txn, sid: int, ns: str, wanted: set[str], rows_from: int = 0,
+              upto: int | None = None) -> Planned:
         raise NotImplementedError  # the Store's: the checked plan of one snapshot
 
     def match(self, tokens: TokensLike, *, namespace: str | None = None) -> Match | None:

@@ -22,7 +22,7 @@ from snapstore._numbers import optional_real
 from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, resolve_ref, session_key, snapshot_id
 from snapstore._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult
 from snapstore._tokens import TokensLike, as_token_array
-from snapstore.catalog.queries import SnapRow, Txn
+from snapstore.catalog.queries import Txn
 from snapstore.chunks.chunkfile import CODECS
 from snapstore.chunks.direct_io import direct_default, direct_reads_setting
 from snapstore.chunks.repo import Repo
@@ -36,9 +36,8 @@ from snapstore.lifecycle.owner import Owner
 from snapstore.lifecycle.rules import log_drops, new_outside_use
 from snapstore.parts.buffers import Destination, PartSource
 from snapstore.plan.match import Prompt, best_match
-from snapstore.plan.restore_plan import RestorePlan
 from snapstore.remote.uploader import FlushResult, flush_all
-from snapstore.restore.read import details_of, plan_of, planned_destination, stream_checked, wanted_components
+from snapstore.restore.read import Planned, details_of, planned, stream_checked, wanted_components
 from snapstore.restore.read_path import ReadPaths
 from snapstore.save.asynchronous import AsyncSaver, SaveHandle, copy_budget
 from snapstore.save.chain import parent_after
@@ -46,7 +45,7 @@ from snapstore.save.chunker import Chunker
 from snapstore.save.run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
 from snapstore.save.run import SaveRun, skipped
 from snapstore.save.stages import Saver, Skip, count_of
-from snapstore.store.batch import StoreBatches
+from snapstore.store.batch import StoreBatches, plan_then_bind
 from snapstore.store.gate import CallGate, operation
 from snapstore.store.lookup import StoreLookup
 from snapstore.store.names import StoreNames
@@ -329,10 +328,10 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         return Match(hit.id, n_hit, namespace)
 
     # -- restore -----------------------------------------------------------------------------
-    def _plan(self, c: Txn, sid: int, ns: str, into: Mapping[str, Destination] | None,
-              wanted: set[str], rows_from: int = 0, upto: int | None = None) -> tuple[SnapRow, RestorePlan]:
-        """Check that ``sid`` is this store's to restore and build (and validate) its plan."""
-        return plan_of(c, self._access, self.layout, sid, ns, into, wanted, rows_from, upto, memo=self._repo.plans)
+    def _plan(self, c: Txn, sid: int, ns: str, wanted: set[str], rows_from: int = 0,
+              upto: int | None = None) -> Planned:
+        """Check that ``sid`` is this store's to restore and check its plan (bound by the caller)."""
+        return planned(c, self._access, self.layout, sid, ns, wanted, rows_from, upto, memo=self._repo.plans)
 
     @operation
     def restore(self, m: SnapshotRef,
@@ -363,10 +362,9 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         sid, ns = ref.snapshot_id, ref_namespace(ref, namespace)
         t0 = time.perf_counter()
         sess = session_key(session)
-        dest = planned_destination(into, lambda: self.describe(m, components, namespace=ns or None, rows_from=k))
-        upto = ref.upto  # a block-granular prefix match restores rows [0, upto // g) only
-        timer.reading()  # a local restore is timed from here: after `into` is allocated
-        snap, plan = self._repo.db.read(lambda c: self._plan(c, sid, ns, dest, wanted, k, upto))
+        # planned once (a block-granular prefix match restores rows [0, upto // g) only); a callable
+        # `into` is handed the checked plan; timed from the plan, or after a callable's allocation
+        snap, plan = plan_then_bind(self, sid, ns, into, wanted, k, ref.upto, getattr(m, "why", None), timer.reading)
         stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count, self._reads, timer.tiers)
         nbytes = plan.nbytes
         timer.done(plan.n_tokens, nbytes)
@@ -387,8 +385,8 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         k = count_of(rows_from, "rows_from")
 
         def run(c: Txn) -> MatchDetails:
-            snap, plan = self._plan(c, sid, ns, None, wanted, k, ref.upto)
-            return details_of(snap, plan, ns, k, getattr(m, "why", None))  # a match's decision travels along
+            p = self._plan(c, sid, ns, wanted, k, ref.upto)
+            return details_of(p.snap, p.bind(None), ns, k, getattr(m, "why", None))  # a match's decision too
 
         return self._repo.db.read(run)
 
