@@ -67,6 +67,9 @@ class _Entry:
     # checked plans of these rows (plan.restore_plan.CheckedPlan) by (layout key, components,
     # rows_from, rows_to): the same for every store that asks with an equal layout
     checked: dict[tuple[Any, ...], object] | None = None
+    # the chain's token blobs joined, as one root segment (blob, width, 0, n_tokens), when every link
+    # has one width and they are contiguous from token 0; False: they are not (match checks link by link)
+    spelled: tuple[bytes, int, int, int] | bool | None = None
 
 
 class ChainCache:
@@ -137,6 +140,17 @@ class ChainCache:
                 _, dropped = self._entries.popitem(last=False)
                 self._bytes -= dropped.nbytes
 
+    def _grow(self, stamp: Stamp, e: _Entry, nbytes: int) -> None:
+        """Count ``nbytes`` more held by ``e`` (oldest entries out first), if ``e`` is still kept."""
+        with self._lock:
+            if stamp != self._stamp or self._entries.get(e.found[0].id) is not e:
+                return
+            e.nbytes += nbytes
+            self._bytes += nbytes
+            while self._entries and self._bytes > self._max_bytes:
+                _, dropped = self._entries.popitem(last=False)
+                self._bytes -= dropped.nbytes
+
     def _keep_checked(self, stamp: Stamp, e: _Entry, key: tuple[Any, ...], plan: object, nbytes: int) -> None:
         """Keep ``plan`` under ``key`` with ``e``'s rows (``nbytes`` more held), if ``e`` is still kept."""
         with self._lock:
@@ -197,6 +211,28 @@ class ChainReads:
         catalog (issue 48)."""
         e = self._cache._get(self._stamp, sid)
         return e.chain if e is not None else None
+
+    def kept_spelling(self, sid: int) -> tuple[bytes, int, int, int] | None:
+        """The kept chain of ``sid`` as one root token segment ``(blob, width, 0, n_tokens)`` — its
+        links' blobs joined, when all have one width, the right lengths and follow each other from
+        token 0 — so match() compares a prompt with the whole chain in one memcmp; None: not kept,
+        or not so (then the links are compared one by one). Joined once per kept chain."""
+        e = self._cache._get(self._stamp, sid)
+        if e is None or e.chain is None:
+            return None
+        if e.spelled is None:
+            chain, pos = e.chain, 0
+            width = chain[0].token_width if chain else 0
+            for link in chain:
+                if link.token_width != width or link.base_tokens != pos or link.n_tokens < pos \
+                        or len(link.tokens) != width * (link.n_tokens - pos):
+                    pos = -1
+                    break
+                pos = link.n_tokens
+            joined = b"".join(link.tokens for link in chain) if pos > 0 and width in (4, 8) else b""
+            e.spelled = (joined, width, 0, pos) if joined else False
+            self._cache._grow(self._stamp, e, len(joined))
+        return e.spelled if isinstance(e.spelled, tuple) else None
 
     def chain_parts(self, ids: Sequence[int]) -> Parts:
         """As :meth:`Txn.chain_parts`; kept for the exact chain of a kept snapshot."""

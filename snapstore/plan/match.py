@@ -89,8 +89,11 @@ def longest_prefix(c: Txn, layout: Layout, identity_key: str, ns: str, prompt: P
         reads = kept() if kept is not None else None
         chain = reads.kept_chain(sid) if reads is not None else None
         if chain is not None:  # the kept rows (the same rows, under this stamp): root to leaf, every token
-            if not spells_prefix([(link.tokens, link.token_width, link.base_tokens, link.n_tokens)
-                                  for link in chain], arr, encoded):
+            assert reads is not None
+            whole = reads.kept_spelling(sid)  # the links joined: one compare; else link by link
+            if not (spells_segment(whole, arr, encoded) if whole is not None else spells_prefix(
+                    [(link.tokens, link.token_width, link.base_tokens, link.n_tokens) for link in chain], arr,
+                    encoded)):
                 continue
         elif own[2]:  # the links below its own segment, compared in SQL against the prompt in its width
             w = own[1]

@@ -7,6 +7,9 @@ own check does.
 - a find-key collision (every key forced equal) puts a sibling first whose own tokens match the
   prompt but whose links below do not: the kept check passes over it, as the SQL check does, and
   the lookup answers the snapshot that spells the prompt;
+- a chain whose links are stored in two token widths (a token >= 2**31 in the leaf's own segment)
+  is compared link by link; a prompt that differs from it only there, in the high bits an int32
+  compare would wrap, is not its prefix;
 - a deleted snapshot moves the generation: the next lookup reads no kept row of it and finds the
   next-longest prefix.
 """
@@ -73,6 +76,20 @@ def test_a_kept_sibling_that_differs_below_its_own_segment_is_passed_over(tmp_pa
         assert not any(q.startswith("WITH RECURSIVE") for q in seen), seen  # decided from the kept rows
         m = s.match(right)  # the catalog's own check agrees
         assert m is not None and m.snapshot_id == good
+
+
+def test_a_kept_chain_of_two_token_widths_is_compared_link_by_link(tmp_path: Any) -> None:
+    wide = 2**31 + 7
+    tokens = [*range(10, 10 + SEG), *range(5000, 5000 + SEG - 1), wide]  # root int32, leaf int64
+    with _open(tmp_path / "s") as s:
+        leaf = _save_chain(s, tokens, 1)
+        s.describe(leaf)  # kept
+        with statements(s) as seen:
+            d = s.lookup(tokens)
+        assert d is not None and d.snapshot_id == leaf and d.n_tokens == len(tokens)
+        assert not any(q.startswith("WITH RECURSIVE") for q in seen), seen
+        d = s.lookup([*tokens[:-1], wide - 2**31])  # the same low 32 bits
+        assert d is not None and d.snapshot_id != leaf and d.n_tokens == SEG
 
 
 def test_a_deleted_kept_snapshot_is_never_the_answer(tmp_path: Any) -> None:
