@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import hashlib
 import os
 import signal
 import threading
@@ -427,14 +428,24 @@ def test_forked_child_opens_its_own_store_whatever_module_lock_a_parent_thread_h
 
 def test_forked_child_hashes_a_model_whatever_a_parent_thread_held(tmp_path: Any) -> None:
     """The llama.cpp integration's model-hash cache is process-wide too: a parent thread inside
-    file_sha256() at the fork left its lock held, and the child's first identity hung on it."""
-    from snapstore.engine.llamacpp import _identify as _identity
+    file_sha256() at the fork (here: reading a FIFO nobody writes yet) must not stop the child's own
+    first hash. The cache once had a lock such a thread left held in the child, which then hung."""
+    from snapstore.engine.llamacpp import _identify
 
-    model = tmp_path / "m.gguf"
+    model, fifo = tmp_path / "m.gguf", tmp_path / "slow.gguf"
     model.write_bytes(b"GGUF" + bytes(1000))
+    os.mkfifo(fifo)
+    inside = threading.Thread(target=_identify.file_sha256, args=(str(fifo),), daemon=True)
+    inside.start()
+    time.sleep(0.2)  # the thread is blocked in open()/read() of the FIFO, inside file_sha256
 
     def child() -> None:
-        assert len(_identity.file_sha256(str(model))) == 64
+        assert _identify.file_sha256(str(model)) == hashlib.sha256(model.read_bytes()).hexdigest()
 
-    with _held_by_another_thread(_identity._LOCK):
+    try:
+        assert inside.is_alive()
         assert _fork(child, timeout=20) == 0
+    finally:
+        with open(fifo, "wb"):  # lets the parent's thread finish its (empty) read
+            pass
+        inside.join(10)
