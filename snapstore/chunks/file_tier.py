@@ -1,5 +1,5 @@
 """The local tier: this store's chunk files, as one place a chunk's bytes live (the
-:class:`snapstore.tiers.base.Tier` interface, with the RAM tier beside it).
+:class:`snapstore.tiers.interface.Tier` interface, with the RAM tier beside it).
 
 A restore streams these files itself (:mod:`snapstore.restore.stream`: kept descriptors, reader threads,
 O_DIRECT runs); this is the tier's face for the rest — whether a chunk's file is there, one chunk read

@@ -10,7 +10,7 @@ plan was read with. The generation moves in the transaction of every change to a
 was checked against. A plan under a newer stamp, by any store of the process on the catalog
 (:meth:`ChainCache.on_move`), closes every kept descriptor first.
 
-An estimate's probe (:mod:`snapstore.restore.tiers`) asks the page cache through a kept
+An estimate's probe (:mod:`snapstore.restore.tier_probe`) asks the page cache through a kept
 descriptor instead of opening the file, and offers the cached files it did open; one offered a
 second time under the same stamp is kept, its header checked against the row as a restore checks
 it: a scheduler's store, which looks up and never restores, then probes a prompt it sees again

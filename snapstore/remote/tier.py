@@ -66,7 +66,7 @@ def restore_mode() -> str:
 
 class RemoteTier:
     """One Store's shared tier: upload queue, lookup, fetch into the local tier or stream to the caller
-    (the S3 implementation of :class:`snapstore.tiers.base.SharedTier`)."""
+    (the S3 implementation of :class:`snapstore.tiers.interface.SharedTier`)."""
 
     present = True
 

@@ -43,7 +43,7 @@ _NICE = 10  # the admission thread's niceness increment (best effort, Linux: per
 
 class RamTier:
     """An LRU of verified, decoded chunk bytes keyed by chunk id (content-addressed: never stale); a
-    :class:`snapstore.tiers.base.Tier` that admits from ``source``, the store's chunk files."""
+    :class:`snapstore.tiers.interface.Tier` that admits from ``source``, the store's chunk files."""
 
     name = "ram"
 

@@ -1,6 +1,6 @@
 """How fast this store restores, per tier, measured from its own restores (issue 32, part 1).
 
-Each successful restore reports the chunk bytes it read per tier (:mod:`snapstore.restore.tiers`)
+Each successful restore reports the chunk bytes it read per tier (:mod:`snapstore.restore.tier_probe`)
 and the seconds it took. Per tier the model keeps exponentially decayed sums (five numbers, see
 :class:`TierFit`) and fits ``seconds = a + b × bytes`` to them, least relative error — a fixed cost
 per restore (plan, file opens) plus a rate — or, when the sizes seen are too alike to separate the

@@ -26,7 +26,7 @@ from snapstore.restore.fail import Damage, quarantine
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.read_path import ReadPaths
 from snapstore.restore.stream import stream_plan
-from snapstore.restore.tiers import Tiers
+from snapstore.restore.tier_probe import Tiers
 
 __all__ = ["Planned", "allocated", "destination", "details_of", "plan_of", "planned", "planned_destination",
            "stream_checked", "wanted_components"]

@@ -48,7 +48,7 @@ from snapstore.chunks.publish import create_temp, write_all
 from snapstore.chunks.repo import Repo
 from snapstore.chunks.residency import resident
 from snapstore.restore.read_choice import BUFFERED, CACHED, CANDIDATES, DIRECT_EDGE, Candidate, Measured, choose
-from snapstore.restore.tiers import Tiers
+from snapstore.restore.tier_probe import Tiers
 
 __all__ = ["BUFFERED", "CACHED", "CANDIDATES", "DIRECT_EDGE", "DRIFT", "PROBE_AFTER", "PROBE_BYTES", "REMEASURE_S",
            "Candidate", "Measured", "ReadPaths", "choose", "measure", "storage_key"]

@@ -23,7 +23,7 @@ only what is still damaged when it re-checks under the write lock.
 A window's files are probed (cached or not) before any is read, and nothing is asked for ahead
 with posix_fadvise(WILLNEED): the reads' own readahead brings the pages in. On the benchmark
 machine WILLNEED on a cold chain's files did not make its cold restores faster, and the warm
-restores that followed were 7-33% slower (:func:`snapstore.restore.tiers.probe_window`).
+restores that followed were 7-33% slower (:func:`snapstore.restore.tier_probe.probe_window`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from snapstore.restore.direct import DIRECT_MIN, DirectItem, Targets, direct_tar
 from snapstore.restore.fail import Damage, corrupt, outcome, read_failed
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.read_ahead import ReadAhead
-from snapstore.restore.tiers import Tiers, probe_window, tally_opened
+from snapstore.restore.tier_probe import Tiers, probe_window, tally_opened
 
 __all__ = ["Damage", "stream_plan"]
 
@@ -208,7 +208,7 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
 
     Chunks found damaged or missing are added to ``damage`` (for :func:`snapstore.restore.fail.quarantine`). With
     ``reads`` on, raw chunks whose pages are not cached are read with O_DIRECT (restore.direct).
-    ``tiers``: gets the chunk bytes read per tier (:mod:`snapstore.restore.tiers`), for the restore rates.
+    ``tiers``: gets the chunk bytes read per tier (:mod:`snapstore.restore.tier_probe`), for the restore rates.
     ``files``: small chunk files kept open for plans made from memory (:mod:`snapstore.chunks.open_files`).
     """
     found: Damage = damage if damage is not None else []

@@ -24,7 +24,7 @@ from snapstore.plan.prefix import granularity
 from snapstore.plan.restore_or_recompute import MAX_CONSIDERED, Option, check_rate, decide
 from snapstore.restore.rates import DISK_TIERS, LOCAL_TIERS, RestoreRates
 from snapstore.restore.read import plan_of, wanted_components
-from snapstore.restore.tiers import probe_chunks
+from snapstore.restore.tier_probe import probe_chunks
 from snapstore.store.gate import CallGate, operation
 from snapstore.tiers.stack import Tiers
 

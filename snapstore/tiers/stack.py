@@ -1,8 +1,8 @@
 """A Store's tiers, nearest first: the RAM tier (when ``Budget.ram_bytes`` is set), the local chunk
-files, the shared tier (:data:`snapstore.tiers.base.NO_SHARED_TIER` unless ``remote=`` is set).
+files, the shared tier (:data:`snapstore.tiers.interface.NO_SHARED_TIER` unless ``remote=`` is set).
 
 The Store holds one :class:`Tiers` and asks each tier through its interface
-(:mod:`snapstore.tiers.base`): a restore reads the RAM tier's chunks, then the files', checking every
+(:mod:`snapstore.tiers.interface`): a restore reads the RAM tier's chunks, then the files', checking every
 chunk (:mod:`snapstore.restore.stream`); a match asks the shared tier for a longer chain; a save hands
 it the committed snapshot.
 """
@@ -15,7 +15,7 @@ from snapstore._identity import Identity
 from snapstore.chunks.file_tier import FileTier
 from snapstore.chunks.repo import Repo
 from snapstore.restore.ramtier import RamTier
-from snapstore.tiers.base import NO_SHARED_TIER, SharedTier, Tier
+from snapstore.tiers.interface import NO_SHARED_TIER, SharedTier, Tier
 
 __all__ = ["Tiers"]
 

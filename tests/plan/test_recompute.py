@@ -553,7 +553,7 @@ def test_tier_probes_by_runs_find_one_boundary_exactly_and_probe_a_uniform_chain
                                                                                         first: bool) -> None:
     """A chain's files cached up to file ``cut`` and not after (or the reverse): every file's answer
     is exact; a chain all in one tier costs at most three probes."""
-    from snapstore.restore.tiers import probe_runs
+    from snapstore.restore.tier_probe import probe_runs
 
     truth = [first if i < cut else not first for i in range(n)]
     asked: list[int] = []

@@ -1,4 +1,4 @@
-"""One tier interface (issue 51): every place a store's bytes live answers :mod:`snapstore.tiers.base`
+"""One tier interface (issue 51): every place a store's bytes live answers :mod:`snapstore.tiers.interface`
 — the RAM tier and the chunk files as a ``Tier``, the S3 tier or the null one as a ``SharedTier`` —
 and a Store holds them as one ``Tiers``: its restore reads through them, nearest first, and checks
 every chunk it reads from a file. Real store directories, real SQLite, real files."""
@@ -16,7 +16,7 @@ from snapstore.catalog.rows import ChunkRow
 from snapstore.chunks.chunkfile import HEADER_SIZE
 from snapstore.remote.tier import RemoteTier
 from snapstore.remote.uploader import FlushResult
-from snapstore.tiers.base import NO_SHARED_TIER, SharedTier, Tier
+from snapstore.tiers.interface import NO_SHARED_TIER, SharedTier, Tier
 from snapstore.tiers.stack import Tiers
 
 MIB = 1 << 20
