@@ -1,8 +1,10 @@
 """Restore a shared-tier chain straight from the bucket into the destination, publishing nothing locally.
 
 Used when the chain does not fit the local budget (or ``SNAPSTORE_REMOTE_RESTORE=stream``). The
-plan is the local restore's (:func:`build_plan` over the chain's manifests): chain contiguous,
-parts and destinations checked before a byte is written. Then a few chunk objects are read at once;
+plan is the local restore's (:func:`check_plan` over the chain's manifests, :func:`plan_remote`):
+chain contiguous, parts checked once per restore, then bound to the destinations as often as the
+restore needs (each destination checked before a byte is written), as a local restore's
+:class:`~snapstore.restore.read.Planned` is. Then a few chunk objects are read at once;
 each is checked as it arrives (size, header, XXH3-128 of the raw bytes: what a local restore
 checks; there is no BLAKE3 address to check because nothing is published under it). A raw chunk
 bound for a contiguous host destination is copied piece by piece into place (one copy, as a local
@@ -26,15 +28,16 @@ from snapstore._errors import RemoteError, RestoreError
 from snapstore._layout import Layout
 from snapstore._results import MatchDetails, RestoreResult
 from snapstore.catalog.queries import ChunkRow, PartRow, SnapRow
-from snapstore.plan.restore_plan import PlanItem, RestorePlan, build_plan
+from snapstore.plan.restore_plan import PlanItem, RestorePlan, check_plan
 from snapstore.remote.check import BadObject, ChunkCheck
 from snapstore.remote.fetch import read_error
 from snapstore.remote.find_chain import RemoteHit
 from snapstore.remote.keys import chunk_key, pause_point
 from snapstore.remote.manifest import ChunkEntry
 from snapstore.remote.s3client import S3Client
+from snapstore.restore.read import Planned
 
-__all__ = ["ManifestSource", "describe_remote", "plan_by_chunk", "stream_restore"]
+__all__ = ["ManifestSource", "describe_remote", "plan_by_chunk", "plan_remote", "remote_details", "stream_restore"]
 
 _AHEAD = 2  # chunks fetched beyond the pool's width, waiting to be written (bounds the memory held)
 
@@ -133,35 +136,43 @@ def _read_one(client: S3Client, scope: str, items: list[PlanItem], run: _Run) ->
     return _Got(items, None if place is not None else buf)
 
 
-def describe_remote(hit: RemoteHit, layout: Layout, wanted: set[str], rows_from: int) -> MatchDetails:
-    """What streaming ``hit`` would write (for a restore whose ``into`` is a callable: plan, then write)."""
+def plan_remote(hit: RemoteHit, layout: Layout, wanted: set[str], rows_from: int) -> Planned:
+    """The plan of ``hit`` from its manifests, checked once (chain, parts, chunks: every check that does
+    not depend on the destinations): described and bound to destinations from then on, never checked again."""
     src = ManifestSource(hit)
-    plan = build_plan(src, len(src.chain), src.chain, layout, None, wanted, rows_from)
-    held = {p.component for p in src.parts(len(src.chain)) if p.component is not None}
-    return MatchDetails(snapshot_id=0, n_tokens=plan.n_tokens, namespace=hit.namespace or None, rows=dict(plan.rows),
-                        components=frozenset(held), missing_components=frozenset(plan.missing_components),
-                        part_bytes=dict(plan.part_bytes), nbytes=sum(plan.part_bytes.values()), chain=[],
+    return Planned(src.chain[-1], check_plan(src, len(src.chain), src.chain, layout, wanted, rows_from), None)
+
+
+def remote_details(planned: Planned, hit: RemoteHit, rows_from: int) -> MatchDetails:
+    """What streaming ``hit`` by its checked plan would write (what a callable ``into`` is handed)."""
+    c = planned.checked
+    return MatchDetails(snapshot_id=0, n_tokens=c.n_tokens, namespace=hit.namespace or None, rows=dict(c.rows),
+                        components=c.held, missing_components=c.missing_components,
+                        part_bytes=dict(c.part_bytes), nbytes=sum(c.part_bytes.values()), chain=[],
                         pending=False, rows_from=rows_from)
 
 
-def plan_by_chunk(hit: RemoteHit, layout: Layout, into: Mapping[str, Any], wanted: set[str],
-                  rows_from: int) -> tuple[RestorePlan, dict[bytes, list[PlanItem]]]:
-    """The restore plan of ``hit`` from its manifests (the part checks run here, before any read), and
-    its items grouped by chunk id in plan order: each chunk object is read once for all its items."""
-    src = ManifestSource(hit)
-    plan = build_plan(src, len(src.chain), src.chain, layout, into, wanted, rows_from)
+def describe_remote(hit: RemoteHit, layout: Layout, wanted: set[str], rows_from: int) -> MatchDetails:
+    """What streaming ``hit`` would write: :func:`plan_remote`, described (a batch's checks, an estimate)."""
+    return remote_details(plan_remote(hit, layout, wanted, rows_from), hit, rows_from)
+
+
+def plan_by_chunk(planned: Planned, into: Mapping[str, Any]) -> tuple[RestorePlan, dict[bytes, list[PlanItem]]]:
+    """The checked plan bound to ``into`` (each destination checked here, before any read), and its
+    items grouped by chunk id in plan order: each chunk object is read once for all its items."""
+    plan = planned.bind(into)
     groups: dict[bytes, list[PlanItem]] = {}
     for item in plan.items:
         groups.setdefault(item.chunk.id, []).append(item)
     return plan, groups
 
 
-def stream_restore(client: S3Client, hit: RemoteHit, layout: Layout, into: Mapping[str, Any], wanted: set[str],
-                   rows_from: int, pool: ThreadPoolExecutor, width: int,
-                   count: Callable[[str, int], None]) -> RestoreResult:
-    """Restore ``hit`` into ``into`` from the bucket; RestoreError(touched=...) on any failure."""
+def stream_restore(client: S3Client, hit: RemoteHit, planned: Planned, into: Mapping[str, Any],
+                   pool: ThreadPoolExecutor, width: int, count: Callable[[str, int], None]) -> RestoreResult:
+    """Restore ``hit`` into ``into`` from the bucket by its checked plan (:func:`plan_remote`);
+    RestoreError(touched=...) on any failure."""
     t0 = time.perf_counter()
-    plan, groups = plan_by_chunk(hit, layout, into, wanted, rows_from)
+    plan, groups = plan_by_chunk(planned, into)
     todo = deque(groups.values())
     run = _Run()
     pending: deque[Future[_Got]] = deque()

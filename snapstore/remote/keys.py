@@ -8,7 +8,7 @@ Object layout below ``s3://BUCKET/PREFIX/`` (docs/format.md "Shared tier"), ``S`
     snapstore-v1/u/S/<manifest name>                     last use of a manifest (LRU for the budget)
     snapstore-v1/l/<writer>-<nonce>                      lease: chunks a live upload may reference
 
-Uploaders (``remote.publish``), readers (``remote.lookup``, ``remote.fetch``) and maintenance
+Uploaders (``remote.upload_chain``), readers (``remote.find_chain``, ``remote.fetch``) and maintenance
 (``remote.maint``) all name objects through this module only.
 """
 
@@ -29,7 +29,7 @@ def gc_window() -> float:
     """Seconds a ``gc --remote`` may go on deleting after it listed the leases (``SNAPSTORE_REMOTE_GC_WINDOW_S``).
 
     An upload that relies on a chunk that was already in the bucket waits twice this long after
-    writing its lease and then checks the chunk again (see ``remote.publish``).
+    writing its lease and then checks the chunk again (see ``remote.upload_chain``).
     """
     return env_seconds("SNAPSTORE_REMOTE_GC_WINDOW_S", 2.0)
 

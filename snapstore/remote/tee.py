@@ -43,6 +43,7 @@ from snapstore.remote.find_chain import RemoteHit
 from snapstore.remote.keys import chunk_key, pause_point
 from snapstore.remote.manifest import ChunkEntry
 from snapstore.remote.s3client import S3Client
+from snapstore.restore.read import Planned
 
 __all__ = ["Importer", "hold_limit", "tee_restore"]
 
@@ -113,16 +114,17 @@ def _read_whole(client: S3Client, scope: str, e: ChunkEntry, stop: threading.Eve
     return _Held(held, decoded)
 
 
-def tee_restore(client: S3Client, hit: RemoteHit, layout: Layout, into: Mapping[str, Any], wanted: set[str],
-                rows_from: int, also: list[ChunkEntry], keep: Callable[[int], bool], pool: ThreadPoolExecutor,
-                width: int, count: Callable[[str, int], None]) -> tuple[RestoreResult, dict[bytes, list[memoryview]]]:
-    """Restore ``hit`` into ``into``, each chunk written once it has been read and checked whole; the
+def tee_restore(client: S3Client, hit: RemoteHit, planned: Planned, into: Mapping[str, Any], also: list[ChunkEntry],
+                keep: Callable[[int], bool], pool: ThreadPoolExecutor, width: int,
+                count: Callable[[str, int], None]) -> tuple[RestoreResult, dict[bytes, list[memoryview]]]:
+    """Restore ``hit`` into ``into`` by its checked plan (:func:`~snapstore.remote.bucket_restore.plan_remote`,
+    bound here), each chunk written once it has been read and checked whole; the
     chunks in ``also`` (the rest of what the local tier lacks) are read and checked too, not written.
     Returns the result and, by chunk id, the checked pieces of the chunks ``also`` names that
     ``keep(nbytes)`` (the Importer's memory bound) let it hold. ``touched`` on a failure says whether
     a destination byte was written (a failure stops every reader before the error is raised)."""
     t0 = time.perf_counter()
-    plan, groups = plan_by_chunk(hit, layout, into, wanted, rows_from)
+    plan, groups = plan_by_chunk(planned, into)
     entries = {cid: _entry(items[0].chunk) for cid, items in groups.items()}
     for e in also:
         entries.setdefault(e.id, e)

@@ -1,11 +1,12 @@
 """The shared tier: one Store's view of S3-compatible object storage behind its local tier.
 
 This module wires the jobs together and holds the one restore policy; each job has its module:
-object names and timing (``remote.keys``), upload (``remote.publish`` behind the background
-queue of ``remote.uploader``), lookup from a prompt (``remote.lookup``), fetch into the local tier
+object names and timing (``remote.keys``), upload (``remote.upload_chain`` behind the background
+queue of ``remote.uploader``), lookup from a prompt (``remote.find_chain``), fetch into the local tier
 (``remote.fetch``), restore chunk by chunk and import in the background (``remote.tee``),
-restore straight from the bucket (``remote.stream``), the checks every fetched chunk passes
-(``remote.check``). Layout and protocol: docs/format.md "Shared tier".
+restore straight from the bucket (``remote.bucket_restore``), the checks every fetched chunk passes
+(``remote.check``). A restore checks the chain's plan once (``bucket_restore.plan_remote``) and binds
+it to the destinations as often as it needs. Layout and protocol: docs/format.md "Shared tier".
 
 Restore policy (``SNAPSTORE_REMOTE_RESTORE``): ``tee`` (default) streams the chain into the
 destination, each chunk checked whole before it is written, and returns, while a background
@@ -36,7 +37,7 @@ from snapstore.chunks.chunkfile import scope_key
 from snapstore.chunks.repo import Repo
 from snapstore.lifecycle.access import Retry
 from snapstore.plan.prefix import granularity
-from snapstore.remote.bucket_restore import describe_remote, stream_restore
+from snapstore.remote.bucket_restore import describe_remote, plan_remote, remote_details, stream_restore
 from snapstore.remote.fetch import Fetcher, NoRoom
 from snapstore.remote.find_chain import Lookup, RemoteHit, RemoteMatch
 from snapstore.remote.keys import LAYOUT, LEASE_TTL, chunk_key, gc_window, manifest_key, use_key
@@ -45,7 +46,7 @@ from snapstore.remote.s3client import S3Client
 from snapstore.remote.tee import Importer, hold_limit, tee_restore
 from snapstore.remote.upload_chain import Publisher
 from snapstore.remote.uploader import FlushResult, Uploader
-from snapstore.restore.read import planned_destination
+from snapstore.restore.read import Planned, planned_destination
 
 # LAYOUT, LEASE_TTL and the key functions are re-exported: they lived here before the split
 __all__ = ["LAYOUT", "LEASE_TTL", "RemoteHit", "RemoteMatch", "RemoteTier", "chunk_key", "gc_window",
@@ -102,7 +103,7 @@ class RemoteTier:
             self.publish(res.snapshot_id)
 
     def publish(self, sid: int) -> None:
-        """Publish a committed snapshot's chain now (see remote.publish)."""
+        """Publish a committed snapshot's chain now (see remote.upload_chain)."""
         self._publisher.publish(sid)
 
     def flush(self, timeout: float | None = None) -> FlushResult:
@@ -137,7 +138,7 @@ class RemoteTier:
         return getattr(m, "remote", None) is not None
 
     def lookup(self, arr: np.ndarray, ns: str, have: int) -> RemoteMatch | None:
-        """The longest chain in the bucket matching ``arr``, longer than ``have`` (see remote.lookup)."""
+        """The longest chain in the bucket matching ``arr``, longer than ``have`` (see remote.find_chain)."""
         return self._lookup.lookup(arr, ns, have)
 
     # -- restore -----------------------------------------------------------------------------
@@ -203,14 +204,15 @@ class RemoteTier:
             raise InvalidInputError(f"rows_from={rows_from} is past the {rows} rows (of {granularity(layout)} tokens) "
                                     "that restoring this shared-tier match writes; nothing was written")
         mode = restore_mode()
+        # the plan's checks, once (a chain of another granularity, dtype or shape): a chain this layout
+        # cannot read is never imported, where it would take the budget and match again; a tee or a
+        # stream binds this one checked plan to the destinations (each checked before a byte is written)
+        planned = plan_remote(hit, layout, wanted, rows_from)
         if mode != "stream":
-            # the plan's checks first (a chain of another granularity, dtype or shape): a chain this
-            # layout cannot read is never imported, where it would take the budget and match again
-            describe_remote(hit, layout, wanted, rows_from)
             missing = self._fetcher.missing(hit)
             need = sum(e.stored_len for e in missing)
             if room(need) and mode == "tee":
-                return self._tee(hit, into, layout, wanted, rows_from, missing, fits, identity_id)
+                return self._tee(hit, planned, into, layout, rows_from, missing, fits, identity_id)
             if room(need):
                 try:
                     sid = self._fetcher.materialize(hit, fits, identity_id, layout)
@@ -222,16 +224,17 @@ class RemoteTier:
                     raise SnapshotUnavailableError("this store's identity was dropped as stale by another "
                                                    "store during the fetch; match again", snapshot_id=None) from None
             self._count("remote_no_room", 1)
-        dest = planned_destination(into, lambda: describe_remote(hit, layout, wanted, rows_from))
-        res = stream_restore(self.client, hit, layout, dest, wanted, rows_from, self._pool, _WIDTH, self._count)
+        dest = planned_destination(into, lambda: remote_details(planned, hit, rows_from))
+        res = stream_restore(self.client, hit, planned, dest, self._pool, _WIDTH, self._count)
         self._used(hit)
         return res
 
-    def _tee(self, hit: RemoteHit, into: Any, layout: Layout, wanted: set[str], rows_from: int,
+    def _tee(self, hit: RemoteHit, planned: Planned, into: Any, layout: Layout, rows_from: int,
              missing: list[ChunkEntry], fits: Callable[[Conn, list[bytes]], bool],
              identity_id: Callable[[Conn], int]) -> RestoreResult:
-        """Restore chunk by chunk (each checked before it is written), then queue the import (``remote.tee``)."""
-        dest = planned_destination(into, lambda: describe_remote(hit, layout, wanted, rows_from))
+        """Restore chunk by chunk by the checked plan (each chunk checked before it is written), then queue
+        the import (``remote.tee``)."""
+        dest = planned_destination(into, lambda: remote_details(planned, hit, rows_from))
         busy = self._importer.busy(hit)  # an import of this chain is queued: read only what the restore needs
         reserved = [0]
 
@@ -242,8 +245,8 @@ class RemoteTier:
             return False
 
         try:
-            res, given = tee_restore(self.client, hit, layout, dest, wanted, rows_from, [] if busy else missing,
-                                     keep, self._pool, _WIDTH, self._count)
+            res, given = tee_restore(self.client, hit, planned, dest, [] if busy else missing, keep, self._pool,
+                                     _WIDTH, self._count)
         except BaseException:
             self._importer.release(reserved[0])
             raise
