@@ -14,6 +14,7 @@ from snapstore._identity import Identity
 from snapstore.store.store import Store
 from snapstore.testing.model import _MARGIN, NAMES, NAMESPACES, SEEDS, _digest, _File, _Name, _Saved
 from snapstore.testing.reads import _Reads
+from snapstore.transfer.output_file import OutputFile
 
 
 class _Transfer(_Reads):
@@ -149,6 +150,39 @@ class _Transfer(_Reads):
         self.files.append(_File(path, tuple(self.foreign_model[i] for i in chain), True, nm))
         if again != "skip":
             self._import(self.files[-1], None, again)
+
+    @rule(data=st.data(), accept=st.sampled_from([None, "mark", "own"]))
+    def export_own_format(self, data: st.DataObject, accept: str | None) -> None:
+        """Write a snapshot out in an engine's own format, as an integration does (``export-slot``): the
+        identity from its id alone (``Store.identity_of``), the identity-override check (``check_export``:
+        exact for this identity's own state; marked state only when ``accept_identity`` names the mark),
+        the file put in place whole by the store's rule (``OutputFile``) or not at all."""
+        assert self.store is not None
+        live = self._live()
+        ok = sorted(i for i, x in live.items() if self._whole(x))
+        marked = [i for i in ok if live[i].imported_from is not None]
+        if marked and data.draw(st.booleans(), label="one imported under an override"):
+            ok = marked
+        if not ok:
+            return
+        sid = data.draw(st.sampled_from(ok), label="snapshot")
+        mark = live[sid].imported_from
+        assert Store.identity_of(self.store.path, sid) == self.store.identity, "identity_of named another identity"
+        key = {None: None, "mark": mark, "own": self.store.identity.key}[accept]
+        path = os.path.join(self.root, "files", "own-format.bin")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with OutputFile(path, store_root=self.store.path, what="the engine's file") as out:
+                exact = self.store.check_export(self._ref(sid), "engine file", accept_identity=key)
+                out.write(sid.to_bytes(8, "little"))
+        except IdentityError:
+            assert mark is not None and key != mark, "check_export refused the store's own state, or the named mark"
+            assert not os.path.exists(path), "a refused export left a file"
+            return
+        assert exact == (mark is None), f"check_export said exact={exact} for a snapshot marked {mark!r}"
+        with open(path, "rb") as f:
+            assert f.read() == sid.to_bytes(8, "little")
+        os.unlink(path)
 
     @precondition(lambda self: bool(self.files))
     @rule(data=st.data(), name=st.sampled_from([None, None, *NAMES]), accept=st.sampled_from(["right", None, "wrong"]))
