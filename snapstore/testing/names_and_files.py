@@ -161,7 +161,8 @@ class _Transfer(_Reads):
         live = self._live()
         ok = sorted(i for i, x in live.items() if self._whole(x))
         marked = [i for i in ok if live[i].imported_from is not None]
-        if marked and data.draw(st.booleans(), label="one imported under an override"):
+        prefer: bool = data.draw(st.booleans(), label="one imported under an override")
+        if marked and prefer:
             ok = marked
         if not ok:
             return
