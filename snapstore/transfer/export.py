@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,10 +25,8 @@ from snapstore._identity import Identity
 from snapstore._layout import Fixed, Layout, Rows
 from snapstore.catalog.queries import PartKind, SnapRow, SnapState, Txn
 from snapstore.chunks.chunkfile import open_chunk
-from snapstore.chunks.publish import write_all
 from snapstore.chunks.repo import Repo
 from snapstore.transfer.chunkcheck import BadChunk, ChunkVerify
-from snapstore.transfer.destination import check_destination, publish_output
 from snapstore.transfer.format import (
     FLAG_MARKED,
     PIECE,
@@ -42,6 +39,7 @@ from snapstore.transfer.format import (
     pack_preamble,
     pack_trailer,
 )
+from snapstore.transfer.output_file import OutputFile
 from snapstore.transfer.results import ExportResult
 
 __all__ = ["ChainCheck", "write_export"]
@@ -130,33 +128,26 @@ def write_export(repo: Repo, sid: int, path: str | os.PathLike[str], *, chain_of
                  name: str | None = None, overwrite: bool = False,
                  progress: Callable[[int, int], None] | None = None) -> ExportResult:
     """Write snapshot ``sid``'s chain to ``path``; what was written. Never inside a store directory,
-    never over an existing file unless ``overwrite`` (:mod:`snapstore.transfer.destination`).
+    never over an existing file unless ``overwrite`` (:class:`~snapstore.transfer.output_file.OutputFile`).
     ``progress(done, total)``: called after each chunk frame, in chunk bytes (the CLI's meter).
 
     ``chain_of(txn, snapshot)``: the chain, root first, after the caller's ownership checks (the
     Store's :meth:`Access.chain`; the CLI's plain walk). ``name``: recorded in the file (an
     importer names the snapshot so unless told another name).
     """
-    dest = check_destination(path, overwrite=overwrite, store_root=repo.root)  # before any work
+    out = OutputFile(path, overwrite=overwrite, store_root=repo.root, what="the export file")  # before any work
     plan = repo.db.read(lambda c: _plan(c, sid, chain_of, name))
     h = plan.header
-    folder = os.path.dirname(os.path.abspath(dest))
-    tmp = os.path.join(folder, f".{os.path.basename(dest)}.{secrets.token_hex(6)}.part")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as err:
-        raise StoreIOError(err.errno or 5, f"cannot create the export file beside {dest}: {err.strerror}") from None
     whole = blake3.blake3()
     size = 0
 
     def put(data: bytes | memoryview) -> None:
         nonlocal size
-        write_all(fd, data)
+        out.write(data)
         whole.update(data)
         size += len(data)
 
-    ok = False
-    try:
+    with out:  # published whole when the block ends; an error or an interrupt leaves nothing
         header = encode_header(h)
         put(pack_preamble(header, FLAG_MARKED if h.imported_from is not None else 0))
         put(header)
@@ -172,18 +163,9 @@ def write_export(repo: Repo, sid: int, path: str | os.PathLike[str], *, chain_of
             done += e.stored_len
             if progress is not None:
                 progress(done, total)
-        write_all(fd, pack_trailer(len(h.chunks), whole.digest()))
+        out.write(pack_trailer(len(h.chunks), whole.digest()))
         size += 48
-        os.fsync(fd)
-        ok = True
-    except OSError as err:
-        raise StoreIOError(err.errno or 5, f"cannot write the export file {dest}: {err.strerror}") from None
-    finally:
-        os.close(fd)
-        if not ok:
-            _unlink(tmp)
-    publish_output(tmp, dest, overwrite=overwrite)
-    return ExportResult(dest, sid, h.n_tokens, len(h.chain), len(h.chunks), size, h.identity.key,
+    return ExportResult(out.path, sid, h.n_tokens, len(h.chain), len(h.chunks), size, h.identity.key,
                         h.namespace or None, name, h.imported_from)
 
 
@@ -216,10 +198,3 @@ def _chunk_pieces(repo: Repo, e: ChunkEntry, scope: bytes, sid: int) -> Iterator
         raise CorruptionError(f"{what} is damaged ({bad}); nothing exported (`snapstore verify --deep`)") from None
     finally:
         os.close(fd)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -40,6 +40,7 @@ class OutputFile:
         root = None if store_root is None else os.fspath(store_root)
         self.path = check_destination(path, overwrite=overwrite, store_root=root, what=what)
         self.overwrite = overwrite
+        self.what = what
         folder, base = os.path.split(os.path.abspath(self.path))
         self.tmp_path = os.path.join(folder, f".{base}.{secrets.token_hex(6)}.part{suffix}")
         self._fd: int | None = None
@@ -58,8 +59,7 @@ class OutputFile:
                                    0o600)
             write_all(self._fd, memoryview(data))
         except OSError as err:
-            self.discard()
-            raise StoreIOError(err.errno or errno.EIO, f"cannot write {self.path}: {err.strerror}") from None
+            raise self._failed(err) from None
 
     def publish(self) -> None:
         """Make the temporary file durable (fsync, mode 0600) and put it at ``path`` in one step."""
@@ -75,12 +75,17 @@ class OutputFile:
             finally:
                 os.close(fd)
         except OSError as err:
-            self.discard()
             if err.errno == errno.ENOENT:
+                self.discard()
                 raise StateError(f"nothing was written for {self.path}; it is left as it was") from None
-            raise StoreIOError(err.errno or errno.EIO, f"cannot write {self.path}: {err.strerror}") from None
+            raise self._failed(err) from None
         self._done = True
         publish_output(self.tmp_path, self.path, overwrite=self.overwrite)  # removes the temp file on failure
+
+    def _failed(self, err: OSError) -> StoreIOError:
+        """The temporary file dropped, and the error saying what could not be written."""
+        self.discard()
+        return StoreIOError(err.errno or errno.EIO, f"cannot write {self.what} {self.path}: {err.strerror}")
 
     def discard(self) -> None:
         """Drop the temporary file; ``path`` stays as it was. Idempotent."""
