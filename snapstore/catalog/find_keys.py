@@ -20,7 +20,7 @@ import xxhash
 
 from snapstore._tokens import BLOCK
 
-__all__ = ["FIND_SEED", "extend", "find_keys", "signed"]
+__all__ = ["FIND_SEED", "extend", "find_keys", "signed", "stored_key"]
 
 FIND_SEED = 0x736E617073746F72  # b"snapstor": the key of the empty prefix (unsigned)
 
@@ -56,3 +56,9 @@ def extend(key: int, tokens: np.ndarray) -> int:
 def find_keys(tokens: np.ndarray) -> np.ndarray:
     """Keys ``0 .. len(tokens) // BLOCK`` of a prompt (int64, signed as stored): what match() looks up."""
     return np.array(_chained(FIND_SEED, tokens), dtype=np.uint64).view(np.int64)
+
+
+def stored_key(keys: np.ndarray, n: int) -> int:
+    """The find key a snapshot of ``n`` tokens stores, from its tokens' :func:`find_keys` (key ``n // BLOCK``):
+    what a save, an import and a shared-tier fetch hand ``insert_snapshot`` (``find_key=``)."""
+    return int(keys[n // BLOCK])

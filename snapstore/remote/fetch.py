@@ -26,6 +26,7 @@ from snapstore._identity import Identity
 from snapstore._layout import Layout
 from snapstore._tokens import decode_tokens
 from snapstore.catalog.db import Conn
+from snapstore.catalog.find_keys import find_keys, stored_key
 from snapstore.chunks.chunkfile import HEADER_SIZE, header_at, header_matches, scope_key
 from snapstore.chunks.publish import TEMP_PREFIX, fsync_dirs, link_new
 from snapstore.chunks.repo import Repo
@@ -133,9 +134,11 @@ class Fetcher:
         fsync_dirs({os.path.dirname(self._repo.blob_path(e.id)) for e in todo})
         now = time.time()
         ns = hit.namespace
-        # each link's tokens from 0 (the prefix index names a snapshot's tokens [0, n) exactly)
+        # each link's tokens from 0 (the prefix index names a snapshot's tokens [0, n) exactly), and their
+        # find keys, computed once for every link: the catalog decodes no blob to derive them (as an import)
         toks = np.concatenate([decode_tokens(m.tokens, m.token_width, m.n_tokens - m.base_tokens)
                                for m in hit.chain])
+        found = find_keys(toks)
 
         def txn(c: Conn) -> int:
             for cid, e in needed.items():
@@ -164,7 +167,7 @@ class Fetcher:
                     identity_id=iid, namespace=ns, parent_id=parent_id, depth=depth, n_tokens=mf.n_tokens,
                     base_tokens=mf.base_tokens, token_width=mf.token_width, tokens=mf.tokens, anchor=mf.anchor,
                     prefix_key=mf.prefix_key, content_key=mf.content_key, session=None, state=1, owner=None,
-                    now=now, logical_bytes=mf.logical_bytes)
+                    now=now, logical_bytes=mf.logical_bytes, find_key=stored_key(found, mf.n_tokens))
                 if not mf.matchable:
                     c.set_unmatchable(sid)
                 for p in mf.parts:

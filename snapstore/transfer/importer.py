@@ -44,8 +44,8 @@ from snapstore._errors import (
     StateError,
 )
 from snapstore._layout import Fixed, Layout, Rows
-from snapstore._tokens import BLOCK, TokenIndex, decode_tokens
-from snapstore.catalog.find_keys import find_keys
+from snapstore._tokens import TokenIndex, decode_tokens
+from snapstore.catalog.find_keys import find_keys, stored_key
 from snapstore.catalog.queries import PartKind, SnapRow, Txn
 from snapstore.chunks.chunkfile import header_at, header_matches, scope_key
 from snapstore.chunks.publish import create_temp, discard, finish_temp, fsync_dirs, link_new, write_all
@@ -290,7 +290,7 @@ def _commit(t: Txn, repo: Repo, h: ExportHeader, access: Access, layout: Layout,
             sid = t.insert_snapshot(
                 identity_id=iid, namespace=ns, parent_id=parent.id if parent else None,
                 depth=parent.depth + 1 if parent else 0, n_tokens=ln.n_tokens, base_tokens=ln.base_tokens,
-                token_width=ln.token_width, tokens=blob, find_key=int(keys[ln.n_tokens // BLOCK]),
+                token_width=ln.token_width, tokens=blob, find_key=stored_key(keys, ln.n_tokens),
                 anchor=index.anchor(ln.n_tokens), prefix_key=pkey,
                 content_key=ckey, session=None, state=1, owner=None, now=now, logical_bytes=ln.logical_bytes,
                 layout_key=saved_layout_key(layout, [p.name for p in ln.parts]), imported_from=imported_from)
