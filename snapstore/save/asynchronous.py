@@ -55,6 +55,7 @@ from snapstore._tokens import as_token_array
 from snapstore.save.chain import parent_after
 from snapstore.save.delta import copy_spans, take
 from snapstore.save.stages import validate_parts
+from snapstore.save.token_keys import TokenKeys
 
 __all__ = ["AsyncSaver", "SaveHandle", "copy_budget"]
 
@@ -150,14 +151,15 @@ class AsyncSaver:
     # -- the calling thread ----------------------------------------------------------------------
     def submit(self, owner: object, save: Callable[..., SaveResult], layout: Layout, tokens: Any,
                parts: Mapping[str, Any], rows: Any, kwargs: dict[str, Any],
-               parent_rows: Callable[[Any, np.ndarray, str | None, dict[str, int]], dict[str, int]] | None = None,
+               parent_rows: Callable[[Any, TokenKeys, str | None, dict[str, int]], dict[str, int]] | None = None,
                ) -> SaveHandle:
         """Check, copy what may change, queue; returns the handle (see the module docstring).
 
         ``save`` runs one synchronous save of ``owner`` (the Store: ``Store._save``) on ``layout``;
         once ``owner`` is collected, the writer thread stops. ``parent_rows(parent, tokens,
         namespace, rows)``: the rows per stream the parent holds now (a catalog read), so only
-        the rows above it are copied (:mod:`snapstore.save.delta`)."""
+        the rows above it are copied (:mod:`snapstore.save.delta`); the token keys it computes
+        for that are handed to ``save`` (``hashed=``), which computes none again."""
         arr = np.array(as_token_array(tokens), dtype="<u8")  # always a copy: the writer reads it later
         if len(arr) == 0:
             save(arr, parts, rows, **kwargs)  # raises the same InvalidInputError a sync save does
@@ -174,7 +176,9 @@ class AsyncSaver:
             if isinstance(parent, SaveHandle):
                 floors = parent._rows
             elif parent is not None and parent_rows is not None:
-                floors = parent_rows(kwargs["parent"], arr, kwargs.get("namespace"), row_counts)
+                hashed = TokenKeys(arr)  # the prediction's keys: the save's own, computed once
+                floors = parent_rows(kwargs["parent"], hashed, kwargs.get("namespace"), row_counts)
+                kwargs = {**kwargs, "hashed": hashed}
         spans = copy_spans(layout, sources, floors)
         need = sum(end - start for start, end in spans.values())
         if need > self.budget:

@@ -6,7 +6,8 @@ capacity pre-check, publish (:mod:`snapstore.save.chunker`), commit — redone w
 The flow runs one way down: the engine's parts -> the stages -> chunk files (durable) -> one
 metadata transaction, opened and committed here (:func:`snapstore.lifecycle.bookkeeping.writing`
 over the catalog's ``Database.writing``), whose COMMIT publishes the snapshot. The tokens are
-hashed once per save (the BLAKE3 chain and the find keys), for every attempt.
+hashed once per save (the BLAKE3 chain and the find keys, :class:`snapstore.save.token_keys.TokenKeys`), for
+every attempt, and for a ``save(wait=False)`` once with its parent's prediction at the call.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import numpy as np
 from snapstore._errors import InvalidInputError, NotFoundError, SnapstoreError, StateError
 from snapstore._refs import namespace_key, session_key, snapshot_id
 from snapstore._results import SaveResult
-from snapstore._tokens import BLOCK, TokenIndex, as_token_array
+from snapstore._tokens import TokenIndex, as_token_array
 from snapstore.catalog.db import Database
-from snapstore.catalog.find_keys import find_keys
+from snapstore.catalog.find_keys import stored_key
 from snapstore.catalog.queries import SnapRow, Txn
 from snapstore.chunks.repo import Repo
 from snapstore.lifecycle.access import Access, Retry
@@ -33,6 +34,7 @@ from snapstore.parts.buffers import Source
 from snapstore.save.chunker import Chunker
 from snapstore.save.delta import RowsAbove
 from snapstore.save.stages import MAX_ATTEMPTS, WHOLE_AFTER, Saver, Skip, validate_parts
+from snapstore.save.token_keys import TokenKeys
 
 __all__ = ["HOOKS", "SaveRun", "skipped"]
 
@@ -73,8 +75,9 @@ class SaveRun:
     admission: Admission = Admission()  # write admission (Store.open(admit=...), Budget.write_bytes_per_hour)
 
     def run(self, tokens: Any, parts: Mapping[str, Any], rows: Any, session: str | None, parent: Any,
-            commit: bool, namespace: str | None) -> SaveResult:
-        """Check the inputs (stage 1), then save, retrying lost races up to MAX_ATTEMPTS times."""
+            commit: bool, namespace: str | None, hashed: TokenKeys | None = None) -> SaveResult:
+        """Check the inputs (stage 1), then save, retrying lost races up to MAX_ATTEMPTS times. ``hashed``:
+        the keys of ``tokens`` (this very array) a ``save(wait=False)`` computed to predict its parent."""
         arr = as_token_array(tokens)
         n = len(arr)
         if n == 0:
@@ -82,8 +85,9 @@ class SaveRun:
         session = session_key(session)
         ns = namespace_key(namespace)
         sources, row_counts = validate_parts(self.stages.layout, parts, rows, n)
-        index = TokenIndex(arr)  # the BLAKE3 chain: prefix keys, the anchor
-        keys = find_keys(arr)  # the find keys: parent="auto"'s candidates and the snapshot's own key
+        tk = hashed if hashed is not None and hashed.arr is tokens else TokenKeys(arr)
+        index = tk.index  # the BLAKE3 chain: prefix keys, the anchor
+        keys = tk.keys  # the find keys: parent="auto"'s candidates and the snapshot's own key
         reason = self.admit(index, session, ns)  # once, not per attempt: a sighting is consumed by the first
         if reason is not None:
             return skipped(None, reason, None, 0, n, ns)
@@ -100,13 +104,14 @@ class SaveRun:
                                         "abandoned) during the save; save again with parent='auto'") from None
         raise StateError(f"save() lost a race with concurrent evictions {MAX_ATTEMPTS} times; try again")
 
-    def parent_rows_now(self, parent: Any, arr: np.ndarray, namespace: str | None,
+    def parent_rows_now(self, parent: Any, tk: TokenKeys, namespace: str | None,
                         row_counts: dict[str, int]) -> dict[str, int]:
         """The rows per stream of the parent a save over ``parent`` would have now (one catalog
-        read; {} when it has none or the save would fail: the save itself then says why)."""
+        read; {} when it has none or the save would fail: the save itself then says why). The keys
+        it computes stay in ``tk``, which the queued save is handed (:meth:`run`'s ``hashed``)."""
         try:
             ns = namespace_key(namespace)
-            index, keys = TokenIndex(arr), find_keys(arr)
+            index, keys = tk.index, tk.keys
             _par, prows = self.repo.db.read(lambda t: self.stages.resolve_parent(t, parent, index, keys, ns, row_counts,
                                                                                  False))
         except SnapstoreError:
@@ -141,7 +146,7 @@ class SaveRun:
         try:  # the one metadata transaction: its COMMIT publishes the snapshot (invariant 4)
             with writing(self.repo, self.ledger, discard=created, committed=lambda: _hook("save_committed")) as t:
                 done = saver.commit(t, iid=self.access.iid(t), plan=plan, refs=refs, arr=arr, index=index,
-                                    find_key=int(keys[n // BLOCK]), session=session, commit=commit, ns=ns)
+                                    find_key=stored_key(keys, n), session=session, commit=commit, ns=ns)
                 self.admission.debit(t, 0 if done.existed else done.new_bytes)  # dedup hits are free
         except Skip as s:
             return skipped(db, s.reason, par, plan.logical_bytes, n, ns)

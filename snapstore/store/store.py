@@ -45,6 +45,7 @@ from snapstore.save.chunker import Chunker
 from snapstore.save.run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
 from snapstore.save.run import SaveRun, skipped
 from snapstore.save.stages import Saver, Skip, count_of
+from snapstore.save.token_keys import TokenKeys
 from snapstore.store.batch import StoreBatches, plan_then_bind
 from snapstore.store.gate import CallGate, operation
 from snapstore.store.lookup import StoreLookup
@@ -247,10 +248,11 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
     @operation
     def _save(self, tokens: TokensLike, parts: Mapping[str, PartSource], rows: int | Mapping[str, int] | None = None, *,
               session: str | None = None, parent: SnapshotRef | str | None = "auto", commit: bool = True,
-              namespace: str | None = None) -> SaveResult:
-        """The synchronous save (``save(wait=True)``)."""
+              namespace: str | None = None, hashed: TokenKeys | None = None) -> SaveResult:
+        """The synchronous save (``save(wait=True)``); ``hashed``: the keys of ``tokens`` a ``save(wait=False)``
+        computed at the call (its parent's prediction), not computed again."""
         assert self._run is not None  # set by open(); a Store is only handed out open
-        res = self._run.run(tokens, parts, rows, session, parent, commit, namespace)
+        res = self._run.run(tokens, parts, rows, session, parent, commit, namespace, hashed)
         self._tiers.shared.saved(res)
         return res
 
