@@ -40,7 +40,8 @@ TOKENS = 2976
 
 def counted(store: Any, fn: Callable[[], object]) -> tuple[int, int, int, int]:
     """(SQL statements, write transactions, mincore probes, Python function calls) of one call."""
-    from snapstore.restore import stream, tiers
+    from snapstore.restore import stream
+    from snapstore.restore import tier_probe as tiers
 
     stmts: list[str] = []
     probes = [0]

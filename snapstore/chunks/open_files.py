@@ -172,7 +172,7 @@ class OpenFiles:
     def resident(self, stamp: Stamp | None, cid: bytes, size: int) -> bool | None:
         """Is the file kept for ``cid`` under ``stamp`` in the page cache (:func:`resident`, probed
         on the kept descriptor under the lock, so a drop cannot close it meanwhile)? None: none kept.
-        An estimate's probe (restore.tiers) then opens nothing."""
+        An estimate's probe (restore.tier_probe) then opens nothing."""
         with self._lock:
             kept = self._entry(stamp, cid)
             return None if kept is None else resident(kept[0], size)

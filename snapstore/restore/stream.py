@@ -70,7 +70,7 @@ def _open_all(plan: RestorePlan, items: list[PlanItem], blob_path: Callable[[byt
     """Open every chunk file of ``items`` and check its header against the catalog; with ``keep``
     False close each again (a check only). Damage found is added to ``damage`` before raising.
     ``before_reads`` (with ``keep``) sees the opened files after the last open and before the
-    first header read (the tier probes, restore.tiers: a header read would make a cold file look cached);
+    first header read (the tier probes, restore.tier_probe: a header read would make a cold file look cached);
     its answer (residency per descriptor) is returned beside them. ``files`` (with ``keep``, for a
     plan made from memory): the small files kept open under the plan's stamp, taken instead of
     opened, and those opened here offered to it once their header is checked."""

@@ -152,7 +152,8 @@ def test_plan_checks_hold_through_the_one_statement_read(tmp_path: Any) -> None:
 def test_small_warm_restore_starts_no_reader_threads(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A few MiB whose pages are cached are read on the calling thread (reader threads started for
     them cost more than the reads); the same restore with its files not cached keeps the readers."""
-    from snapstore.restore import stream, tiers
+    from snapstore.restore import stream
+    from snapstore.restore import tier_probe as tiers
 
     made: list[int] = []
     real = stream.ReadAhead
