@@ -8,53 +8,11 @@ had folders), loaded on first use: importing this package imports no torch and n
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from . import torch as _torch  # the adapter's package: no torch until one of its names is used
+from ._lazy import lazy_names
 
-if TYPE_CHECKING:
-    from .torch import (
-        DEFAULT_STAGING_BYTES,
-        Staging,
-        TensorSink,
-        TensorSource,
-        TorchAdapter,
-        TorchPagedRows,
-        canonical,
-        dtype_name,
-        fixed_spec,
-        layout_of,
-        part_sink,
-        part_source,
-        rows_spec,
-        torch_dtype,
-    )
+# the adapter's names as public here before the integrations had folders; the ones it gained for the
+# other integrations (the shared staging buffer, TokenIds, tensors_sha256) only from snapstore.engine.torch
+__all__ = sorted(set(_torch.__all__) - {"TokenIds", "shared_staging", "tensors_sha256"})
 
-__all__ = [
-    "DEFAULT_STAGING_BYTES",
-    "Staging",
-    "TensorSink",
-    "TensorSource",
-    "TorchAdapter",
-    "TorchPagedRows",
-    "canonical",
-    "dtype_name",
-    "fixed_spec",
-    "layout_of",
-    "part_sink",
-    "part_source",
-    "rows_spec",
-    "torch_dtype",
-]
-
-
-def __getattr__(name: str) -> Any:
-    """The torch adapter's names, from :mod:`snapstore.engine.torch` on first use."""
-    if name not in __all__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.torch"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_names(__name__, dict.fromkeys(__all__, ".torch"), __all__)

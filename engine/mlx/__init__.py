@@ -15,8 +15,9 @@ an ImportError that says what to install.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from snapstore.engine._lazy import lazy_names
 
 if TYPE_CHECKING:
     from .._prefix_policy import PrefixCacheStats
@@ -39,17 +40,4 @@ _WHERE = {
     "weights_sha256": "._identify", "PrefixCache": "._prefix_cache", "StorePromptCache": "._server_cache",
 }
 
-
-def __getattr__(name: str) -> Any:
-    """The integration's names, imported on first use; mlx and mlx_lm are checked first (``_deps``)."""
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    importlib.import_module("._deps", __name__)
-    value = getattr(importlib.import_module(where, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__, check="._deps")

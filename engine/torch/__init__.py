@@ -8,8 +8,9 @@ raises :class:`TorchMissingError` saying what to install.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from snapstore.engine._lazy import lazy_names
 
 if TYPE_CHECKING:
     from ._adapter import TorchAdapter, layout_of, part_sink, part_source
@@ -41,26 +42,13 @@ __all__ = [
 ]
 
 _WHERE = {
-    "TorchAdapter": "_adapter", "layout_of": "_adapter", "part_sink": "_adapter", "part_source": "_adapter",
-    "canonical": "_dtypes", "dtype_name": "_dtypes", "fixed_spec": "_dtypes", "rows_spec": "_dtypes",
-    "torch_dtype": "_dtypes", "TorchPagedRows": "_torch_paged", "DEFAULT_STAGING_BYTES": "_device_staging",
-    "Staging": "_device_staging", "TensorSink": "_tensor_io", "TensorSource": "_tensor_io",
+    "TorchAdapter": "._adapter", "layout_of": "._adapter", "part_sink": "._adapter", "part_source": "._adapter",
+    "canonical": "._dtypes", "dtype_name": "._dtypes", "fixed_spec": "._dtypes", "rows_spec": "._dtypes",
+    "torch_dtype": "._dtypes", "TorchPagedRows": "._torch_paged", "DEFAULT_STAGING_BYTES": "._device_staging",
+    "Staging": "._device_staging", "TensorSink": "._tensor_io", "TensorSource": "._tensor_io",
     # for the other integrations that hold torch tensors (transformers): the process's shared staging
     # buffer, the token-ids type, and the bounded-memory hash of named tensors
-    "shared_staging": "_device_staging", "TokenIds": "_types", "tensors_sha256": "_tensor_hash",
+    "shared_staging": "._device_staging", "TokenIds": "._types", "tensors_sha256": "._tensor_hash",
 }
 
-
-def __getattr__(name: str) -> Any:
-    """The torch adapter's names, imported on first use (torch is checked first: ``_deps``)."""
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    importlib.import_module(f"{__name__}._deps")
-    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__, check="._deps")
