@@ -16,7 +16,7 @@ from typing import Any
 import apsw
 import numpy as np
 import pytest
-from support import LAYOUT, make_state, open_store
+from support import LAYOUT, make_state, open_store, save_chain
 
 import snapstore as ss
 from snapstore._tokens import BLOCK
@@ -26,17 +26,6 @@ from snapstore.catalog.find_keys import find_keys
 from snapstore.lifecycle.bookkeeping import writing
 from snapstore.plan.match import tokens_of
 from snapstore.save import stages
-
-
-def _chain(s: ss.Store, toks: np.ndarray, cuts: list[int]) -> int:
-    """Save ``toks`` as a chain ending at each of ``cuts``; the leaf's id."""
-    state = make_state(LAYOUT, len(toks), 3)
-    sid = 0
-    for n in cuts:
-        r = s.save(toks[:n], {k: (v if k == "rec.state" else v[:n]) for k, v in state.items()})
-        assert r.ok
-        sid = r.snapshot_id  # type: ignore[assignment]
-    return sid
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
@@ -59,7 +48,7 @@ def test_a_save_encodes_its_tokens_once_and_decodes_none(store_dir: str, monkeyp
         encodes = _counting(monkeypatch, stages, "encode_tokens")
         saves = 0
         for toks, cuts in [(a, [100, 256, 300, 777, 1300]), (wide, [600, 800])]:
-            _chain(s, toks, cuts)
+            save_chain(s, toks, cuts)
             saves += len(cuts)
         leaf = s.match(a[:777])
         assert leaf is not None

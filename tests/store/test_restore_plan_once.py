@@ -9,23 +9,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import LAYOUT, make_state, open_store
+from support import LAYOUT, make_state, open_store, save_chain
 from support.statements import statements
 
 import snapstore as ss
 from snapstore.catalog.chain_cache import ChainCache
 from snapstore.restore import read
-
-
-def _chain(s: ss.Store, toks: np.ndarray, cuts: list[int]) -> int:
-    """Save ``toks`` as a chain ending at each of ``cuts``; the leaf's id."""
-    state = make_state(LAYOUT, len(toks), 3)
-    sid = 0
-    for n in cuts:
-        r = s.save(toks[:n], {k: (v if k == "rec.state" else v[:n]) for k, v in state.items()})
-        assert r.ok
-        sid = r.snapshot_id  # type: ignore[assignment]
-    return sid
 
 
 def _dest(n: int) -> dict[str, np.ndarray]:
@@ -50,7 +39,7 @@ def test_a_restore_with_a_callable_into_plans_once(store_dir: str, monkeypatch: 
                                                    memo: bool) -> None:
     toks = np.arange(100, 100 + 300, dtype=np.int64)
     with open_store(store_dir) as s:
-        sid = _chain(s, toks, [40, 130, 300])
+        sid = save_chain(s, toks, [40, 130, 300])
         if not memo:
             s._repo.plans = ChainCache(enabled=False)  # every plan is checked from the catalog
         want = s.describe(sid)
@@ -80,7 +69,7 @@ def test_a_restore_with_a_callable_into_plans_once(store_dir: str, monkeypatch: 
 
 def test_a_callable_into_is_still_checked_before_a_byte_is_written(store: ss.Store) -> None:
     toks = np.arange(5, 5 + 200, dtype=np.int64)
-    sid = _chain(store, toks, [64, 200])
+    sid = save_chain(store, toks, [64, 200])
     bad = {k: np.full(v.shape, 7, np.int8) for k, v in _dest(200).items()}  # wrong dtype everywhere
     with pytest.raises(ss.DestinationError) as e:
         store.restore(sid, lambda d: bad)

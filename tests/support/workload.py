@@ -41,6 +41,18 @@ def make_state(layout: ss.Layout, n: int, seed: int = 0) -> State:
     return out
 
 
+def save_chain(s: ss.Store, toks: np.ndarray, cuts: list[int], seed: int = 3) -> int:
+    """Save ``toks`` as a chain of snapshots ending at each of ``cuts`` (one state, each a delta over
+    the one before: ``parent="auto"``); the leaf's id."""
+    state = make_state(LAYOUT, len(toks), seed)
+    sid = 0
+    for n in cuts:
+        r = s.save(toks[:n], {k: (v if k == "rec.state" else v[:n]) for k, v in state.items()})
+        assert r.ok and r.snapshot_id is not None, r
+        sid = r.snapshot_id
+    return sid
+
+
 class Workload:
     """``conversations`` conversations of up to ``max_tokens`` tokens over ``layout``.
 
