@@ -42,7 +42,7 @@ PartSource = Any
 Destination = Any
 
 T = TypeVar("T")
-_check_array = check_array  # its old name here: tests/test_dtype_check.py imports it from this module
+_check_array = check_array  # its old name here: tests/parts/test_dtype_check.py imports it from this module
 
 
 @runtime_checkable
