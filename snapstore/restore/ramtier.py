@@ -107,7 +107,10 @@ class RamTier:
 
     def read_into(self, chunk: ChunkRow, out: memoryview) -> bool:
         """The held bytes of ``chunk`` copied into ``out`` (checked when admitted; a hit); False when not
-        held. A restore takes the held view instead (:meth:`get`): no copy but the one into its destination."""
+        held, or ``out`` cannot hold the chunk (as the file tier answers; nothing copied, no hit). A restore
+        takes the held view instead (:meth:`get`): no copy but the one into its destination."""
+        if len(out) < chunk.raw_len:
+            return False
         data = self.get(chunk.id)
         if data is None:
             return False
