@@ -26,7 +26,7 @@ from snapstore.restore.fail import Damage, quarantine
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.read_path import ReadPaths
 from snapstore.restore.stream import stream_plan
-from snapstore.restore.tier_probe import Tiers
+from snapstore.restore.tier_probe import TierBytes
 
 __all__ = ["Planned", "allocated", "destination", "details_of", "plan_of", "planned", "planned_destination",
            "stream_checked", "wanted_components"]
@@ -110,7 +110,8 @@ def details_of(snap: SnapRow, plan: RestorePlan, ns: str, rows_from: int,
 
 
 def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: StagingBuffer, ram: RamTier | None,
-                   count: Callable[[str], None], reads: DirectReads | None = None, tiers: Tiers | None = None) -> None:
+                   count: Callable[[str], None], reads: DirectReads | None = None,
+                   tiers: TierBytes | None = None) -> None:
     """Stream ``plan``; on a RestoreError count it, name snapshot ``sid`` (None: a batch), and
     quarantine the chunks found damaged in the same call (snapshots using them stop matching until
     a save heals them). The one copy of this policy: restore() and restore_many() both use it."""

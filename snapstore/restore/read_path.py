@@ -48,7 +48,7 @@ from snapstore.chunks.publish import create_temp, write_all
 from snapstore.chunks.repo import Repo
 from snapstore.chunks.residency import resident
 from snapstore.restore.read_choice import BUFFERED, CACHED, CANDIDATES, DIRECT_EDGE, Candidate, Measured, choose
-from snapstore.restore.tier_probe import Tiers
+from snapstore.restore.tier_probe import TierBytes
 
 __all__ = ["BUFFERED", "CACHED", "CANDIDATES", "DIRECT_EDGE", "DRIFT", "PROBE_AFTER", "PROBE_BYTES", "REMEASURE_S",
            "Candidate", "Measured", "ReadPaths", "choose", "measure", "storage_key"]
@@ -308,7 +308,7 @@ class ReadPaths(DirectReads):
                     "since the choice")
         return None
 
-    def restored(self, repo: Repo, tiers: Tiers | None) -> None:
+    def restored(self, repo: Repo, tiers: TierBytes | None) -> None:
         """After a successful restore that read ``tiers``: start the background probe if it read at
         least :data:`PROBE_AFTER` cold bytes and the choice is missing or stale (never on a read-only store)."""
         if (tiers is None or tiers.get("cold", 0) < PROBE_AFTER or repo.readonly or self.forced is not None

@@ -54,7 +54,7 @@ from snapstore.restore.direct import DIRECT_MIN, DirectItem, Targets, direct_tar
 from snapstore.restore.fail import Damage, corrupt, outcome, read_failed
 from snapstore.restore.ramtier import RamTier
 from snapstore.restore.read_ahead import ReadAhead
-from snapstore.restore.tier_probe import Tiers, probe_window, tally_opened
+from snapstore.restore.tier_probe import TierBytes, probe_window, tally_opened
 
 __all__ = ["Damage", "stream_plan"]
 
@@ -203,7 +203,7 @@ _SMALL_WARM = 8 * (1 << 20)
 
 def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
                 ram: RamTier | None, damage: Damage | None = None, reads: DirectReads | None = None,
-                tiers: Tiers | None = None, files: OpenFiles | None = None) -> None:
+                tiers: TierBytes | None = None, files: OpenFiles | None = None) -> None:
     """Write every chunk of ``plan``; RestoreError(touched=...) on any failure.
 
     Chunks found damaged or missing are added to ``damage`` (for :func:`snapstore.restore.fail.quarantine`). With
@@ -217,7 +217,7 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
 
 
 def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
-                    ram: RamTier | None, found: Damage, reads: DirectReads | None, tiers: Tiers | None,
+                    ram: RamTier | None, found: Damage, reads: DirectReads | None, tiers: TierBytes | None,
                     files: OpenFiles | None = None) -> None:
     """stream_plan's body: the plan in windows of at most _MAX_OPEN open chunk files."""
     windows = _windows(plan.items)

@@ -34,9 +34,9 @@ from snapstore.chunks.residency import resident
 from snapstore.plan.restore_plan import PlanItem
 from snapstore.restore.ramtier import RamTier
 
-__all__ = ["Tiers", "probe_chunks", "probe_runs", "probe_window", "tally_opened"]
+__all__ = ["TierBytes", "probe_chunks", "probe_runs", "probe_window", "tally_opened"]
 
-Tiers = dict[str, int]  # tier -> chunk bytes
+TierBytes = dict[str, int]  # tier -> chunk bytes
 
 
 def probe_runs(n: int, probe: Callable[[int], bool]) -> list[bool]:
@@ -89,7 +89,7 @@ def probe_window(opened: Sequence[tuple[PlanItem, int, object, object]]) -> dict
 
 
 def tally_opened(opened: Sequence[tuple[PlanItem, int, object, object]], warm: dict[int, bool],
-                 tiers: Tiers) -> None:
+                 tiers: TierBytes) -> None:
     """Add the bytes of a restore window's opened chunks to ``tiers`` by the residency ``warm``
     found (:func:`probe_window`) before any was read."""
     for item, fd, _head, data in opened:
@@ -98,7 +98,7 @@ def tally_opened(opened: Sequence[tuple[PlanItem, int, object, object]], warm: d
 
 
 def probe_chunks(chunks: Iterable[ChunkRow], blob_path: Callable[[bytes], str], ram: RamTier | None,
-                 files: OpenFiles | None = None, stamp: Stamp | None = None) -> Tiers:
+                 files: OpenFiles | None = None, stamp: Stamp | None = None) -> TierBytes:
     """Where a plan's chunks are now, without reading them (``Store.estimate_restore``, a weighed
     lookup). A chunk file that cannot be opened counts as cold: the restore itself reports what is
     wrong with it. ``files``, ``stamp`` (a plan made from memory): a file kept open under the plan's
@@ -117,7 +117,7 @@ def probe_chunks(chunks: Iterable[ChunkRow], blob_path: Callable[[bytes], str], 
             first[cid] = chunk
     order = list(first.values())
     warm = dict(zip(first, probe_runs(len(order), lambda i: _probe_file(blob_path, order[i], files, stamp))))
-    tiers: Tiers = {}
+    tiers: TierBytes = {}
     for chunk in listed:
         key = "ram" if chunk.id in in_ram else "warm" if warm[chunk.id] else "cold"
         tiers[key] = tiers.get(key, 0) + chunk.raw_len
