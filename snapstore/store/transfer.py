@@ -19,9 +19,10 @@ from snapstore.lifecycle.access import Access
 from snapstore.lifecycle.capacity import Capacity
 from snapstore.lifecycle.naming import check_name, resolve_name
 from snapstore.store.gate import CallGate, operation
+from snapstore.transfer.destination import path_arg
 from snapstore.transfer.export import write_export
 from snapstore.transfer.importer import import_export
-from snapstore.transfer.policy import marked_output
+from snapstore.transfer.policy import accepted_key, marked_output
 from snapstore.transfer.results import ExportResult, ImportResult
 
 __all__ = ["StoreTransfer"]
@@ -73,6 +74,7 @@ class StoreTransfer:
         approximation: say so); IdentityError otherwise, and nothing should be written. The one policy
         for state crossing identities (:mod:`snapstore.transfer.policy`, docs/api.md)."""
         sid, ns = snapshot_id(ref), ref_namespace(ref, namespace)
+        accepted_key(accept_identity, self._access.identity_key)  # a wrong type refused, marked state or not
         snap = self._repo.db.read(lambda t: self._access.own(t, t.snapshot(sid), ns))
         return marked_output(snap.imported_from, accept_identity, f"snapshot {sid}", fmt)
 
@@ -83,7 +85,7 @@ class StoreTransfer:
         (``snapstore export-slot ID``). A read-only look at a private copy of the catalog (nothing is
         written); NotFoundError when the store has no such snapshot."""
         sid = snapshot_id(snapshot)
-        root = os.fspath(path)
+        root = path_arg(path, "the store")  # None, bytes, an int: a ConfigError, not a TypeError
         repo = SnapshotRepo.open(root)
         try:
             return repo.db.read(lambda c: snapshot_identity(c, root, sid))

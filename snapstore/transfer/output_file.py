@@ -42,7 +42,7 @@ class OutputFile:
         self.overwrite = overwrite
         self.what = what
         folder, base = os.path.split(os.path.abspath(self.path))
-        self.tmp_path = os.path.join(folder, f".{base}.{secrets.token_hex(6)}.part{suffix}")
+        self.tmp_path = os.path.join(folder, _temporary_name(base, suffix))
         self._fd: int | None = None
         self._done = False
 
@@ -79,6 +79,9 @@ class OutputFile:
                 self.discard()
                 raise StateError(f"nothing was written for {self.path}; it is left as it was") from None
             raise self._failed(err) from None
+        except BaseException:  # an interrupt during a long fsync: the temporary file goes too
+            self.discard()
+            raise
         self._done = True
         publish_output(self.tmp_path, self.path, overwrite=self.overwrite)  # removes the temp file on failure
 
@@ -106,3 +109,15 @@ class OutputFile:
             self.discard()
         elif not self._done:
             self.publish()
+
+
+_NAME_MAX = 255  # bytes in one file name (Linux, macOS)
+
+
+def _temporary_name(base: str, suffix: str) -> str:
+    """The temporary file's name beside ``base``: ``.BASE.RANDOM.part`` + ``suffix``, ``BASE`` cut to keep
+    it one valid file name (a long but valid ``base`` made it ENAMETOOLONG); the bytes cut are the name's own."""
+    tail = f".{secrets.token_hex(6)}.part{suffix}"
+    raw = os.fsencode(base)
+    room = max(_NAME_MAX - 1 - len(os.fsencode(tail)), 0)
+    return "." + (base if len(raw) <= room else os.fsdecode(raw[:room])) + tail
