@@ -62,7 +62,9 @@ def export_slot(root: str, sid: int, *, check: Callable[[Mapping[str, Any]], obj
     if check is not None:
         check(ident.extra)
     proto = SlotProto.from_extra(ident.extra)
-    with Store.open(root, identity=ident, layout=layout_for(proto), drop_stale=False) as store:
+    # read only, as `snapstore export`: the store is left as it was, and one this user may not write
+    # (another user's, on read-only media) exports too
+    with Store.open(root, identity=ident, layout=layout_for(proto), drop_stale=False, read_only=True) as store:
         own = store.check_export(sid, "slot file", accept_identity=accept_identity)
         return _export(store, sid, proto, draft=draft, checkpoints=True), own
 
