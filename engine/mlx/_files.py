@@ -124,7 +124,9 @@ def export_prompt_cache(file: str | os.PathLike[str], model: Any, path: str | os
     ``tokenizer_config``); the token ids are recorded as ``snapstore_tokens`` when known. Raises
     NotFoundError when no such snapshot is stored for this model and these settings.
 
-    Nothing written destroys a store (``snapstore.OutputFile``): never inside a store directory,
+    The store is only read (opened ``read_only``, unless ``store_options`` says otherwise): left as it
+    was, and one this user may not write exports too. Nothing written destroys a store
+    (``snapstore.OutputFile``): never inside a store directory,
     never a store's own file name; an existing file elsewhere is replaced only with ``overwrite``
     (the default, as before), through a temporary file renamed into place. A snapshot imported under
     an identity override is written only when ``accept_identity`` names the identity that computed
@@ -137,7 +139,8 @@ def export_prompt_cache(file: str | os.PathLike[str], model: Any, path: str | os
     start = 0 if kv_bits is not None else None
     settings = CacheSettings(int(DEFAULTS["prefill_step_size"]), kv_bits, kv_group_size if kv_bits else None, start,
                              max_kv_size if not hasattr(model, "make_cache") else None)
-    stores = open_stores(model, settings, path, options={"drop_stale": False, **store_options})
+    # read only, as `snapstore export`: the store is left as it was, and one this user may not write exports too
+    stores = open_stores(model, settings, path, options={"drop_stale": False, "read_only": True, **store_options})
     try:
         phase, ref = _find(stores, tokens, snapshot_id)
         store = stores.store(phase)
