@@ -159,10 +159,12 @@ def _build(args: argparse.Namespace, ctx: CliContext) -> str:
 
 def cmd_import_slot(args: argparse.Namespace, ctx: CliContext) -> int:
     """import-slot FILE --model MODEL: store a slot file; print the snapshot id."""
-    from snapstore.console.context import FORMAT, stored_file
+    from snapstore.console.context import FORMAT, UsageError, stored_file
 
     from ._slotstore import SlotStore
 
+    if not os.path.isfile(args.file):  # as `import`: not a raw "[Errno 2] No such file or directory"
+        raise UsageError(f"no slot file at {args.file}")
     with open(args.file, "rb") as f:
         data = f.read()
     if args.upstream:
