@@ -116,8 +116,9 @@ _NAME_MAX = 255  # bytes in one file name (Linux, macOS)
 
 def _temporary_name(base: str, suffix: str) -> str:
     """The temporary file's name beside ``base``: ``.BASE.RANDOM.part`` + ``suffix``, ``BASE`` cut to keep
-    it one valid file name (a long but valid ``base`` made it ENAMETOOLONG); the bytes cut are the name's own."""
+    it one valid file name (a long but valid ``base`` made it ENAMETOOLONG)."""
     tail = f".{secrets.token_hex(6)}.part{suffix}"
-    raw = os.fsencode(base)
     room = max(_NAME_MAX - 1 - len(os.fsencode(tail)), 0)
-    return "." + (base if len(raw) <= room else os.fsdecode(raw[:room])) + tail
+    while len(os.fsencode(base)) > room:  # whole characters: a writer given the name may encode it strictly
+        base = base[:-1]
+    return "." + base + tail
