@@ -10,7 +10,7 @@ Installed with the ``mlx`` extra: ``pip install 'snapstore[mlx]'``.
 See docs/engine.md, section 16. The names load on first use (PEP 562), so the ``snapstore`` CLI can
 register its MLX commands (:mod:`snapstore.engine.mlx.cli`) without mlx; where mlx or mlx_lm is
 missing, using a name (``from snapstore.engine.mlx import PrefixCache``) raises :class:`MlxMissingError`,
-an ImportError that says what to install.
+an ImportError that says what to install (``MlxMissingError`` itself imports without mlx, to catch it).
 """
 
 from __future__ import annotations
