@@ -8,6 +8,9 @@ anywhere here. See docs/engine.md ("llama.cpp").
 
 from __future__ import annotations
 
+from ._bridge import LlamaBridge
 from ._slotfile import KNOWN_VERSIONS, ModelShape, SlotFile, SlotFormatError, decode, encode
+from ._slotstore import SlotStore
 
-__all__ = ["KNOWN_VERSIONS", "ModelShape", "SlotFile", "SlotFormatError", "decode", "encode"]
+__all__ = ["KNOWN_VERSIONS", "LlamaBridge", "ModelShape", "SlotFile", "SlotFormatError", "SlotStore", "decode",
+           "encode"]

@@ -16,8 +16,10 @@ import pytest
 
 # old module -> (moved names, their new module)
 MOVED = {
-    "snapstore.llamacpp": (["KNOWN_VERSIONS", "ModelShape", "SlotFile", "SlotFormatError", "decode", "encode"],
-                           "snapstore.engine.llamacpp"),
+    "snapstore.llamacpp": (["KNOWN_VERSIONS", "LlamaBridge", "ModelShape", "SlotFile", "SlotFormatError", "SlotStore",
+                            "decode", "encode"], "snapstore.engine.llamacpp"),
+    # the path earlier docs showed for the bridge (docs/engine.md "llama.cpp")
+    "snapstore.llamacpp._bridge": (["LlamaBridge", "SlotStore"], "snapstore.engine.llamacpp"),
     "snapstore.engine.llamacpp._bridge": (["ImportResult", "SlotStore", "export_snapshot"],
                                           "snapstore.engine.llamacpp._slotstore"),
     "snapstore.engine.llamacpp._slotfile": (["SlotProto", "empty_parts", "from_parts", "layout_for", "to_parts"],
