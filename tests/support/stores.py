@@ -4,6 +4,7 @@ them once (``store_factory(layout=..., check_rows=None)``) instead of writing it
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any, Protocol
 
@@ -45,3 +46,16 @@ def store_factory(**settings: Any) -> StoreFactory:
     def open_(path: str | os.PathLike[str], **options: Any) -> ss.Store:
         return open_store(path, **{**settings, **options})
     return open_
+
+
+def tree_bytes(root: str) -> dict[str, str]:
+    """Every entry under ``root`` with its bytes' digest (a directory: '/'): what a command that
+    should write nothing in a store must leave exactly as it was."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for n in dirs:
+            out[os.path.relpath(os.path.join(d, n), root)] = "/"
+        for n in files:
+            with open(os.path.join(d, n), "rb") as f:
+                out[os.path.relpath(os.path.join(d, n), root)] = hashlib.sha256(f.read()).hexdigest()
+    return out

@@ -7,7 +7,6 @@ has no flag for). Real slot files, stores and the CLI entry point.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,21 +18,10 @@ import pytest
 pytest.importorskip("gguf")
 
 import helpers_llamacpp as h  # noqa: E402
+from support.stores import tree_bytes  # noqa: E402
 from test_llamacpp_draft import BUILD, TOKENS, slot_file  # noqa: E402
 
 from snapstore.cli.main import main  # noqa: E402
-
-
-def _tree(root: str) -> dict[str, str]:
-    """Every entry under ``root`` with its bytes' digest (a directory: '/')."""
-    out = {}
-    for d, dirs, files in os.walk(root):
-        for n in dirs:
-            out[os.path.relpath(os.path.join(d, n), root)] = "/"
-        for n in files:
-            with open(os.path.join(d, n), "rb") as f:
-                out[os.path.relpath(os.path.join(d, n), root)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def _stored(tmp: Path, store: str, capsys: pytest.CaptureFixture[str]) -> tuple[str, bytes]:
@@ -47,11 +35,11 @@ def _stored(tmp: Path, store: str, capsys: pytest.CaptureFixture[str]) -> tuple[
 def test_export_slot_leaves_the_store_as_it_was(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = str(tmp_path / "store")
     sid, data = _stored(tmp_path, store, capsys)
-    before = _tree(store)
+    before = tree_bytes(store)
     out = tmp_path / "out.bin"
     assert main(["--dir", store, "--json", "export-slot", sid, str(out)]) == 0
     assert json.loads(capsys.readouterr()[0])["exact"] is True and out.read_bytes() == data
-    assert _tree(store) == before
+    assert tree_bytes(store) == before
 
 
 def test_export_slot_reads_a_store_this_user_cannot_write(request: pytest.FixtureRequest,
@@ -70,7 +58,7 @@ def test_export_slot_reads_a_store_this_user_cannot_write(request: pytest.Fixtur
     os.mkdir(outdir)
     os.chown(outdir, 65534, 65534)
     os.chmod(base, 0o755)
-    before = _tree(store)
+    before = tree_bytes(store)
     out = os.path.join(outdir, "slot.bin")
     r, w = os.pipe()
     pid = os.fork()
@@ -91,4 +79,4 @@ def test_export_slot_reads_a_store_this_user_cannot_write(request: pytest.Fixtur
     assert code == "0", (code, capsys.readouterr()[1][-1000:])
     with open(out, "rb") as f:
         assert f.read() == data
-    assert _tree(store) == before
+    assert tree_bytes(store) == before

@@ -7,9 +7,7 @@ running mlx hangs). Real models (tiny, random weights), files, stores and the CL
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -17,21 +15,10 @@ import pytest
 pytest.importorskip("mlx_lm", reason="needs the mlx extra (mlx[cpu], mlx-lm)")
 
 import mlx_models  # noqa: E402
+from support.stores import tree_bytes  # noqa: E402
 from test_mlx_files import A2, A, cache_file  # noqa: E402
 
 from snapstore.cli.main import main  # noqa: E402
-
-
-def _tree(root: str) -> dict[str, str]:
-    """Every entry under ``root`` with its bytes' digest (a directory: '/')."""
-    out = {}
-    for d, dirs, files in os.walk(root):
-        for n in dirs:
-            out[os.path.relpath(os.path.join(d, n), root)] = "/"
-        for n in files:
-            with open(os.path.join(d, n), "rb") as f:
-                out[os.path.relpath(os.path.join(d, n), root)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def _stored(base: Path, capsys: pytest.CaptureFixture[str]) -> tuple[str, str, int]:
@@ -47,11 +34,11 @@ def _stored(base: Path, capsys: pytest.CaptureFixture[str]) -> tuple[str, str, i
 
 def test_export_mlx_cache_leaves_the_store_as_it_was(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store, model, sid = _stored(tmp_path, capsys)
-    before = _tree(store)
+    before = tree_bytes(store)
     assert main(["--dir", store, "export-mlx-cache", str(tmp_path / "o1.safetensors"), "--model", model,
                  "--tokens", ",".join(map(str, A2))]) == 0
     assert main(["--dir", store, "export-mlx-cache", str(tmp_path / "o2.safetensors"), "--model", model,
                  "--id", str(sid)]) == 0
     assert f"snapshot {sid}, {len(A)} tokens" in capsys.readouterr().out
-    assert _tree(store) == before
+    assert tree_bytes(store) == before
 
