@@ -88,9 +88,9 @@ def _run(command: str, args: argparse.Namespace, ctx: CliContext) -> int:
 
 def _end_interrupted() -> None:
     """The command's process, interrupted and reported: exit 130 now. What it opened closed as the
-    interrupt unwound; the interpreter's own shutdown after a Ctrl-C that landed inside an import
-    sometimes ended the process by SIGINT instead (a shell shows 130 either way, a parent process
-    does not), about one run in fifteen on these machines (tests/cli/test_cli_trust.py)."""
+    interrupt unwound; left to the interpreter's own shutdown, a Ctrl-C early in a run sometimes ended
+    the process by SIGINT instead (a shell shows 130 either way, a parent process sees -2), about one
+    run in fifteen on these machines (tests/cli/test_cli_trust.py; the cause inside CPython not pinned down)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
