@@ -40,7 +40,7 @@ from snapstore.catalog.chain_cache import Stamp, stamp_moves
 from snapstore.chunks.chunkfile import HEADER_SIZE, ChunkHeader, header_matches, parse_header
 from snapstore.chunks.residency import resident
 
-__all__ = ["OpenFiles"]
+__all__ = ["OpenFiles", "give_descriptors", "take_descriptors"]
 
 _MAX_FILE = 4 << 20  # only chunk files this small are kept: a large read is not dominated by its open
 _MAX_BYTES = 64 << 20  # file bytes one store keeps open at most (what unlinked files hold on disk until dropped)
@@ -62,11 +62,11 @@ class _Slots:
             soft = 0
         self.limit = _MAX_FILES if soft == resource.RLIM_INFINITY else min(_MAX_FILES, soft // 16)
 
-    def take(self) -> bool:
+    def take(self, n: int = 1) -> bool:
         with self._lock:
-            if self.used >= self.limit:
+            if self.used + n > self.limit:
                 return False
-            self.used += 1
+            self.used += n
             return True
 
     def give(self, n: int = 1) -> None:
@@ -81,6 +81,20 @@ class _Slots:
 
 
 _SLOTS = _Slots()
+
+
+def take_descriptors(n: int) -> bool:
+    """Take ``n`` of the process's kept-descriptor slots (shared with the replayed restores of
+    :mod:`snapstore.restore.hot`); False: none taken, keep nothing."""
+    return _SLOTS.take(n)
+
+
+def give_descriptors(n: int, *, unlocked: bool = False) -> None:
+    """Give back ``n`` slots :func:`take_descriptors` took (``unlocked``: from a forked child's hook)."""
+    if unlocked:
+        _SLOTS.give_unlocked(n)
+    else:
+        _SLOTS.give(n)
 
 
 def _close_all(kept: OrderedDict[bytes, _Kept]) -> None:

@@ -19,8 +19,8 @@ from snapstore._errors import ConfigError, StateError
 from snapstore._identity import Identity
 from snapstore._layout import Layout
 from snapstore._numbers import optional_real
-from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, resolve_ref, session_key, snapshot_id
-from snapstore._results import DeleteResult, Match, MatchDetails, RestoreResult, SaveResult
+from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, snapshot_id
+from snapstore._results import DeleteResult, Match, SaveResult
 from snapstore._tokens import TokensLike, as_token_array
 from snapstore.catalog.queries import Txn
 from snapstore.chunks.chunkfile import CODECS
@@ -29,29 +29,30 @@ from snapstore.chunks.repo import Repo
 from snapstore.chunks.staging import StagingBuffer
 from snapstore.lifecycle.access import Access
 from snapstore.lifecycle.admission import Admission, admission_of
-from snapstore.lifecycle.bookkeeping import Ledger, record_use, write_with
+from snapstore.lifecycle.bookkeeping import Ledger, write_with
 from snapstore.lifecycle.capacity import Capacity
 from snapstore.lifecycle.liveness import reap_lock_files
 from snapstore.lifecycle.owner import Owner
-from snapstore.lifecycle.rules import log_drops, new_outside_use
-from snapstore.parts.buffers import Destination, PartSource
+from snapstore.lifecycle.rules import log_drops
+from snapstore.parts.buffers import PartSource
 from snapstore.plan.match import Prompt, best_match
 from snapstore.remote.uploader import FlushResult, flush_all
-from snapstore.restore.read import Planned, details_of, planned, stream_checked, wanted_components
+from snapstore.restore.hot import HotRestores
 from snapstore.restore.read_path import ReadPaths
 from snapstore.save.asynchronous import AsyncSaver, SaveHandle, copy_budget
 from snapstore.save.chain import parent_after
 from snapstore.save.chunker import Chunker
 from snapstore.save.run import HOOKS as _HOOKS  # noqa: F401  (tests set race-window hooks as _store._HOOKS)
 from snapstore.save.run import SaveRun, skipped
-from snapstore.save.stages import Saver, Skip, count_of
+from snapstore.save.stages import Saver, Skip
 from snapstore.save.token_keys import TokenKeys
-from snapstore.store.batch import StoreBatches, plan_then_bind
+from snapstore.store.batch import StoreBatches
 from snapstore.store.gate import CallGate, operation
 from snapstore.store.lookup import StoreLookup
 from snapstore.store.names import StoreNames
-from snapstore.store.recompute import RestoreRates, RestoreTimer, StoreRecompute, choose_match
+from snapstore.store.recompute import RestoreRates, StoreRecompute, choose_match
 from snapstore.store.reports import StoreReports
+from snapstore.store.restoring import StoreRestore
 from snapstore.store.snapshot_ops import (
     abandon_capture,
     commit_capture,
@@ -69,7 +70,7 @@ __all__ = ["Store"]
 T = TypeVar("T")
 
 
-class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecompute, StoreLookup):
+class Store(StoreRestore, StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecompute, StoreLookup):
     """An open snapstore directory, bound to one identity and layout. Thread-safe.
 
     Open with :meth:`Store.open` (``__init__`` only assigns); see docs/api.md.
@@ -93,6 +94,9 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingBuffer(options.staging_bytes, options.chunk_bytes)
         self._tiers = Tiers(repo, budget.ram_bytes)  # RAM (or none), the chunk files, the shared tier (set by _start)
+        # restores repeated into the same arrays, replayed while the catalog stands (restore/hot.py, issue 48)
+        self._hot = HotRestores(repo.db_path, repo.blob_path, enabled=repo.plans.enabled and not repo.readonly)
+        repo.plans.on_move(self._hot)
         self._rates = RestoreRates()  # restore throughput per tier (issue 32); loaded from the catalog by open()
         self._ledger = Ledger(self._tiers.ram.take_hits if self._tiers.ram is not None else None, self._rates)
         self._capacity = Capacity(repo.root, budget, repo.blob_path)
@@ -191,6 +195,7 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
             if self._pool is not None and not self._gate.forked:  # a forked child's: the parent's threads
                 self._pool.shutdown(wait=True)
             self._tiers.close_local()
+            self._hot.close()
             self._reads.stop()  # a read-path probe in flight (restore.read_path)
         finally:
             self._repo.close()
@@ -328,69 +333,6 @@ class Store(StoreReports, StoreNames, StoreBatches, StoreTransfer, StoreRecomput
         self._ledger.count("hits")
         self._ledger.count("hit_tokens", n_hit)
         return Match(hit.id, n_hit, namespace)
-
-    # -- restore -----------------------------------------------------------------------------
-    def _plan(self, c: Txn, sid: int, ns: str, wanted: set[str], rows_from: int = 0,
-              upto: int | None = None) -> Planned:
-        """Check that ``sid`` is this store's to restore and check its plan (bound by the caller)."""
-        return planned(c, self._access, self.layout, sid, ns, wanted, rows_from, upto, memo=self._repo.plans)
-
-    @operation
-    def restore(self, m: SnapshotRef,
-                into: Mapping[str, Destination] | Callable[[MatchDetails], Mapping[str, Destination]],
-                components: Iterable[str] | None = None, *, namespace: str | None = None,
-                rows_from: int = 0, session: str | None = None) -> RestoreResult:
-        """Write the snapshot's state into ``into`` (name → writable buffer), exactly, or raise.
-
-        ``m`` is a Match (its namespace applies), a SaveResult or a snapshot id (then ``namespace``
-        must name the snapshot's namespace). ``into`` may be a callable: it gets the checked plan
-        (``describe``) and returns the mapping (plan, then write). ``rows_from``: rows the engine
-        already holds, not written. ``session``: the caller's session key; a restore by another
-        session or without one keeps the snapshot from being superseded away (docs/api.md). Raises
-        a RestoreError whose ``touched`` says whether ``into`` was modified.
-        """
-        k = count_of(rows_from, "rows_from")
-        wanted = wanted_components(self.layout, components)
-        timer = RestoreTimer(self, m, k)  # its time and tiers, for the restore rates (store/recompute.py)
-        if self._tiers.shared.has(m):
-            # a shared-tier match: fetched into the local tier (then restored below), or streamed (remote.tier)
-            got = self._tiers.shared.restore(m, into, self.layout, wanted, k, lambda t, _freed: self._capacity.excess(t)
-                                             is None, lambda n: self._capacity.precheck(n, 0) is None, self._access.iid)
-            if isinstance(got, RestoreResult):
-                timer.done(got.n_tokens, got.bytes_restored)
-                return got
-            m = got
-        ref = resolve_ref(m)  # the one reading of a ref: a Match's or MatchDetails' n_tokens is honoured
-        sid, ns = ref.snapshot_id, ref_namespace(ref, namespace)
-        t0 = time.perf_counter()
-        sess = session_key(session)
-        # planned once (a block-granular prefix match restores rows [0, upto // g) only); a callable
-        # `into` is handed the checked plan; timed from the plan, or after a callable's allocation
-        snap, plan = plan_then_bind(self, sid, ns, into, wanted, k, ref.upto, getattr(m, "why", None), timer.reading)
-        stream_checked(plan, sid, self._repo, self._staging, self._ram, self._ledger.count, self._reads, timer.tiers)
-        nbytes = plan.nbytes
-        timer.done(plan.n_tokens, nbytes)
-        # last use and the hit are bookkeeping: recorded in memory and written now only if the
-        # write lock is free; a restore queues behind a writer only for a first outside use
-        record_use(self._repo, self._ledger, [(sid, new_outside_use(snap, sess))])
-        return RestoreResult(plan.n_tokens, plan.rows, frozenset(plan.missing_components), plan.chain,
-                             nbytes, time.perf_counter() - t0)
-
-    @operation
-    def describe(self, m: SnapshotRef, components: Iterable[str] | None = None, *,
-                 namespace: str | None = None, rows_from: int = 0) -> MatchDetails:
-        """What restoring ``m`` would write — rows per stream, components, bytes — checked like a
-        restore's plan but without destinations, so an engine can size its buffers first."""
-        ref = resolve_ref(m)
-        sid, ns = ref.snapshot_id, ref_namespace(ref, namespace)
-        wanted = wanted_components(self.layout, components)
-        k = count_of(rows_from, "rows_from")
-
-        def run(c: Txn) -> MatchDetails:
-            p = self._plan(c, sid, ns, wanted, k, ref.upto)
-            return details_of(p.snap, p.bind(None), ns, k, getattr(m, "why", None))  # a match's decision too
-
-        return self._repo.db.read(run)
 
     # -- turns (logic in store/turn.py; batches: store/batch.py) ----------------------------
     def turn(self, *, session: str | None = None, namespace: str | None = None,

@@ -61,6 +61,7 @@ class NumpyEngine:
         self.layout, self.max_rows = layout, max_rows
         self.identity = identity or Identity(build="snapstore-testing", pack="sha256:0")
         self.chunk_bytes, self.staging_bytes = chunk_bytes, staging_bytes
+        self._arena: dict[str, np.ndarray] | None = None  # its restore buffers, kept as an engine keeps its own
 
     def open(self, path: str, *, budget: Budget, codec: str, **options: Any) -> Store:
         """Open the store the machine drives (row checks on: the vouching is verified); ``options``:
@@ -74,9 +75,17 @@ class NumpyEngine:
         return res
 
     def restore(self, store: Store, ref: Any, session: str | None = None) -> tuple[RestoreResult, dict[str, bytes]]:
-        """Restore ``ref`` as ``session``; return the result and each restored part's valid bytes."""
-        dest = {name: np.zeros(spec.nbytes if isinstance(spec, Fixed) else spec.row_bytes * self.max_rows, np.uint8)
-                for name, spec in self.layout.parts.items()}
+        """Restore ``ref`` as ``session``; return the result and each restored part's valid bytes.
+
+        Every restore writes into the same buffers, zeroed first, as a server restores into its one
+        arena: repeated restores of a snapshot are replayed from the plan the store keeps for them
+        (restore/hot.py), and the machine checks those too against the model."""
+        if self._arena is None:
+            self._arena = {name: np.zeros(spec.nbytes if isinstance(spec, Fixed) else spec.row_bytes * self.max_rows,
+                                          np.uint8) for name, spec in self.layout.parts.items()}
+        dest = self._arena
+        for buf in dest.values():
+            buf.fill(0)
         res = store.restore(ref, dest, session=session)
         out: dict[str, bytes] = {}
         for name, spec in self.layout.parts.items():

@@ -180,7 +180,7 @@ def test_small_warm_restore_starts_no_reader_threads(tmp_path: Any, monkeypatch:
         assert np.array_equal(dst, kv) and made == []
         for probing in (stream, tiers):  # the tier tally probes the files; the stream reuses its answers
             monkeypatch.setattr(probing, "resident", lambda fd, size: False)  # as if evicted
-        dst[:] = 0
+        dst = np.zeros_like(kv)  # another array: the full path (a repeat into the same one replays, restore/hot.py)
         s.restore(sid, {"kv": dst})
         assert np.array_equal(dst, kv) and made == [1]
 

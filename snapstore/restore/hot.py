@@ -1,0 +1,373 @@
+"""Restores repeated into the same buffers, replayed from a plan kept while the catalog stands (issue 48).
+
+A server restores the same small chain (a system prompt's few thousand tokens) into the same
+arena, request after request. The full path plans in a read transaction, takes each chunk file's
+kept descriptor (a lock, a dup, the header read again), probes the page cache, builds the
+stream's runs and closes what it took: about 85 us of Python per restore and 7.5 us per link, where
+reading and checking an 85 KiB link from the page cache takes about 6 us (docs/benchmarks.md).
+After the second restore with the same key — snapshot, namespace, components, ``rows_from``,
+prefix, and the same numpy arrays as destinations — this keeps what that restore did: per chunk an
+open descriptor of its file (its header checked against the catalog row when opened), the byte
+ranges of the destination it fills, and the checksum the catalog holds. Later restores with the key
+replay it: per chunk a read straight into the destination and its XXH3-128 compared with the
+catalog's; nothing else.
+
+A plan is replayed only while nothing it was made from changed:
+
+- the catalog: the WAL-index header (:mod:`snapstore.catalog.wal_stamp`) read before the plan's
+  transaction is the one there now — no transaction committed since, in any process — or, when it
+  moved, the catalog generation (one read transaction) is still the one the plan was read under:
+  nothing a plan depends on changed (:mod:`snapstore.catalog.chain_cache`). Else it is dropped.
+- the destinations: the same array objects (held weakly: a kept plan never keeps an engine's
+  buffer alive), of the same shape and dtype, still writable and C-contiguous.
+
+Every chunk is still checked against the catalog's checksum as it lands. A read that fails or
+comes up short, or a checksum that does not match, drops the plan and the restore takes the full
+path, which finds, reports and quarantines the damage (its error then says the destination was
+touched). A replay writes only raw chunks into whole rows (no ``rows_from`` skip) of numpy arrays;
+anything else always takes the full path.
+
+Cold files: each read is first asked with ``RWF_NOWAIT``; the first that would wait (its pages are
+not cached) asks the kernel for every later file of the plan at once (``posix_fadvise(WILLNEED)``)
+and the rest is read blocking, so a cold chain's files are fetched together, not one after the
+other. The bytes read each way are the restore's "warm" and "cold" bytes for the restore rates.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from snapstore._forks import ProcessLock, track
+from snapstore.catalog.chain_cache import Stamp
+from snapstore.catalog.queries import SnapRow
+from snapstore.catalog.wal_stamp import WalStamp
+from snapstore.chunks.chunkfile import CODEC_RAW, HEADER_SIZE, header_matches, open_chunk, parse_header
+from snapstore.chunks.open_files import give_descriptors, take_descriptors
+from snapstore.parts.buffers import Sink
+from snapstore.plan.restore_plan import RestorePlan
+
+__all__ = ["HotKey", "HotPlan", "HotRestores", "Replay"]
+
+HotKey = tuple[Any, ...]  # (snapshot id, namespace, components, rows_from, prefix tokens, (name, id(array))...)
+
+_MAX_PLANS = 16  # plans one store keeps (LRU): a server's hot prefixes
+_MAX_CHUNKS = 64  # chunks of a plan at most: a small restore (a larger one is not dominated by fixed costs)
+_MAX_BYTES = 32 << 20  # bytes of a plan at most (a larger one reads with the full path's threads, or O_DIRECT)
+_SEEN = 256  # keys remembered as restored once (kept on the second restore)
+_STEP = 512 << 10  # a chunk is read and hashed in steps this size (restore.stream's in-thread step)
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+# per chunk: its file's descriptor, its pieces (file offset, destination index, start, end), its checksum
+_Chunk = tuple[int, tuple[tuple[int, int, int, int], ...], bytes]
+
+
+class _Unreadable(Exception):
+    """A replay's read failed, came up short or did not match its checksum."""
+
+
+@dataclass(eq=False)
+class HotPlan:
+    """One kept restore (module docstring): what to read where, and what the restore returns."""
+
+    key: HotKey
+    wal: bytes | None  # the WAL-index header it stands under (None: asks the catalog's generation)
+    stamp: Stamp  # the catalog stamp its rows were read under
+    dests: tuple[tuple[weakref.ref[np.ndarray], tuple[int, ...], np.dtype[Any]], ...]
+    chunks: tuple[_Chunk, ...]
+    fds: tuple[int, ...]
+    snap: SnapRow
+    n_tokens: int
+    rows: dict[str, int]
+    missing: frozenset[str]
+    chain: list[int]
+    nbytes: int
+    busy: int = 0
+    dead: bool = False
+    nowait: bool = field(default=bool(_NOWAIT))
+
+
+@dataclass
+class Replay:
+    """A replay's outcome: ``plan`` replayed (its bytes read from the page cache and the device in
+    ``tiers``), or none (``touched``: it wrote before it gave up: the full path's error says so)."""
+
+    plan: HotPlan | None
+    tiers: dict[str, int]
+    touched: bool = False
+
+
+def _close(fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    give_descriptors(len(fds))
+
+
+class HotRestores:
+    """A store's kept restores (module docstring). ``enabled`` False (a read-only store, a catalog
+    without its generation memo) keeps nothing."""
+
+    def __init__(self, db_path: str, blob_path: Callable[[bytes], str], enabled: bool) -> None:
+        self.enabled = enabled
+        self._blob_path = blob_path
+        self._wal = WalStamp(db_path)
+        self._lock = ProcessLock()
+        self._plans: OrderedDict[HotKey, HotPlan] = OrderedDict()
+        self._seen: OrderedDict[HotKey, None] = OrderedDict()
+        self.replays = 0  # restores replayed, for tests and benchmarks
+        track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child closes its copies of the descriptors (the parent keeps its own)."""
+        for plan in self._plans.values():
+            plan.dead = True
+            for fd in plan.fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            give_descriptors(len(plan.fds), unlocked=True)
+            plan.fds = ()
+        self._plans = OrderedDict()
+        self._seen = OrderedDict()
+
+    def key(self, sid: int, ns: str, components: object, rows_from: int, upto: int | None,
+            into: object) -> HotKey | None:
+        """The key of a restore a plan may be kept for, or None (never kept: another kind of call)."""
+        if not self.enabled or type(into) is not dict or not into:
+            return None
+        if components is not None:
+            if not isinstance(components, (list, tuple, set, frozenset)):
+                return None  # an iterator is read once, by the full path
+            components = frozenset(components)
+        return (sid, ns, components, rows_from, upto, *[(name, id(obj)) for name, obj in into.items()])
+
+    def wal(self) -> bytes | None:
+        """The WAL-index header now: read before a restore's plan, for :meth:`learn`."""
+        return self._wal.read() if self.enabled else None
+
+    def replay(self, key: HotKey, into: Mapping[str, Any], generation: Callable[[], Stamp | None],
+               usable: Callable[[SnapRow], bool]) -> Replay | None:
+        """Replay the plan kept for ``key`` into ``into``, or None where none stands (``generation``:
+        reads the catalog stamp, asked only when the WAL-index header moved; ``usable``: may this
+        call restore the plan's snapshot without the full path's bookkeeping — else the plan is dropped)."""
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None or plan.dead:
+                return None
+            plan.busy += 1
+        try:
+            now = self._wal.read()
+            if now is None or now != plan.wal:
+                if generation() != plan.stamp:
+                    self._drop(plan)
+                    return None
+                plan.wal = now  # read before the generation: nothing committed before it moved the stamp
+            views = self._views(plan, into) if usable(plan.snap) else None
+            if views is None:
+                self._drop(plan)
+                return None
+            tiers = {"warm": 0, "cold": 0}
+            try:
+                _read_all(plan, views, tiers)
+            except (_Unreadable, OSError):
+                self._drop(plan)
+                return Replay(None, tiers, touched=True)
+            self.replays += 1
+            return Replay(plan, tiers)
+        finally:
+            with self._lock:
+                plan.busy -= 1
+                if plan.dead and plan.busy == 0 and plan.fds:
+                    _close(plan.fds)
+                    plan.fds = ()
+
+    @staticmethod
+    def _views(plan: HotPlan, into: Mapping[str, Any]) -> list[memoryview] | None:
+        """Each destination's bytes, if it is the array the plan was made for and still fits it."""
+        views = []
+        for (ref, shape, dtype), obj in zip(plan.dests, into.values()):
+            a = ref()
+            if a is None or a is not obj or a.shape != shape or a.dtype != dtype:
+                return None
+            flags = a.flags
+            if not (flags.c_contiguous and flags.writeable):
+                return None
+            views.append(a.reshape(-1).view(np.uint8).data)
+        return views
+
+    def learn(self, key: HotKey | None, wal: bytes | None, snap: SnapRow, plan: RestorePlan,
+              into: Mapping[str, Any]) -> None:
+        """After a successful full restore: keep its plan on the second restore with ``key`` (``wal``:
+        the WAL-index header read before its plan), if it is one a replay can do."""
+        if key is None or plan.stamp is None or not _replayable(plan, into):
+            return
+        with self._lock:
+            if key in self._plans:
+                return
+            if key not in self._seen:
+                self._seen[key] = None
+                if len(self._seen) > _SEEN:
+                    self._seen.popitem(last=False)
+                return
+            del self._seen[key]
+        built = self._build(key, wal, snap, plan, into)
+        if built is None:
+            return
+        with self._lock:
+            old = self._plans.pop(key, None)
+            self._plans[key] = built
+            dropped = [old] if old is not None else []
+            while len(self._plans) > _MAX_PLANS:
+                dropped.append(self._plans.popitem(last=False)[1])
+        for p in dropped:
+            self._drop(p)
+
+    def _build(self, key: HotKey, wal: bytes | None, snap: SnapRow, plan: RestorePlan,
+               into: Mapping[str, Any]) -> HotPlan | None:
+        """Open the plan's chunk files, each header checked against its row; None if one fails."""
+        ids = list(dict.fromkeys(item.chunk.id for item in plan.items))
+        if not take_descriptors(len(ids)):
+            return None
+        fds: dict[bytes, int] = {}
+        try:
+            for item in plan.items:
+                cid = item.chunk.id
+                if cid in fds:
+                    continue
+                fd, st = open_chunk(self._blob_path(cid))
+                fds[cid] = fd
+                head = parse_header(os.pread(fd, HEADER_SIZE, 0))
+                if head.codec != CODEC_RAW or not header_matches(head, item.chunk.raw_len, item.chunk.checksum,
+                                                                 st.st_size):
+                    raise _Unreadable(cid.hex())
+        except Exception:  # gone, damaged, out of descriptors: the full path goes on finding it
+            _close(tuple(fds.values()))
+            give_descriptors(len(ids) - len(fds))
+            return None
+        names = list(into)
+        chunks = []
+        for item in plan.items:
+            d, off, n = names.index(item.sink.name), item.offset, item.chunk.raw_len
+            pieces = tuple((HEADER_SIZE + k, d, off + k, off + min(n, k + _STEP)) for k in range(0, n, _STEP))
+            chunks.append((fds[item.chunk.id], pieces, item.chunk.checksum))
+        dests = tuple((weakref.ref(a), a.shape, a.dtype) for a in into.values())
+        return HotPlan(key, wal, plan.stamp, dests, tuple(chunks), tuple(fds.values()), snap,  # type: ignore[arg-type]
+                       plan.n_tokens, dict(plan.rows), frozenset(plan.missing_components), list(plan.chain),
+                       plan.nbytes)
+
+    def advance(self, stamp: Stamp) -> None:
+        """A plan of this process read a newer catalog stamp: drop the plans made under older ones
+        (:meth:`snapstore.catalog.chain_cache.ChainCache.on_move`)."""
+        with self._lock:
+            stale = [p for p in self._plans.values() if p.stamp != stamp]
+        for p in stale:
+            self._drop(p)
+
+    def _drop(self, plan: HotPlan) -> None:
+        """Forget ``plan``; its files close now, or when its last replay in flight ends."""
+        with self._lock:
+            if self._plans.get(plan.key) is plan:
+                del self._plans[plan.key]
+            plan.dead = True
+            if plan.busy == 0 and plan.fds:
+                _close(plan.fds)
+                plan.fds = ()
+
+    def close(self) -> None:
+        """Close every kept file (the store closes)."""
+        with self._lock:
+            plans = list(self._plans.values())
+        for p in plans:
+            self._drop(p)
+        self._wal.close()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+def _replayable(plan: RestorePlan, into: Mapping[str, Any]) -> bool:
+    """Can a replay do ``plan``: raw chunks into whole rows of C-contiguous, writable numpy arrays,
+    small enough that fixed costs matter?"""
+    if not plan.items or len(plan.items) > _MAX_CHUNKS or plan.nbytes > _MAX_BYTES:
+        return False
+    for a in into.values():
+        if type(a) is not np.ndarray or not (a.flags.c_contiguous and a.flags.writeable):
+            return False
+    return all(type(item.sink) is Sink and item.sink.mv is not None and item.skip == 0
+               and item.chunk.codec == CODEC_RAW and item.sink.name in into for item in plan.items)
+
+
+def _read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int]) -> None:
+    """Read and check every chunk of ``plan`` into ``views``; _Unreadable or OSError on failure."""
+    digest = xxhash.xxh3_128_digest
+    nowait = plan.nowait
+    chunks = plan.chunks
+    for i, (fd, pieces, want) in enumerate(chunks):
+        if len(pieces) == 1:
+            off, d, start, end = pieces[0]
+            view = views[d][start:end]
+            if nowait:
+                nowait = _fill_nowait(plan, i, fd, view, off, tiers)
+            else:
+                _fill(fd, view, off, tiers)
+            if digest(view) != want:
+                raise _Unreadable("checksum")
+            continue
+        h = xxhash.xxh3_128()
+        for off, d, start, end in pieces:
+            view = views[d][start:end]
+            if nowait:
+                nowait = _fill_nowait(plan, i, fd, view, off, tiers)
+            else:
+                _fill(fd, view, off, tiers)
+            h.update(view)
+        if h.digest() != want:
+            raise _Unreadable("checksum")
+
+
+def _fill_nowait(plan: HotPlan, i: int, fd: int, view: memoryview, off: int, tiers: dict[str, int]) -> bool:
+    """Read ``view`` from the page cache without waiting; where that would wait, ask for every later
+    file of the plan at once and read the rest blocking. Whether later reads may still try without waiting."""
+    try:
+        got = os.preadv(fd, [view], off, _NOWAIT)
+    except BlockingIOError:
+        got = 0
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        plan.nowait = False  # this file system does not take the flag: plain reads from now on
+        _fill(fd, view, off, tiers)
+        return False
+    tiers["warm"] += got
+    if got == len(view):
+        return True
+    for later in {c[0] for c in plan.chunks[i + 1:]}:
+        try:
+            os.posix_fadvise(later, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+    _fill(fd, view[got:], off + got, tiers)
+    return False
+
+
+def _fill(fd: int, view: memoryview, off: int, tiers: dict[str, int]) -> None:
+    """Read all of ``view`` from ``fd`` at ``off`` (blocking); _Unreadable if the file ends first."""
+    done, n = 0, len(view)
+    while done < n:
+        got = os.preadv(fd, [view[done:] if done else view], off + done)
+        if got <= 0:
+            raise _Unreadable("short read")
+        done += got
+    tiers["cold"] += n
