@@ -13,12 +13,19 @@ What does not look like a valid, settled header reads as None, and the caller as
 usual: no ``-shm`` (a read-only or immutable catalog), another WAL-index version, the two copies
 unequal (a writer mid-update), or a ``-shm`` file SQLite unlinked (the last connection to the
 database closed: the next one makes a new file, which this reopens).
+
+What it relies on: the header is rewritten by every commit of a WAL-mode writer, which every
+snapstore connection is (``apsw.bestpractice.connection_wal``; none sets ``locking_mode=EXCLUSIVE``,
+whose writer keeps its WAL index in private memory). An open store holds a connection (its owner
+lease's), so SQLite neither truncates nor unlinks the ``-shm`` under it; should every connection
+close, the unlinked file is noticed by its link count.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import weakref
 
 from snapstore._forks import ProcessLock
 
@@ -35,8 +42,11 @@ class WalStamp:
     def __init__(self, db_path: str) -> None:
         self._path = db_path + "-shm"
         self._fd = -1
-        self._retired: list[int] = []  # unlinked files' descriptors: closed with the store, not while read
         self._lock = ProcessLock()
+        # every descriptor opened and not closed: an unlinked file's too (another thread may be
+        # reading it), closed with the store or by the finalizer
+        self._open_fds: list[int] = []
+        weakref.finalize(self, _close_fds, self._open_fds)  # a store dropped unclosed releases them too
 
     def read(self) -> bytes | None:
         """The header now (48 bytes), or None: ask the catalog instead."""
@@ -65,22 +75,25 @@ class WalStamp:
                     self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                 except OSError:
                     return -1
+                self._open_fds.append(self._fd)
             return self._fd
 
     def _retire(self, fd: int) -> None:
         with self._lock:
             if self._fd == fd:
                 self._fd = -1
-                self._retired.append(fd)
 
     def close(self) -> None:
         """Close the descriptors (the store closes: no call is reading them)."""
         with self._lock:
-            fds = [*self._retired, self._fd]
-            self._fd, self._retired = -1, []
-        for fd in fds:
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            self._fd = -1
+            _close_fds(self._open_fds)
+
+
+def _close_fds(fds: list[int]) -> None:
+    """Close and forget every descriptor in ``fds`` (takes no lock: also a finalizer)."""
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass

@@ -35,6 +35,7 @@ other. The bytes read each way are the restore's "warm" and "cold" bytes for the
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import weakref
@@ -48,12 +49,13 @@ import xxhash
 
 from snapstore._forks import ProcessLock, track
 from snapstore.catalog.chain_cache import Stamp
-from snapstore.catalog.queries import SnapRow
+from snapstore.catalog.queries import ChunkRow, SnapRow
 from snapstore.catalog.wal_stamp import WalStamp
 from snapstore.chunks.chunkfile import CODEC_RAW, HEADER_SIZE, header_matches, open_chunk, parse_header
-from snapstore.chunks.open_files import give_descriptors, take_descriptors
+from snapstore.chunks.open_files import OpenFiles, give_descriptors, take_descriptors
 from snapstore.parts.buffers import Sink
 from snapstore.plan.restore_plan import RestorePlan
+from snapstore.restore.ramtier import RamTier
 
 __all__ = ["HotKey", "HotPlan", "HotRestores", "Replay"]
 
@@ -62,12 +64,15 @@ HotKey = tuple[Any, ...]  # (snapshot id, namespace, components, rows_from, pref
 _MAX_PLANS = 16  # plans one store keeps (LRU): a server's hot prefixes
 _MAX_CHUNKS = 64  # chunks of a plan at most: a small restore (a larger one is not dominated by fixed costs)
 _MAX_BYTES = 32 << 20  # bytes of a plan at most (a larger one reads with the full path's threads, or O_DIRECT)
+# file bytes one store's plans hold open at most: what files another process deleted keep on disk
+# until this process next plans (as chunks.open_files' bound)
+_MAX_HELD = 64 << 20
 _SEEN = 256  # keys remembered as restored once (kept on the second restore)
 _STEP = 512 << 10  # a chunk is read and hashed in steps this size (restore.stream's in-thread step)
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
-# per chunk: its file's descriptor, its pieces (file offset, destination index, start, end), its checksum
-_Chunk = tuple[int, tuple[tuple[int, int, int, int], ...], bytes]
+# per chunk: its file's descriptor, its pieces (file offset, destination index, start, end), its catalog row
+_Chunk = tuple[int, tuple[tuple[int, int, int, int], ...], ChunkRow]
 
 
 class _Unreadable(Exception):
@@ -84,6 +89,7 @@ class HotPlan:
     dests: tuple[tuple[weakref.ref[np.ndarray], tuple[int, ...], np.dtype[Any]], ...]
     chunks: tuple[_Chunk, ...]
     fds: tuple[int, ...]
+    heads: tuple[tuple[int, bytes], ...]  # (descriptor, the header bytes checked against the row)
     snap: SnapRow
     n_tokens: int
     rows: dict[str, int]
@@ -105,42 +111,46 @@ class Replay:
     touched: bool = False
 
 
-def _close(fds: tuple[int, ...]) -> None:
+def _close(fds: tuple[int, ...], *, unlocked: bool = False) -> None:
     for fd in fds:
         try:
             os.close(fd)
         except OSError:
             pass
-    give_descriptors(len(fds))
+    give_descriptors(len(fds), unlocked=unlocked)
+
+
+def _close_plans(plans: OrderedDict[HotKey, HotPlan]) -> None:
+    """Close every plan's files, taking no lock (a store collected unclosed, a forked child's copies)."""
+    while plans:
+        plan = plans.popitem()[1]
+        plan.dead = True
+        fds, plan.fds = plan.fds, ()
+        _close(fds, unlocked=True)
 
 
 class HotRestores:
     """A store's kept restores (module docstring). ``enabled`` False (a read-only store, a catalog
     without its generation memo) keeps nothing."""
 
-    def __init__(self, db_path: str, blob_path: Callable[[bytes], str], enabled: bool) -> None:
+    def __init__(self, db_path: str, blob_path: Callable[[bytes], str], enabled: bool,
+                 files: OpenFiles | None = None) -> None:
         self.enabled = enabled
         self._blob_path = blob_path
+        self._files = files  # the full path's kept descriptors: a plan's own replace them
         self._wal = WalStamp(db_path)
         self._lock = ProcessLock()
         self._plans: OrderedDict[HotKey, HotPlan] = OrderedDict()
         self._seen: OrderedDict[HotKey, None] = OrderedDict()
         self.replays = 0  # restores replayed, for tests and benchmarks
+        # a store dropped without close() must not hold its files (and deleted ones' space) for good
+        weakref.finalize(self, _close_plans, self._plans)
         track(self)
 
     def _after_fork_in_child(self) -> None:
         """A forked child closes its copies of the descriptors (the parent keeps its own)."""
-        for plan in self._plans.values():
-            plan.dead = True
-            for fd in plan.fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            give_descriptors(len(plan.fds), unlocked=True)
-            plan.fds = ()
-        self._plans = OrderedDict()
-        self._seen = OrderedDict()
+        _close_plans(self._plans)
+        self._seen.clear()
 
     def key(self, sid: int, ns: str, components: object, rows_from: int, upto: int | None,
             into: object) -> HotKey | None:
@@ -158,15 +168,18 @@ class HotRestores:
         return self._wal.read() if self.enabled else None
 
     def replay(self, key: HotKey, into: Mapping[str, Any], generation: Callable[[], Stamp | None],
-               usable: Callable[[SnapRow], bool]) -> Replay | None:
+               usable: Callable[[SnapRow], bool], ram: RamTier | None = None) -> Replay | None:
         """Replay the plan kept for ``key`` into ``into``, or None where none stands (``generation``:
         reads the catalog stamp, asked only when the WAL-index header moved; ``usable``: may this
-        call restore the plan's snapshot without the full path's bookkeeping — else the plan is dropped)."""
+        call restore the plan's snapshot without the full path's bookkeeping — else the plan is
+        dropped). ``ram``: the RAM tier, used as the full path uses it — a chunk it holds is copied
+        from it (checked when admitted), one read from its file is offered to it."""
         with self._lock:
             plan = self._plans.get(key)
             if plan is None or plan.dead:
                 return None
             plan.busy += 1
+            self._plans.move_to_end(key)
         try:
             now = self._wal.read()
             if now is None or now != plan.wal:
@@ -178,12 +191,17 @@ class HotRestores:
             if views is None:
                 self._drop(plan)
                 return None
-            tiers = {"warm": 0, "cold": 0}
-            try:
-                _read_all(plan, views, tiers)
-            except (_Unreadable, OSError):
-                self._drop(plan)
-                return Replay(None, tiers, touched=True)
+            tiers = {"warm": 0, "cold": 0, "ram": 0}
+            with ram.restoring() if ram is not None else contextlib.nullcontext():  # admission waits meanwhile
+                held = [ram.get(row.id) for _, _, row in plan.chunks] if ram is not None else None
+                if not _headers_stand(plan, held):  # damaged in place since: found (and reported) by the full path
+                    self._drop(plan)
+                    return None
+                try:
+                    _read_all(plan, views, tiers, held, ram)
+                except (_Unreadable, OSError):
+                    self._drop(plan)
+                    return Replay(None, tiers, touched=True)
             self.replays += 1
             return Replay(plan, tiers)
         finally:
@@ -229,18 +247,25 @@ class HotRestores:
             old = self._plans.pop(key, None)
             self._plans[key] = built
             dropped = [old] if old is not None else []
-            while len(self._plans) > _MAX_PLANS:
-                dropped.append(self._plans.popitem(last=False)[1])
+            held = sum(p.nbytes for p in self._plans.values())
+            while len(self._plans) > 1 and (len(self._plans) > _MAX_PLANS or held > _MAX_HELD):
+                gone = self._plans.popitem(last=False)[1]
+                held -= gone.nbytes
+                dropped.append(gone)
         for p in dropped:
             self._drop(p)
+        if self._files is not None:  # the plan holds its own: the full path's slots go back
+            self._files.forget(row.id for _, _, row in built.chunks)
 
     def _build(self, key: HotKey, wal: bytes | None, snap: SnapRow, plan: RestorePlan,
                into: Mapping[str, Any]) -> HotPlan | None:
         """Open the plan's chunk files, each header checked against its row; None if one fails."""
+        assert plan.stamp is not None  # learn() keeps only plans made from the memo
         ids = list(dict.fromkeys(item.chunk.id for item in plan.items))
         if not take_descriptors(len(ids)):
             return None
         fds: dict[bytes, int] = {}
+        heads: list[tuple[int, bytes]] = []
         try:
             for item in plan.items:
                 cid = item.chunk.id
@@ -248,10 +273,12 @@ class HotRestores:
                     continue
                 fd, st = open_chunk(self._blob_path(cid))
                 fds[cid] = fd
-                head = parse_header(os.pread(fd, HEADER_SIZE, 0))
+                raw = os.pread(fd, HEADER_SIZE, 0)
+                head = parse_header(raw)
                 if head.codec != CODEC_RAW or not header_matches(head, item.chunk.raw_len, item.chunk.checksum,
                                                                  st.st_size):
                     raise _Unreadable(cid.hex())
+                heads.append((fd, raw))
         except Exception:  # gone, damaged, out of descriptors: the full path goes on finding it
             _close(tuple(fds.values()))
             give_descriptors(len(ids) - len(fds))
@@ -261,10 +288,10 @@ class HotRestores:
         for item in plan.items:
             d, off, n = names.index(item.sink.name), item.offset, item.chunk.raw_len
             pieces = tuple((HEADER_SIZE + k, d, off + k, off + min(n, k + _STEP)) for k in range(0, n, _STEP))
-            chunks.append((fds[item.chunk.id], pieces, item.chunk.checksum))
+            chunks.append((fds[item.chunk.id], pieces, item.chunk))
         dests = tuple((weakref.ref(a), a.shape, a.dtype) for a in into.values())
-        return HotPlan(key, wal, plan.stamp, dests, tuple(chunks), tuple(fds.values()), snap,  # type: ignore[arg-type]
-                       plan.n_tokens, dict(plan.rows), frozenset(plan.missing_components), list(plan.chain),
+        return HotPlan(key, wal, plan.stamp, dests, tuple(chunks), tuple(fds.values()), tuple(heads),
+                       snap, plan.n_tokens, dict(plan.rows), frozenset(plan.missing_components), list(plan.chain),
                        plan.nbytes)
 
     def advance(self, stamp: Stamp) -> None:
@@ -309,12 +336,31 @@ def _replayable(plan: RestorePlan, into: Mapping[str, Any]) -> bool:
                and item.chunk.codec == CODEC_RAW and item.sink.name in into for item in plan.items)
 
 
-def _read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int]) -> None:
-    """Read and check every chunk of ``plan`` into ``views``; _Unreadable or OSError on failure."""
+def _headers_stand(plan: HotPlan, held: list[memoryview | None] | None) -> bool:
+    """Is every file the replay reads still headed as when it was checked (one ``pread`` each, before
+    anything is written, as the full path re-reads a kept file's header)? Files of chunks the RAM
+    tier serves are not read."""
+    skip = {plan.chunks[k][0] for k, data in enumerate(held) if data is not None} if held else ()
+    for fd, raw in plan.heads:
+        if fd not in skip and os.pread(fd, HEADER_SIZE, 0) != raw:
+            return False
+    return True
+
+
+def _read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int], held: list[memoryview | None] | None,
+              ram: RamTier | None) -> None:
+    """Write every chunk of ``plan`` into ``views``: from the RAM tier where ``held`` has it, else read
+    from its file and checked; _Unreadable or OSError on failure."""
     digest = xxhash.xxh3_128_digest
     nowait = plan.nowait
-    chunks = plan.chunks
-    for i, (fd, pieces, want) in enumerate(chunks):
+    for i, (fd, pieces, row) in enumerate(plan.chunks):
+        data = held[i] if held is not None else None
+        if data is not None:
+            for _, d, start, end in pieces:
+                at = start - pieces[0][2]
+                views[d][start:end] = data[at:at + end - start]
+            tiers["ram"] += row.raw_len
+            continue
         if len(pieces) == 1:
             off, d, start, end = pieces[0]
             view = views[d][start:end]
@@ -322,19 +368,21 @@ def _read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int]) -> 
                 nowait = _fill_nowait(plan, i, fd, view, off, tiers)
             else:
                 _fill(fd, view, off, tiers)
-            if digest(view) != want:
+            if digest(view) != row.checksum:
                 raise _Unreadable("checksum")
-            continue
-        h = xxhash.xxh3_128()
-        for off, d, start, end in pieces:
-            view = views[d][start:end]
-            if nowait:
-                nowait = _fill_nowait(plan, i, fd, view, off, tiers)
-            else:
-                _fill(fd, view, off, tiers)
-            h.update(view)
-        if h.digest() != want:
-            raise _Unreadable("checksum")
+        else:
+            h = xxhash.xxh3_128()
+            for off, d, start, end in pieces:
+                view = views[d][start:end]
+                if nowait:
+                    nowait = _fill_nowait(plan, i, fd, view, off, tiers)
+                else:
+                    _fill(fd, view, off, tiers)
+                h.update(view)
+            if h.digest() != row.checksum:
+                raise _Unreadable("checksum")
+        if ram is not None:  # admitted off this thread, from the file tier, as the full path offers it
+            ram.offer(row)
 
 
 def _fill_nowait(plan: HotPlan, i: int, fd: int, view: memoryview, off: int, tiers: dict[str, int]) -> bool:

@@ -128,7 +128,7 @@ class StoreRestore:
         assert isinstance(into, dict)  # a key is only made for a dict
         # a first use from outside the snapshot's session is written at once: the full path's
         done = self._hot.replay(key, into, lambda: self._repo.db.read(lambda c: c.catalog_gen()),
-                                lambda snap: not new_outside_use(snap, sess))
+                                lambda snap: not new_outside_use(snap, sess), self._tiers.ram)
         if done is None or done.plan is None:
             return done is not None and done.touched
         p = done.plan

@@ -95,7 +95,8 @@ class Store(StoreRestore, StoreReports, StoreNames, StoreBatches, StoreTransfer,
         self._staging = StagingBuffer(options.staging_bytes, options.chunk_bytes)
         self._tiers = Tiers(repo, budget.ram_bytes)  # RAM (or none), the chunk files, the shared tier (set by _start)
         # restores repeated into the same arrays, replayed while the catalog stands (restore/hot.py, issue 48)
-        self._hot = HotRestores(repo.db_path, repo.blob_path, enabled=repo.plans.enabled and not repo.readonly)
+        self._hot = HotRestores(repo.db_path, repo.blob_path, enabled=repo.plans.enabled and not repo.readonly,
+                                files=repo.files)
         repo.plans.on_move(self._hot)
         self._rates = RestoreRates()  # restore throughput per tier (issue 32); loaded from the catalog by open()
         self._ledger = Ledger(self._tiers.ram.take_hits if self._tiers.ram is not None else None, self._rates)

@@ -198,3 +198,74 @@ def test_the_wal_stamp_moves_with_every_commit(tmp_path: Any) -> None:
     a.execute("INSERT INTO t VALUES (2)")
     assert stamp.read() not in (h0, h1)
     stamp.close()
+
+
+def test_header_damage_is_found_before_a_byte_is_written(tmp_path: Any) -> None:
+    """A chunk file's header changed in place under a kept plan: the replay re-reads every header
+    first (as the full path re-reads a kept file's), so the full path reports the damage with the
+    destination untouched, as it would have without the plan."""
+    with _open(tmp_path / "s") as s:
+        sid, kv, _ = _chain(s)
+        dst = np.zeros_like(kv)
+        for _ in range(3):
+            s.restore(sid, {"kv": dst})
+        assert s._hot.replays == 1
+        for path in _blob_files(tmp_path / "s"):
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.pwrite(fd, bytes([os.pread(fd, 1, 0)[0] ^ 0xFF]), 0)
+            finally:
+                os.close(fd)
+        dst[:] = 7
+        with pytest.raises(ss.CorruptChunkError) as e:
+            s.restore(sid, {"kv": dst})
+        assert not e.value.touched and (dst == 7).all()
+        assert s._hot.replays == 1
+
+
+def test_a_store_dropped_unclosed_releases_its_kept_files(tmp_path: Any) -> None:
+    """A Store collected without close() closes what its kept plans hold (and the WAL-index file)."""
+    import gc
+
+    from snapstore.chunks import open_files
+
+    def blob_fds() -> int:
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            n += str(tmp_path / "s") in target and ("blobs" in target or target.endswith("-shm"))
+        return n
+
+    used = open_files._SLOTS.used
+    s = _open(tmp_path / "s")
+    sid, kv, _ = _chain(s)
+    dst = np.zeros_like(kv)
+    for _ in range(3):
+        s.restore(sid, {"kv": dst})
+    assert s._hot.replays == 1 and blob_fds() > 0
+    del s
+    gc.collect()
+    assert blob_fds() == 0 and open_files._SLOTS.used == used
+
+
+def test_a_replay_uses_the_ram_tier_as_the_full_path_does(tmp_path: Any) -> None:
+    """With a RAM tier, a replay copies the chunks it holds and offers the others: its hits (and so
+    the tier's recency) are the full path's."""
+    def hits(repeat_into_one: bool) -> int:
+        with _open(tmp_path / f"s{repeat_into_one}", 64 << 20) as s:
+            sid, kv, _ = _chain(s)
+            dst = np.zeros_like(kv)
+            for _ in range(7):
+                assert s._tiers.ram is not None
+                s._tiers.ram.drain()
+                out = dst if repeat_into_one else np.zeros_like(kv)
+                s.restore(sid, {"kv": out})
+                assert np.array_equal(out, kv)
+            replays = s._hot.replays
+            assert (replays > 0) == repeat_into_one
+            return s.stats().ram_hits
+
+    assert hits(True) == hits(False) > 0
