@@ -35,6 +35,8 @@ def integer(value: object, what: str, *, minimum: int | None = None, maximum: in
             err: type[SnapstoreError] = InvalidInputError) -> int:
     """``value`` as an int when it is an integer (``numbers.Integral``, not bool) within
     [``minimum``, ``maximum``]; else ``err`` naming ``what`` and what it must be."""
+    if type(value) is int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value  # the common case, on every call's path: no message built
     want = " ".join(filter(None, ["an integer", _bounds(minimum, None, maximum)]))
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise err(f"{what} must be {want}, got {value!r}" + (

@@ -32,7 +32,7 @@ class CallGate:
 
     def __init__(self) -> None:
         self.closed = False  # close() has begun: every new call raises StateError
-        self._cond = threading.Condition()  # guards closed, _active and _shut
+        self._cond = threading.Condition(threading.Lock())  # guards closed, _active and _shut (never re-entered)
         self._active = 0
         self._shut = False  # close() has finished
         self._inside = threading.local()  # depth of public calls on this thread (nested calls pass)
@@ -43,7 +43,7 @@ class CallGate:
     def _after_fork_in_child(self) -> None:
         """Only the forking thread came along: its own call, if it was inside one, is the one in
         flight; a close() a parent thread had begun is the parent's (the child's close() runs anew)."""
-        self._cond = threading.Condition()  # a parent thread may have held the old one
+        self._cond = threading.Condition(threading.Lock())  # a parent thread may have held the old one
         self._active = 1 if self.depth else 0
         self.closed = self._shut
         self.forked = True
@@ -68,7 +68,16 @@ class CallGate:
     @contextmanager
     def call(self) -> Iterator[None]:
         """Count a public call in flight; StateError once close() has begun, or in a forked child."""
-        depth = self.depth
+        depth = self.enter()
+        try:
+            yield
+        finally:
+            self.leave(depth)
+
+    def enter(self) -> int:
+        """:meth:`call`'s first half (what :func:`operation` runs on every call, without a generator):
+        the depth to hand to :meth:`leave`."""
+        depth: int = getattr(self._inside, "depth", 0)
         if depth == 0:
             self._refuse_forked()
             with self._cond:
@@ -76,15 +85,16 @@ class CallGate:
                     raise StateError("the store is closed (or closing); open it again with Store.open()")
                 self._active += 1
         self._inside.depth = depth + 1
-        try:
-            yield
-        finally:
-            self._inside.depth = depth
-            if depth == 0:
-                with self._cond:
-                    self._active -= 1
-                    if self._active == 0:
-                        self._cond.notify_all()
+        return depth
+
+    def leave(self, depth: int) -> None:
+        """:meth:`call`'s second half."""
+        self._inside.depth = depth
+        if depth == 0:
+            with self._cond:
+                self._active -= 1
+                if self._active == 0:
+                    self._cond.notify_all()
 
     def begin_close(self) -> bool:
         """Refuse new calls and wait for those in flight. False: another close() got here first
@@ -119,8 +129,12 @@ def operation(fn: Callable[Concatenate[G, P], T]) -> Callable[Concatenate[G, P],
     """A public call: refused with StateError once close() began; close() waits for it."""
 
     def call(self: G, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        with self._gate.call():
+        gate = self._gate
+        depth = gate.enter()
+        try:
             return fn(self, *args, **kwargs)
+        finally:
+            gate.leave(depth)
 
     functools.update_wrapper(call, fn)  # name, docstring and signature for help() and the docs
     return call
