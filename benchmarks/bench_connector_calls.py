@@ -28,10 +28,14 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TREE = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else HERE
-sys.path[:0] = [TREE, os.path.join(TREE, "engine")]
+import torch  # noqa: E402  (before the tree's paths: its engine/ holds a package named torch too)
 
-import torch  # noqa: E402
-from vllm._blocks import BlockGeometry, BlockWriter, gather_blocks, host_pools  # noqa: E402
+sys.path[:0] = [TREE]
+try:
+    from snapstore.engine.vllm._blocks import BlockGeometry, BlockWriter, gather_blocks, host_pools  # noqa: E402
+except ImportError:  # a tree from before the integrations moved under engine/ (issue 51)
+    sys.path.insert(1, os.path.join(TREE, "engine"))
+    from vllm._blocks import BlockGeometry, BlockWriter, gather_blocks, host_pools  # type: ignore[no-redef]  # noqa: E402
 
 import snapstore as ss  # noqa: E402
 
