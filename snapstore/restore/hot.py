@@ -141,7 +141,7 @@ class HotRestores:
         self._wal = WalStamp(db_path)
         self._lock = ProcessLock()
         self._plans: OrderedDict[HotKey, HotPlan] = OrderedDict()
-        self._seen: OrderedDict[HotKey, None] = OrderedDict()
+        self._seen: OrderedDict[HotKey, tuple[weakref.ref[np.ndarray], ...]] = OrderedDict()  # restored once
         self.replays = 0  # restores replayed, for tests and benchmarks
         # a store dropped without close() must not hold its files (and deleted ones' space) for good
         weakref.finalize(self, _close_plans, self._plans)
@@ -231,15 +231,18 @@ class HotRestores:
         the WAL-index header read before its plan), if it is one a replay can do."""
         if key is None or plan.stamp is None or not _replayable(plan, into):
             return
+        arrays = tuple(into.values())
         with self._lock:
             if key in self._plans:
                 return
-            if key not in self._seen:
-                self._seen[key] = None
+            seen = self._seen.pop(key, None)
+            # the same arrays, not others at the same addresses: a key holds id()s, and an engine that
+            # allocates per request may get a freed array's id for the next one
+            if seen is None or len(seen) != len(arrays) or any(r() is not a for r, a in zip(seen, arrays)):
+                self._seen[key] = tuple(weakref.ref(a) for a in arrays)
                 if len(self._seen) > _SEEN:
                     self._seen.popitem(last=False)
                 return
-            del self._seen[key]
         built = self._build(key, wal, snap, plan, into)
         if built is None:
             return

@@ -269,3 +269,20 @@ def test_a_replay_uses_the_ram_tier_as_the_full_path_does(tmp_path: Any) -> None
             return s.stats().ram_hits
 
     assert hits(True) == hits(False) > 0
+
+
+def test_fresh_arrays_at_a_freed_arrays_address_are_never_kept_for(tmp_path: Any) -> None:
+    """An engine that allocates per request often gets the freed array's address (and id) again: a
+    plan is kept only for the same array restored into twice, never for two that shared an id."""
+    with _open(tmp_path / "s") as s:
+        sid, kv, _ = _chain(s)
+        ids = set()
+        for _ in range(8):
+            dst = np.zeros_like(kv)
+            ids.add(id(dst))
+            s.restore(sid, {"kv": dst})
+            assert np.array_equal(dst, kv)
+            del dst
+            assert len(s._hot) == 0
+        assert s._hot.replays == 0
+        assert len(ids) < 8  # (the case this is about: ids were reused)
