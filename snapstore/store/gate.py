@@ -32,7 +32,9 @@ class CallGate:
 
     def __init__(self) -> None:
         self.closed = False  # close() has begun: every new call raises StateError
-        self._cond = threading.Condition(threading.Lock())  # guards closed, _active and _shut (never re-entered)
+        # guards closed, _active and _shut; re-entrant: a signal handler on this thread may call close()
+        # while a call is counting itself in
+        self._cond = threading.Condition()
         self._active = 0
         self._shut = False  # close() has finished
         self._inside = threading.local()  # depth of public calls on this thread (nested calls pass)
@@ -43,7 +45,7 @@ class CallGate:
     def _after_fork_in_child(self) -> None:
         """Only the forking thread came along: its own call, if it was inside one, is the one in
         flight; a close() a parent thread had begun is the parent's (the child's close() runs anew)."""
-        self._cond = threading.Condition(threading.Lock())  # a parent thread may have held the old one
+        self._cond = threading.Condition()  # a parent thread may have held the old one
         self._active = 1 if self.depth else 0
         self.closed = self._shut
         self.forked = True

@@ -286,3 +286,67 @@ def test_fresh_arrays_at_a_freed_arrays_address_are_never_kept_for(tmp_path: Any
             assert len(s._hot) == 0
         assert s._hot.replays == 0
         assert len(ids) < 8  # (the case this is about: ids were reused)
+
+
+def test_a_header_that_cannot_be_read_is_the_full_paths_to_report(tmp_path: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """EIO on a kept file's header: the replay gives way before it writes, and the restore fails as
+    the full path fails it (a RestoreError, untouched), never with a bare OSError; once the device
+    reads again, so does the store."""
+    with _open(tmp_path / "s") as s:
+        sid, kv, _ = _chain(s)
+        dst = np.zeros_like(kv)
+        for _ in range(3):
+            s.restore(sid, {"kv": dst})
+        assert s._hot.replays == 1
+        victim = os.stat(_blob_files(tmp_path / "s")[0])
+        real_pread, real_preadv = os.pread, os.preadv
+
+        def failing(fd: int) -> None:  # the device fails the file, whichever call reads it
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (victim.st_dev, victim.st_ino):
+                raise OSError(5, "Input/output error")
+
+        def pread(fd: int, *a: Any) -> bytes:
+            failing(fd)
+            return real_pread(fd, *a)
+
+        def preadv(fd: int, *a: Any) -> int:
+            failing(fd)
+            return real_preadv(fd, *a)
+
+        with monkeypatch.context() as m:
+            m.setattr(os, "pread", pread)
+            m.setattr(os, "preadv", preadv)
+            dst[:] = 3
+            with pytest.raises(ss.RestoreError) as e:
+                s.restore(sid, {"kv": dst})
+            assert not e.value.touched and (dst == 3).all()
+        assert len(s._hot) == 0
+        s.restore(sid, {"kv": dst})
+        assert np.array_equal(dst, kv)
+
+
+def test_a_replay_tells_cached_files_from_cold_ones(tmp_path: Any) -> None:
+    """A replay's bytes per tier (the restore rates' input) are the full path's: a file whose pages
+    are cached counts warm, one that had to be read from the device cold — also after a cold one."""
+    with _open(tmp_path / "s") as s:
+        sid, kv, _ = _chain(s)
+        dst = np.zeros_like(kv)
+        for _ in range(3):
+            s.restore(sid, {"kv": dst})
+        plan = next(iter(s._hot._plans.values()))
+        key = plan.key
+
+        def replay() -> dict[str, int]:
+            done = s._hot.replay(key, {"kv": dst}, lambda: None, lambda _snap: True)
+            assert done is not None and done.plan is not None and np.array_equal(dst, kv)
+            return done.tiers
+
+        assert replay()["warm"] == kv.nbytes
+        first_fd = plan.chunks[0][0]
+        os.posix_fadvise(first_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if plan.nowait and any(c[0] != first_fd for c in plan.chunks):
+            tiers = replay()
+            later = sum(c[2].raw_len for c in plan.chunks if c[0] != first_fd)
+            assert tiers["warm"] == later and tiers["cold"] == kv.nbytes - later
