@@ -27,10 +27,11 @@ path, which finds, reports and quarantines the damage (its error then says the d
 touched). A replay writes only raw chunks into whole rows (no ``rows_from`` skip) of numpy arrays;
 anything else always takes the full path.
 
-Cold files: each read is first asked with ``RWF_NOWAIT``; the first that would wait (its pages are
-not cached) asks the kernel for every later file of the plan at once (``posix_fadvise(WILLNEED)``)
-and the rest is read blocking, so a cold chain's files are fetched together, not one after the
-other. The bytes read each way are the restore's "warm" and "cold" bytes for the restore rates.
+Cold files: the header pass reads each header with ``RWF_NOWAIT`` (else probes the page cache); the
+files whose pages are not cached are asked of the kernel all at once (``posix_fadvise(WILLNEED)``)
+before any is read, so a cold chain's files come from the device together, not one after the
+other. Their bytes are the restore's "cold" bytes for the restore rates, the cached files' "warm"
+(a payload read that would still wait is read blocking and counted cold).
 """
 
 from __future__ import annotations
