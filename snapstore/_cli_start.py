@@ -17,7 +17,9 @@ import sys
 import threading
 from types import FrameType
 
-__all__ = ["guard", "take_over"]
+__all__ = ["guard", "take_over", "taken"]
+
+_taken = False  # take_over() gave SIGINT back to Python: from then on a Ctrl-C raises KeyboardInterrupt
 
 
 def _is_the_command() -> bool:
@@ -60,8 +62,15 @@ def take_over() -> bool:
         return False
     if signal.getsignal(signal.SIGINT) is not _interrupted:
         return False
+    global _taken
+    _taken = True  # before the swap: a Ctrl-C that lands inside it raises in the caller, which then knows
     signal.signal(signal.SIGINT, signal.default_int_handler)
     return True
+
+
+def taken() -> bool:
+    """Whether :func:`take_over` began to hand SIGINT back (also when a Ctrl-C interrupted it)."""
+    return _taken
 
 
 guard()

@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from snapstore._cli_start import take_over
+from snapstore._cli_start import take_over, taken
 from snapstore._errors import NotFoundError, SnapstoreError
 from snapstore.cli.parser import ArgumentsError, build_parser, parse_command_line
 from snapstore.console.context import EXIT_DAMAGE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliContext, UsageError
@@ -32,11 +32,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     (:mod:`snapstore._cli_start` covers the package's import before this runs). When this process is
     the command, a Ctrl-C after the run (the interpreter's shutdown) is ignored: the work is done.
     """
-    command_process = take_over()
     argv = list(sys.argv[1:] if argv is None else argv)
     ctx = CliContext(json="--json" in argv)  # until parsed: a bad command line is reported as asked
     command: str | None = None
+    command_process = False
     try:
+        command_process = take_over()  # a Ctrl-C from inside it on is a KeyboardInterrupt, handled below
         try:
             args = parse_command_line(argv)
         except ArgumentsError as e:
@@ -52,8 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = str(args.command)
         return _run(command, args, ctx)
     except KeyboardInterrupt:
+        command_process = command_process or taken()  # (the Ctrl-C may have landed inside take_over)
         if command_process:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # one report: a second Ctrl-C changes nothing now
+            _ignore_ctrl_c()  # one report: a second Ctrl-C changes nothing now
         ctx.close_meters()
         ctx.error(command, "interrupted; the store is consistent (`snapstore gc` collects any leftovers)",
                   EXIT_INTERRUPTED)
@@ -62,7 +64,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     finally:
         if command_process:
+            _ignore_ctrl_c()
+
+
+def _ignore_ctrl_c() -> None:
+    """Ignore SIGINT from now on (the command's process, its run over or reported). A Ctrl-C that lands
+    while the handler is being swapped raises once more from the swap itself: the run is over either
+    way, so it is swallowed and the swap made again, never left to print a traceback."""
+    while True:
+        try:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 def _run(command: str, args: argparse.Namespace, ctx: CliContext) -> int:

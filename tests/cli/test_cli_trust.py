@@ -331,6 +331,47 @@ def test_ctrl_c_in_the_first_second_is_one_line_and_exit_130(tmp_path: Path) -> 
     assert lib.returncode == 0 and lib.stdout.strip() == "True", lib.stderr
 
 
+# A child that is the command (its start-up handler in place, as snapstore._cli_start.guard installs
+# it) and whose Ctrl-C lands exactly while main() swaps the SIGINT handler: the two windows in which
+# Python's own handler is in place but no `except KeyboardInterrupt` of main() covers the call.
+_SWAP_CHILD = """
+import os, signal, sys
+import snapstore._cli_start as start
+from snapstore.cli.main import main
+real = signal.signal
+which = signal.default_int_handler if sys.argv[1] == "take-over" else signal.SIG_IGN
+done = []
+def swap(sig, handler):
+    if sig == signal.SIGINT and handler is which and not done:
+        done.append(1)
+        if which is signal.SIG_IGN:
+            os.kill(os.getpid(), signal.SIGINT)  # before the swap: Python's handler still in place
+        else:
+            real(sig, handler)
+            os.kill(os.getpid(), signal.SIGINT)  # right after it, inside take_over()
+    return real(sig, handler)
+signal.signal = swap
+real(signal.SIGINT, start._interrupted)
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("window", ["take-over", "after-the-run"])
+def test_ctrl_c_while_the_command_swaps_its_handler_is_no_traceback(tmp_path: Path, window: str) -> None:
+    """A Ctrl-C inside take_over() (the start-up handler handed back) is reported as any early one
+    (one line, exit 130); one while the finished run ignores SIGINT from then on leaves its exit 0.
+    Before: a KeyboardInterrupt traceback from signal.signal (about one run in 40 of the test above)."""
+    d = tmp_path / "s"
+    make_store(d)
+    p = subprocess.run([sys.executable, "-c", _SWAP_CHILD, window, "--dir", str(d), "stats"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
+    if window == "take-over":
+        assert p.returncode == 130 and p.stderr.strip().startswith("snapstore: error: interrupted"), p.stderr
+    else:
+        assert p.returncode == 0, p.stderr
+
+
 def _on_pty(args: list[str], env: dict[str, str], wait_for: bytes) -> tuple[int, bytes]:
     """Run with stderr on a terminal until it exits; SIGINT once ``wait_for`` shows up there (if given)."""
     master, slave = pty.openpty()
