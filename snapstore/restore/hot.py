@@ -37,26 +37,24 @@ other. Their bytes are the restore's "cold" bytes for the restore rates, the cac
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from snapstore._forks import ProcessLock, track
 from snapstore.catalog.chain_cache import Stamp
-from snapstore.catalog.queries import ChunkRow, SnapRow
+from snapstore.catalog.queries import SnapRow
 from snapstore.catalog.wal_stamp import WalStamp
 from snapstore.chunks.chunkfile import CODEC_RAW, HEADER_SIZE, header_matches, open_chunk, parse_header
 from snapstore.chunks.open_files import OpenFiles, give_descriptors, take_descriptors
-from snapstore.chunks.residency import resident
 from snapstore.parts.buffers import Sink
 from snapstore.plan.restore_plan import RestorePlan
+from snapstore.restore.hot_plan import HotPlan, Unreadable, headers_stand, read_all
 from snapstore.restore.ramtier import RamTier
 
 __all__ = ["HotKey", "HotPlan", "HotRestores", "Replay"]
@@ -71,36 +69,7 @@ _MAX_BYTES = 32 << 20  # bytes of a plan at most (a larger one reads with the fu
 _MAX_HELD = 64 << 20
 _SEEN = 256  # keys remembered as restored once (kept on the second restore)
 _STEP = 512 << 10  # a chunk is read and hashed in steps this size (restore.stream's in-thread step)
-_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
-# per chunk: its file's descriptor, its pieces (file offset, destination index, start, end), its catalog row
-_Chunk = tuple[int, tuple[tuple[int, int, int, int], ...], ChunkRow]
-
-
-class _Unreadable(Exception):
-    """A replay's read failed, came up short or did not match its checksum."""
-
-
-@dataclass(eq=False)
-class HotPlan:
-    """One kept restore (module docstring): what to read where, and what the restore returns."""
-
-    key: HotKey
-    wal: bytes | None  # the WAL-index header it stands under (None: asks the catalog's generation)
-    stamp: Stamp  # the catalog stamp its rows were read under
-    dests: tuple[tuple[weakref.ref[np.ndarray], tuple[int, ...], np.dtype[Any]], ...]
-    chunks: tuple[_Chunk, ...]
-    fds: tuple[int, ...]
-    heads: tuple[tuple[int, bytes, int], ...]  # (descriptor, the header bytes checked against the row, file size)
-    snap: SnapRow
-    n_tokens: int
-    rows: dict[str, int]
-    missing: frozenset[str]
-    chain: list[int]
-    nbytes: int
-    busy: int = 0
-    dead: bool = False
-    nowait: bool = field(default=bool(_NOWAIT))  # the file system takes RWF_NOWAIT (else: probed)
 
 
 @dataclass
@@ -195,15 +164,15 @@ class HotRestores:
                 return None
             tiers = {"warm": 0, "cold": 0, "ram": 0}
             with ram.restoring() if ram is not None else contextlib.nullcontext():  # admission waits meanwhile
-                cold = _headers_stand(plan)
+                cold = headers_stand(plan)
                 if cold is None:  # damaged in place since: found (and reported) by the full path
                     self._drop(plan)
                     return None
                 # taken once nothing can abort the replay before it writes: no RAM hit counted twice
                 held = [ram.get(row.id) for _, _, row in plan.chunks] if ram is not None else None
                 try:
-                    _read_all(plan, views, tiers, held, ram, cold)
-                except (_Unreadable, OSError):
+                    read_all(plan, views, tiers, held, ram, cold)
+                except (Unreadable, OSError):
                     self._drop(plan)
                     return Replay(None, tiers, touched=True)
             self.replays += 1
@@ -284,7 +253,7 @@ class HotRestores:
                 head = parse_header(raw)
                 if head.codec != CODEC_RAW or not header_matches(head, item.chunk.raw_len, item.chunk.checksum,
                                                                  st.st_size):
-                    raise _Unreadable(cid.hex())
+                    raise Unreadable(cid.hex())
                 heads.append((fd, raw, st.st_size))
         except Exception:  # gone, damaged, out of descriptors: the full path goes on finding it
             _close(tuple(fds.values()))
@@ -341,125 +310,3 @@ def _replayable(plan: RestorePlan, into: Mapping[str, Any]) -> bool:
             return False
     return all(type(item.sink) is Sink and item.sink.mv is not None and item.skip == 0
                and item.chunk.codec == CODEC_RAW and item.sink.name in into for item in plan.items)
-
-
-def _headers_stand(plan: HotPlan) -> set[int] | None:
-    """Is every file of the plan still headed as when it was checked? Each header is read again
-    before anything is written, as the full path re-reads a kept file's. Returns the files whose
-    pages were not cached (their chunks are "cold"), or None: a header changed, or could not be read
-    (the full path opens the file and reports what it finds).
-
-    Which files are cold is known before a header read could bring their pages in (as the full path
-    probes them before its header reads): with RWF_NOWAIT, by the header read itself (one that would
-    wait reads nothing), else by a residency probe. The cold files are then asked for all at once
-    (``posix_fadvise(WILLNEED)``), so a cold chain's files come from the device together, not one
-    header read after the other."""
-    cold: set[int] = set()
-    unread = list(plan.heads)
-    try:
-        if plan.nowait:
-            buf = bytearray(HEADER_SIZE)
-            unread = []
-            for head in plan.heads:
-                try:
-                    got = os.preadv(head[0], [buf], 0, _NOWAIT)
-                except BlockingIOError:
-                    got = 0
-                except OSError as e:
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-                    plan.nowait = False  # this file system does not take the flag: probed from now on
-                    return _headers_stand(plan)
-                if got != HEADER_SIZE:
-                    cold.add(head[0])
-                    unread.append(head)
-                elif buf != head[1]:
-                    return None
-        else:
-            cold = {fd for fd, _, size in plan.heads if not resident(fd, size)}
-        for fd in cold:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        if any(os.pread(fd, HEADER_SIZE, 0) != raw for fd, raw, _ in unread):
-            return None
-    except OSError:
-        return None
-    return cold
-
-
-def _read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int], held: list[memoryview | None] | None,
-              ram: RamTier | None, cold: set[int]) -> None:
-    """Write every chunk of ``plan`` into ``views``: from the RAM tier where ``held`` has it, else read
-    from its file and checked; _Unreadable or OSError on failure. ``cold``: the files found not
-    cached (and already asked for), whose bytes count "cold"."""
-    digest = xxhash.xxh3_128_digest
-    asked = [bool(cold)]  # the later files were asked for (the cold ones, or at the first read that would wait)
-    for i, (fd, pieces, row) in enumerate(plan.chunks):
-        data = held[i] if held is not None else None
-        if data is not None:
-            for _, d, start, end in pieces:
-                at = start - pieces[0][2]
-                views[d][start:end] = data[at:at + end - start]
-            tiers["ram"] += row.raw_len
-            continue
-        # a file found cold is read blocking; a cached one without waiting (or, without RWF_NOWAIT,
-        # blocking and counted warm: the header pass probed it)
-        kind = "cold" if fd in cold else "" if plan.nowait else "warm"
-        if len(pieces) == 1:
-            off, d, start, end = pieces[0]
-            view = views[d][start:end]
-            _read(plan, i, fd, view, off, tiers, kind, asked)
-            if digest(view) != row.checksum:
-                raise _Unreadable("checksum")
-        else:
-            h = xxhash.xxh3_128()
-            for off, d, start, end in pieces:
-                view = views[d][start:end]
-                _read(plan, i, fd, view, off, tiers, kind, asked)
-                h.update(view)
-            if h.digest() != row.checksum:
-                raise _Unreadable("checksum")
-        if ram is not None:  # admitted off this thread, from the file tier, as the full path offers it
-            ram.offer(row)
-
-
-def _read(plan: HotPlan, i: int, fd: int, view: memoryview, off: int, tiers: dict[str, int], kind: str,
-          asked: list[bool]) -> None:
-    """Read ``view``: from the page cache without waiting where the file system takes RWF_NOWAIT (those
-    bytes are "warm"); what would wait is read blocking ("cold"), and the first such read asks for
-    every later file of the plan at once. ``kind``: the tier of a file read without the flag."""
-    if kind:
-        _fill(fd, view, off, tiers, kind)
-        return
-    try:
-        got = os.preadv(fd, [view], off, _NOWAIT)
-    except BlockingIOError:
-        got = 0
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        plan.nowait = False  # this file system does not take the flag: probed from the next replay on
-        _fill(fd, view, off, tiers, "warm")
-        return
-    tiers["warm"] += got
-    if got == len(view):
-        return
-    if not asked[0]:
-        asked[0] = True
-        for later in {c[0] for c in plan.chunks[i + 1:]}:
-            try:
-                os.posix_fadvise(later, 0, 0, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-    _fill(fd, view[got:], off + got, tiers, "cold")
-
-
-def _fill(fd: int, view: memoryview, off: int, tiers: dict[str, int], kind: str) -> None:
-    """Read all of ``view`` from ``fd`` at ``off`` (blocking), its bytes counted as ``kind``;
-    _Unreadable if the file ends first."""
-    done, n = 0, len(view)
-    while done < n:
-        got = os.preadv(fd, [view[done:] if done else view], off + done)
-        if got <= 0:
-            raise _Unreadable("short read")
-        done += got
-    tiers[kind] += n
