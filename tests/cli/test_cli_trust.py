@@ -9,6 +9,7 @@ real process and a terminal (Ctrl-C while the command starts; progress meters) a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -272,13 +274,21 @@ def test_inspect_calls_only_a_name_a_pin(tmp_path: Path, capsys: pytest.CaptureF
 
 
 # -- the slow tier: real processes ------------------------------------------------------------
-def _spawn(args: list[str], **kw: Any) -> subprocess.Popen[bytes]:
-    """``python -m snapstore ARGS`` with Python's own SIGINT handling (see test_cli.py's _run_on_pty)."""
+@contextlib.contextmanager
+def _python_ctrl_c() -> Iterator[None]:
+    """Children started inside get Python's own SIGINT handling, even where this run's SIGINT is
+    ignored (a background job of a non-interactive shell: the child would inherit SIG_IGN)."""
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return subprocess.Popen([sys.executable, "-m", "snapstore", *args], cwd=ROOT, **kw)
+        yield
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def _spawn(args: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+    """``python -m snapstore ARGS`` with Python's own SIGINT handling (see test_cli.py's _run_on_pty)."""
+    with _python_ctrl_c():
+        return subprocess.Popen([sys.executable, "-m", "snapstore", *args], cwd=ROOT, **kw)
 
 
 def _importing(pid: int, deadline: float) -> bool:
@@ -325,9 +335,10 @@ def test_ctrl_c_in_the_first_second_is_one_line_and_exit_130(tmp_path: Path) -> 
     with open_store(d) as s:
         assert exact(s, s.named("plan") or 0)
     # a program that imports snapstore as a library keeps Python's own Ctrl-C (KeyboardInterrupt)
-    lib = subprocess.run([sys.executable, "-c", "import signal, snapstore; "
-                          "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    with _python_ctrl_c():
+        lib = subprocess.run([sys.executable, "-c", "import signal, snapstore; "
+                              "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     assert lib.returncode == 0 and lib.stdout.strip() == "True", lib.stderr
 
 
