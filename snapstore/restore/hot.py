@@ -27,11 +27,12 @@ path, which finds, reports and quarantines the damage (its error then says the d
 touched). A replay writes only raw chunks into whole rows (no ``rows_from`` skip) of numpy arrays;
 anything else always takes the full path.
 
-Cold files: the header pass reads each header with ``RWF_NOWAIT`` (else probes the page cache); the
-files whose pages are not cached are asked of the kernel all at once (``posix_fadvise(WILLNEED)``)
-before any is read, so a cold chain's files come from the device together, not one after the
-other. Their bytes are the restore's "cold" bytes for the restore rates, the cached files' "warm"
-(a payload read that would still wait is read blocking and counted cold).
+Cold files: the header pass reads each header with ``RWF_NOWAIT`` (else probes the page cache), so
+which files are not cached is known before a read brings them in. Their bytes are the restore's
+"cold" bytes for the restore rates, the cached files' "warm" (a payload read that would still wait
+is read blocking and counted cold). The cold files up to 128 KiB are then asked for at once
+(``posix_fadvise(WILLNEED)``), larger ones left to their own reads
+(:func:`snapstore.restore.hot_plan.ask_ahead` says why).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A kept restore plan (:mod:`snapstore.restore.hot`) and its replay: the header pass, then each
 chunk read into its place and checked against the catalog's checksum, from the RAM tier where it
-holds the chunk. Which files are cold is found before a header read could bring them in; the
-cold ones are asked for at once (the module docstring of :mod:`snapstore.restore.hot`).
+holds the chunk. Which files are cold is found before a header read could bring them in; the small
+ones are asked for at once (the module docstring of :mod:`snapstore.restore.hot`).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from snapstore.chunks.chunkfile import HEADER_SIZE
 from snapstore.chunks.residency import resident
 from snapstore.restore.ramtier import RamTier
 
-__all__ = ["NOWAIT", "Chunk", "HotPlan", "Unreadable", "headers_stand", "read_all"]
+__all__ = ["AHEAD_MAX", "NOWAIT", "Chunk", "HotPlan", "Unreadable", "ask_ahead", "headers_stand", "read_all"]
 
 NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
@@ -55,6 +56,31 @@ class HotPlan:
     nowait: bool = field(default=bool(NOWAIT))  # the file system takes RWF_NOWAIT (else: probed)
 
 
+# Cold chunk files up to this size (header included) are asked for all at once before a replay
+# reads any (:func:`ask_ahead`); larger ones are brought in by their own reads.
+AHEAD_MAX = 128 << 10
+
+
+def ask_ahead(cold: Iterable[tuple[int, int]]) -> None:
+    """Ask the kernel at once for the small files among a replay's cold ones (``(fd, file size)``,
+    found before any was read), so their device round trips overlap instead of coming one per file
+    in turn: a replay reads on the caller's thread, one file after the other. (The full path reads
+    two files at once with its reader thread and asks for nothing: there the hint gained nothing.)
+
+    Only files up to :data:`AHEAD_MAX`: on 1 MiB and larger files POSIX_FADV_WILLNEED made a cold
+    replay 1.3-1.9x slower than the files' own readahead, and the warm restores after it too (its
+    pages came in slower to copy from); at 256 KiB it gained ~10% cold and cost ~40% on the first
+    warm replay after; at 85 KiB a 12-link chain replayed cold faster with it (docs/benchmarks.md,
+    "Issue 48, fourth pass"; issue 31's "Seventh pass" for the full path). A hint that fails is of
+    no consequence: the reads follow."""
+    for fd, size in cold:
+        if size <= AHEAD_MAX:
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+
+
 def headers_stand(plan: HotPlan) -> set[int] | None:
     """Is every file of the plan still headed as when it was checked? Each header is read again
     before anything is written, as the full path re-reads a kept file's. Returns the files whose
@@ -63,9 +89,8 @@ def headers_stand(plan: HotPlan) -> set[int] | None:
 
     Which files are cold is known before a header read could bring their pages in (as the full path
     probes them before its header reads): with RWF_NOWAIT, by the header read itself (one that would
-    wait reads nothing), else by a residency probe. The cold files are then asked for all at once
-    (``posix_fadvise(WILLNEED)``), so a cold chain's files come from the device together, not one
-    header read after the other."""
+    wait reads nothing), else by a residency probe. The small cold files are then asked for at once
+    (:func:`ask_ahead`)."""
     cold: set[int] = set()
     unread = list(plan.heads)
     try:
@@ -89,8 +114,7 @@ def headers_stand(plan: HotPlan) -> set[int] | None:
                     return None
         else:
             cold = {fd for fd, _, size in plan.heads if not resident(fd, size)}
-        for fd in cold:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        ask_ahead((fd, size) for fd, _, size in plan.heads if fd in cold)
         if any(os.pread(fd, HEADER_SIZE, 0) != raw for fd, raw, _ in unread):
             return None
     except OSError:
@@ -102,9 +126,8 @@ def read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int], held
               ram: RamTier | None, cold: set[int]) -> None:
     """Write every chunk of ``plan`` into ``views``: from the RAM tier where ``held`` has it, else read
     from its file and checked; Unreadable or OSError on failure. ``cold``: the files found not
-    cached (and already asked for), whose bytes count "cold"."""
+    cached, whose bytes count "cold"."""
     digest = xxhash.xxh3_128_digest
-    asked = [bool(cold)]  # the later files were asked for (the cold ones, or at the first read that would wait)
     for i, (fd, pieces, row) in enumerate(plan.chunks):
         data = held[i] if held is not None else None
         if data is not None:
@@ -119,14 +142,14 @@ def read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int], held
         if len(pieces) == 1:
             off, d, start, end = pieces[0]
             view = views[d][start:end]
-            _read(plan, i, fd, view, off, tiers, kind, asked)
+            _read(plan, fd, view, off, tiers, kind)
             if digest(view) != row.checksum:
                 raise Unreadable("checksum")
         else:
             h = xxhash.xxh3_128()
             for off, d, start, end in pieces:
                 view = views[d][start:end]
-                _read(plan, i, fd, view, off, tiers, kind, asked)
+                _read(plan, fd, view, off, tiers, kind)
                 h.update(view)
             if h.digest() != row.checksum:
                 raise Unreadable("checksum")
@@ -134,11 +157,10 @@ def read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int], held
             ram.offer(row)
 
 
-def _read(plan: HotPlan, i: int, fd: int, view: memoryview, off: int, tiers: dict[str, int], kind: str,
-          asked: list[bool]) -> None:
+def _read(plan: HotPlan, fd: int, view: memoryview, off: int, tiers: dict[str, int], kind: str) -> None:
     """Read ``view``: from the page cache without waiting where the file system takes RWF_NOWAIT (those
-    bytes are "warm"); what would wait is read blocking ("cold"), and the first such read asks for
-    every later file of the plan at once. ``kind``: the tier of a file read without the flag."""
+    bytes are "warm"); what would wait is read blocking ("cold"). ``kind``: the tier of a file read
+    without the flag."""
     if kind:
         _fill(fd, view, off, tiers, kind)
         return
@@ -155,13 +177,6 @@ def _read(plan: HotPlan, i: int, fd: int, view: memoryview, off: int, tiers: dic
     tiers["warm"] += got
     if got == len(view):
         return
-    if not asked[0]:
-        asked[0] = True
-        for later in {c[0] for c in plan.chunks[i + 1:]}:
-            try:
-                os.posix_fadvise(later, 0, 0, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
     _fill(fd, view[got:], off + got, tiers, "cold")
 
 

@@ -24,6 +24,7 @@ from support.statements import statements
 
 import snapstore as ss
 from snapstore.catalog.chain_cache import ChainCache
+from snapstore.chunks.chunkfile import HEADER_SIZE
 
 BLOCK = 4
 LAYOUT = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16))}, tokens_per_row=BLOCK)
@@ -206,12 +207,17 @@ def test_small_chunks_stay_in_the_page_cache_with_direct_io(tmp_path: Any) -> No
         assert files and sum(cached_pages(f) for f in files) >= pages - len(files)
 
 
-def test_a_cold_chain_is_read_by_its_reads_not_asked_for_ahead(tmp_path: Any,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("replayed", [False, True])
+@pytest.mark.parametrize("link_rows", [8, 2])
+def test_a_cold_chain_is_read_by_its_reads_not_asked_for_ahead(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                 replayed: bool, link_rows: int) -> None:
     """A 12-link chain whose files are not cached is restored exactly without a WILLNEED hint (the
     pages it brought in were slower to copy from for the warm restores after: docs/benchmarks.md,
-    "Seventh pass"); the tiers still say cold (probed before the first read), and the reads left
-    the chain cached for the next restore."""
+    "Seventh pass" and "Issue 48, fourth pass"); the tiers still say cold (probed before the first
+    read), and the reads left the chain cached for the next restore. ``replayed``: the same for a
+    restore replayed from a kept plan (restore.hot: the arrays restored into twice before), but
+    that links of 64 KiB are all asked for at once before the first is read (it reads one file
+    after the other, the full path two at once: restore.hot_plan.ask_ahead)."""
     import glob
 
     from support.pagecache import cached_pages, drop_cache
@@ -219,10 +225,11 @@ def test_a_cold_chain_is_read_by_its_reads_not_asked_for_ahead(tmp_path: Any,
     lay = ss.Layout(rows={"kv": ss.Rows("uint8", (2, 16384))}, tokens_per_row=32)
     with ss.Store.open(str(tmp_path / "s"), identity=IDENT, layout=lay,
                        budget=ss.Budget(reserve_bytes=0, ram_bytes=0), direct_io=False) as s:
-        kv = np.random.default_rng(5).integers(0, 256, (96, 2, 16384), dtype=np.uint8)  # 12 x 256 KiB
-        tokens = list(range(96 * 32))
+        rows = 12 * link_rows
+        kv = np.random.default_rng(5).integers(0, 256, (rows, 2, 16384), dtype=np.uint8)  # 12 links of 32 KiB rows
+        tokens = list(range(rows * 32))
         sid = 0
-        for b in range(8, 97, 8):
+        for b in range(link_rows, rows + 1, link_rows):
             res = s.save(tokens[:b * 32], {"kv": kv}, rows=b, parent="auto")
             assert res.ok and res.snapshot_id is not None
             sid = res.snapshot_id
@@ -232,19 +239,42 @@ def test_a_cold_chain_is_read_by_its_reads_not_asked_for_ahead(tmp_path: Any,
             drop_cache(f)
         if any(cached_pages(f) for f in files):
             pytest.skip("this file system keeps files in memory: no cold reads to test")
-        advice: list[int] = []
+        dst = np.zeros_like(kv)
+        if replayed:
+            for _ in range(2):  # the second restore into the same array keeps its plan
+                s.restore(sid, {"kv": dst})
+            assert len(s._hot) == 1
+            for f in files:
+                drop_cache(f)
+        advice: list[tuple[int, int]] = []  # (how, file size) of each hint
         real = os.posix_fadvise
+        real_pread = os.pread
+        reads_before: list[int] = []
 
         def fadvise(fd: int, offset: int, length: int, how: int) -> None:
-            advice.append(how)
+            advice.append((how, os.fstat(fd).st_size))
             real(fd, offset, length, how)
 
+        def pread(fd: int, n: int, offset: int) -> bytes:
+            if n == HEADER_SIZE:  # a chunk file's header (not the catalog's WAL-index header)
+                reads_before.append(len(advice))  # the hints given when it was read
+            return real_pread(fd, n, offset)
+
         monkeypatch.setattr(os, "posix_fadvise", fadvise)
-        dst = np.zeros_like(kv)
+        monkeypatch.setattr(os, "pread", pread)
+        dst[:] = 0
+        replays = s._hot.replays
         s.restore(sid, {"kv": dst})
         assert np.array_equal(dst, kv)
-        assert os.POSIX_FADV_WILLNEED not in advice
-        assert set(s._rates.rates()) == {"cold"}  # probed before the first read
+        willneed = [size for how, size in advice if how == os.POSIX_FADV_WILLNEED]
+        if link_rows == 8 or not replayed:
+            assert willneed == []
+        else:  # every file asked for, before the first header was read
+            assert sorted(willneed) == sorted(os.path.getsize(f) for f in files)
+            assert reads_before and reads_before[0] == 12
+        assert s._hot.replays == replays + replayed
+        # probed before the first read (a replay's earlier restores were warm ones)
+        assert set(s._rates.rates()) == ({"cold", "warm"} if replayed else {"cold"})
         pages = [-(-os.path.getsize(f) // 4096) for f in files]
         assert [cached_pages(f) >= n - 1 for f, n in zip(files, pages)] == [True] * 12
 
