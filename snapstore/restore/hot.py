@@ -31,8 +31,8 @@ Cold files: the header pass reads each header with ``RWF_NOWAIT`` (else probes t
 which files are not cached is known before a read brings them in. Their bytes are the restore's
 "cold" bytes for the restore rates, the cached files' "warm" (a payload read that would still wait
 is read blocking and counted cold). The cold files up to 128 KiB are then asked for at once
-(``posix_fadvise(WILLNEED)``), larger ones left to their own reads
-(:func:`snapstore.restore.hot_plan.ask_ahead` says why).
+(``posix_fadvise(WILLNEED)``), and the later ones at the first payload read that waits; larger ones
+are left to their own reads (:func:`snapstore.restore.hot_plan.ask_ahead` says why).
 """
 
 from __future__ import annotations

@@ -67,12 +67,12 @@ def ask_ahead(cold: Iterable[tuple[int, int]]) -> None:
     in turn: a replay reads on the caller's thread, one file after the other. (The full path reads
     two files at once with its reader thread and asks for nothing: there the hint gained nothing.)
 
-    Only files up to :data:`AHEAD_MAX`: on 1 MiB and larger files POSIX_FADV_WILLNEED made a cold
-    replay 1.3-1.9x slower than the files' own readahead, and the warm restores after it too (its
-    pages came in slower to copy from); at 256 KiB it gained ~10% cold and cost ~40% on the first
-    warm replay after; at 85 KiB a 12-link chain replayed cold faster with it (docs/benchmarks.md,
-    "Issue 48, fourth pass"; issue 31's "Seventh pass" for the full path). A hint that fails is of
-    no consequence: the reads follow."""
+    Only files up to :data:`AHEAD_MAX`: on files of 1 MiB and more POSIX_FADV_WILLNEED made a cold
+    replay 1.2-1.6x slower than the files' own readahead, and the warm restores after it too (its
+    pages came in slower to copy from); at 256 KiB it gained 0-15% cold in two comparisons and cost
+    ~40% on the first warm replay after; at 85 KiB a 12-link chain replayed cold ~1.5x faster with
+    it (docs/benchmarks.md, "Issue 48, fourth pass"; issue 31's "Seventh pass" for the full path).
+    A hint that fails is of no consequence: the reads follow."""
     for fd, size in cold:
         if size <= AHEAD_MAX:
             try:
@@ -128,6 +128,7 @@ def read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int], held
     from its file and checked; Unreadable or OSError on failure. ``cold``: the files found not
     cached, whose bytes count "cold"."""
     digest = xxhash.xxh3_128_digest
+    asked = [bool(cold)]  # the later small files were asked for (cold ones found, or a read that waited)
     for i, (fd, pieces, row) in enumerate(plan.chunks):
         data = held[i] if held is not None else None
         if data is not None:
@@ -142,14 +143,14 @@ def read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int], held
         if len(pieces) == 1:
             off, d, start, end = pieces[0]
             view = views[d][start:end]
-            _read(plan, fd, view, off, tiers, kind)
+            _read(plan, i, fd, view, off, tiers, kind, asked)
             if digest(view) != row.checksum:
                 raise Unreadable("checksum")
         else:
             h = xxhash.xxh3_128()
             for off, d, start, end in pieces:
                 view = views[d][start:end]
-                _read(plan, fd, view, off, tiers, kind)
+                _read(plan, i, fd, view, off, tiers, kind, asked)
                 h.update(view)
             if h.digest() != row.checksum:
                 raise Unreadable("checksum")
@@ -157,9 +158,12 @@ def read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int], held
             ram.offer(row)
 
 
-def _read(plan: HotPlan, fd: int, view: memoryview, off: int, tiers: dict[str, int], kind: str) -> None:
+def _read(plan: HotPlan, i: int, fd: int, view: memoryview, off: int, tiers: dict[str, int], kind: str,
+          asked: list[bool]) -> None:
     """Read ``view``: from the page cache without waiting where the file system takes RWF_NOWAIT (those
-    bytes are "warm"); what would wait is read blocking ("cold"). ``kind``: the tier of a file read
+    bytes are "warm"); what would wait is read blocking ("cold"). The first such read, in a replay
+    that found no file cold (a file whose header was cached but not its payload), asks for the later
+    small files at once, as the header pass does for cold ones. ``kind``: the tier of a file read
     without the flag."""
     if kind:
         _fill(fd, view, off, tiers, kind)
@@ -177,6 +181,10 @@ def _read(plan: HotPlan, fd: int, view: memoryview, off: int, tiers: dict[str, i
     tiers["warm"] += got
     if got == len(view):
         return
+    if not asked[0]:
+        asked[0] = True
+        later = {c[0] for c in plan.chunks[i + 1:]}
+        ask_ahead((f, size) for f, _, size in plan.heads if f in later)
     _fill(fd, view[got:], off + got, tiers, "cold")
 
 

@@ -350,3 +350,47 @@ def test_a_replay_tells_cached_files_from_cold_ones(tmp_path: Any) -> None:
             tiers = replay()
             later = sum(c[2].raw_len for c in plan.chunks if c[0] != first_fd)
             assert tiers["warm"] == later and tiers["cold"] == kv.nbytes - later
+
+
+def test_a_replay_whose_headers_are_cached_asks_for_the_later_small_files(tmp_path: Any,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files whose header page is cached but not their payload pass the header pass as cached: the
+    first payload read that would wait asks for the later small files at once (their round trips
+    overlap, restore.hot_plan.ask_ahead), and the restore is exact."""
+    from support.pagecache import cached_pages, drop_cache
+
+    with _open(tmp_path / "s") as s:
+        sid, kv, _ = _chain(s, links=6)
+        dst = np.zeros_like(kv)
+        for _ in range(3):
+            s.restore(sid, {"kv": dst})
+        plan = next(iter(s._hot._plans.values()))
+        if not plan.nowait:
+            pytest.skip("this file system does not take RWF_NOWAIT: files are probed whole")
+        files = _blob_files(tmp_path / "s")
+        assert len(files) == 6
+        for f in files:  # the payload dropped, the header page read back alone
+            drop_cache(f)
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                os.pread(fd, 64, 0)
+            finally:
+                os.close(fd)
+        if any(cached_pages(f) != 1 for f in files):
+            pytest.skip("this file system does not drop or read single pages: nothing partly cached to test")
+        hinted: list[int] = []
+        real = os.posix_fadvise
+
+        def fadvise(fd: int, offset: int, length: int, how: int) -> None:
+            if how == os.POSIX_FADV_WILLNEED:
+                hinted.append(fd)
+            real(fd, offset, length, how)
+
+        monkeypatch.setattr(os, "posix_fadvise", fadvise)
+        replays = s._hot.replays
+        dst[:] = 0
+        s.restore(sid, {"kv": dst})
+        assert np.array_equal(dst, kv) and s._hot.replays == replays + 1
+        first = plan.chunks[0][0]
+        assert sorted(hinted) == sorted({c[0] for c in plan.chunks} - {first})
