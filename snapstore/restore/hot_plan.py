@@ -114,7 +114,8 @@ def headers_stand(plan: HotPlan) -> set[int] | None:
                     return None
         else:
             cold = {fd for fd, _, size in plan.heads if not resident(fd, size)}
-        ask_ahead((fd, size) for fd, _, size in plan.heads if fd in cold)
+        if cold:  # a steady replay (every file cached) walks nothing more
+            ask_ahead((fd, size) for fd, _, size in plan.heads if fd in cold)
         if any(os.pread(fd, HEADER_SIZE, 0) != raw for fd, raw, _ in unread):
             return None
     except OSError:
