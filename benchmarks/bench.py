@@ -243,21 +243,24 @@ def section_core(args: argparse.Namespace, st: State, work: str) -> None:
         "raw_write", "raw_write_direct", "raw_cold", "raw_cold_direct", "raw_warm",
         "save", "restore_cold", "restore_warm", "restore_ram",
         "save_ram0", "restore_cold_ram0", "restore_warm_ram0")}
+    chosen: list[str] = []  # the defaults' read path after each cold restore
     for r in range(reps):
         gc.collect()
         t["raw_write"].append(raw_write(raw_path, [st.fixed, st.kv]))
         drop_cache([raw_path])
+        time.sleep(args.settle)
         t["raw_cold"].append(raw_read(raw_path, [st.dst_fixed, st.dst_kv]))
         t["raw_warm"].append(raw_read(raw_path, [st.dst_fixed, st.dst_kv]))
         t["raw_write_direct"].append(raw_write_direct(raw_path, whole))
         drop_cache([raw_path])
+        time.sleep(args.settle)
         t["raw_cold_direct"].append(raw_read_direct(raw_path, [st.dst_fixed, st.dst_kv], 4, 4 * MIB))
         os.unlink(raw_path)
         order = [("", None), ("_ram0", 0)] if r % 2 == 0 else [("_ram0", 0), ("", None)]
         for tag, ram in order:  # the defaults (ram=None: the shipped RAM tier) and ram_bytes=0, alternating
             sdir = os.path.join(work, f"store{r}{tag}")
             with open_store(sdir, ram=ram) as s:
-                s._reads.apply(row)
+                s._reads.apply(row)  # the probe's choice, or what the defaults' restores chose from it so far
                 res: Any = None
 
                 def save(s: Store = s) -> None:
@@ -269,8 +272,13 @@ def section_core(args: argparse.Namespace, st: State, work: str) -> None:
                 sid = res.snapshot_id
                 assert res.stored_bytes >= n
                 drop_cache(blob_files(sdir))
+                time.sleep(args.settle)
                 t["restore_cold" + tag].append(timed(lambda s=s, sid=sid: s.restore(sid, st.into())))
                 st.check()
+                if not tag and s._reads.row is not None:  # timed by that restore (restore.read_path): carried on
+                    row = s._reads.row._replace(cold_rate=0.0)
+                    chosen.append(row.method if row.method == "buffered"
+                                  else f"direct {row.threads}x{row.piece >> 20}MiB")
                 if s._ram is not None:
                     s._ram.drain()  # admission runs in the background, off the restore's path
                 t["restore_warm" + tag].append(timed(lambda s=s, sid=sid: s.restore(sid, st.into())))
@@ -288,12 +296,15 @@ def section_core(args: argparse.Namespace, st: State, work: str) -> None:
     m["raw_write_best"] = max(m["raw_write"], m["raw_write_direct"])
     m["raw_cold_best"] = max(m["raw_cold"], m["raw_cold_direct"])
     _results["core"] = {"bytes": n, "GBps": m, "spread": {k: spread(v, n) for k, v in t.items()},
-                        "read_path": _results.get("read_path")}
+                        "read_path": _results.get("read_path"), "settle_s": args.settle, "chosen_after": chosen,
+                        "chosen_why": row.reason}
     how = row.method if row.method == "buffered" else f"O_DIRECT {row.threads}x{row.piece >> 20}MiB"
     print(f"\n== raw vs snapstore: {n / MIB:.0f} MiB state ({st.tokens_n} tokens x {ROW_BYTES // 1024} KiB "
           f"bf16 K/V rows + {FIXED_BYTES // MIB} MiB fixed), medians of {reps}, checksums on ==")
     print(f"defaults = Budget() as shipped (RAM tier on), cold reads {how} (measured); ram=0 beside it; "
           "x = vs the best raw method")
+    print(f"cold reads {args.settle:g} s after the write; the defaults' read path after each cold restore: "
+          f"{', '.join(chosen)} ({row.reason})")
     print(f"{'':40}{'GB/s':>7}  {'x best':>6}  min..max GB/s")
     rows = [
         ("raw write + fsync, buffered", "raw_write", "raw_write_best"),
@@ -983,6 +994,10 @@ def main() -> None:
                     "buffered / O_DIRECT vs the store's defaults and ram=0 (issue 48), no peers, no chart")
     ap.add_argument("--chart", default=None,
                     help="where section side writes its PNG (default: benchmarks-side[-quick].png under --dir)")
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="section core: seconds between writing a file (raw or the store's) and reading it cold, "
+                         "so a cache below the page cache (a VM host's, a disk's) has let go of it, as it has "
+                         "for a restore long after its save (default 0: read at once)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     ap.add_argument("--doc", default=None, help="rewrite the current table at the top of this markdown file "
                     "(make bench: docs/benchmarks.md) with this run's figures (bench_table.py)")

@@ -128,6 +128,10 @@ def table(res: dict[str, Any], meta: dict[str, Any], vllm: dict[str, Any] | None
     if path:  # issue 48: which cold-read path the store chose there, and why
         how = path["method"] if path["method"] == "buffered" else f"O_DIRECT {path['threads']}x{path['piece'] >> 20}MiB"
         chosen = f" Cold reads: {how}, chosen by the store's measurement: {path['why']}."
+        core = res.get("core") or {}
+        if core.get("chosen_after"):  # the store's own cold restores time the path and may change it
+            chosen += (f" Cold reads {core.get('settle_s', 0):g} s after the write; the defaults' path after each "
+                       f"cold restore: {', '.join(core['chosen_after'])} (last: {core.get('chosen_why', '')}).")
     out = [f"Current figures: `{meta['command']}` on {meta['when']} — {meta['machine']}; load average "
            f"{meta['load_before']} before, {meta['load_after']} after (other work ran beside it: read the ratios)."
            + (f" vLLM row: `bench_vllm.py` at load {vllm['load'][0]:.1f}." if vllm else "") + chosen,

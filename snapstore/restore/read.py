@@ -6,6 +6,7 @@ that quarantines the chunks it found damaged (:mod:`snapstore.plan.restore_plan`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -117,9 +118,10 @@ def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: Stag
     a save heals them). The one copy of this policy: restore() and restore_many() both use it."""
     damage: Damage = []
     try:
+        t0 = time.perf_counter()
         stream_plan(plan, repo.blob_path, staging, ram, damage, reads, tiers, repo.files)
-        if isinstance(reads, ReadPaths):  # a large cold restore: measure the read path if none fits (issue 48)
-            reads.restored(repo, tiers)
+        if isinstance(reads, ReadPaths):  # a large cold restore: measures the read path, or times it (issue 48)
+            reads.restored(repo, tiers, time.perf_counter() - t0)
     except RestoreError as e:
         if e.snapshot_id is None and sid is not None:
             e.snapshot_id = sid

@@ -36,6 +36,7 @@ import os
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -47,11 +48,24 @@ from snapstore.chunks.direct_io import ALIGN, O_DIRECT, DirectReads
 from snapstore.chunks.publish import create_temp, write_all
 from snapstore.chunks.repo import Repo
 from snapstore.chunks.residency import resident
-from snapstore.restore.read_choice import BUFFERED, CACHED, CANDIDATES, DIRECT_EDGE, Candidate, Measured, choose
+from snapstore.restore.probe_reads import aligned, read_buffered, read_direct
+from snapstore.restore.read_choice import (
+    BUFFERED,
+    CACHED,
+    CANDIDATES,
+    DIRECT_EDGE,
+    RESTORED,
+    RESTORED_EDGE,
+    Candidate,
+    Measured,
+    choose,
+    rechoose,
+)
 from snapstore.restore.tier_probe import TierBytes
 
 __all__ = ["BUFFERED", "CACHED", "CANDIDATES", "DIRECT_EDGE", "DRIFT", "PROBE_AFTER", "PROBE_BYTES", "REMEASURE_S",
-           "Candidate", "Measured", "ReadPaths", "choose", "measure", "storage_key"]
+           "RESTORED", "RESTORED_EDGE", "Candidate", "Measured", "ReadPaths", "choose", "measure", "rechoose",
+           "storage_key"]
 
 PROBE_BYTES = 64 << 20  # the probe file: several chunks' worth, a fraction of a second to read
 PROBE_ROUNDS = 3  # medians of this many reads per method
@@ -61,6 +75,8 @@ DRIFT = 2.0  # cold restores this many times faster or slower than at the choice
 _RETRY_S = 600.0  # one process measures at most this often (a failed or stopped probe included)
 _FREE_MARGIN = 1 << 30  # free space the probe leaves untouched beyond twice its file (a save's room)
 _BUF = 16 << 20  # the probe's read buffer (reused: memory stays bounded), one staging slot's worth
+_TIMED = 3  # a method's last this many large cold restores count (their median)
+_ALL_COLD = 0.9  # a restore times its method only when at least this share of its bytes read cold
 
 
 def storage_key(path: str) -> str:
@@ -73,78 +89,11 @@ def storage_key(path: str) -> str:
     return f"{st.st_dev:x}:{fsid:x}"
 
 
-def _aligned(n: int) -> memoryview:
-    """``n`` bytes of fresh memory at a 4 KiB-aligned address (O_DIRECT reads need it)."""
-    raw = np.empty(n + ALIGN, dtype=np.uint8)
-    off = (-raw.ctypes.data) % ALIGN
-    return raw[off:off + n].data.cast("B")
-
-
 def _drop(fd: int, size: int) -> bool:
     """Drop the (clean) pages of the probe file; True when they left."""
     with contextlib.suppress(OSError, AttributeError):
         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
     return not resident(fd, size)
-
-
-def _read_buffered(path: str, size: int, buf: memoryview) -> None:
-    """Read the file as the buffered restore path reads chunk files: a lane per file, each sequential
-    in ``BUFFERED.piece`` requests (the probe's halves stand for two files, each its own description)."""
-    lane = -(-size // BUFFERED.threads // ALIGN) * ALIGN
-    share = len(buf) // BUFFERED.threads
-
-    def run(k: int) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            out = buf[k * share:(k + 1) * share]
-            pos, end = k * lane, min(size, (k + 1) * lane)
-            while pos < end:
-                n = os.preadv(fd, [out[:min(len(out), BUFFERED.piece, end - pos)]], pos)
-                if n <= 0:
-                    raise OSError(5, "the probe file is shorter than written")
-                pos += n
-        finally:
-            os.close(fd)
-
-    _threads(BUFFERED.threads, run)
-
-
-def _read_direct(path: str, size: int, buf: memoryview, cand: Candidate) -> None:
-    """Read the file with O_DIRECT, ``cand.threads`` reads of ``cand.piece`` bytes in flight (lane
-    ``k`` reads pieces k, k + threads, ...), each into its own piece of ``buf``."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | O_DIRECT)
-    try:
-        piece = min(cand.piece, len(buf) // cand.threads // ALIGN * ALIGN)
-        pieces = -(-size // piece)
-
-        def run(k: int) -> None:
-            out = buf[k * piece:(k + 1) * piece]
-            for j in range(k, pieces, cand.threads):
-                if os.preadv(fd, [out], j * piece) <= 0:
-                    raise OSError(5, "the probe file is shorter than written")
-
-        _threads(cand.threads, run)
-    finally:
-        os.close(fd)
-
-
-def _threads(n: int, run: Callable[[int], None]) -> None:
-    """``run(k)`` for k < n on n threads; the first error is raised once all are done."""
-    errors: list[BaseException] = []
-
-    def body(k: int) -> None:
-        try:
-            run(k)
-        except BaseException as e:  # raised below, on the caller's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(k,), name="snapstore-probe", daemon=True) for k in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
@@ -174,7 +123,7 @@ def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
             write_all(fd, block.data[:n])
             done += n
         os.fsync(fd)  # clean pages: DONTNEED drops them
-        buf = _aligned(_BUF)
+        buf = aligned(_BUF)
         times: dict[str, list[float]] = {c.name: [] for c in candidates}
         refused: set[str] = {c.name for c in candidates if c.method == "direct"} if O_DIRECT == 0 else set()
         rfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # the residency probe maps the file: a readable descriptor
@@ -190,9 +139,9 @@ def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
                 t0 = time.perf_counter()
                 try:
                     if cand.method == "buffered":
-                        _read_buffered(path, size, buf)
+                        read_buffered(path, size, buf)
                     else:
-                        _read_direct(path, size, buf, cand)
+                        read_direct(path, size, buf, cand)
                 except OSError as e:
                     if cand.method != "direct" or e.errno != 22 or O_DIRECT == 0:  # EINVAL: O_DIRECT refused
                         raise
@@ -201,7 +150,7 @@ def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
                 times[cand.name].append(time.perf_counter() - t0)
                 if cand.method == "buffered":  # again, from the pages that read left cached
                     t0 = time.perf_counter()
-                    _read_buffered(path, size, buf)
+                    read_buffered(path, size, buf)
                     times.setdefault(CACHED, []).append(time.perf_counter() - t0)
         rates = {name: (size / statistics.median(ts) if ts and name not in refused else 0.0)
                  for name, ts in times.items()}
@@ -215,6 +164,20 @@ def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
             os.close(rfd)
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def _figures(row: ReadPathRow) -> dict[str, float]:
+    """A row's figures (name -> bytes/s); none where its JSON is not such a map."""
+    try:
+        return {str(k): float(v) for k, v in json.loads(row.figures).items()}
+    except (ValueError, AttributeError, TypeError):
+        return {}
+
+
+def _dump(probe: dict[str, float], timed: dict[str, float]) -> str:
+    """The figures a row keeps: the probe's, and the store's own restores' under :data:`RESTORED` keys."""
+    return json.dumps({k: round(v) for k, v in probe.items()} | {RESTORED + k: round(v) for k, v in timed.items()},
+                      sort_keys=True)
 
 
 class _Stopped(SnapstoreError):
@@ -244,6 +207,8 @@ class ReadPaths(DirectReads):
         self._stop = False
         self._tried = 0.0  # monotonic time this process last started a probe (0: never)
         self._refused = False  # O_DIRECT refused at a read: buffered for good (DirectReads.on)
+        # the store's own large cold restores, per method in force: bytes/s of the last _TIMED (issue 48)
+        self._timed: dict[str, deque[float]] = {}
         track(self)
 
     def _after_fork_in_child(self) -> None:
@@ -265,9 +230,13 @@ class ReadPaths(DirectReads):
                 self.apply(row)
 
     def apply(self, row: ReadPathRow) -> None:
-        """Read cold chunks as ``row`` says (a forced setting wins; a method this version does not know: buffered)."""
+        """Read cold chunks as ``row`` says (a forced setting wins; a method this version does not know:
+        buffered); its figures of the store's own restores (:data:`RESTORED` keys) seed a method not timed here."""
         with self._lock:
             self.row = row
+            for name, rate in _figures(row).items():
+                if name.startswith(RESTORED) and rate > 0.0 and name[len(RESTORED):] not in self._timed:
+                    self._timed[name[len(RESTORED):]] = deque([rate], maxlen=_TIMED)
             if self.forced is not None or self._refused:
                 return
             direct = (row.method == "direct" and O_DIRECT != 0 and row.threads > 0 and row.piece >= ALIGN
@@ -308,14 +277,14 @@ class ReadPaths(DirectReads):
                     "since the choice")
         return None
 
-    def restored(self, repo: Repo, tiers: TierBytes | None) -> None:
-        """After a successful restore that read ``tiers``: start the background probe if it read at
-        least :data:`PROBE_AFTER` cold bytes and the choice is missing or stale (never on a read-only store)."""
-        if (tiers is None or tiers.get("cold", 0) < PROBE_AFTER or repo.readonly or self.forced is not None
-                or not self.background):
+    def restored(self, repo: Repo, tiers: TierBytes | None, seconds: float = 0.0) -> None:
+        """After a successful restore that read ``tiers`` in ``seconds``: if it read at least
+        :data:`PROBE_AFTER` cold bytes, start the background probe when the choice is missing or stale
+        (never on a read-only store), else time the method in force by it (:meth:`_timed_by`)."""
+        if tiers is None or tiers.get("cold", 0) < PROBE_AFTER or self.forced is not None:
             return
-        reason = self.stale()
-        if reason is None:
+        if repo.readonly or not self.background or self.stale() is None:
+            self._timed_by(repo, tiers, seconds)
             return
         with self._lock:
             now = time.monotonic()
@@ -325,6 +294,54 @@ class ReadPaths(DirectReads):
             self._thread = threading.Thread(target=self._probe, args=(repo,), name="snapstore-read-probe",
                                             daemon=True)
             self._thread.start()
+
+    def _timed_by(self, repo: Repo, tiers: TierBytes, seconds: float) -> None:
+        """Time the method in force by a large restore that read (nearly) all its bytes cold, and
+        choose again by the store's own restores (:func:`rechoose`): the probe's file, just written,
+        may read from a cache below the page cache that the store's restores do not find. A change is
+        used at once and kept in the catalog off this thread (not on a read-only store), as is a
+        method's first timing (so a process opened later starts from it)."""
+        cold = tiers.get("cold", 0)
+        if seconds <= 0.0 or cold < _ALL_COLD * sum(tiers.values()) or not self.ram_tier or self._refused:
+            return  # without a RAM tier the store reads buffered whatever is chosen (apply)
+        with self._lock:
+            row = self.row
+            if row is None:
+                return
+            name = Candidate("direct", self.threads, self.piece).name if self.on else BUFFERED.name
+            first = name not in self._timed  # a method's first timing is kept even if the choice stands
+            self._timed.setdefault(name, deque(maxlen=_TIMED)).append(cold / seconds)
+            timed = self._medians()
+            probe = {k: v for k, v in _figures(row).items() if not k.startswith(RESTORED) and k != CACHED}
+            chosen, reason = rechoose(probe, timed) or (None, row.reason)
+            if chosen is None:
+                chosen = BUFFERED if row.method != "direct" else Candidate("direct", row.threads, row.piece)
+            same = chosen.method == row.method and (chosen.method == "buffered" or
+                                                    (chosen.threads, chosen.piece) == (row.threads, row.piece))
+            if same and not first:
+                return
+            new = ReadPathRow(row.storage, chosen.method, chosen.threads, chosen.piece,
+                              _dump(probe | {CACHED: _figures(row).get(CACHED, 0.0)}, timed), reason,
+                              timed.get(chosen.name, 0.0), row.measured)
+        self.apply(new)
+        with self._lock:  # kept off this thread; a probe in flight keeps its own row, these figures merged
+            if not repo.readonly and self._thread is None and not self._stop:
+                self._thread = threading.Thread(target=self._keep, args=(repo, new), name="snapstore-read-path",
+                                                daemon=True)
+                self._thread.start()
+
+    def _keep(self, repo: Repo, row: ReadPathRow) -> None:
+        """Write a choice the store's restores made (best effort: it is used in memory either way)."""
+        try:
+            with contextlib.suppress(OSError, SnapstoreError):
+                repo.write(lambda t: t.set_read_path(row), durable=False)
+        finally:
+            with self._lock:
+                self._thread = None
+
+    def _medians(self) -> dict[str, float]:
+        """Each timed method's median of its last restores (bytes/s); under the lock."""
+        return {k: statistics.median(v) for k, v in self._timed.items() if v}
 
     def _probe(self, repo: Repo) -> None:
         """The background probe: measure, keep, use; any failure leaves the current choice (retried later).
@@ -365,13 +382,19 @@ class ReadPaths(DirectReads):
         got = measure(repo.tmp, PROBE_BYTES if size is None else size, PROBE_ROUNDS if rounds is None else rounds,
                       stop=lambda: self._stop, reserve=self.reserve)
         key = self.key or storage_key(repo.root)
+        with self._lock:
+            timed = self._medians()
+        chosen, reason = got.chosen, got.reason
+        again = rechoose(got.rates, timed)  # the store's own restores, where it has timed them, outrank the probe
+        if again is not None:
+            chosen, reason = again
         # the cold rate drift is judged against: the store's, scaled from the method it was measured with
         # to the one chosen (switching methods is no drift)
         was = Candidate("direct", self.threads, self.piece).name if self.on else BUFFERED.name
-        now, before = got.rates.get(got.chosen.name, 0.0), got.rates.get(was, 0.0)
+        rates = got.rates | timed
+        now, before = rates.get(chosen.name, 0.0), rates.get(was, 0.0)
         cold = float(self._cold_rate()) * (now / before if now > 0.0 and before > 0.0 else 1.0)
-        row = ReadPathRow(key, got.chosen.method, got.chosen.threads, got.chosen.piece,
-                          json.dumps({k: round(v) for k, v in got.rates.items()}, sort_keys=True), got.reason,
+        row = ReadPathRow(key, chosen.method, chosen.threads, chosen.piece, _dump(got.rates, timed), reason,
                           cold, time.time())
         repo.write(lambda t: t.set_read_path(row), durable=False)
         self.key = key
@@ -397,10 +420,7 @@ class ReadPaths(DirectReads):
             return {"method": "buffered", "threads": BUFFERED.threads, "piece": BUFFERED.piece,
                     "why": "not measured on this storage yet: buffered until a large cold restore (or "
                     "`snapstore bench`) measures it", "measured": None, "figures": {}}
-        try:
-            figures = {str(k): float(v) for k, v in json.loads(row.figures).items()}
-        except (ValueError, AttributeError):
-            figures = {}
+        figures = _figures(row)
         why = row.reason
         if row.method == "direct" and not self.on and not self.ram_tier:
             why = ("buffered: this store has no RAM tier (ram_bytes=0), so the page cache is the only copy its next "

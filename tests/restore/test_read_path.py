@@ -140,7 +140,10 @@ def test_a_large_cold_restore_measures_and_the_choice_is_kept(cold_fs: str) -> N
         r2 = s.save(list(range(N)), _state(2))
         _cool(moved)
         s.restore(r2, _empty())
-        assert s._reads._thread is None  # nothing measured again
+        t = s._reads._thread
+        assert t is None or t.name == "snapstore-read-path"  # no probe: at most that restore's timing, kept
+        _wait_probe(s)
+        assert s._reads.row is not None and s._reads.row.measured == row.measured  # nothing measured again
 
 
 def test_another_storage_is_measured_again(cold_fs: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -444,3 +447,91 @@ def test_one_prober_per_store_and_none_under_a_write_budget(cold_fs: str) -> Non
         _wait_probe(s)
         assert s._reads.row is not None
     assert len(_rows(cold_fs)) == 1
+
+
+def test_rechoose_judges_a_timed_method_by_the_stores_restores() -> None:
+    """The store's own cold restores outrank the probe: a method it timed needs RESTORED_EDGE over its
+    buffered restores, an untimed direct one the probe's DIRECT_EDGE; nothing timed buffered: no say."""
+    d8, d4 = rp.CANDIDATES[1].name, rp.CANDIDATES[2].name
+    probe = {"buffered": 2.5e9, d8: 2.8e9, d4: 2.6e9}  # the probe's file, read from a cache below the page cache
+    assert rp.rechoose(probe, {}) is None
+    assert rp.rechoose(probe, {d4: 2.0e9}) is None
+    got, why = rp.rechoose(probe, {"buffered": 1.0e9}) or (None, "")
+    assert got == rp.CANDIDATES[1] and "probed" in why  # 2.8x the buffered restores, by the probe's figure
+    got, why = rp.rechoose(probe, {"buffered": 1.0e9, d8: 1.1e9}) or (None, "")
+    assert got == rp.CANDIDATES[2]  # d8 timed short of the edge; d4 still probed 2.6x ahead
+    got, why = rp.rechoose(probe, {"buffered": 1.0e9, d8: 1.1e9, d4: 1.2e9}) or (None, "")
+    assert got == rp.BUFFERED and "1.25x" in why  # both timed, neither 1.25x ahead: the probe's figures lose
+    got, why = rp.rechoose(probe, {"buffered": 1.0e9, d8: 1.3e9, d4: 1.2e9}) or (None, "")
+    assert got == rp.CANDIDATES[1] and "timed by its restores" in why
+    got, _ = rp.rechoose({"buffered": 2.5e9, d8: 0.0, d4: 0.0}, {"buffered": 1.0e9}) or (None, "")
+    assert got == rp.BUFFERED  # O_DIRECT refused: never chosen
+
+
+def _probed_row(storage: str, method: str, figures: dict[str, float]) -> ReadPathRow:
+    import json
+    import time
+    threads, piece = (4, 4 * MIB) if method == "direct" else (2, 4 * MIB)
+    return ReadPathRow(storage, method, threads, piece, json.dumps(figures), "set by the test", 0.0, time.time())
+
+
+def test_the_stores_own_cold_restores_change_the_choice_and_it_is_kept(cold_fs: str) -> None:
+    """A probe that read its just-written file from a cache the store's restores do not find (the
+    figures say O_DIRECT cannot be 2x buffered) chose buffered; a large cold restore times buffered
+    far slower than O_DIRECT's probed figure, so the store switches to O_DIRECT at once (the next cold
+    restore reads around the page cache, exact), keeps the choice with its restores' figure in the
+    catalog, and a reopened store starts from both."""
+    d4 = rp.CANDIDATES[2].name
+    state = _state(11)
+    with _open(cold_fs) as s:
+        # the probe's direct figure is out of any restore's reach: the first timed buffered restore loses
+        s._reads.apply(_probed_row(s._reads.key, "buffered", {"buffered": 1e16, d4: 1e15}))
+        s._reads._cold_rate = lambda: 0.0
+        assert not s._reads.on and s._reads.stale() is None
+        r = s.save(list(range(N)), state)
+        big = _cool(cold_fs)
+        out = _empty()
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state) and _cached(big)  # read buffered
+        _wait_probe(s)
+        row = s._reads.row
+        assert row is not None and row.method == "direct" and s._reads.on and "probed" in row.reason
+        assert _rows(cold_fs) == [(row.storage, "direct", 4, 4 * MIB)]
+        _cool(cold_fs)
+        out = _empty()
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state) and _bypassed(big)  # read O_DIRECT
+        _wait_probe(s)  # that restore timed O_DIRECT: this machine's figures now decide, both timed
+        row = s._reads.row
+        assert row is not None and set(s._reads._medians()) == {"buffered", d4}
+    with _open(cold_fs) as s:
+        assert s._reads.row == row and s._reads.on == (row.method == "direct")
+        assert {"restored: buffered", "restored: " + d4} <= set(s._reads.describe()["figures"])  # type: ignore[arg-type]
+        assert set(s._reads._medians()) == {"buffered", d4}
+
+
+def test_a_timed_o_direct_short_of_the_buffered_restores_goes_back(cold_fs: str) -> None:
+    """The reverse: a store on O_DIRECT whose kept buffered restores ran faster than any O_DIRECT
+    restore can (a figure kept in the catalog) times its O_DIRECT restore, goes back to buffered
+    (the next cold restore leaves the pages cached), and a probe taken then keeps the timed figures."""
+    d4 = rp.CANDIDATES[2].name
+    state = _state(12)
+    with _open(cold_fs) as s:
+        s._reads.apply(_probed_row(s._reads.key, "direct", {"buffered": 1.0, d4: 1e16, "restored: buffered": 1e15}))
+        s._reads._cold_rate = lambda: 0.0
+        assert s._reads.on and s._reads._medians() == {"buffered": 1e15}
+        r = s.save(list(range(N)), state)
+        big = _cool(cold_fs)
+        out = _empty()
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state) and _bypassed(big)
+        _wait_probe(s)
+        assert not s._reads.on and s._reads.row is not None and s._reads.row.method == "buffered"
+        assert set(s._reads._medians()) == {"buffered", d4}
+        _cool(cold_fs)
+        out = _empty()
+        s.restore(r, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state) and _cached(big)
+        row, _ = s._reads.measure_now(s._repo)
+        figures = s._reads.describe()["figures"]
+        assert row.method == "buffered" and {"restored: buffered", "restored: " + d4} <= set(figures)  # type: ignore[arg-type]
