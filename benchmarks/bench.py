@@ -301,7 +301,7 @@ def section_core(args: argparse.Namespace, st: State, work: str) -> None:
     how = row.method if row.method == "buffered" else f"O_DIRECT {row.threads}x{row.piece >> 20}MiB"
     print(f"\n== raw vs snapstore: {n / MIB:.0f} MiB state ({st.tokens_n} tokens x {ROW_BYTES // 1024} KiB "
           f"bf16 K/V rows + {FIXED_BYTES // MIB} MiB fixed), medians of {reps}, checksums on ==")
-    print(f"defaults = Budget() as shipped (RAM tier on), cold reads {how} (measured); ram=0 beside it; "
+    print(f"defaults = Budget() as shipped (RAM tier on), cold reads {how} (its choice at the end); ram=0 beside it; "
           "x = vs the best raw method")
     print(f"cold reads {args.settle:g} s after the write; the defaults' read path after each cold restore: "
           f"{', '.join(chosen)} ({row.reason})")
@@ -542,6 +542,7 @@ def section_alt(args: argparse.Namespace, st: State, work: str) -> None:
         gc.collect()
         t["raw_write"].append(raw_write(raw_path, [st.fixed, st.kv]))
         drop_cache([raw_path])
+        time.sleep(args.settle)
         t["raw_cold"].append(raw_read(raw_path, [st.dst_fixed, st.dst_kv]))
         sdir = os.path.join(work, f"astore{r}")
         with open_store(sdir) as s:
@@ -553,6 +554,7 @@ def section_alt(args: argparse.Namespace, st: State, work: str) -> None:
 
             t["save"].append(timed(save))
             drop_cache(blob_files(sdir))
+            time.sleep(args.settle)
             t["restore_cold"].append(timed(lambda: s.restore(res.snapshot_id, st.into())))
             st.check()
         shutil.rmtree(sdir)
@@ -561,6 +563,7 @@ def section_alt(args: argparse.Namespace, st: State, work: str) -> None:
                 os.unlink(sf_path)
             t["st_save"].append(timed(st_save))
             drop_cache([sf_path])
+            time.sleep(args.settle)
             t["st_cold"].append(timed(st_load))
             st.check()
             t["st_warm"].append(timed(st_load))
@@ -570,6 +573,7 @@ def section_alt(args: argparse.Namespace, st: State, work: str) -> None:
             os.unlink(pt_path)
         t["pt_save"].append(timed(pt_save))
         drop_cache([pt_path])
+        time.sleep(args.settle)
         t["pt_cold"].append(timed(pt_load))
         st.check()
         t["pt_warm"].append(timed(pt_load))
@@ -994,10 +998,10 @@ def main() -> None:
                     "buffered / O_DIRECT vs the store's defaults and ram=0 (issue 48), no peers, no chart")
     ap.add_argument("--chart", default=None,
                     help="where section side writes its PNG (default: benchmarks-side[-quick].png under --dir)")
-    ap.add_argument("--settle", type=float, default=0.0,
-                    help="section core: seconds between writing a file (raw or the store's) and reading it cold, "
-                         "so a cache below the page cache (a VM host's, a disk's) has let go of it, as it has "
-                         "for a restore long after its save (default 0: read at once)")
+    ap.add_argument("--settle", type=float, default=5.0,
+                    help="sections core and alt: seconds between writing a file (raw, the store's, a peer's) and "
+                         "reading it cold, so a cache below the page cache (a VM host's, a disk's) has let go of "
+                         "it, as it has for a restore long after its save (default 5; 0: read at once)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     ap.add_argument("--doc", default=None, help="rewrite the current table at the top of this markdown file "
                     "(make bench: docs/benchmarks.md) with this run's figures (bench_table.py)")

@@ -135,6 +135,7 @@ class DirectReads:
     def __init__(self, on: bool, threads: int = DIRECT_THREADS, piece: int = DIRECT_PIECE):
         self.on = on and O_DIRECT != 0
         self.threads, self.piece = threads, piece
+        self.refused = False  # the file system refused O_DIRECT (EINVAL): off for good
 
     def enable(self, fd: int) -> bool:
         """Turn O_DIRECT on for the open file ``fd`` (the same inode the header check read); False when
@@ -147,7 +148,7 @@ class DirectReads:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
         except OSError as e:
             if e.errno == errno.EINVAL:  # the file system's answer; anything else: this file, buffered
-                self.on = False
+                self.on, self.refused = False, True
             return False
         return True
 
@@ -169,7 +170,7 @@ class DirectReads:
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                self.on = False
+                self.on, self.refused = False, True
                 self.disable(fd)
                 k = os.preadv(fd, [buf[got:need]], offset + got)
             if k == 0:

@@ -119,9 +119,9 @@ def stream_checked(plan: RestorePlan, sid: int | None, repo: Repo, staging: Stag
     damage: Damage = []
     try:
         t0 = time.perf_counter()
-        stream_plan(plan, repo.blob_path, staging, ram, damage, reads, tiers, repo.files)
+        direct = stream_plan(plan, repo.blob_path, staging, ram, damage, reads, tiers, repo.files)
         if isinstance(reads, ReadPaths):  # a large cold restore: measures the read path, or times it (issue 48)
-            reads.restored(repo, tiers, time.perf_counter() - t0)
+            reads.restored(repo, tiers, time.perf_counter() - t0, direct)
     except RestoreError as e:
         if e.snapshot_id is None and sid is not None:
             e.snapshot_id = sid

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BUFFERED", "CACHED", "CANDIDATES", "DIRECT_EDGE", "RESTORED", "RESTORED_EDGE", "Candidate", "Measured",
-           "choose", "rechoose"]
+__all__ = ["BUFFERED", "CACHED", "CANDIDATES", "DIRECT_EDGE", "RESTORED", "RESTORED_EDGE", "STAY_EDGE", "Candidate",
+           "Measured", "candidate", "choose", "rechoose"]
 
 # O_DIRECT is chosen only this much faster than buffered. A buffered read also leaves the pages cached
 # (issue 12 measured the next restore 1.9-2.5x slower after a direct read), and the store's direct path
@@ -18,9 +18,11 @@ __all__ = ["BUFFERED", "CACHED", "CANDIDATES", "DIRECT_EDGE", "RESTORED", "RESTO
 # (probe: 1.59x), yet the store's cold restore 1.55 GB/s direct vs 2.32 GB/s buffered (docs/benchmarks.md).
 DIRECT_EDGE = 2.0
 # Between the store's own cold restores, one method against the other: both figures are of the store's
-# paths, on the data its restores read, so only noise and the page cache a buffered read leaves (a RAM
-# tier, which admits direct-read chunks at once, stands in for it) call for a lead.
+# path on the data its restores read, so only noise and the page cache a buffered read leaves (with a
+# RAM tier, which admits a direct-read chunk at once, standing in for it) call for a lead: O_DIRECT is
+# taken RESTORED_EDGE ahead of buffered, and kept while STAY_EDGE ahead (no flapping near the edge).
 RESTORED_EDGE = 1.25
+STAY_EDGE = 1.1
 RESTORED = "restored: "  # a figures key: the store's own cold restores with that method (median bytes/s)
 _BUFFERED_PIECE = 4 << 20  # a buffered read's request, as the restore's buffered path (restore.stream)
 _BUFFERED_LANES = 2  # files read at once by the buffered path (restore.stream's reader lanes)
@@ -40,7 +42,8 @@ class Candidate:
         """As reports show it: ``buffered`` or ``direct 8x1MiB``."""
         if self.method == "buffered":
             return "buffered"
-        return f"direct {self.threads}x{self.piece >> 20}MiB"
+        size = f"{self.piece >> 20}MiB" if self.piece % (1 << 20) == 0 else f"{self.piece >> 10}KiB"
+        return f"direct {self.threads}x{size}"
 
 
 BUFFERED = Candidate("buffered", _BUFFERED_LANES, _BUFFERED_PIECE)
@@ -83,35 +86,35 @@ def choose(rates: dict[str, float], candidates: Sequence[Candidate] = CANDIDATES
                       "the pages cached")
 
 
-def rechoose(probe: dict[str, float], restored: dict[str, float],
-             candidates: Sequence[Candidate] = CANDIDATES) -> tuple[Candidate, str] | None:
-    """The method the store's own large cold restores (``restored``: method name -> median bytes/s)
-    call for, against the probe's figures (``probe``), and why; None while they say nothing the probe
-    did not (no buffered restore timed yet). The probe reads a file it has just written, which a
-    cache below the page cache (a VM host's, a disk's) may still hold: there buffered reads looked
-    2.5x faster than they ran on data saved seconds earlier, O_DIRECT's nearly the same
-    (docs/benchmarks.md, issue 48, fifth pass). So a method the store has timed is judged by its
-    restores (:data:`RESTORED_EDGE` ahead of buffered), an untimed direct one by the probe's raw figure
-    (:data:`DIRECT_EDGE` ahead)."""
-    buffered = restored.get(BUFFERED.name, 0.0)
-    if buffered <= 0.0:
+
+def candidate(method: str, threads: int, piece: int) -> Candidate:
+    """The candidate a kept method names (buffered: its one way; an unknown method reads buffered)."""
+    return Candidate("direct", threads, piece) if method == "direct" else BUFFERED
+
+
+def rechoose(timed: dict[str, float], in_force: Candidate) -> tuple[Candidate, str] | None:
+    """The method the store's own large cold restores call for (``timed``: method name -> median
+    bytes/s) and why, or None until they timed buffered and an O_DIRECT method both. The probe reads
+    a file it has just written, which a cache below the page cache (a VM host's, a disk's) may still
+    hold: there buffered reads looked 2.5x faster than they ran on data saved seconds earlier, O_DIRECT
+    the same either way (docs/benchmarks.md, issue 48, fifth pass). So once both are timed, the
+    restores decide: O_DIRECT taken :data:`RESTORED_EDGE` ahead of buffered, kept while
+    :data:`STAY_EDGE` ahead."""
+    buffered = timed.get(BUFFERED.name, 0.0)
+    direct = [c for c in CANDIDATES if c.method == "direct" and timed.get(c.name, 0.0) > 0.0]
+    if in_force.method == "direct" and timed.get(in_force.name, 0.0) > 0.0 and in_force not in direct:
+        direct.append(in_force)
+    if buffered <= 0.0 or not direct:
         return None
-    best: Candidate | None = None
-    best_rate = 0.0
-    for c in candidates:
-        if c.method != "direct":
-            continue
-        own = restored.get(c.name, 0.0)
-        rate, edge = (own, RESTORED_EDGE) if own > 0.0 else (probe.get(c.name, 0.0), DIRECT_EDGE)
-        if rate >= edge * buffered and rate > best_rate:
-            best, best_rate = c, rate
-    timed = ", ".join(f"{name} {rate / 1e9:.2f} GB/s" for name, rate in sorted(restored.items()))
-    if best is None:
-        return BUFFERED, (f"buffered: this store's own cold restores ({timed}) leave no direct method "
-                          f"{RESTORED_EDGE:.2f}x ahead (timed) or {DIRECT_EDGE:.2f}x (probed, "
-                          f"{', '.join(f'{k} {v / 1e9:.2f} GB/s' for k, v in sorted(probe.items()))})")
-    how = "timed by its restores" if best.name in restored else "probed"
-    return best, (f"{best.name} {best_rate / 1e9:.2f} GB/s ({how}) vs this store's own buffered cold restores "
-                  f"{buffered / 1e9:.2f} GB/s (restores: {timed}): O_DIRECT {best_rate / buffered:.2f}x; the "
-                  "cost: it leaves nothing in the page cache, so the next restore of the same chunks reads the "
-                  "RAM tier, which admits them at once")
+    best = max(direct, key=lambda c: timed[c.name])
+    figures = ", ".join(f"{name} {rate / 1e9:.2f} GB/s" for name, rate in sorted(timed.items()))
+    if timed[best.name] >= RESTORED_EDGE * buffered:
+        pick = best
+    elif in_force.method == "direct" and timed.get(in_force.name, 0.0) >= STAY_EDGE * buffered:
+        pick = in_force
+    else:
+        return BUFFERED, (f"buffered: this store's own cold restores ({figures}) put no O_DIRECT method "
+                          f"{RESTORED_EDGE:.2f}x ahead of buffered")
+    return pick, (f"{pick.name}: this store's own cold restores ({figures}) ran O_DIRECT "
+                  f"{timed[pick.name] / buffered:.2f}x buffered; the cost: it leaves nothing in the page cache, so "
+                  "the next restore of the same chunks reads the RAM tier, which admits them at once")

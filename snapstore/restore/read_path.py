@@ -24,6 +24,13 @@ another storage (moved or copied), after :data:`REMEASURE_S`, or when the store'
 restore rate (:mod:`snapstore.restore.rates`) drifted more than :data:`DRIFT` times either way from
 what it was when the choice was made. ``direct_reads=True/False`` (``SNAPSTORE_DIRECT_READS=1/0``)
 forces a method and measures nothing.
+
+The probe's file is one it has just written, and a cache below the page cache (a VM host's, a
+disk's) may still hold it when the store's restores, of data saved long before, find nothing there:
+on the issue-48 VM buffered reads of a just-written file ran 2.5x faster than of one saved seconds
+earlier, O_DIRECT's nearly the same. So the store's own large cold restores time the method in force
+too, and the choice follows them (:func:`rechoose`): a method its restores timed is judged by them,
+an untimed one by the probe. Their figures are kept with the choice (``restored: <method>`` keys).
 """
 
 from __future__ import annotations
@@ -36,7 +43,6 @@ import os
 import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -58,14 +64,16 @@ from snapstore.restore.read_choice import (
     RESTORED_EDGE,
     Candidate,
     Measured,
+    candidate,
     choose,
     rechoose,
 )
+from snapstore.restore.read_timing import ALL_COLD, Timings
 from snapstore.restore.tier_probe import TierBytes
 
 __all__ = ["BUFFERED", "CACHED", "CANDIDATES", "DIRECT_EDGE", "DRIFT", "PROBE_AFTER", "PROBE_BYTES", "REMEASURE_S",
            "RESTORED", "RESTORED_EDGE", "Candidate", "Measured", "ReadPaths", "choose", "measure", "rechoose",
-           "storage_key"]
+           "scaled_cold", "storage_key"]
 
 PROBE_BYTES = 64 << 20  # the probe file: several chunks' worth, a fraction of a second to read
 PROBE_ROUNDS = 3  # medians of this many reads per method
@@ -75,8 +83,6 @@ DRIFT = 2.0  # cold restores this many times faster or slower than at the choice
 _RETRY_S = 600.0  # one process measures at most this often (a failed or stopped probe included)
 _FREE_MARGIN = 1 << 30  # free space the probe leaves untouched beyond twice its file (a save's room)
 _BUF = 16 << 20  # the probe's read buffer (reused: memory stays bounded), one staging slot's worth
-_TIMED = 3  # a method's last this many large cold restores count (their median)
-_ALL_COLD = 0.9  # a restore times its method only when at least this share of its bytes read cold
 
 
 def storage_key(path: str) -> str:
@@ -174,6 +180,20 @@ def _figures(row: ReadPathRow) -> dict[str, float]:
         return {}
 
 
+def scaled_cold(cold: float, rates: dict[str, float], chosen: Candidate, was: Candidate) -> float:
+    """The store's cold restore rate ``cold``, measured reading with ``was``, as expected with ``chosen``
+    (by ``rates``: the probe's or the restores'); the figure drift is judged against."""
+    now, before = rates.get(chosen.name, 0.0), rates.get(was.name, 0.0)
+    return float(cold) * (now / before if now > 0.0 and before > 0.0 else 1.0)
+
+
+def _best_direct(row: ReadPathRow) -> Candidate | None:
+    """The O_DIRECT method the probe found fastest (None: refused everywhere, or not measured)."""
+    figures = _figures(row)
+    best = max((c for c in CANDIDATES if c.method == "direct"), key=lambda c: figures.get(c.name, 0.0))
+    return best if figures.get(best.name, 0.0) > 0.0 and O_DIRECT != 0 else None
+
+
 def _dump(probe: dict[str, float], timed: dict[str, float]) -> str:
     """The figures a row keeps: the probe's, and the store's own restores' under :data:`RESTORED` keys."""
     return json.dumps({k: round(v) for k, v in probe.items()} | {RESTORED + k: round(v) for k, v in timed.items()},
@@ -206,9 +226,9 @@ class ReadPaths(DirectReads):
         self._thread: threading.Thread | None = None
         self._stop = False
         self._tried = 0.0  # monotonic time this process last started a probe (0: never)
-        self._refused = False  # O_DIRECT refused at a read: buffered for good (DirectReads.on)
-        # the store's own large cold restores, per method in force: bytes/s of the last _TIMED (issue 48)
-        self._timed: dict[str, deque[float]] = {}
+        # the store's own large cold restores per method (issue 48): the choice follows them once both are timed
+        self._timings = Timings()
+        self._unkept: ReadPathRow | None = None  # a choice the restores made, not yet written to the catalog
         track(self)
 
     def _after_fork_in_child(self) -> None:
@@ -233,32 +253,28 @@ class ReadPaths(DirectReads):
         """Read cold chunks as ``row`` says (a forced setting wins; a method this version does not know:
         buffered); its figures of the store's own restores (:data:`RESTORED` keys) seed a method not timed here."""
         with self._lock:
-            self.row = row
-            for name, rate in _figures(row).items():
-                if name.startswith(RESTORED) and rate > 0.0 and name[len(RESTORED):] not in self._timed:
-                    self._timed[name[len(RESTORED):]] = deque([rate], maxlen=_TIMED)
-            if self.forced is not None or self._refused:
-                return
-            direct = (row.method == "direct" and O_DIRECT != 0 and row.threads > 0 and row.piece >= ALIGN
-                      and self.ram_tier)
-            self.on = direct
-            if direct:
-                self.threads, self.piece = row.threads, row.piece
+            self._apply(row)
 
-    def enable(self, fd: int) -> bool:
-        """DirectReads.enable; a refusal (EINVAL) keeps this store buffered whatever was measured."""
-        was = self.on
-        ok = super().enable(fd)
-        self._refused = self._refused or (was and not self.on)
-        return ok
+    def _apply(self, row: ReadPathRow) -> None:
+        """:meth:`apply`, under the lock; ends a trial, and begins one of the method not in force when
+        the restores have timed the one in force and a trial is due (:mod:`snapstore.restore.read_timing`)."""
+        self.row = row
+        self._timings.seed(_figures(row))
+        kept = candidate(row.method, row.threads, row.piece)
+        self._use(kept)
+        other = BUFFERED if kept.method == "direct" else _best_direct(row)
+        if other is not None and kept.name in self._timings.medians() and self._timings.trial_due(other.name):
+            self._use(other)  # the next large cold restore times the method not in force
 
-    def read(self, fd: int, buf: memoryview, offset: int, need: int) -> int:
-        """DirectReads.read; a refusal (EINVAL) keeps this store buffered whatever was measured."""
-        was = self.on
-        try:
-            return super().read(fd, buf, offset, need)
-        finally:
-            self._refused = self._refused or (was and not self.on)
+    def _use(self, c: Candidate) -> None:
+        """Read cold chunks with ``c`` from now on, as far as this store may (under the lock): not when
+        forced or refused, and O_DIRECT only with a RAM tier."""
+        if self.forced is not None or self.refused:
+            return
+        direct = c.method == "direct" and O_DIRECT != 0 and c.threads > 0 and c.piece >= ALIGN and self.ram_tier
+        self.on = direct
+        if direct:
+            self.threads, self.piece = c.threads, c.piece
 
     def stale(self, now: float | None = None) -> str | None:
         """Why the choice should be measured (again), or None: no choice for this storage, an old one,
@@ -277,71 +293,75 @@ class ReadPaths(DirectReads):
                     "since the choice")
         return None
 
-    def restored(self, repo: Repo, tiers: TierBytes | None, seconds: float = 0.0) -> None:
-        """After a successful restore that read ``tiers`` in ``seconds``: if it read at least
-        :data:`PROBE_AFTER` cold bytes, start the background probe when the choice is missing or stale
-        (never on a read-only store), else time the method in force by it (:meth:`_timed_by`)."""
+    def restored(self, repo: Repo, tiers: TierBytes | None, seconds: float = 0.0, direct: int = 0) -> None:
+        """After a successful restore that read ``tiers`` in ``seconds`` (``direct`` of its bytes with
+        O_DIRECT): if it read at least :data:`PROBE_AFTER` cold bytes, start the background probe when
+        the choice is missing or stale (never on a read-only store), else time the method it read
+        with (:meth:`_timed_by`)."""
         if tiers is None or tiers.get("cold", 0) < PROBE_AFTER or self.forced is not None:
             return
-        if repo.readonly or not self.background or self.stale() is None:
-            self._timed_by(repo, tiers, seconds)
-            return
-        with self._lock:
-            now = time.monotonic()
-            if self._thread is not None or self._stop or (self._tried and now - self._tried < _RETRY_S):
-                return
-            self._tried = now
-            self._thread = threading.Thread(target=self._probe, args=(repo,), name="snapstore-read-probe",
-                                            daemon=True)
-            self._thread.start()
+        if not repo.readonly and self.background and self.stale() is not None:
+            with self._lock:
+                now = time.monotonic()
+                if self._thread is None and not self._stop and not (self._tried and now - self._tried < _RETRY_S):
+                    self._tried = now
+                    self._thread = threading.Thread(target=self._probe, args=(repo,), name="snapstore-read-probe",
+                                                    daemon=True)
+                    self._thread.start()
+                    return
+        self._timed_by(repo, tiers, seconds, direct)
 
-    def _timed_by(self, repo: Repo, tiers: TierBytes, seconds: float) -> None:
-        """Time the method in force by a large restore that read (nearly) all its bytes cold, and
-        choose again by the store's own restores (:func:`rechoose`): the probe's file, just written,
-        may read from a cache below the page cache that the store's restores do not find. A change is
-        used at once and kept in the catalog off this thread (not on a read-only store), as is a
-        method's first timing (so a process opened later starts from it)."""
+    def _timed_by(self, repo: Repo, tiers: TierBytes, seconds: float, direct: int) -> None:
+        """Time the method a large, nearly all-cold restore read with, choose again by the store's own
+        restores (:func:`rechoose`) and begin a trial of the other method when one is due
+        (:mod:`snapstore.restore.read_timing`). A change applies at once and is kept in the catalog off
+        this thread, as is a method's first figure (not on a read-only store, nor one with a write budget)."""
         cold = tiers.get("cold", 0)
-        if seconds <= 0.0 or cold < _ALL_COLD * sum(tiers.values()) or not self.ram_tier or self._refused:
-            return  # without a RAM tier the store reads buffered whatever is chosen (apply)
+        if seconds <= 0.0 or cold < ALL_COLD * sum(tiers.get(t, 0) for t in ("ram", "warm", "cold")) \
+                or not self.ram_tier or self.refused:
+            return  # without a RAM tier the store reads buffered whatever is chosen (_use)
         with self._lock:
             row = self.row
             if row is None:
                 return
-            name = Candidate("direct", self.threads, self.piece).name if self.on else BUFFERED.name
-            first = name not in self._timed  # a method's first timing is kept even if the choice stands
-            self._timed.setdefault(name, deque(maxlen=_TIMED)).append(cold / seconds)
-            timed = self._medians()
-            probe = {k: v for k, v in _figures(row).items() if not k.startswith(RESTORED) and k != CACHED}
-            chosen, reason = rechoose(probe, timed) or (None, row.reason)
-            if chosen is None:
-                chosen = BUFFERED if row.method != "direct" else Candidate("direct", row.threads, row.piece)
-            same = chosen.method == row.method and (chosen.method == "buffered" or
-                                                    (chosen.threads, chosen.piece) == (row.threads, row.piece))
-            if same and not first:
-                return
-            new = ReadPathRow(row.storage, chosen.method, chosen.threads, chosen.piece,
-                              _dump(probe | {CACHED: _figures(row).get(CACHED, 0.0)}, timed), reason,
-                              timed.get(chosen.name, 0.0), row.measured)
-        self.apply(new)
-        with self._lock:  # kept off this thread; a probe in flight keeps its own row, these figures merged
-            if not repo.readonly and self._thread is None and not self._stop:
-                self._thread = threading.Thread(target=self._keep, args=(repo, new), name="snapstore-read-path",
-                                                daemon=True)
-                self._thread.start()
+            used = BUFFERED if direct == 0 else Candidate("direct", self.threads, self.piece) \
+                if direct >= ALL_COLD * cold else None
+            if used is None:
+                return  # read both ways: it times neither
+            new_figure = RESTORED + used.name not in _figures(row)
+            self._timings.add(used.name, cold / seconds)
+            kept = candidate(row.method, row.threads, row.piece)
+            timed = self._timings.medians()
+            chosen, reason = rechoose(timed, kept) or (kept, row.reason)
+            if chosen != kept or new_figure:
+                probe = {k: v for k, v in _figures(row).items() if not k.startswith(RESTORED)}
+                row = ReadPathRow(row.storage, chosen.method, chosen.threads, chosen.piece, _dump(probe, timed),
+                                  reason, scaled_cold(self._cold_rate(), timed, chosen, kept) if chosen != kept
+                                  else row.cold_rate, row.measured)  # measured: when the probe measured
+                self._unkept = row
+            self._apply(row)  # ends a trial, begins one when due
+            self._keep_unkept(repo)
+
+    def _keep_unkept(self, repo: Repo) -> None:
+        """Write the choice the restores made, off the restore's thread (under the lock); one that
+        finds the writer busy stays pending for the next timed restore."""
+        row = self._unkept
+        if row is None or repo.readonly or not self.background or self._thread is not None or self._stop:
+            return
+        self._unkept = None
+        self._thread = threading.Thread(target=self._keep, args=(repo, row), name="snapstore-read-path", daemon=True)
+        self._thread.start()
 
     def _keep(self, repo: Repo, row: ReadPathRow) -> None:
-        """Write a choice the store's restores made (best effort: it is used in memory either way)."""
+        """Write ``row`` (best effort: it is used in memory either way; a failed write is pending again)."""
         try:
-            with contextlib.suppress(OSError, SnapstoreError):
-                repo.write(lambda t: t.set_read_path(row), durable=False)
+            repo.write(lambda t: t.set_read_path(row), durable=False)
+        except (OSError, SnapstoreError):
+            with self._lock:
+                self._unkept = self._unkept or row
         finally:
             with self._lock:
                 self._thread = None
-
-    def _medians(self) -> dict[str, float]:
-        """Each timed method's median of its last restores (bytes/s); under the lock."""
-        return {k: statistics.median(v) for k, v in self._timed.items() if v}
 
     def _probe(self, repo: Repo) -> None:
         """The background probe: measure, keep, use; any failure leaves the current choice (retried later).
@@ -382,23 +402,17 @@ class ReadPaths(DirectReads):
         got = measure(repo.tmp, PROBE_BYTES if size is None else size, PROBE_ROUNDS if rounds is None else rounds,
                       stop=lambda: self._stop, reserve=self.reserve)
         key = self.key or storage_key(repo.root)
-        with self._lock:
-            timed = self._medians()
-        chosen, reason = got.chosen, got.reason
-        again = rechoose(got.rates, timed)  # the store's own restores, where it has timed them, outrank the probe
-        if again is not None:
-            chosen, reason = again
         # the cold rate drift is judged against: the store's, scaled from the method it was measured with
         # to the one chosen (switching methods is no drift)
-        was = Candidate("direct", self.threads, self.piece).name if self.on else BUFFERED.name
-        rates = got.rates | timed
-        now, before = rates.get(chosen.name, 0.0), rates.get(was, 0.0)
-        cold = float(self._cold_rate()) * (now / before if now > 0.0 and before > 0.0 else 1.0)
-        row = ReadPathRow(key, chosen.method, chosen.threads, chosen.piece, _dump(got.rates, timed), reason,
-                          cold, time.time())
+        was = Candidate("direct", self.threads, self.piece) if self.on else BUFFERED
+        row = ReadPathRow(key, got.chosen.method, got.chosen.threads, got.chosen.piece, _dump(got.rates, {}),
+                          got.reason, scaled_cold(self._cold_rate(), got.rates, got.chosen, was), time.time())
         repo.write(lambda t: t.set_read_path(row), durable=False)
         self.key = key
-        self.apply(row)
+        with self._lock:  # a new probe: the store's restores are timed afresh (the storage may have changed)
+            self._timings.clear()
+            self._unkept = None
+            self._apply(row)
         return row, got
 
     def stop(self) -> None:

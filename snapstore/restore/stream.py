@@ -203,8 +203,9 @@ _SMALL_WARM = 8 * (1 << 20)
 
 def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
                 ram: RamTier | None, damage: Damage | None = None, reads: DirectReads | None = None,
-                tiers: TierBytes | None = None, files: OpenFiles | None = None) -> None:
-    """Write every chunk of ``plan``; RestoreError(touched=...) on any failure.
+                tiers: TierBytes | None = None, files: OpenFiles | None = None) -> int:
+    """Write every chunk of ``plan``; RestoreError(touched=...) on any failure. Returns the chunk bytes
+    read with O_DIRECT (what a cold restore's rate times: :meth:`snapstore.restore.read_path.ReadPaths.restored`).
 
     Chunks found damaged or missing are added to ``damage`` (for :func:`snapstore.restore.fail.quarantine`). With
     ``reads`` on, raw chunks whose pages are not cached are read with O_DIRECT (restore.direct).
@@ -213,18 +214,18 @@ def stream_plan(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: S
     """
     found: Damage = damage if damage is not None else []
     with ram.restoring() if ram is not None else contextlib.nullcontext():  # admission waits meanwhile
-        _stream_windows(plan, blob_path, staging, ram, found, reads, tiers, files)
+        return _stream_windows(plan, blob_path, staging, ram, found, reads, tiers, files)
 
 
 def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], staging: StagingBuffer,
                     ram: RamTier | None, found: Damage, reads: DirectReads | None, tiers: TierBytes | None,
-                    files: OpenFiles | None = None) -> None:
-    """stream_plan's body: the plan in windows of at most _MAX_OPEN open chunk files."""
+                    files: OpenFiles | None = None) -> int:
+    """stream_plan's body: the plan in windows of at most _MAX_OPEN open chunk files; the bytes read direct."""
     windows = _windows(plan.items)
     if len(windows) > 1:  # check every header before a byte is written, holding few files at once
         for items in windows:
             _open_all(plan, items, blob_path, ram, False, found, keep=False)
-    touched = False
+    touched, direct = False, 0
     for items in windows:
         # before a byte of the window is read: cached or not, as found (the stream reuses the probes)
         opened, warm = _open_all(plan, items, blob_path, ram, touched, found, before_reads=probe_window,
@@ -232,7 +233,8 @@ def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], stagin
         if tiers is not None and warm is not None:
             tally_opened(opened, warm, tiers)
         try:
-            touched = _stream_window(plan, opened, staging, ram, touched, found, reads, warm)
+            touched, n = _stream_window(plan, opened, staging, ram, touched, found, reads, warm)
+            direct += n
         except BaseException:
             if files is not None:  # a file that failed a read or a check is opened afresh next time
                 files.forget(item.chunk.id for item in items)
@@ -243,6 +245,7 @@ def _stream_windows(plan: RestorePlan, blob_path: Callable[[bytes], str], stagin
                     os.close(fd)
                 except OSError:
                     pass
+    return direct
 
 
 def _cold_targets(entry: _Opened, reads: DirectReads | None, cold: dict[int, bool]) -> Targets | None:
@@ -262,9 +265,10 @@ def _cold_targets(entry: _Opened, reads: DirectReads | None, cold: dict[int, boo
 
 def _stream_window(plan: RestorePlan, opened: list[_Opened], staging: StagingBuffer, ram: RamTier | None,
                    touched: bool, damage: Damage, reads: DirectReads | None,
-                   warm: dict[int, bool] | None = None) -> bool:
+                   warm: dict[int, bool] | None = None) -> tuple[bool, int]:
     """Write one window's chunks in order, as runs of cold chunks (read with O_DIRECT) and runs of
-    the others (buffered: cached, compressed, RAM-tier or writer destinations); returns touched.
+    the others (buffered: cached, compressed, RAM-tier or writer destinations); returns touched and
+    the chunk bytes read with O_DIRECT.
     ``warm``: the window's files found cached, per descriptor, where the tier tally probed them."""
     cold: dict[int, bool] = {}
     runs: list[tuple[bool, list[_Opened], list[DirectItem]]] = []
@@ -281,12 +285,15 @@ def _stream_window(plan: RestorePlan, opened: list[_Opened], staging: StagingBuf
             item, fd, head, _ = entry
             assert head is not None
             runs[-1][2].append((item, fd, head, targets))
+    read_direct = 0
     for direct, entries, items in runs:
         done = None
         if direct and reads is not None:
             done = stream_direct(plan, items, staging, reads, ram, touched, damage)
+            if done is not None:
+                read_direct += sum(item.chunk.raw_len for item, _, _, _ in items)
         touched = done if done is not None else _stream(plan, entries, staging, ram, touched, damage, warm)
-    return touched
+    return touched, read_direct
 
 
 def _stopped(reader: ReadAhead | None, touched: bool) -> bool:

@@ -449,23 +449,24 @@ def test_one_prober_per_store_and_none_under_a_write_budget(cold_fs: str) -> Non
     assert len(_rows(cold_fs)) == 1
 
 
-def test_rechoose_judges_a_timed_method_by_the_stores_restores() -> None:
-    """The store's own cold restores outrank the probe: a method it timed needs RESTORED_EDGE over its
-    buffered restores, an untimed direct one the probe's DIRECT_EDGE; nothing timed buffered: no say."""
-    d8, d4 = rp.CANDIDATES[1].name, rp.CANDIDATES[2].name
-    probe = {"buffered": 2.5e9, d8: 2.8e9, d4: 2.6e9}  # the probe's file, read from a cache below the page cache
-    assert rp.rechoose(probe, {}) is None
-    assert rp.rechoose(probe, {d4: 2.0e9}) is None
-    got, why = rp.rechoose(probe, {"buffered": 1.0e9}) or (None, "")
-    assert got == rp.CANDIDATES[1] and "probed" in why  # 2.8x the buffered restores, by the probe's figure
-    got, why = rp.rechoose(probe, {"buffered": 1.0e9, d8: 1.1e9}) or (None, "")
-    assert got == rp.CANDIDATES[2]  # d8 timed short of the edge; d4 still probed 2.6x ahead
-    got, why = rp.rechoose(probe, {"buffered": 1.0e9, d8: 1.1e9, d4: 1.2e9}) or (None, "")
-    assert got == rp.BUFFERED and "1.25x" in why  # both timed, neither 1.25x ahead: the probe's figures lose
-    got, why = rp.rechoose(probe, {"buffered": 1.0e9, d8: 1.3e9, d4: 1.2e9}) or (None, "")
-    assert got == rp.CANDIDATES[1] and "timed by its restores" in why
-    got, _ = rp.rechoose({"buffered": 2.5e9, d8: 0.0, d4: 0.0}, {"buffered": 1.0e9}) or (None, "")
-    assert got == rp.BUFFERED  # O_DIRECT refused: never chosen
+def test_rechoose_follows_the_stores_own_restores_once_both_ways_are_timed() -> None:
+    """Nothing to say until buffered and an O_DIRECT method are both timed; then O_DIRECT is taken
+    RESTORED_EDGE ahead of buffered and kept while STAY_EDGE ahead (no flapping near the edge)."""
+    b, d8, d4 = rp.BUFFERED, rp.CANDIDATES[1], rp.CANDIDATES[2]
+    assert rp.rechoose({}, b) is None
+    assert rp.rechoose({"buffered": 1.0e9}, b) is None
+    assert rp.rechoose({d4.name: 2.0e9}, d4) is None  # buffered never timed: the probe's choice stands
+    got, why = rp.rechoose({"buffered": 1.0e9, d4.name: 1.3e9}, b) or (None, "")
+    assert got == d4 and "1.30x" in why
+    got, _ = rp.rechoose({"buffered": 1.0e9, d4.name: 1.2e9}, b) or (None, "")
+    assert got == b  # short of the edge to switch
+    got, _ = rp.rechoose({"buffered": 1.0e9, d4.name: 1.2e9}, d4) or (None, "")
+    assert got == d4  # ... but enough to stay
+    got, why = rp.rechoose({"buffered": 1.0e9, d4.name: 1.05e9}, d4) or (None, "")
+    assert got == b and "1.25x" in why
+    got, _ = rp.rechoose({"buffered": 1.0e9, d4.name: 1.2e9, d8.name: 1.4e9}, d4) or (None, "")
+    assert got == d8  # the fastest timed O_DIRECT method
+    assert rp.Candidate("direct", 4, 256 << 10).name == "direct 4x256KiB"
 
 
 def _probed_row(storage: str, method: str, figures: dict[str, float]) -> ReadPathRow:
@@ -475,63 +476,118 @@ def _probed_row(storage: str, method: str, figures: dict[str, float]) -> ReadPat
     return ReadPathRow(storage, method, threads, piece, json.dumps(figures), "set by the test", 0.0, time.time())
 
 
-def test_the_stores_own_cold_restores_change_the_choice_and_it_is_kept(cold_fs: str) -> None:
-    """A probe that read its just-written file from a cache the store's restores do not find (the
-    figures say O_DIRECT cannot be 2x buffered) chose buffered; a large cold restore times buffered
-    far slower than O_DIRECT's probed figure, so the store switches to O_DIRECT at once (the next cold
-    restore reads around the page cache, exact), keeps the choice with its restores' figure in the
-    catalog, and a reopened store starts from both."""
-    d4 = rp.CANDIDATES[2].name
-    state = _state(11)
-    with _open(cold_fs) as s:
-        # the probe's direct figure is out of any restore's reach: the first timed buffered restore loses
-        s._reads.apply(_probed_row(s._reads.key, "buffered", {"buffered": 1e16, d4: 1e15}))
-        s._reads._cold_rate = lambda: 0.0
-        assert not s._reads.on and s._reads.stale() is None
-        r = s.save(list(range(N)), state)
-        big = _cool(cold_fs)
-        out = _empty()
-        s.restore(r, out)
-        assert all(np.array_equal(out[k], state[k]) for k in state) and _cached(big)  # read buffered
-        _wait_probe(s)
-        row = s._reads.row
-        assert row is not None and row.method == "direct" and s._reads.on and "probed" in row.reason
-        assert _rows(cold_fs) == [(row.storage, "direct", 4, 4 * MIB)]
-        _cool(cold_fs)
-        out = _empty()
-        s.restore(r, out)
-        assert all(np.array_equal(out[k], state[k]) for k in state) and _bypassed(big)  # read O_DIRECT
-        _wait_probe(s)  # that restore timed O_DIRECT: this machine's figures now decide, both timed
-        row = s._reads.row
-        assert row is not None and set(s._reads._medians()) == {"buffered", d4}
-    with _open(cold_fs) as s:
-        assert s._reads.row == row and s._reads.on == (row.method == "direct")
-        assert {"restored: buffered", "restored: " + d4} <= set(s._reads.describe()["figures"])  # type: ignore[arg-type]
-        assert set(s._reads._medians()) == {"buffered", d4}
+BIG = 64 * MIB  # a large cold restore's bytes, as restored() is told them
 
 
-def test_a_timed_o_direct_short_of_the_buffered_restores_goes_back(cold_fs: str) -> None:
-    """The reverse: a store on O_DIRECT whose kept buffered restores ran faster than any O_DIRECT
-    restore can (a figure kept in the catalog) times its O_DIRECT restore, goes back to buffered
-    (the next cold restore leaves the pages cached), and a probe taken then keeps the timed figures."""
-    d4 = rp.CANDIDATES[2].name
-    state = _state(12)
+def _kept(store_dir: str) -> tuple[str, dict[str, float]]:
+    import json
+    c = apsw.Connection(os.path.join(store_dir, "snapstore.db"), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        method, figures = next(c.execute("SELECT method, figures FROM read_paths"))
+        return str(method), json.loads(figures)
+    finally:
+        c.close()
+
+
+def test_the_restores_switch_the_method_keep_it_and_do_not_flap(cold_fs: str) -> None:
+    """The policy, on the figures restored() is given: a timed buffered restore begins a trial of the
+    probe's best O_DIRECT method; that trial, 2x faster, makes O_DIRECT the choice, used at once and
+    kept (its figures too, and the cold rate drift is judged against scaled to it); O_DIRECT stays
+    while STAY_EDGE ahead and goes back below it; a restore that read both ways times neither."""
+    d8, d4 = rp.CANDIDATES[1], rp.CANDIDATES[2]
     with _open(cold_fs) as s:
-        s._reads.apply(_probed_row(s._reads.key, "direct", {"buffered": 1.0, d4: 1e16, "restored: buffered": 1e15}))
-        s._reads._cold_rate = lambda: 0.0
-        assert s._reads.on and s._reads._medians() == {"buffered": 1e15}
-        r = s.save(list(range(N)), state)
+        r = s._reads
+        r.apply(_probed_row(r.key, "buffered", {"buffered": 3e9, d8.name: 2.0e9, d4.name: 2.5e9}))
+        r._cold_rate = lambda: 0.9e9
+        assert not r.on and r.stale() is None
+        r.restored(s._repo, {"cold": BIG}, BIG / 1e9, 0)  # read buffered at 1 GB/s
+        _wait_probe(s)
+        assert r.row is not None and r.row.method == "buffered"
+        assert _kept(cold_fs) == ("buffered", {"buffered": 3e9, d8.name: 2.0e9, d4.name: 2.5e9,
+                                               "restored: buffered": pytest.approx(1e9)})
+        assert r.on and (r.threads, r.piece) == (d4.threads, d4.piece)  # the trial: the probe's best O_DIRECT
+        r.restored(s._repo, {"cold": BIG, "warm": BIG // 20}, BIG / 2e9, BIG // 2)  # both ways: not timed
+        assert r._timings.medians() == {"buffered": pytest.approx(1e9)} and r.on
+        r.restored(s._repo, {"cold": BIG}, BIG / 2e9, BIG)  # the trial read O_DIRECT at 2 GB/s
+        _wait_probe(s)
+        assert r.row.method == "direct" and r.on and (r.threads, r.piece) == (d4.threads, d4.piece)
+        assert "2.00x" in r.row.reason and r.row.cold_rate == pytest.approx(1.8e9)
+        assert _kept(cold_fs)[0] == "direct" and "restored: " + d4.name in _kept(cold_fs)[1]
+        for rate, method in ((1.15e9, "direct"), (1.15e9, "direct"), (1.0e9, "direct"), (1.0e9, "buffered")):
+            r.restored(s._repo, {"cold": BIG}, BIG / rate, BIG)
+            assert r.row.method == method, (rate, r._timings.medians())
+        _wait_probe(s)
+        assert _kept(cold_fs)[0] == "buffered" and not r.on  # back, and no trial due yet
+
+
+def test_a_choice_the_writer_could_not_keep_is_kept_by_a_later_restore(cold_fs: str) -> None:
+    """A switch made while the store's one background thread was busy (a probe, an earlier write) is
+    used at once and written when a later timed restore finds the thread free."""
+    d4 = rp.CANDIDATES[2]
+    with _open(cold_fs) as s:
+        r = s._reads
+        r.apply(_probed_row(r.key, "buffered", {"buffered": 3e9, d4.name: 2.5e9, "restored: buffered": 1e9}))
+        r._cold_rate = lambda: 0.0
+        s._repo.write(lambda t: t.set_read_path(r.row), durable=False)
+        gate = threading.Event()
+        busy = threading.Thread(target=gate.wait, daemon=True)
+        busy.start()
+        r._thread = busy
+        try:
+            assert r.on  # buffered timed, d4 not: the trial of d4 begins as the row is applied (an open)
+            r.restored(s._repo, {"cold": BIG}, BIG / 3e9, BIG)  # d4 3x buffered: switched
+            assert r.row is not None and r.row.method == "direct" and r.on
+            assert _kept(cold_fs)[0] == "buffered"  # not written: the thread was busy
+        finally:
+            gate.set()
+            busy.join()
+            r._thread = None
+        r.restored(s._repo, {"cold": BIG}, BIG / 3e9, BIG)
+        _wait_probe(s)
+        assert _kept(cold_fs)[0] == "direct"
+
+
+@pytest.mark.parametrize("codec", [None, "zstd"])
+def test_real_restores_are_timed_under_the_method_they_read_with(cold_fs: str, codec: str | None) -> None:
+    """A real large cold restore with buffered in force is timed as buffered and begins a trial; the
+    trial reads around the page cache (exact) and is timed under that O_DIRECT method. Compressed
+    chunks are read buffered whatever is in force: timed as buffered, never as O_DIRECT."""
+    d4 = rp.CANDIDATES[2]
+    state = _state(13)
+    if codec is not None:  # compressible (incompressible chunks are stored raw)
+        state = {k: v % 4 for k, v in state.items()}
+    with _open(cold_fs, codec=codec) as s:
+        r = s._reads
+        r.apply(_probed_row(r.key, "buffered", {"buffered": 3e9, d4.name: 2.5e9}))
+        r._cold_rate = lambda: 0.0
+        snap = s.save(list(range(N)), state)
         big = _cool(cold_fs)
         out = _empty()
-        s.restore(r, out)
-        assert all(np.array_equal(out[k], state[k]) for k in state) and _bypassed(big)
+        s.restore(snap, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+        assert set(r._timings.medians()) == {"buffered"} and r.on  # timed buffered; the trial begins
         _wait_probe(s)
-        assert not s._reads.on and s._reads.row is not None and s._reads.row.method == "buffered"
-        assert set(s._reads._medians()) == {"buffered", d4}
         _cool(cold_fs)
         out = _empty()
-        s.restore(r, out)
-        assert all(np.array_equal(out[k], state[k]) for k in state) and _cached(big)
-        row, _ = s._reads.measure_now(s._repo)
-        figures = s._reads.describe()["figures"]
-        assert row.method == "buffered" and {"restored: buffered", "restored: " + d4} <= set(figures)  # type: ignore[arg-type]
+        s.restore(snap, out)
+        assert all(np.array_equal(out[k], state[k]) for k in state)
+        if codec is None:
+            assert _bypassed(big) and set(r._timings.medians()) == {"buffered", d4.name}
+        else:
+            assert set(r._timings.medians()) == {"buffered"}
+
+
+def test_a_new_probe_times_the_restores_afresh(cold_fs: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timings never outlive the probe they followed: a new measurement (drift, age, another storage,
+    `snapstore bench`) starts them afresh, and the probe's choice stands until restores time both ways."""
+    d4 = rp.CANDIDATES[2]
+    rates = {"buffered": 3.0e9, rp.CANDIDATES[1].name: 1.5e9, d4.name: 2.0e9}
+    monkeypatch.setattr(rp, "measure", lambda *a, **k: rp.Measured(rates, rp.BUFFERED, "given", True))
+    with _open(cold_fs) as s:
+        r = s._reads
+        r.apply(_probed_row(r.key, "direct", {"buffered": 3e9, d4.name: 2.5e9, "restored: buffered": 1e9,
+                                             "restored: " + d4.name: 2e9}))
+        assert r.on and set(r._timings.medians()) == {"buffered", d4.name}
+        row, _ = r.measure_now(s._repo)
+        assert row.method == "buffered" and not r.on and r._timings.medians() == {}
+        assert not any(k.startswith(rp.RESTORED) for k in _kept(cold_fs)[1])
