@@ -51,6 +51,7 @@ from snapstore.chunks.chunkfile import (  # noqa: E402
     decode_payload,
     encode_payload,
 )
+from snapstore.restore.read_choice import candidate  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -211,8 +212,7 @@ def measured_read_path(work: str) -> Any:
     with open_store(sdir) as s:
         row, got = s._reads.measure_now(s._repo)
     shutil.rmtree(sdir)
-    print(f"read path measured: {row.method}" + (f" {row.threads}x{row.piece >> 20}MiB" if row.method == "direct"
-                                                  else "") + f" — {row.reason}")
+    print(f"read path measured: {candidate(row.method, row.threads, row.piece).name} — {row.reason}")
     return row._replace(cold_rate=0.0)  # no drift to judge in the run's fresh stores
 
 
@@ -277,8 +277,7 @@ def section_core(args: argparse.Namespace, st: State, work: str) -> None:
                 st.check()
                 if not tag and s._reads.row is not None:  # timed by that restore (restore.read_path): carried on
                     row = s._reads.row._replace(cold_rate=0.0)
-                    chosen.append(row.method if row.method == "buffered"
-                                  else f"direct {row.threads}x{row.piece >> 20}MiB")
+                    chosen.append(candidate(row.method, row.threads, row.piece).name)
                 if s._ram is not None:
                     s._ram.drain()  # admission runs in the background, off the restore's path
                 t["restore_warm" + tag].append(timed(lambda s=s, sid=sid: s.restore(sid, st.into())))
@@ -298,7 +297,7 @@ def section_core(args: argparse.Namespace, st: State, work: str) -> None:
     _results["core"] = {"bytes": n, "GBps": m, "spread": {k: spread(v, n) for k, v in t.items()},
                         "read_path": _results.get("read_path"), "settle_s": args.settle, "chosen_after": chosen,
                         "chosen_why": row.reason}
-    how = row.method if row.method == "buffered" else f"O_DIRECT {row.threads}x{row.piece >> 20}MiB"
+    how = candidate(row.method, row.threads, row.piece).name.replace("direct", "O_DIRECT")
     print(f"\n== raw vs snapstore: {n / MIB:.0f} MiB state ({st.tokens_n} tokens x {ROW_BYTES // 1024} KiB "
           f"bf16 K/V rows + {FIXED_BYTES // MIB} MiB fixed), medians of {reps}, checksums on ==")
     print(f"defaults = Budget() as shipped (RAM tier on), cold reads {how} (its choice at the end); ram=0 beside it; "

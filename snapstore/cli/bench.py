@@ -35,6 +35,7 @@ from snapstore.chunks.publish import SCRATCH_PREFIX
 from snapstore.chunks.repo import DB_NAME, Repo
 from snapstore.console.context import EXIT_OK, FORMAT, CliContext, UsageError
 from snapstore.restore.rates import RestoreRates
+from snapstore.restore.read_choice import candidate
 from snapstore.restore.read_path import BUFFERED, CACHED, CANDIDATES, PROBE_ROUNDS, ReadPaths, storage_key
 from snapstore.store.store import Store
 
@@ -266,7 +267,7 @@ def _measure(root: str, scratch: str, size: int, repeat: int, reads: ReadPaths, 
     best_write = max(raw["write_buffered"], raw["write_direct"])
     best_read = max(v for k, v in raw.items() if k.startswith("read_cold_"))
     warm = raw["read_warm"]
-    chosen = row.method if row.method == "buffered" else f"direct {row.threads}x{row.piece >> 20}MiB"
+    chosen = candidate(row.method, row.threads, row.piece).name
     store = {
         "save": {"Bps": rate("save"), "x": rate("save") / best_write if best_write else 0.0},
         f"restore_cold_{chosen}": {"Bps": rate("cold"), "x": rate("cold") / best_read if best_read else 0.0},

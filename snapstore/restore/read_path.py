@@ -29,32 +29,26 @@ The probe's file is one it has just written, and a cache below the page cache (a
 disk's) may still hold it when the store's restores, of data saved long before, find nothing there:
 on the issue-48 VM buffered reads of a just-written file ran 2.5x faster than of one saved seconds
 earlier, O_DIRECT's nearly the same. So the store's own large cold restores time the method in force
-too, and the choice follows them (:func:`rechoose`): a method its restores timed is judged by them,
-an untimed one by the probe. Their figures are kept with the choice (``restored: <method>`` keys).
+too, under the method their cold bytes were read with, the other method is tried on one of them
+(:mod:`snapstore.restore.read_timing`), and once both are timed they decide (:func:`rechoose`). Their
+figures are kept with the choice (``restored: <method>`` keys); a new probe starts them afresh.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
-import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 
-import numpy as np
-
-from snapstore._errors import SnapstoreError, StateError, StoreIOError
+from snapstore._errors import SnapstoreError, StateError
 from snapstore._forks import track
 from snapstore.catalog.rate_queries import ReadPathRow
 from snapstore.chunks.direct_io import ALIGN, O_DIRECT, DirectReads
-from snapstore.chunks.publish import create_temp, write_all
 from snapstore.chunks.repo import Repo
-from snapstore.chunks.residency import resident
-from snapstore.restore.probe_reads import aligned, read_buffered, read_direct
 from snapstore.restore.read_choice import (
     BUFFERED,
     CACHED,
@@ -68,21 +62,19 @@ from snapstore.restore.read_choice import (
     choose,
     rechoose,
 )
+from snapstore.restore.read_probe import FREE_MARGIN, PROBE_BYTES, PROBE_ROUNDS, measure
 from snapstore.restore.read_timing import ALL_COLD, Timings
 from snapstore.restore.tier_probe import TierBytes
 
-__all__ = ["BUFFERED", "CACHED", "CANDIDATES", "DIRECT_EDGE", "DRIFT", "PROBE_AFTER", "PROBE_BYTES", "REMEASURE_S",
-           "RESTORED", "RESTORED_EDGE", "Candidate", "Measured", "ReadPaths", "choose", "measure", "rechoose",
-           "scaled_cold", "storage_key"]
+__all__ = ["BUFFERED", "CACHED", "CANDIDATES", "DIRECT_EDGE", "DRIFT", "PROBE_AFTER", "PROBE_BYTES", "PROBE_ROUNDS",
+           "REMEASURE_S", "RESTORED", "RESTORED_EDGE", "Candidate", "Measured", "ReadPaths", "choose", "measure",
+           "rechoose", "scaled_cold", "storage_key"]
 
-PROBE_BYTES = 64 << 20  # the probe file: several chunks' worth, a fraction of a second to read
-PROBE_ROUNDS = 3  # medians of this many reads per method
 PROBE_AFTER = 64 << 20  # cold bytes one restore must read before the store measures (smaller: it cannot matter much)
 REMEASURE_S = 7 * 86400.0  # a choice older than this is measured again (a host's disk, its cache, change)
 DRIFT = 2.0  # cold restores this many times faster or slower than at the choice: measured again
+_TRIAL_RESTORES = 64  # restores a trial waits for a large cold one to time it, then ends untimed
 _RETRY_S = 600.0  # one process measures at most this often (a failed or stopped probe included)
-_FREE_MARGIN = 1 << 30  # free space the probe leaves untouched beyond twice its file (a save's room)
-_BUF = 16 << 20  # the probe's read buffer (reused: memory stays bounded), one staging slot's worth
 
 
 def storage_key(path: str) -> str:
@@ -93,83 +85,6 @@ def storage_key(path: str) -> str:
     except (OSError, AttributeError):
         fsid = 0
     return f"{st.st_dev:x}:{fsid:x}"
-
-
-def _drop(fd: int, size: int) -> bool:
-    """Drop the (clean) pages of the probe file; True when they left."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
-    return not resident(fd, size)
-
-
-def measure(tmp_dir: str, size: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS,
-            candidates: Sequence[Candidate] = CANDIDATES, stop: Callable[[], bool] | None = None,
-            reserve: int = _FREE_MARGIN) -> Measured:
-    """Measure each candidate's cold read rate of a ``size``-byte temp file in ``tmp_dir`` (removed
-    afterwards), medians of ``rounds``; ``stop()`` true between reads abandons it (SnapstoreError).
-    OSError (a full disk, a read-only file system) reaches the caller; a method the file system
-    refuses (EINVAL) counts 0. ``reserve``: free space left untouched beyond twice the file (the
-    store's ``Budget.reserve_bytes``)."""
-    size = max(ALIGN, size // ALIGN * ALIGN)
-    try:
-        vfs = os.statvfs(tmp_dir)
-        free = vfs.f_bavail * vfs.f_frsize
-    except OSError:
-        free = -1
-    if 0 <= free < 2 * size + reserve:  # the probe never takes the room a save needs
-        raise StoreIOError(errno.ENOSPC, f"{free >> 20} MiB free under {tmp_dir}: the read-path probe needs "
-                           f"{(2 * size + reserve) >> 20} MiB free; measured another time")
-    fd, path = create_temp(tmp_dir)
-    rfd = -1
-    try:
-        block = np.random.default_rng().integers(0, 256, size=min(size, 4 << 20), dtype=np.uint8)
-        done = 0
-        while done < size:
-            n = min(len(block), size - done)
-            write_all(fd, block.data[:n])
-            done += n
-        os.fsync(fd)  # clean pages: DONTNEED drops them
-        buf = aligned(_BUF)
-        times: dict[str, list[float]] = {c.name: [] for c in candidates}
-        refused: set[str] = {c.name for c in candidates if c.method == "direct"} if O_DIRECT == 0 else set()
-        rfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # the residency probe maps the file: a readable descriptor
-        dropped = True
-        for r in range(rounds):
-            order = list(candidates[r % len(candidates):]) + list(candidates[:r % len(candidates)])
-            for cand in order:
-                if cand.name in refused:
-                    continue
-                if stop is not None and stop():
-                    raise _Stopped("the read-path probe was stopped (the store is closing)")
-                dropped &= _drop(rfd, size)
-                t0 = time.perf_counter()
-                try:
-                    if cand.method == "buffered":
-                        read_buffered(path, size, buf)
-                    else:
-                        read_direct(path, size, buf, cand)
-                except OSError as e:
-                    if cand.method != "direct" or e.errno != 22 or O_DIRECT == 0:  # EINVAL: O_DIRECT refused
-                        raise
-                    refused.add(cand.name)
-                    continue
-                times[cand.name].append(time.perf_counter() - t0)
-                if cand.method == "buffered":  # again, from the pages that read left cached
-                    t0 = time.perf_counter()
-                    read_buffered(path, size, buf)
-                    times.setdefault(CACHED, []).append(time.perf_counter() - t0)
-        rates = {name: (size / statistics.median(ts) if ts and name not in refused else 0.0)
-                 for name, ts in times.items()}
-        chosen, reason = choose(rates, candidates)
-        if not dropped:
-            reason += "; the page cache could not be dropped here (these are cached reads)"
-        return Measured(rates, chosen, reason, dropped)
-    finally:
-        os.close(fd)
-        if rfd >= 0:
-            os.close(rfd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
 
 
 def _figures(row: ReadPathRow) -> dict[str, float]:
@@ -200,10 +115,6 @@ def _dump(probe: dict[str, float], timed: dict[str, float]) -> str:
                       sort_keys=True)
 
 
-class _Stopped(SnapstoreError):
-    """The probe was abandoned (the store is closing)."""
-
-
 class ReadPaths(DirectReads):
     """A store's cold-read method: forced (``forced`` True/False), else the one measured on its
     storage (loaded from the catalog at open, measured in the background when none fits)."""
@@ -214,7 +125,7 @@ class ReadPaths(DirectReads):
         self.forced = forced
         # the free space a probe leaves (the store's Budget.reserve_bytes); background False (a store
         # with a write budget: its writes are the operator's to pace): never measured unasked
-        self.reserve = _FREE_MARGIN if reserve is None else max(0, int(reserve))
+        self.reserve = FREE_MARGIN if reserve is None else max(0, int(reserve))
         self.background = background
         # without a RAM tier the page cache is the only copy a next restore can read from memory, and an
         # O_DIRECT read leaves none: such a store reads buffered unless forced (measured all the same)
@@ -229,6 +140,8 @@ class ReadPaths(DirectReads):
         # the store's own large cold restores per method (issue 48): the choice follows them once both are timed
         self._timings = Timings()
         self._unkept: ReadPathRow | None = None  # a choice the restores made, not yet written to the catalog
+        self._trial: Candidate | None = None  # the method on trial (in force until a large cold restore times it)
+        self._trial_left = 0  # restores the trial may still wait for one that times it
         track(self)
 
     def _after_fork_in_child(self) -> None:
@@ -256,14 +169,33 @@ class ReadPaths(DirectReads):
             self._apply(row)
 
     def _apply(self, row: ReadPathRow) -> None:
-        """:meth:`apply`, under the lock; ends a trial, and begins one of the method not in force when
-        the restores have timed the one in force and a trial is due (:mod:`snapstore.restore.read_timing`)."""
+        """:meth:`apply`, under the lock: ends a trial, and begins one when due (:meth:`_try_other`)."""
         self.row = row
         self._timings.seed(_figures(row))
+        self._trial = None
         kept = candidate(row.method, row.threads, row.piece)
         self._use(kept)
-        other = BUFFERED if kept.method == "direct" else _best_direct(row)
-        if other is not None and kept.name in self._timings.medians() and self._timings.trial_due(other.name):
+        self._try_other(kept, row)
+
+    def _try_other(self, kept: Candidate, row: ReadPathRow) -> None:
+        """Begin a trial of the method not in force (under the lock) when the restores have timed the
+        one in force and one is due (:mod:`snapstore.restore.read_timing`): the probe's fastest O_DIRECT
+        method, unless the probe found it under half the buffered figure (beyond what a cache below
+        the page cache makes of buffered reads); buffered again only once the restores timed it (a
+        probe that chose O_DIRECT, buffered figure and all, leaves nothing for a trial to find)."""
+        timed = self._timings.medians()
+        if kept.name not in timed:
+            return
+        if kept.method == "direct":
+            other = BUFFERED if BUFFERED.name in timed else None
+        else:
+            other = _best_direct(row)
+            figures = _figures(row)
+            if other is not None and figures.get(other.name, 0.0) * DIRECT_EDGE < figures.get(BUFFERED.name, 0.0):
+                other = None
+        if other is not None and self.ram_tier and self.forced is None and not self.refused \
+                and self._timings.trial_due(other.name):
+            self._trial, self._trial_left = other, _TRIAL_RESTORES
             self._use(other)  # the next large cold restore times the method not in force
 
     def _use(self, c: Candidate) -> None:
@@ -287,7 +219,9 @@ class ReadPaths(DirectReads):
         t = time.time() if now is None else now
         if t - row.measured > REMEASURE_S:
             return f"measured {(t - row.measured) / 86400:.0f} days ago"
-        cold = self._cold_rate()
+        # the restores' own figure for the method in force where they timed it (the store-wide fit mixes
+        # the methods its restores read with), else the fit
+        cold = self._timings.medians().get(candidate(row.method, row.threads, row.piece).name) or self._cold_rate()
         if row.cold_rate > 0.0 and cold > 0.0 and not 1.0 / DRIFT <= cold / row.cold_rate <= DRIFT:
             return (f"cold restores drifted from {row.cold_rate / 1e9:.2f} to {cold / 1e9:.2f} GB/s "
                     "since the choice")
@@ -298,6 +232,8 @@ class ReadPaths(DirectReads):
         O_DIRECT): if it read at least :data:`PROBE_AFTER` cold bytes, start the background probe when
         the choice is missing or stale (never on a read-only store), else time the method it read
         with (:meth:`_timed_by`)."""
+        if self._trial is not None:
+            self._count_trial()
         if tiers is None or tiers.get("cold", 0) < PROBE_AFTER or self.forced is not None:
             return
         if not repo.readonly and self.background and self.stale() is not None:
@@ -310,6 +246,17 @@ class ReadPaths(DirectReads):
                     self._thread.start()
                     return
         self._timed_by(repo, tiers, seconds, direct)
+
+    def _count_trial(self) -> None:
+        """One more restore under a trial: it ends untimed after :data:`_TRIAL_RESTORES` (a process that
+        restores nothing large and cold does not keep the method not chosen)."""
+        with self._lock:
+            if self._trial is None or self.row is None:
+                return
+            self._trial_left -= 1
+            if self._trial_left <= 0:
+                self._trial = None
+                self._use(candidate(self.row.method, self.row.threads, self.row.piece))
 
     def _timed_by(self, repo: Repo, tiers: TierBytes, seconds: float, direct: int) -> None:
         """Time the method a large, nearly all-cold restore read with, choose again by the store's own
@@ -335,11 +282,20 @@ class ReadPaths(DirectReads):
             chosen, reason = rechoose(timed, kept) or (kept, row.reason)
             if chosen != kept or new_figure:
                 probe = {k: v for k, v in _figures(row).items() if not k.startswith(RESTORED)}
+                # cold_rate: the restores' own figure for the method chosen (what drift is judged by)
                 row = ReadPathRow(row.storage, chosen.method, chosen.threads, chosen.piece, _dump(probe, timed),
-                                  reason, scaled_cold(self._cold_rate(), timed, chosen, kept) if chosen != kept
-                                  else row.cold_rate, row.measured)  # measured: when the probe measured
+                                  reason, timed[chosen.name] if chosen != kept else row.cold_rate,
+                                  row.measured)  # measured: when the probe measured
                 self._unkept = row
-            self._apply(row)  # ends a trial, begins one when due
+            if chosen != kept:
+                self._apply(row)  # a new choice: a trial in flight is moot
+            else:
+                self.row = row
+                if self._trial is not None and used == self._trial:  # the trial timed: over
+                    self._trial = None
+                    self._use(kept)
+                if self._trial is None:  # a restore begun before a trial does not end it
+                    self._try_other(kept, row)
             self._keep_unkept(repo)
 
     def _keep_unkept(self, repo: Repo) -> None:
@@ -404,7 +360,7 @@ class ReadPaths(DirectReads):
         key = self.key or storage_key(repo.root)
         # the cold rate drift is judged against: the store's, scaled from the method it was measured with
         # to the one chosen (switching methods is no drift)
-        was = Candidate("direct", self.threads, self.piece) if self.on else BUFFERED
+        was = candidate(self.row.method, self.row.threads, self.row.piece) if self.row is not None else BUFFERED
         row = ReadPathRow(key, got.chosen.method, got.chosen.threads, got.chosen.piece, _dump(got.rates, {}),
                           got.reason, scaled_cold(self._cold_rate(), got.rates, got.chosen, was), time.time())
         repo.write(lambda t: t.set_read_path(row), durable=False)
@@ -439,6 +395,9 @@ class ReadPaths(DirectReads):
         if row.method == "direct" and not self.on and not self.ram_tier:
             why = ("buffered: this store has no RAM tier (ram_bytes=0), so the page cache is the only copy its next "
                    f"restore can read from memory, and O_DIRECT would leave none (measured: {row.reason})")
+        trial = self._trial
+        if trial is not None:
+            why = f"trying {trial.name} on the next large cold restore (the choice: {row.reason})"
         return {"method": "direct" if self.on else "buffered", "threads": self.threads if self.on else BUFFERED.threads,
                 "piece": self.piece if self.on else BUFFERED.piece, "why": why, "measured": row.measured,
                 "figures": figures, "storage": row.storage}
