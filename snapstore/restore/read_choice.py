@@ -86,7 +86,6 @@ def choose(rates: dict[str, float], candidates: Sequence[Candidate] = CANDIDATES
                       "the pages cached")
 
 
-
 def candidate(method: str, threads: int, piece: int) -> Candidate:
     """The candidate a kept method names (buffered: its one way; an unknown method reads buffered)."""
     return Candidate("direct", threads, piece) if method == "direct" else BUFFERED
