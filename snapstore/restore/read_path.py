@@ -221,7 +221,9 @@ class ReadPaths(DirectReads):
             return f"measured {(t - row.measured) / 86400:.0f} days ago"
         # the restores' own figure for the method in force where they timed it (the store-wide fit mixes
         # the methods its restores read with), else the fit
-        cold = self._timings.medians().get(candidate(row.method, row.threads, row.piece).name) or self._cold_rate()
+        with self._lock:  # Timings is the lock's (a timed restore on another thread may be adding to it)
+            timed = self._timings.medians().get(candidate(row.method, row.threads, row.piece).name)
+        cold = timed or self._cold_rate()
         if row.cold_rate > 0.0 and cold > 0.0 and not 1.0 / DRIFT <= cold / row.cold_rate <= DRIFT:
             return (f"cold restores drifted from {row.cold_rate / 1e9:.2f} to {cold / 1e9:.2f} GB/s "
                     "since the choice")

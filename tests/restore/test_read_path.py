@@ -636,3 +636,29 @@ def test_trials_are_bounded_and_a_switch_is_no_drift(cold_fs: str, monkeypatch: 
         monkeypatch.setattr(rp, "measure", lambda *a, **k: rp.Measured(rates, rp.BUFFERED, "given", True))
         row, _ = r.measure_now(s._repo)
         assert row.method == "buffered" and row.cold_rate == pytest.approx(0.9e9)  # from buffered to buffered
+
+
+def test_the_timings_are_read_and_written_under_the_read_paths_lock(cold_fs: str) -> None:
+    """Timings is not thread-safe: every call on it, stale()'s drift check included (restored() asks
+    it outside the lock on every large cold restore), holds the read path's lock."""
+    d4 = rp.CANDIDATES[2]
+    with _open(cold_fs) as s:
+        r = s._reads
+        r.apply(_probed_row(r.key, "buffered", {"buffered": 3e9, d4.name: 2.5e9, "restored: buffered": 1e9}))
+        timings, unlocked = r._timings, []
+        real = type(timings)
+
+        class Watched(real):  # type: ignore[misc,valid-type]
+            def medians(self) -> dict[str, float]:
+                if not r._lock.locked():
+                    unlocked.append("medians")
+                return super().medians()
+
+        watched = Watched()
+        watched.seed({"restored: buffered": 1e9})
+        r._timings = watched
+        r._cold_rate = lambda: 0.0
+        assert r.stale() is None
+        r.restored(s._repo, {"cold": BIG}, BIG / 2e9, BIG if r.on else 0)
+        _wait_probe(s)
+        assert unlocked == []
