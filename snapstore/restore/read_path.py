@@ -102,9 +102,9 @@ def scaled_cold(cold: float, rates: dict[str, float], chosen: Candidate, was: Ca
     return float(cold) * (now / before if now > 0.0 and before > 0.0 else 1.0)
 
 
-def _best_direct(row: ReadPathRow) -> Candidate | None:
-    """The O_DIRECT method the probe found fastest (None: refused everywhere, or not measured)."""
-    figures = _figures(row)
+def _best_direct(figures: dict[str, float]) -> Candidate | None:
+    """The O_DIRECT method the probe found fastest by a row's ``figures`` (None: refused everywhere,
+    or not measured)."""
     best = max((c for c in CANDIDATES if c.method == "direct"), key=lambda c: figures.get(c.name, 0.0))
     return best if figures.get(best.name, 0.0) > 0.0 and O_DIRECT != 0 else None
 
@@ -189,8 +189,8 @@ class ReadPaths(DirectReads):
         if kept.method == "direct":
             other = BUFFERED if BUFFERED.name in timed else None
         else:
-            other = _best_direct(row)
             figures = _figures(row)
+            other = _best_direct(figures)
             if other is not None and figures.get(other.name, 0.0) * DIRECT_EDGE < figures.get(BUFFERED.name, 0.0):
                 other = None
         if other is not None and self.ram_tier and self.forced is None and not self.refused \
@@ -277,13 +277,14 @@ class ReadPaths(DirectReads):
                 if direct >= ALL_COLD * cold else None
             if used is None:
                 return  # read both ways: it times neither
-            new_figure = RESTORED + used.name not in _figures(row)
+            figures = _figures(row)
+            new_figure = RESTORED + used.name not in figures
             self._timings.add(used.name, cold / seconds)
             kept = candidate(row.method, row.threads, row.piece)
             timed = self._timings.medians()
             chosen, reason = rechoose(timed, kept) or (kept, row.reason)
             if chosen != kept or new_figure:
-                probe = {k: v for k, v in _figures(row).items() if not k.startswith(RESTORED)}
+                probe = {k: v for k, v in figures.items() if not k.startswith(RESTORED)}
                 # cold_rate: the restores' own figure for the method chosen (what drift is judged by)
                 row = ReadPathRow(row.storage, chosen.method, chosen.threads, chosen.piece, _dump(probe, timed),
                                   reason, timed[chosen.name] if chosen != kept else row.cold_rate,
