@@ -170,7 +170,7 @@ class HotRestores:
                     self._drop(plan)
                     return None
                 # taken once nothing can abort the replay before it writes: no RAM hit counted twice
-                held = [ram.get(row.id) for _, _, row in plan.chunks] if ram is not None else None
+                held = ram.get_all([row.id for _, _, row in plan.chunks]) if ram is not None else None
                 try:
                     read_all(plan, views, tiers, held, ram, cold)
                 except (Unreadable, OSError):

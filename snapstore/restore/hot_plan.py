@@ -130,6 +130,7 @@ def read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int], held
     cached, whose bytes count "cold"."""
     digest = xxhash.xxh3_128_digest
     asked = [bool(cold)]  # the later small files were asked for (cold ones found, or a read that waited)
+    read: list[ChunkRow] = []  # chunks read from their files: offered to the RAM tier at the end
     for i, (fd, pieces, row) in enumerate(plan.chunks):
         data = held[i] if held is not None else None
         if data is not None:
@@ -155,8 +156,9 @@ def read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int], held
                 h.update(view)
             if h.digest() != row.checksum:
                 raise Unreadable("checksum")
-        if ram is not None:  # admitted off this thread, from the file tier, as the full path offers it
-            ram.offer(row)
+        read.append(row)
+    if ram is not None and read:  # admitted off this thread, from the file tier, as the full path offers them
+        ram.offer_all(read)
 
 
 def _read(plan: HotPlan, i: int, fd: int, view: memoryview, off: int, tiers: dict[str, int], kind: str,

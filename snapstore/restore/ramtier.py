@@ -15,6 +15,12 @@ Nor does admission compete with a restore for the CPU or the GIL: on 2 vCPUs a b
 XXH3 running beside the restore that triggered it made that restore 0.61x the raw read. So the
 admission thread waits while any restore is in flight (:meth:`RamTier.restoring`), loads a chunk
 in ``_PIECE`` pieces and waits again between pieces, and runs at a lower scheduling priority.
+
+It looks for a moment with no restore in flight every :data:`_QUIET_POLL_S`; a restore's end does
+not wake it. When each restore's end woke it, a hot prefix restored back to back handed the GIL to
+the admission thread after every restore, which found the next restore already begun: 1K tokens
+over 12 links restored in ~230 us instead of ~140 (the RAM tier empty or not), and admitted its
+1 MiB over more than a thousand restores (docs/benchmarks.md, "Issue 48, sixth pass").
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -38,6 +44,7 @@ __all__ = ["RamTier"]
 _TEST_HOOK: Callable[[bytes], None] | None = None
 
 _MAX_QUEUED = 256  # offers waiting for the admission thread; more are dropped (admitted next time)
+_QUIET_POLL_S = 0.002  # how often a waiting admission looks for a moment with no restore in flight
 _NICE = 10  # the admission thread's niceness increment (best effort, Linux: per-thread priority)
 
 
@@ -57,38 +64,46 @@ class RamTier:
         self._lock = threading.Lock()
         self._queue: deque[ChunkRow] = deque()
         self._queued: set[bytes] = set()
-        self._cv = threading.Condition(self._lock)
+        # one lock, three waits: the admission thread for an offer (_work) and for no restore in flight
+        # (_quiet: polled, woken only by clear()), drain() for the queue to empty (_idle). Separate, so
+        # no restore wakes the admission thread (module docstring)
+        self._work = threading.Condition(self._lock)
+        self._quiet = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
         self._busy = False  # the admission thread is working on an offer
         self._thread: threading.Thread | None = None
         self._stop = False
         self._active = 0  # restores in flight: admission waits while there are any
+        self._in_flight = _InFlight(self)  # restoring()'s: a plain object, cheaper than a generator per restore
         track(self)
 
     def _after_fork_in_child(self) -> None:
         """A forked child: fresh locks; the parent's offers, admission thread and restores are not here."""
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
+        self._work = threading.Condition(self._lock)
+        self._quiet = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
         self._queue.clear()
         self._queued.clear()
         self._busy, self._thread, self._active = False, None, 0
 
-    @contextlib.contextmanager
-    def restoring(self) -> Iterator[None]:
-        """Mark a restore in flight: admission pauses (at the next piece) until none is."""
+    def restoring(self) -> _InFlight:
+        """Mark a restore in flight (a context manager): admission pauses (at the next piece) until none is."""
+        return self._in_flight
+
+    def _enter_restore(self) -> None:
         with self._lock:
             self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-                self._cv.notify_all()
+
+    def _leave_restore(self) -> None:
+        with self._lock:
+            self._active -= 1  # nobody woken: admission looks again within _QUIET_POLL_S
 
     def _yield_to_restores(self) -> bool:
         """Block while a restore is in flight; False once the tier is stopping."""
         with self._lock:
             while self._active and not self._stop:
-                self._cv.wait()
+                self._quiet.wait(_QUIET_POLL_S)
             return not self._stop
 
     def get(self, cid: bytes) -> memoryview | None:
@@ -99,6 +114,19 @@ class RamTier:
                 self._items.move_to_end(cid)
                 self.hits += 1
             return data
+
+    def get_all(self, cids: Iterable[bytes]) -> list[memoryview | None]:
+        """:meth:`get` for each of ``cids``, under one lock (a replayed restore asks for every chunk
+        of its plan at once)."""
+        with self._lock:
+            items, found = self._items, []
+            for cid in cids:
+                data = items.get(cid)
+                if data is not None:
+                    items.move_to_end(cid)
+                    self.hits += 1
+                found.append(data)
+            return found
 
     def has(self, cid: bytes) -> bool:
         """Whether the chunk is held now (an estimate's probe: no hit counted, its place unchanged)."""
@@ -147,16 +175,26 @@ class RamTier:
         restored before, or now with ``first`` (it was read with O_DIRECT, which left nothing in the
         page cache: the RAM tier is then the only copy the next restore can read from memory, issue
         48). Never blocks on the copy; a full queue drops the offer."""
-        cid = chunk.id
+        self.offer_all((chunk,), first)
+
+    def offer_all(self, chunks: Iterable[ChunkRow], first: bool = False) -> None:
+        """:meth:`offer` for each of ``chunks``, under one lock (a replayed restore offers what it read
+        from files at its end)."""
         with self._lock:
-            if self._stop or not self._wanted(cid, chunk.raw_len, first) or len(self._queue) >= _MAX_QUEUED:
+            queued = False
+            for chunk in chunks:
+                cid = chunk.id
+                if self._stop or not self._wanted(cid, chunk.raw_len, first) or len(self._queue) >= _MAX_QUEUED:
+                    continue
+                self._queue.append(chunk)
+                self._queued.add(cid)
+                queued = True
+            if not queued:
                 return
-            self._queue.append(chunk)
-            self._queued.add(cid)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="snapstore-ramtier", daemon=True)
                 self._thread.start()
-            self._cv.notify_all()
+            self._work.notify()
 
     def put(self, cid: bytes, data: bytes | memoryview) -> None:
         """Keep verified bytes now (copied) if this is their second sighting; evicts LRU to make room."""
@@ -185,11 +223,11 @@ class RamTier:
             with self._lock:
                 while not self._queue and not self._stop:
                     self._busy = False
-                    self._cv.notify_all()
-                    self._cv.wait()
+                    self._idle.notify_all()
+                    self._work.wait()
                 if self._stop:
                     self._busy = False
-                    self._cv.notify_all()
+                    self._idle.notify_all()
                     return
                 chunk = self._queue.popleft()
                 cid = chunk.id
@@ -212,7 +250,7 @@ class RamTier:
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every offer so far is admitted or dropped (tests, benchmarks); False on timeout."""
         with self._lock:
-            return self._cv.wait_for(lambda: (not self._queue and not self._busy) or self._thread is None,
+            return self._idle.wait_for(lambda: (not self._queue and not self._busy) or self._thread is None,
                                      timeout)
 
     def take_hits(self) -> int:
@@ -242,7 +280,8 @@ class RamTier:
         with self._lock:
             self._stop = True
             self._queue.clear()
-            self._cv.notify_all()
+            for cond in (self._work, self._quiet, self._idle):
+                cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
@@ -254,3 +293,17 @@ class RamTier:
             self._thread = None
             self._stop = False
 
+
+class _InFlight:
+    """:meth:`RamTier.restoring`'s context manager: counts a restore in flight while inside."""
+
+    __slots__ = ("_tier",)
+
+    def __init__(self, tier: RamTier) -> None:
+        self._tier = tier
+
+    def __enter__(self) -> None:
+        self._tier._enter_restore()
+
+    def __exit__(self, *exc: object) -> None:
+        self._tier._leave_restore()
