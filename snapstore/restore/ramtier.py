@@ -19,8 +19,10 @@ in ``_PIECE`` pieces and waits again between pieces, and runs at a lower schedul
 It looks for a moment with no restore in flight every :data:`_QUIET_POLL_S`; a restore's end does
 not wake it. When each restore's end woke it, a hot prefix restored back to back handed the GIL to
 the admission thread after every restore, which found the next restore already begun: 1K tokens
-over 12 links restored in ~230 us instead of ~140 (the RAM tier empty or not), and admitted its
-1 MiB over more than a thousand restores (docs/benchmarks.md, "Issue 48, sixth pass").
+over 12 links restored ~40% slower with the RAM tier than without it until it held them
+(docs/benchmarks.md, "Issue 48, sixth pass"). Once :data:`_PATIENCE` restores ended while it
+waited, it loads its next piece anyway: a store never without a restore in flight (back to back,
+or from several threads) would otherwise never admit.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ _TEST_HOOK: Callable[[bytes], None] | None = None
 
 _MAX_QUEUED = 256  # offers waiting for the admission thread; more are dropped (admitted next time)
 _QUIET_POLL_S = 0.002  # how often a waiting admission looks for a moment with no restore in flight
+# restores that may end while one piece of admission waits for such a moment: then it goes ahead (a
+# server restoring back to back, or from several threads at once, is never without a restore in
+# flight; one piece beside one restore in _PATIENCE costs it a few us on average)
+_PATIENCE = 16
 _NICE = 10  # the admission thread's niceness increment (best effort, Linux: per-thread priority)
 
 
@@ -74,6 +80,7 @@ class RamTier:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._active = 0  # restores in flight: admission waits while there are any
+        self._ended = 0  # restores ended (admission's patience counts them)
         self._in_flight = _InFlight(self)  # restoring()'s: a plain object, cheaper than a generator per restore
         track(self)
 
@@ -85,7 +92,7 @@ class RamTier:
         self._idle = threading.Condition(self._lock)
         self._queue.clear()
         self._queued.clear()
-        self._busy, self._thread, self._active = False, None, 0
+        self._busy, self._thread, self._active, self._ended = False, None, 0, 0
 
     def restoring(self) -> _InFlight:
         """Mark a restore in flight (a context manager): admission pauses (at the next piece) until none is."""
@@ -98,11 +105,15 @@ class RamTier:
     def _leave_restore(self) -> None:
         with self._lock:
             self._active -= 1  # nobody woken: admission looks again within _QUIET_POLL_S
+            self._ended += 1
 
     def _yield_to_restores(self) -> bool:
-        """Block while a restore is in flight; False once the tier is stopping."""
+        """Block while a restore is in flight, or until :data:`_PATIENCE` restores ended meanwhile (a
+        store never without one in flight admits a piece then, between them); False once the tier
+        is stopping."""
         with self._lock:
-            while self._active and not self._stop:
+            since = self._ended
+            while self._active and not self._stop and self._ended - since < _PATIENCE:
                 self._quiet.wait(_QUIET_POLL_S)
             return not self._stop
 

@@ -184,6 +184,29 @@ def test_admission_put_off_by_a_restore_goes_on_once_none_is_in_flight(store_dir
         assert s._ram.hits > held and all(out[k].tobytes() == state[k].tobytes() for k in state)
 
 
+def test_a_store_never_without_a_restore_in_flight_still_admits(store_dir: str) -> None:
+    """Restores back to back while another is in flight throughout (a server restoring from several
+    threads): no moment is quiet, and admission loads a piece anyway once _PATIENCE restores ended
+    while it waited. Waiting for quiet alone, it never admitted."""
+    state = make_state(LAYOUT, 640, seed=6)
+    with _open_small_ram(store_dir) as s:
+        r = s.save(list(range(640)), state)
+        dest = {k: np.zeros_like(v) for k, v in state.items()}
+        assert s._ram is not None
+        with s._ram.restoring():
+            s.restore(r, dest)
+            s.restore(r, dest)  # the second sighting: every chunk offered
+            for _ in range(4000):
+                if s._ram.drain(0):
+                    break
+                s.restore(r, dest)
+            assert s._ram.drain(0) and s._ram.used > 0
+        assert all(dest[k].tobytes() == state[k].tobytes() for k in state)
+        held = s._ram.hits
+        s.restore(r, dest)
+        assert s._ram.hits > held
+
+
 # -- direct I/O ----------------------------------------------------------------------------------
 _cached_pages = cached_pages  # tests/support/pagecache.py (shared with test_cold_reads.py)
 
