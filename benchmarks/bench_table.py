@@ -78,7 +78,7 @@ def table(res: dict[str, Any], meta: dict[str, Any], vllm: dict[str, Any] | None
             mib = r["bytes"] / (1 << 20)
             what = f"small restore, {r['tokens']} tokens ({mib:.0f} MiB), {r['links']} link{'s' * (r['links'] > 1)}"
             if "steady_floor_x" in r:  # issue 48: against the floor (raw read + XXH3), cold / warm / steady
-                busy = "ram_busy" in r  # runs before the sixth pass timed the defaults only back to back
+                busy = "ram_busy" in r  # runs before issue 48's sixth pass timed the defaults only back to back
                 rows.append((what + ": cold / warm / steady; defaults (RAM tier)"
                              + (" steady, and back to back from the first restore" if busy else ""),
                              f"{r['cold']:.2f} / {r['warm']:.2f} / {r['steady']:.3f} ms; {r['ram']:.3f} ms"

@@ -127,7 +127,8 @@ def read_all(plan: HotPlan, views: list[memoryview], tiers: dict[str, int], held
               ram: RamTier | None, cold: set[int]) -> None:
     """Write every chunk of ``plan`` into ``views``: from the RAM tier where ``held`` has it, else read
     from its file and checked; Unreadable or OSError on failure. ``cold``: the files found not
-    cached, whose bytes count "cold"."""
+    cached, whose bytes count "cold". The chunks read from files are offered to ``ram`` once all are
+    written (one lock); a replay that fails offers none (the full path that follows does)."""
     digest = xxhash.xxh3_128_digest
     asked = [bool(cold)]  # the later small files were asked for (cold ones found, or a read that waited)
     read: list[ChunkRow] = []  # chunks read from their files: offered to the RAM tier at the end

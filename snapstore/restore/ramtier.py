@@ -19,7 +19,7 @@ in ``_PIECE`` pieces and waits again between pieces, and runs at a lower schedul
 It looks for a moment with no restore in flight every :data:`_QUIET_POLL_S`; a restore's end does
 not wake it. When each restore's end woke it, a hot prefix restored back to back handed the GIL to
 the admission thread after every restore, which found the next restore already begun: 1K tokens
-over 12 links restored ~40% slower with the RAM tier than without it until it held them
+over 12 links restored in ~230 us with the RAM tier, ~140 without it, until the tier held them
 (docs/benchmarks.md, "Issue 48, sixth pass"). Once :data:`_PATIENCE` restores ended while it
 waited, it loads its next piece anyway: a store never without a restore in flight (back to back,
 or from several threads) would otherwise never admit.
@@ -47,9 +47,11 @@ _TEST_HOOK: Callable[[bytes], None] | None = None
 
 _MAX_QUEUED = 256  # offers waiting for the admission thread; more are dropped (admitted next time)
 _QUIET_POLL_S = 0.002  # how often a waiting admission looks for a moment with no restore in flight
+_QUIET_POLL_MAX_S = 0.05  # ... doubling up to this while no restore ends (one long restore in flight)
 # restores that may end while one piece of admission waits for such a moment: then it goes ahead (a
 # server restoring back to back, or from several threads at once, is never without a restore in
-# flight; one piece beside one restore in _PATIENCE costs it a few us on average)
+# flight). Its cost to those restores: docs/benchmarks.md, "Issue 48, sixth pass" (the defaults
+# restored back to back, bench_small's ram_busy)
 _PATIENCE = 16
 _NICE = 10  # the admission thread's niceness increment (best effort, Linux: per-thread priority)
 
@@ -95,7 +97,8 @@ class RamTier:
         self._busy, self._thread, self._active, self._ended = False, None, 0, 0
 
     def restoring(self) -> _InFlight:
-        """Mark a restore in flight (a context manager): admission pauses (at the next piece) until none is."""
+        """Mark a restore in flight (a context manager): admission pauses (at the next piece) until none
+        is, or until :data:`_PATIENCE` restores ended while it waited."""
         return self._in_flight
 
     def _enter_restore(self) -> None:
@@ -112,9 +115,13 @@ class RamTier:
         store never without one in flight admits a piece then, between them); False once the tier
         is stopping."""
         with self._lock:
-            since = self._ended
+            since = seen = self._ended
+            wait = _QUIET_POLL_S
             while self._active and not self._stop and self._ended - since < _PATIENCE:
-                self._quiet.wait(_QUIET_POLL_S)
+                self._quiet.wait(wait)
+                # no restore ended since the last look (a long one in flight): look less often
+                wait = _QUIET_POLL_S if self._ended != seen else min(2 * wait, _QUIET_POLL_MAX_S)
+                seen = self._ended
             return not self._stop
 
     def get(self, cid: bytes) -> memoryview | None:
@@ -203,8 +210,14 @@ class RamTier:
             if not queued:
                 return
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="snapstore-ramtier", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="snapstore-ramtier", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # no thread to be had now: the offers are dropped (a later restore offers again)
+                    self._queue.clear()  # with no admission thread, only this call queued anything
+                    self._queued.clear()
+                    return
+                self._thread = thread
             self._work.notify()
 
     def put(self, cid: bytes, data: bytes | memoryview) -> None:
