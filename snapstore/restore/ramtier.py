@@ -16,13 +16,14 @@ XXH3 running beside the restore that triggered it made that restore 0.61x the ra
 admission thread waits while any restore is in flight (:meth:`RamTier.restoring`), loads a chunk
 in ``_PIECE`` pieces and waits again between pieces, and runs at a lower scheduling priority.
 
-It looks for a moment with no restore in flight every :data:`_QUIET_POLL_S`; a restore's end does
-not wake it. When each restore's end woke it, a hot prefix restored back to back handed the GIL to
-the admission thread after every restore, which found the next restore already begun: 1K tokens
-over 12 links restored in ~230 us with the RAM tier, ~140 without it, until the tier held them
-(docs/benchmarks.md, "Issue 48, sixth pass"). Once :data:`_PATIENCE` restores ended while it
-waited, it loads its next piece anyway: a store never without a restore in flight (back to back,
-or from several threads) would otherwise never admit.
+It looks for a moment with no restore in flight every :data:`_QUIET_POLL_S` (less often while no
+restore ends, up to :data:`_QUIET_POLL_MAX_S`); a restore's end does not wake it. When each
+restore's end woke it, a hot prefix restored back to back handed the GIL to the admission thread
+after every restore, which found the next restore already begun: 1K tokens over 12 links restored
+in ~230 us with the RAM tier, ~140 without it, until the tier held them (docs/benchmarks.md,
+"Issue 48, sixth pass"). Once :data:`_PATIENCE` restores ended while it waited, it loads its next
+piece anyway: a store never without a restore in flight (back to back, or from several threads)
+would otherwise never admit.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class RamTier:
 
     def _leave_restore(self) -> None:
         with self._lock:
-            self._active -= 1  # nobody woken: admission looks again within _QUIET_POLL_S
+            self._active -= 1  # nobody woken: admission looks again at its next poll
             self._ended += 1
 
     def _yield_to_restores(self) -> bool:
