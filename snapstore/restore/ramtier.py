@@ -276,7 +276,7 @@ class RamTier:
         """Wait until every offer so far is admitted or dropped (tests, benchmarks); False on timeout."""
         with self._lock:
             return self._idle.wait_for(lambda: (not self._queue and not self._busy) or self._thread is None,
-                                     timeout)
+                                       timeout)
 
     def take_hits(self) -> int:
         """Hits since the last call (for the persistent counters)."""
