@@ -127,12 +127,7 @@ class RamTier:
 
     def get(self, cid: bytes) -> memoryview | None:
         """The chunk's bytes, or None; a hit refreshes its place."""
-        with self._lock:
-            data = self._items.get(cid)
-            if data is not None:
-                self._items.move_to_end(cid)
-                self.hits += 1
-            return data
+        return self.get_all((cid,))[0]
 
     def get_all(self, cids: Iterable[bytes]) -> list[memoryview | None]:
         """:meth:`get` for each of ``cids``, under one lock (a replayed restore asks for every chunk
@@ -200,10 +195,12 @@ class RamTier:
         """:meth:`offer` for each of ``chunks``, under one lock (a replayed restore offers what it read
         from files at its end)."""
         with self._lock:
+            if self._stop:
+                return
             queued = False
             for chunk in chunks:
                 cid = chunk.id
-                if self._stop or not self._wanted(cid, chunk.raw_len, first) or len(self._queue) >= _MAX_QUEUED:
+                if not self._wanted(cid, chunk.raw_len, first) or len(self._queue) >= _MAX_QUEUED:
                     continue
                 self._queue.append(chunk)
                 self._queued.add(cid)
