@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from snapstore._config import Budget, default_dir
-from snapstore._errors import CorruptionError
+from snapstore._errors import CorruptionError, StateError
 from snapstore._identity import Identity
 from snapstore._layout import Fixed, Layout, Rows
 from snapstore.chunks.direct_io import ALIGN, O_DIRECT
@@ -183,6 +183,16 @@ def run_bench(root: str, size: int, repeat: int, note: Callable[[str], None] | N
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _saved(s: Store, tokens: list[int]) -> Any:
+    """The scratch snapshot's match; StateError when the store no longer finds it (its settings from the
+    environment dropped it: a TTL or an entry limit)."""
+    m = s.match(tokens)
+    if m is None:
+        raise StateError("snapstore bench: the scratch store lost its snapshot before it was restored (check "
+                         "$SNAPSTORE_TTL and $SNAPSTORE_MAX_ENTRIES), and run it again")
+    return m
+
+
 def _measure(root: str, scratch: str, size: int, repeat: int, reads: ReadPaths, row: Any, got: Any,
              before: dict[str, object], say: Callable[[str], None]) -> dict[str, Any]:
     """The writes and the scratch store's figures (``run_bench``'s body, in ``scratch``)."""
@@ -225,15 +235,24 @@ def _measure(root: str, scratch: str, size: int, repeat: int, reads: ReadPaths, 
                 direct_ok = False
         os.unlink(raw_path)
         sdir = os.path.join(scratch, f"store-{r}")
-        budget = Budget(disk_bytes=4 * nbytes + (256 << 20))
-        with Store.open(sdir, identity=ident, layout=lay, budget=budget) as s:  # the defaults: RAM tier on
-            t["save"].append(_timed(partial(s.save, tokens, src, parent=None)))
+        # the defaults (RAM tier on), but the save always writes: a write admission or write budget set for
+        # the user's stores would skip it (the reserve of free space stays theirs: a save it refuses is reported)
+        budget = Budget(disk_bytes=4 * nbytes + (256 << 20), write_bytes_per_hour=0)
+        with Store.open(sdir, identity=ident, layout=lay, budget=budget, admit="always") as s:
+            t0 = time.perf_counter()
+            saved = s.save(tokens, src, parent=None)
+            t["save"].append(time.perf_counter() - t0)
+            if not saved.ok:
+                why = saved.skipped
+                fix = f"free space on {root}, or lower $SNAPSTORE_RESERVE_MIB or --size-mib" if why == "disk_full" \
+                    else "a store setting in the environment ($SNAPSTORE_*) refused it: unset it"
+                raise StateError(f"snapstore bench: the scratch store's save of {nbytes >> 20} MiB was skipped "
+                                 f"({why}): {fix}, and run it again")
 
         def with_chosen(sdir: str = sdir, budget: Budget = budget) -> None:
-            with Store.open(sdir, identity=ident, layout=lay, budget=budget) as s:  # a fresh RAM tier
+            with Store.open(sdir, identity=ident, layout=lay, budget=budget, admit="always") as s:  # a fresh RAM tier
                 s._reads.apply(mine)  # the choice just measured for this storage (the scratch store is on it too)
-                m = s.match(tokens)
-                assert m is not None
+                m = _saved(s, tokens)
                 _drop(_files(sdir))
                 for k in ("cold", "warm1", "warmN"):
                     t[k].append(_timed(partial(s.restore, m, dst)))
@@ -244,10 +263,9 @@ def _measure(root: str, scratch: str, size: int, repeat: int, reads: ReadPaths, 
         def with_other(sdir: str = sdir, budget: Budget = budget) -> None:
             if other_row is None:
                 return
-            with Store.open(sdir, identity=ident, layout=lay, budget=budget) as s:  # a fresh RAM tier: none held
+            with Store.open(sdir, identity=ident, layout=lay, budget=budget, admit="always") as s:  # none held yet
                 s._reads.apply(other_row)  # the path not chosen, for comparison
-                m = s.match(tokens)
-                assert m is not None
+                m = _saved(s, tokens)
                 _drop(_files(sdir))
                 t["cold_other"].append(_timed(partial(s.restore, m, dst)))
                 check()

@@ -132,7 +132,10 @@ class HotRestores:
         if components is not None:
             if not isinstance(components, (list, tuple, set, frozenset)):
                 return None  # an iterator is read once, by the full path
-            components = frozenset(components)
+            try:
+                components = frozenset(components)
+            except TypeError:
+                return None  # an unhashable name: the full path rejects it (wanted_components)
         return (sid, ns, components, rows_from, upto, *[(name, id(obj)) for name, obj in into.items()])
 
     def wal(self) -> bytes | None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
@@ -55,6 +56,9 @@ _QUIET_POLL_MAX_S = 0.05  # ... doubling up to this while no restore ends (one l
 # restored back to back, bench_small's ram_busy)
 _PATIENCE = 16
 _NICE = 10  # the admission thread's niceness increment (best effort, Linux: per-thread priority)
+# an idle admission thread lets go of its tier this often: a store dropped without close() is then
+# collected, its tier with it, and the thread ends (it holds the tier only weakly between waits)
+_IDLE_S = 1.0
 
 
 class RamTier:
@@ -82,9 +86,9 @@ class RamTier:
         self._busy = False  # the admission thread is working on an offer
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._active = 0  # restores in flight: admission waits while there are any
-        self._ended = 0  # restores ended (admission's patience counts them)
-        self._in_flight = _InFlight(self)  # restoring()'s: a plain object, cheaper than a generator per restore
+        # restoring()'s: a plain object, cheaper than a generator per restore; it counts the restores in
+        # flight (admission waits while there are any) and ended (admission's patience counts them)
+        self._in_flight = _InFlight(self._lock)
         track(self)
 
     def _after_fork_in_child(self) -> None:
@@ -95,34 +99,27 @@ class RamTier:
         self._idle = threading.Condition(self._lock)
         self._queue.clear()
         self._queued.clear()
-        self._busy, self._thread, self._active, self._ended = False, None, 0, 0
+        self._busy, self._thread = False, None
+        self._in_flight = _InFlight(self._lock)
 
     def restoring(self) -> _InFlight:
         """Mark a restore in flight (a context manager): admission pauses (at the next piece) until none
         is, or until :data:`_PATIENCE` restores ended while it waited."""
         return self._in_flight
 
-    def _enter_restore(self) -> None:
-        with self._lock:
-            self._active += 1
-
-    def _leave_restore(self) -> None:
-        with self._lock:
-            self._active -= 1  # nobody woken: admission looks again at its next poll
-            self._ended += 1
-
     def _yield_to_restores(self) -> bool:
         """Block while a restore is in flight, or until :data:`_PATIENCE` restores ended meanwhile (a
         store never without one in flight admits a piece then, between them); False once the tier
         is stopping."""
         with self._lock:
-            since = seen = self._ended
+            flight = self._in_flight
+            since = seen = flight.ended
             wait = _QUIET_POLL_S
-            while self._active and not self._stop and self._ended - since < _PATIENCE:
+            while flight.active and not self._stop and flight.ended - since < _PATIENCE:
                 self._quiet.wait(wait)
                 # no restore ended since the last look (a long one in flight): look less often
-                wait = _QUIET_POLL_S if self._ended != seen else min(2 * wait, _QUIET_POLL_MAX_S)
-                seen = self._ended
+                wait = _QUIET_POLL_S if flight.ended != seen else min(2 * wait, _QUIET_POLL_MAX_S)
+                seen = flight.ended
             return not self._stop
 
     def get(self, cid: bytes) -> memoryview | None:
@@ -208,7 +205,8 @@ class RamTier:
             if not queued:
                 return
             if self._thread is None:
-                thread = threading.Thread(target=self._run, name="snapstore-ramtier", daemon=True)
+                thread = threading.Thread(target=_admission, args=(weakref.ref(self),), name="snapstore-ramtier",
+                                          daemon=True)
                 try:
                     thread.start()
                 except RuntimeError:  # no thread to be had now: the offers are dropped (a later restore offers again)
@@ -234,40 +232,43 @@ class RamTier:
             while self.used + n > self.capacity and self._items:
                 _, old = self._items.popitem(last=False)
                 self.used -= len(old)
-            self._items[cid] = data
+            # read-only: a restore hands held bytes to a PartWriter as they are, and a writer that scribbled
+            # on them would change every later restore of the chunk (the tier checks bytes once, when admitted)
+            self._items[cid] = data.toreadonly()
             self.used += n
 
-    def _run(self) -> None:
-        with contextlib.suppress(OSError, AttributeError):  # best effort: a restore outranks admission
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(
-                os.PRIO_PROCESS, threading.get_native_id()) + _NICE))
-        while True:
+    def _admit_next(self) -> bool:
+        """The admission thread's step: wait up to :data:`_IDLE_S` for an offer and admit it; False
+        once the tier is stopping."""
+        with self._lock:
+            if not self._queue and not self._stop:
+                self._busy = False
+                self._idle.notify_all()
+                self._work.wait(_IDLE_S)
+            if self._stop:
+                self._busy = False
+                self._idle.notify_all()
+                return False
+            if not self._queue:
+                return True  # idle (or woken early): the thread lets go of the tier for a moment
+            chunk = self._queue.popleft()
+            cid = chunk.id
+            self._busy = True
+        try:
+            if not self._yield_to_restores():
+                return True  # stopping: the finally below still forgets the offer; the next step returns
+            hook = _TEST_HOOK
+            if hook is not None:
+                hook(cid)
+            data = np.empty(chunk.raw_len, dtype=np.uint8).data
+            if self._source.read_into(chunk, data, self._yield_to_restores):  # checked, in pieces
+                self._insert(cid, data)
+        except Exception:  # noqa: S110 - admission is best effort: a later restore offers it again
+            pass
+        finally:
             with self._lock:
-                while not self._queue and not self._stop:
-                    self._busy = False
-                    self._idle.notify_all()
-                    self._work.wait()
-                if self._stop:
-                    self._busy = False
-                    self._idle.notify_all()
-                    return
-                chunk = self._queue.popleft()
-                cid = chunk.id
-                self._busy = True
-            try:
-                if not self._yield_to_restores():
-                    continue  # stopping: the finally below still forgets the offer
-                hook = _TEST_HOOK
-                if hook is not None:
-                    hook(cid)
-                data = np.empty(chunk.raw_len, dtype=np.uint8).data
-                if self._source.read_into(chunk, data, self._yield_to_restores):  # checked, in pieces
-                    self._insert(cid, data)
-            except Exception:  # noqa: S110 - admission is best effort: a later restore offers it again
-                pass
-            finally:
-                with self._lock:
-                    self._queued.discard(cid)
+                self._queued.discard(cid)
+        return True
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every offer so far is admitted or dropped (tests, benchmarks); False on timeout."""
@@ -316,16 +317,35 @@ class RamTier:
             self._stop = False
 
 
+def _admission(ref: weakref.ref[RamTier]) -> None:
+    """The admission thread. It holds its tier only while it waits for an offer (up to :data:`_IDLE_S`) or
+    admits one, so a store dropped without close() is collected, its tier with it, and the thread ends."""
+    with contextlib.suppress(OSError, AttributeError):  # best effort: a restore outranks admission
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(
+            os.PRIO_PROCESS, threading.get_native_id()) + _NICE))
+    while True:
+        tier = ref()
+        if tier is None or not tier._admit_next():
+            return
+        del tier  # not held between steps
+
+
 class _InFlight:
-    """:meth:`RamTier.restoring`'s context manager: counts a restore in flight while inside."""
+    """:meth:`RamTier.restoring`'s context manager: counts the restores in flight and those ended, under the
+    tier's lock. It holds the lock, not the tier: no cycle keeps an unclosed tier alive."""
 
-    __slots__ = ("_tier",)
+    __slots__ = ("_lock", "active", "ended")
 
-    def __init__(self, tier: RamTier) -> None:
-        self._tier = tier
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self.active = 0
+        self.ended = 0
 
     def __enter__(self) -> None:
-        self._tier._enter_restore()
+        with self._lock:
+            self.active += 1
 
     def __exit__(self, *exc: object) -> None:
-        self._tier._leave_restore()
+        with self._lock:
+            self.active -= 1  # nobody woken: admission looks again at its next poll
+            self.ended += 1

@@ -37,7 +37,11 @@ def wanted_components(layout: Layout, components: Iterable[str] | None) -> set[s
     """The components to restore: all of the layout's (None) or the named ones, each known."""
     if isinstance(components, str):
         raise InvalidInputError(f"components must be a collection of names, e.g. [{components!r}]")
-    wanted = set(layout.components) if components is None else set(components)
+    try:
+        wanted = set(layout.components) if components is None else set(components)
+    except TypeError:  # not iterable, or an unhashable item (a list in the list)
+        raise InvalidInputError(f"components must be a collection of component names (str), got "
+                                f"{components!r:.80}") from None
     unknown = wanted - set(layout.components)
     if unknown:
         raise InvalidInputError(f"unknown components {sorted(unknown)}; the layout has "

@@ -65,3 +65,22 @@ def test_bench_refuses_a_directory_that_is_not_a_store(tmp_path: Any, capsys: py
     code, _, err = _run(capsys, "--dir", str(tmp_path), "bench", "--size-mib", "16")
     assert code == 2 and "not a snapstore store" in err
     assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_bench_measures_a_save_whatever_the_stores_write_policy_and_reports_a_refused_one(
+        store_dir: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scratch store saves whatever write admission the environment sets for the user's stores (a
+    "second_hit" store skips a first save: bench died on an assert); a save the free-space reserve
+    refuses is a clear error, exit 2, and the scratch files go."""
+    with open_store(store_dir):
+        pass
+    monkeypatch.setenv("SNAPSTORE_ADMIT", "second_hit")
+    code, out, err = _run(capsys, "--dir", store_dir, "--json", "bench", "--size-mib", "16", "--repeat", "1")
+    assert code == 0, err
+    assert json.loads(out)["store"]["save"]["Bps"] > 0
+    monkeypatch.delenv("SNAPSTORE_ADMIT")
+    monkeypatch.setenv("SNAPSTORE_RESERVE_MIB", str(1 << 40))
+    code, _, err = _run(capsys, "--dir", store_dir, "bench", "--size-mib", "16", "--repeat", "1")
+    assert code == 2 and "was skipped (disk_full)" in err and "SNAPSTORE_RESERVE_MIB" in err
+    assert "Traceback" not in err
+    assert os.listdir(os.path.join(store_dir, "tmp")) == []

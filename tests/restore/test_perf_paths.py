@@ -4,9 +4,11 @@ these tests check the behaviour that makes it possible, on real files and thread
 
 from __future__ import annotations
 
+import gc
 import resource
 import sys
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -232,6 +234,67 @@ def test_an_admission_thread_that_cannot_start_drops_the_offers_not_the_restore(
         s.restore(r, dest)  # a sighting again (the dropped offers forgot theirs)
         s.restore(r, dest)
         assert s._ram.drain(10) and s._ram.used > 0
+
+
+class _ScribblingWriter:
+    """A PartWriter that copies ``data``, as the contract asks, then uses it as scratch where it may."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.buf = bytearray(nbytes)
+        self.read_only = 0
+
+    def write_from(self, offset: int, data: memoryview) -> None:
+        self.buf[offset:offset + len(data)] = data
+        if data.readonly:
+            self.read_only += 1
+        else:
+            np.frombuffer(data, dtype=np.uint8)[:] ^= 0xFF
+
+
+def test_a_destination_cannot_change_the_bytes_the_ram_tier_holds(store_dir: str) -> None:
+    """A custom destination is handed the RAM tier's bytes as they are, read-only: a writer that wrote
+    on them would have changed every later restore of the chunk, replays included (the tier checks
+    bytes once, when it admits them)."""
+    state = make_state(LAYOUT, 640, seed=8)
+    with _open_small_ram(store_dir) as s:
+        r = s.save(list(range(640)), state)
+        dest = {k: np.zeros_like(v) for k, v in state.items()}
+        for _ in range(2):
+            s.restore(r, dest)
+        assert s._ram is not None and s._ram.drain(10) and s._ram.used > 0
+        writers = {k: _ScribblingWriter(v.nbytes) for k, v in state.items()}
+        s.restore(r, writers)
+        assert all(bytes(writers[k].buf) == state[k].tobytes() for k in state)
+        assert sum(w.read_only for w in writers.values()) > 0  # served from the RAM tier
+        for out in (dest, {k: np.zeros_like(v) for k, v in state.items()}):  # a replay, then the full path
+            s.restore(r, out)
+            assert all(out[k].tobytes() == state[k].tobytes() for k in state)
+
+
+def test_a_store_dropped_unclosed_lets_its_ram_tier_and_thread_go(
+        store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The admission thread holds its tier only while it waits or works: a store garbage-collected
+    without close() releases the tier's memory, and the thread ends. It held the tier (and through it
+    the catalog's descriptors) for the life of the process."""
+    monkeypatch.setattr(_ramtier, "_IDLE_S", 0.05)
+    state = make_state(LAYOUT, 640, seed=9)
+    s = _open_small_ram(store_dir)
+    r = s.save(list(range(640)), state)
+    dest = {k: np.zeros_like(v) for k, v in state.items()}
+    for _ in range(2):
+        s.restore(r, dest)
+    tier = s._ram
+    assert tier is not None and tier.drain(10) and tier.used > 0
+    thread, ref = tier._thread, weakref.ref(tier)
+    assert thread is not None and thread.is_alive()
+    del s, tier
+    for _ in range(100):
+        gc.collect()
+        if ref() is None and not thread.is_alive():
+            break
+        thread.join(0.05)
+    assert ref() is None and not thread.is_alive()
 
 
 # -- direct I/O ----------------------------------------------------------------------------------

@@ -773,6 +773,15 @@ def test_rows_must_be_ints_and_open_errors_are_snapstore_errors(store: ss.Store,
             store.save(list(range(20)), st_, rows=bad)
     with pytest.raises(ss.InvalidInputError):
         store.restore(1, empty_like_state(st_), components="draft")
+    store.save(list(range(20)), st_)
+    for comps in ([["draft"]], [{"a": 1}], 5):  # unhashable names, or no collection: not a TypeError
+        for into in (empty_like_state(st_), lambda _d: empty_like_state(st_)):
+            with pytest.raises(ss.InvalidInputError, match="components"):
+                store.restore(1, into, components=comps)  # type: ignore[arg-type]
+        with pytest.raises(ss.InvalidInputError, match="components"):
+            store.describe(1, components=comps)  # type: ignore[arg-type]
+        with pytest.raises(ss.InvalidInputError, match="components"):
+            store.lookup(list(range(20)), components=comps)  # type: ignore[arg-type]
     blocker = tmp_path / "a-file"
     blocker.write_bytes(b"x")
     with pytest.raises(ss.StoreIOError):
