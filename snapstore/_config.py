@@ -161,6 +161,8 @@ class Budget:
         conversations = integer(conversations, "conversations", minimum=1, err=ConfigError)
         tokens = integer(tokens, "tokens", minimum=1, err=ConfigError)
         headroom = real(headroom, "headroom", minimum=1.0, err=ConfigError)
+        if "disk_bytes" in kw:
+            raise ConfigError("for_model computes disk_bytes: give the other Budget fields only")
         per = tokens * layout.bytes_per_token + layout.fixed_bytes
         return cls(disk_bytes=int(conversations * per * headroom), **kw)  # type: ignore[arg-type]
 
@@ -176,6 +178,8 @@ def resolved_budget(budget: object) -> Budget:
 
 DEFAULT_CHUNK_MIB = 16  # 4 chunks in flight in the default staging: docs/benchmarks.md ("Issue 12, save pipeline")
 DEFAULT_STAGING_MIB = 64
+MAX_STAGING_BYTES = 1 << 40  # 1 TiB: a staging buffer is allocated whole, on a save's first chunk
+MAX_STAGING_SLOTS = 1 << 16  # chunks in flight at most (each slot is a list entry and a frame)
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,10 @@ def store_options(path: str | os.PathLike[str] | None, *, chunk_bytes: int | Non
     if staging < chunk:
         raise ConfigError(f"staging_bytes ({staging}) must be >= chunk_bytes ({chunk}): chunks are "
                           "bounded by the staging buffer")
+    if staging > MAX_STAGING_BYTES or staging // chunk > MAX_STAGING_SLOTS:
+        raise ConfigError(f"staging_bytes ({staging}) must be at most {MAX_STAGING_BYTES >> 30} GiB and hold at most "
+                          f"{MAX_STAGING_SLOTS} chunks of chunk_bytes ({chunk}); it bounds a save's memory "
+                          f"(default {DEFAULT_STAGING_MIB} MiB)")
     codec_name = codec if codec is not None else os.environ.get("SNAPSTORE_CODEC", "raw")
     known = sorted(codecs)
     if codec_name not in known:

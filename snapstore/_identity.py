@@ -62,7 +62,7 @@ class Identity:
         try:
             return cls(build=d["build"], pack=d["pack"], kv=d["kv"], mtp=d["mtp"],
                        extra=d.get("extra", {}))
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, IndexError) as e:
             raise ConfigError(f"malformed identity record: {e}") from None
 
     @property

@@ -10,7 +10,7 @@ from typing import Any
 
 import blake3
 
-from snapstore._errors import LayoutError
+from snapstore._errors import InvalidInputError, LayoutError
 from snapstore._identity import canonical_json
 from snapstore._numbers import integer
 
@@ -121,6 +121,9 @@ class Layout:
 
     def __post_init__(self) -> None:
         for kind, parts, cls in (("fixed", self.fixed, Fixed), ("rows", self.rows, Rows)):
+            if not isinstance(parts, Mapping):
+                raise LayoutError(f"Layout.{kind} must be a mapping of part name -> {cls.__name__} (or left out), "
+                                  f"got {type(parts).__name__}")
             for name, spec in parts.items():
                 if not isinstance(name, str) or not name or len(name) > 200 or not set(name) <= _NAME_CHARS:
                     raise LayoutError(f"part name {name!r} must be 1-200 chars of [A-Za-z0-9._-:/[]]")
@@ -166,7 +169,11 @@ class Layout:
     def valid_rows(self, name: str, n_tokens: int) -> int:
         """The rows stream ``name`` holds after ``n_tokens`` tokens: one per token (per ``tokens_per_row``
         tokens), less its ``lag`` — the count a save stores when no ``rows=`` says otherwise."""
-        return max(0, n_tokens // (self.tokens_per_row or 1) - self.rows[name].lag)
+        spec = self.rows.get(name) if isinstance(name, str) else None
+        if spec is None:
+            raise LayoutError(f"{name!r:.80} is not a rows stream of this layout; its streams: {sorted(self.rows)}")
+        n = integer(n_tokens, "n_tokens", minimum=0, err=InvalidInputError)
+        return max(0, n // (self.tokens_per_row or 1) - spec.lag)
 
     @property
     def bytes_per_token(self) -> int:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 
 from snapstore._errors import InvalidInputError, SnapstoreError
 
-__all__ = ["MAX_INT", "integer", "optional_integer", "optional_real", "real"]
+__all__ = ["MAX_INT", "integer", "optional_integer", "optional_real", "real", "wait_seconds"]
 
 MAX_INT = 2**63 - 1  # SQLite's INTEGER range: every count or size the store records fits it
 
@@ -77,3 +78,10 @@ def optional_real(value: object, what: str, *, minimum: float | None = None, abo
     """:func:`real`, or None for None (the argument's default)."""
     return None if value is None else real(value, what, minimum=minimum, above=above, maximum=maximum, unit=unit,
                                            err=err)
+
+
+def wait_seconds(value: object, what: str = "timeout") -> float | None:
+    """A wait's timeout: None (no limit) or seconds >= 0 (InvalidInputError otherwise), capped at the
+    longest wait the platform takes (``threading.TIMEOUT_MAX``, ~49 days here): a longer one waits as long."""
+    limit = optional_real(value, what, minimum=0.0, unit="seconds")
+    return None if limit is None else min(limit, threading.TIMEOUT_MAX)

@@ -93,20 +93,32 @@ MAX_NAMESPACE = 256
 MAX_NAME = 256
 
 
+def _utf8(text: str) -> bool:
+    """Whether ``text`` can be stored as UTF-8 (a lone surrogate, such as a byte of another encoding
+    decoded with ``surrogateescape``, cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def namespace_problem(namespace: object) -> str | None:
     """Why ``namespace`` (not None) is no namespace, or None when it is one: a non-empty str of at
-    most 256 characters."""
-    if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_NAMESPACE:
-        return f"namespace must be None or a non-empty string (<= {MAX_NAMESPACE} chars), got {namespace!r:.80}"
+    most 256 characters, valid UTF-8."""
+    if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_NAMESPACE or not _utf8(namespace):
+        return (f"namespace must be None or a non-empty string (<= {MAX_NAMESPACE} chars, valid UTF-8), got "
+                f"{namespace!r:.80}")
     return None
 
 
 def name_problem(name: object) -> str | None:
     """Why ``name`` is no snapshot name, or None when it is one: a non-empty str of at most 256
-    characters without control characters."""
-    if not isinstance(name, str) or not name or len(name) > MAX_NAME or any(ord(ch) < 32 for ch in name):
+    characters without control characters, valid UTF-8."""
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME or any(ord(ch) < 32 for ch in name) \
+            or not _utf8(name):
         return (f"a snapshot name must be a non-empty str of at most {MAX_NAME} characters without control "
-                f"characters, got {name!r:.80}")
+                f"characters, valid UTF-8, got {name!r:.80}")
     return None
 
 
@@ -131,8 +143,8 @@ def check_name(name: object) -> str:
 
 def session_key(session: str | None) -> str | None:
     """A validated session key (None: no session)."""
-    if session is not None and (not isinstance(session, str) or not session):
-        raise InvalidInputError(f"session must be None or a non-empty string, got {session!r}")
+    if session is not None and (not isinstance(session, str) or not session or not _utf8(session)):
+        raise InvalidInputError(f"session must be None or a non-empty string (valid UTF-8), got {session!r:.80}")
     return session
 
 
@@ -149,5 +161,8 @@ def excluded(exclude: Iterable[SnapshotRef] | None) -> set[int]:
     if exclude is None:
         return set()
     if isinstance(exclude, (str, bytes)) or not isinstance(exclude, Iterable):
-        raise InvalidInputError(f"exclude must be a collection of snapshot ids, got {exclude!r}")
-    return {snapshot_id(x) for x in exclude}
+        raise InvalidInputError(f"exclude must be a collection of snapshot ids, got {exclude!r:.80}")
+    try:
+        return {snapshot_id(x) for x in exclude}
+    except TypeError:  # iterable in name only (a 0-d array)
+        raise InvalidInputError(f"exclude must be a collection of snapshot ids, got {exclude!r:.80}") from None

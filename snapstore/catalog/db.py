@@ -26,8 +26,9 @@ from snapstore._config import env_int
 from snapstore._errors import CorruptionError, StateError, StoreFormatError, StoreIOError
 from snapstore._forks import abandon, release_inherited, track
 from snapstore.catalog.fence import fenced, inside
+from snapstore.catalog.foreign import foreign_connection, foreign_error
 from snapstore.catalog.queries import ChunkRow, OwnerRow, PartKind, PartRow, SnapRow, SnapState, Txn
-from snapstore.catalog.readonly import FileState, file_state, read_only_error, readonly_source
+from snapstore.catalog.readonly import FileState, file_state, file_uri, read_only_error, readonly_source
 from snapstore.catalog.schema import compat_views, migrations_dir
 
 __all__ = ["APPLICATION_ID", "MIN_SQLITE", "ChunkRow", "Conn", "Database", "OwnerRow", "PartKind", "PartRow",
@@ -185,10 +186,13 @@ class Database:
                 if self.readonly:
                     uri, state = readonly_source(self.path)
                 else:
-                    uri = self.path
-                c = apsw.Connection(uri, flags=flags | apsw.SQLITE_OPEN_NOFOLLOW)
+                    uri = file_uri(self.path)
+                c = apsw.Connection(uri, flags=flags | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW)
                 c.set_busy_timeout(_BUSY_TIMEOUT_MS)
                 if not self.readonly:
+                    if foreign_connection(c, APPLICATION_ID):  # before anything is written (WAL mode is a write)
+                        c.close()
+                        raise foreign_error(self.path)
                     apsw.bestpractice.connection_wal(c)
                 apsw.bestpractice.connection_enable_foreign_keys(c)
                 apsw.bestpractice.connection_dqs(c)

@@ -10,7 +10,7 @@ import urllib.parse
 
 from snapstore._errors import StateError, StoreIOError
 
-__all__ = ["FileState", "file_state", "read_only_error", "readonly_source"]
+__all__ = ["FileState", "file_state", "file_uri", "read_only_error", "readonly_source"]
 
 # (st_dev, st_ino, st_size, st_mtime_ns, whether the -wal holds frames) of a database file
 FileState = tuple[int, int, int, int, bool]
@@ -26,6 +26,12 @@ def file_state(path: str) -> FileState:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, wal
 
 
+def file_uri(path: str) -> str:
+    """An SQLite ``file:`` URI naming ``path`` byte for byte: a path that is not valid UTF-8 (a
+    directory name in another encoding, kept by Python as surrogates) cannot be passed as text."""
+    return "file:" + urllib.parse.quote(os.fsencode(path))
+
+
 def readonly_source(path: str) -> tuple[str, FileState | None]:
     """How to read the catalog at ``path`` without writing a byte (no -wal, no -shm, no lock file):
     (SQLite URI, the file state it relies on, or None).
@@ -38,7 +44,7 @@ def readonly_source(path: str) -> tuple[str, FileState | None]:
     Frames without a -shm cannot be read without creating one: refused, saying what to do.
     """
     state = file_state(path)
-    uri = "file:" + urllib.parse.quote(path) + "?mode=ro"
+    uri = file_uri(path) + "?mode=ro"
     if not state[4]:
         return uri + "&immutable=1", state
     if os.path.exists(path + "-shm"):

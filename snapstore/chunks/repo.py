@@ -15,7 +15,8 @@ from typing import TypeVar
 from snapstore._errors import ConfigError, CorruptionError, SnapstoreError, StoreFormatError, StoreIOError
 from snapstore.catalog.chain_cache import ChainCache, shared_memo
 from snapstore.catalog.copy import MemDatabase, snapshot_catalog
-from snapstore.catalog.db import Database, Txn
+from snapstore.catalog.db import APPLICATION_ID, Database, Txn
+from snapstore.catalog.foreign import foreign_error, foreign_file
 from snapstore.catalog.readonly import read_only_error
 from snapstore.chunks.chunkfile import is_hex_id
 from snapstore.chunks.open_files import OpenFiles
@@ -71,6 +72,8 @@ class Repo:
                 raise StoreIOError(refusal[0], f"cannot open the store at {repo.root} for writing: {refusal[1]}; "
                                    "to read it, open it with read_only=True (snapstore inspect, stats, verify "
                                    "and gc --dry-run do so by themselves)")
+            if foreign_file(repo.db_path, APPLICATION_ID):  # refused before a directory is made beside it
+                raise foreign_error(repo.db_path)
             if create:
                 repo._create_dirs()
         repo.db = repo._catalog().open()

@@ -12,12 +12,14 @@ This module is the entry point: it parses (:mod:`snapstore.cli.parser`), runs th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 from collections.abc import Sequence
 
 from snapstore._cli_start import take_over, taken
+from snapstore._config import default_dir
 from snapstore._errors import NotFoundError, SnapstoreError
 from snapstore.cli.parser import ArgumentsError, build_parser, parse_command_line
 from snapstore.console.context import EXIT_DAMAGE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliContext, UsageError
@@ -32,6 +34,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     (:mod:`snapstore._cli_start` covers the package's import before this runs). When this process is
     the command, a Ctrl-C after the run (the interpreter's shutdown) is ignored: the work is done.
     """
+    if argv is None:  # the command itself (not a caller's main([...])): its streams are its own
+        for stream in (sys.stdout, sys.stderr):  # a path that is not UTF-8 is printed as the bytes it is
+            with contextlib.suppress(AttributeError, ValueError):
+                stream.reconfigure(errors="surrogateescape")  # type: ignore[union-attr]
     argv = list(sys.argv[1:] if argv is None else argv)
     ctx = CliContext(json="--json" in argv)  # until parsed: a bad command line is reported as asked
     command: str | None = None
@@ -85,6 +91,9 @@ def _run(command: str, args: argparse.Namespace, ctx: CliContext) -> int:
         if getattr(args, "remote", None) is not None:
             from snapstore.cli.commands import cmd_remote
             return cmd_remote(command, args, ctx)
+        if getattr(args, "dir", None) == "":  # --dir "$UNSET": not the shared default store (gc would collect it)
+            raise UsageError("--dir is empty; name the store directory, or leave --dir out for the default "
+                             f"({default_dir()})")
         code: int = args.run(args, ctx)
         return code
     except NotFoundError as e:

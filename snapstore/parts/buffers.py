@@ -31,6 +31,7 @@ import numpy as np
 
 from snapstore._errors import DestinationError, LayoutError, RestoreError, SnapstoreError, SourceError
 from snapstore._layout import PartSpec, Rows, dtype_size
+from snapstore._numbers import integer
 from snapstore.parts.shape_checks import as_array, check_array, check_rows_of, needed_bytes, too_short
 
 __all__ = ["Destination", "PartReader", "PartSource", "PartWriter", "Source", "Sink", "as_sink", "as_source"]
@@ -114,6 +115,9 @@ class Source:
             out[:] = self.mv[start:start + len(out)]
         elif self.reader is not None:
             reader = self.reader
+            # ``out`` is a staging slot another save used: a reader that leaves bytes unwritten must store
+            # zeros there, never what an earlier save (another namespace's, maybe) left in the slot
+            np.frombuffer(out, dtype=np.uint8).fill(0)
             self._reader_call(f"read_into({start}, <{len(out)} bytes>)", lambda: reader.read_into(start, out))
         else:
             assert self.arr is not None
@@ -259,10 +263,11 @@ def as_source(name: str, obj: Any, spec: PartSpec, rows: int) -> Source:
     need = needed_bytes(spec, rows)
     if isinstance(obj, PartReader) and not isinstance(obj, (np.ndarray, memoryview, bytes, bytearray)):
         check_rows_of(name, obj, spec, "source", LayoutError)
-        if obj.nbytes < need:
+        if integer(obj.nbytes, f"part {name!r}: the source's nbytes", minimum=0, err=LayoutError) < need:
             raise LayoutError(too_short(name, "source", obj.nbytes, need, spec))
         return Source(name, need, reader=obj)
     if isinstance(obj, np.ndarray):
+        obj = _plain(name, obj, "source", LayoutError)
         check_array(name, obj, spec, rows, LayoutError)
         if obj.nbytes < need:
             raise LayoutError(too_short(name, "buffer", obj.nbytes, need, spec))
@@ -284,6 +289,17 @@ def as_source(name: str, obj: Any, spec: PartSpec, rows: int) -> Source:
     return Source(name, need, mv=mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
 
 
+def _plain(name: str, obj: np.ndarray, what: str, err: type[LayoutError]) -> np.ndarray:
+    """``obj`` as a plain ndarray: a subclass (``np.matrix``) viewed as one, the same memory (its own
+    ``reshape`` keeps two dimensions); a masked array refused, its mask being neither saved nor restored."""
+    if type(obj) is np.ndarray:
+        return obj
+    if isinstance(obj, np.ma.MaskedArray):
+        raise err(f"part {name!r}: a masked array as {what}: pass its .data (a mask is neither saved nor "
+                  "restored)")
+    return obj.view(np.ndarray)
+
+
 def _is_writer(obj: object) -> bool:
     """``isinstance(obj, PartWriter)`` without the protocol machinery (about 10 µs a call on 3.11:
     a sixtieth of a small restore): the same attribute check."""
@@ -295,10 +311,11 @@ def as_sink(name: str, obj: Any, spec: PartSpec, rows: int) -> Sink:
     need = needed_bytes(spec, rows)
     if not isinstance(obj, (np.ndarray, memoryview, bytearray)) and _is_writer(obj):
         check_rows_of(name, obj, spec, "destination", DestinationError)
-        if obj.nbytes < need:
+        if integer(obj.nbytes, f"part {name!r}: the destination's nbytes", minimum=0, err=DestinationError) < need:
             raise DestinationError(too_short(name, "destination", obj.nbytes, need, spec))
         return Sink(name, need, writer=obj)
     if isinstance(obj, np.ndarray):
+        obj = _plain(name, obj, "destination", DestinationError)
         check_array(name, obj, spec, rows, DestinationError)
         if not obj.flags.writeable:
             raise DestinationError(f"part {name!r}: destination array is read-only")

@@ -27,7 +27,7 @@ class EngineMeta:
     """A fixed part ``name`` of ``len(fields)`` int64 values: ``pack`` for save, ``unpack`` after restore."""
 
     def __init__(self, fields: Sequence[str], name: str = "engine.meta", component: str | None = None):
-        if isinstance(fields, str) or not fields:
+        if isinstance(fields, str) or not isinstance(fields, Sequence) or not fields:
             raise InvalidInputError(f"fields must be a non-empty sequence of names, got {fields!r}")
         if len(set(fields)) != len(fields) or not all(isinstance(f, str) and f for f in fields):
             raise InvalidInputError(f"fields must be distinct non-empty strings, got {list(fields)!r}")
@@ -43,6 +43,9 @@ class EngineMeta:
 
     def pack(self, values: Mapping[str, int] | None = None, **kw: int) -> np.ndarray:
         """The part's buffer for ``save``: every field given, each an int in the int64 range."""
+        if values is not None and not isinstance(values, Mapping):
+            raise InvalidInputError(f"{self.name}: pack() takes a mapping of field -> int (or keywords), got "
+                                    f"{type(values).__name__}")
         vals = {**(values or {}), **kw}
         unknown = sorted(set(vals) - set(self.fields))
         missing = [f for f in self.fields if f not in vals]

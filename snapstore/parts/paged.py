@@ -29,7 +29,10 @@ def pool_axes(ndim: int, axes: object) -> tuple[int, int]:
     """Normalise ``(block_axis, token_axis)`` for a pool of ``ndim`` dimensions: the one reading of a
     paged pool's ``axes`` (numpy :class:`PagedRows` and the torch adapter's), InvalidInputError
     for anything but two different integer axes of the pool."""
-    pair = tuple(axes) if isinstance(axes, Iterable) else ()
+    try:
+        pair = tuple(axes) if isinstance(axes, Iterable) else ()
+    except TypeError:  # iterable in name only (a 0-d array)
+        pair = ()
     if len(pair) != 2:
         raise InvalidInputError(f"axes must be (block_axis, token_axis), got {axes!r}")
     out = []
@@ -97,6 +100,8 @@ class PagedRows:
         if not isinstance(pool, np.ndarray):
             raise InvalidInputError(f"pool must be a numpy array, got {type(pool).__name__} "
                                     "(torch tensors: snapstore.engine.TorchPagedRows)")
+        if pool.dtype.hasobject or pool.dtype.itemsize == 0:
+            raise InvalidInputError(f"pool must hold numbers (a K/V cache), got dtype {pool.dtype}")
         b_ax, t_ax = pool_axes(pool.ndim, axes)
         self.axes = (b_ax, t_ax)
         self.pool_shape = tuple(int(d) for d in pool.shape)
@@ -104,6 +109,8 @@ class PagedRows:
         self._pool = np.moveaxis(pool, (b_ax, t_ax), (0, 1))
         table = block_indices(block_table)
         n_blocks = self._pool.shape[0]
+        if n_blocks == 0 or self._pool.shape[1] == 0:
+            raise InvalidInputError(f"the pool holds no blocks or no slots (shape {pool.shape}, axes {axes!r})")
         if table.size and (int(table.min()) < 0 or int(table.max()) >= n_blocks):
             raise InvalidInputError(f"block_table names a block outside the pool's {n_blocks} blocks")
         self._table = table

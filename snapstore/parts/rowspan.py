@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from snapstore._errors import InvalidInputError
+from snapstore._numbers import integer
 
 __all__ = ["RowSpan", "row_span"]
 
@@ -41,6 +42,9 @@ class RowSpan(NamedTuple):
 
 def row_span(offset: int, nbytes: int, row_bytes: int) -> RowSpan:
     """Split bytes ``[offset, offset + nbytes)`` of rows of ``row_bytes`` bytes at row edges."""
+    if type(offset) is not int or type(nbytes) is not int or type(row_bytes) is not int:  # (ints: no cost)
+        offset, nbytes = integer(offset, "offset"), integer(nbytes, "nbytes")
+        row_bytes = integer(row_bytes, "row_bytes")
     if row_bytes <= 0 or offset < 0 or nbytes < 0:
         raise InvalidInputError(f"byte range [{offset}, {offset + nbytes}) of {row_bytes}-byte rows is not a range")
     end = offset + nbytes

@@ -48,8 +48,8 @@ from snapstore._config import MIB, env_int
 from snapstore._errors import ConfigError, InvalidInputError, StateError
 from snapstore._forks import track
 from snapstore._layout import Layout
-from snapstore._numbers import integer
-from snapstore._refs import snapshot_id
+from snapstore._numbers import integer, wait_seconds
+from snapstore._refs import namespace_key, session_key, snapshot_id
 from snapstore._results import SaveResult
 from snapstore._tokens import as_token_array
 from snapstore.save.chain import parent_after
@@ -100,11 +100,11 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """The SaveResult, waiting up to ``timeout`` seconds (TimeoutError); raises the save's error."""
-        return self._settled().result(timeout)
+        return self._settled().result(wait_seconds(timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (None when it succeeded), waiting like :meth:`result`."""
-        return self._settled().exception(timeout)
+        return self._settled().exception(wait_seconds(timeout))
 
     def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
         """Call ``fn(handle)`` once, when the save completes or fails (at once, here, if it already has).
@@ -113,6 +113,8 @@ class SaveHandle:
         scheduler) and never wait in it for a save (``flush()``, ``close()``, a later handle's
         ``result()``). An exception from ``fn`` is logged (logger ``snapstore``), never raised into
         the writer thread, and the save's own outcome is unchanged."""
+        if not callable(fn):
+            raise InvalidInputError(f"add_done_callback takes a callable (called with the handle), got {fn!r:.80}")
         future = self._settled()
 
         def call(_: Future[SaveResult]) -> None:
@@ -161,6 +163,8 @@ class AsyncSaver:
         the rows above it are copied (:mod:`snapstore.save.delta`); the token keys it computes
         for that are handed to ``save`` (``hashed=``), which computes none again."""
         arr = np.array(as_token_array(tokens), dtype="<u8")  # always a copy: the writer reads it later
+        namespace_key(kwargs.get("namespace"))  # refused at the call, as a waiting save refuses them
+        session_key(kwargs.get("session"))
         if len(arr) == 0:
             save(arr, parts, rows, **kwargs)  # raises the same InvalidInputError a sync save does
         parent = kwargs.get("parent")
@@ -262,8 +266,9 @@ class AsyncSaver:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every save queued so far has finished; False on timeout."""
+        limit = wait_seconds(timeout)
         with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._running, timeout)
+            return self._cv.wait_for(lambda: not self._queue and not self._running, limit)
 
     def close(self) -> None:
         """Refuse new saves, finish the queued ones, stop the writer thread."""

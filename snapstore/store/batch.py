@@ -85,6 +85,16 @@ class _FanSink(Sink):
             s.write(start, data)
 
 
+def many(items: object, what: str, of: str) -> list[Any]:
+    """A batch call's argument as a list; InvalidInputError for anything that is not a collection."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise InvalidInputError(f"{what} must be a list of {of}, got {type(items).__name__}")
+    try:
+        return list(items)
+    except TypeError:  # iterable in name only (a 0-d array)
+        raise InvalidInputError(f"{what} must be a list of {of}, got {items!r:.60}") from None
+
+
 def _merged(plans: list[RestorePlan]) -> RestorePlan:
     """Every plan's items as one plan; items that write the same chunk at the same place share a read."""
     groups: dict[tuple[str, bytes, int, int], list[PlanItem]] = {}
@@ -181,12 +191,13 @@ class StoreBatches:
     @operation
     def match_many(self, token_lists: Iterable[TokensLike], *, namespace: str | None = None) -> list[Match | None]:
         """``match()`` for each of many prompts (a scheduler admitting a batch), in order."""
-        return [self.match(t, namespace=namespace) for t in token_lists]
+        return [self.match(t, namespace=namespace) for t in many(token_lists, "token_lists", "prompts")]
 
     @operation
     def restore_many(self, requests: Iterable[tuple[SnapshotRef, Mapping[str, Destination]]],
                      components: Iterable[str] | None = None, *, namespace: str | None = None,
                      rows_from: int = 0, session: str | None = None) -> list[RestoreResult]:
         """Restore many (match, into) pairs at once; a chunk their chains share is read once."""
-        return restore_batch(self, list(requests), wanted_components(self.layout, components), namespace,
-                             count_of(rows_from, "rows_from"), session_key(session))
+        return restore_batch(self, many(requests, "requests", "(match, into) pairs"),
+                             wanted_components(self.layout, components), namespace, count_of(rows_from, "rows_from"),
+                             session_key(session))

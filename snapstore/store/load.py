@@ -71,6 +71,9 @@ def load_prefix(store: LoadStore, tokens: TokensLike | Match | MatchDetails, all
         if found is None:
             return None
         m = found
+    if not callable(allocate) or (release is not None and not callable(release)):
+        raise InvalidInputError("load() takes allocate(details) -> destinations and release(destinations) or None: "
+                                f"callables, got {allocate!r:.60} and {release!r:.60}")
     got: dict[str, Any] = {}
 
     def into(details: MatchDetails) -> Mapping[str, Destination]:

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, TypeVar, overload
 
 from snapstore._config import Budget, StoreOptions, resolved_budget, store_options
-from snapstore._errors import ConfigError, StateError
+from snapstore._errors import ConfigError, InvalidInputError, StateError
 from snapstore._identity import Identity
 from snapstore._layout import Layout
-from snapstore._numbers import optional_real
+from snapstore._numbers import wait_seconds
 from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, snapshot_id
 from snapstore._results import DeleteResult, Match, SaveResult
 from snapstore._tokens import TokensLike, as_token_array
@@ -248,6 +248,8 @@ class Store(StoreRestore, StoreReports, StoreNames, StoreBatches, StoreTransfer,
                 return self._saver.submit(self, self._save, self.layout, tokens, parts, rows, kw,
                                           self._run.parent_rows_now if self._run else None)
         if isinstance(parent, SaveHandle):
+            if parent._saver is not self._saver:  # another store's id would name one of this store's snapshots
+                raise InvalidInputError("parent=<SaveHandle> must be a handle of a save(wait=False) of this store")
             parent = parent_after(parent)  # waits for it: the rule of snapstore.save.chain
         return self._save(tokens, parts, rows, session=session, parent=parent, commit=commit, namespace=namespace)
 
@@ -347,7 +349,7 @@ class Store(StoreRestore, StoreReports, StoreNames, StoreBatches, StoreTransfer,
         """Wait for every save made with ``wait=False`` so far, then (with a shared tier) for their
         uploads. A FlushResult (uploads published/failed/dropped); false when ``timeout`` ran out."""
         self._gate.check()
-        limit = optional_real(timeout, "timeout", minimum=0.0, unit="seconds")
+        limit = wait_seconds(timeout)
         return flush_all(self._saver.flush, self._tiers.shared.flush, limit)
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ class StoreTransfer:
         as the chunks are written, in bytes (a meter for a long chain)."""
         if not isinstance(overwrite, bool):
             raise InvalidInputError(f"overwrite must be True or False, got {overwrite!r}")
+        _check_progress(progress)
         name: str | None = None
         if isinstance(ref, str):
             name, ns = check_name(ref), namespace_key(namespace)
@@ -104,5 +105,12 @@ class StoreTransfer:
         snapshot is marked imported under an override, restored only by id or name (docs/api.md).
         ``progress(done, total)``: called as the chunks are read, in bytes.
         """
+        _check_progress(progress)
         return import_export(self._repo, path, access=self._access, layout=self.layout, capacity=self._capacity,
                              accept_identity=accept_identity, name=name, progress=progress)
+
+
+def _check_progress(progress: object) -> None:
+    """``progress`` is None or a callable (checked before any file is opened)."""
+    if progress is not None and not callable(progress):
+        raise InvalidInputError(f"progress must be a callable progress(done, total) or None, got {progress!r:.60}")
