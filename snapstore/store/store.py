@@ -19,7 +19,7 @@ from snapstore._errors import ConfigError, InvalidInputError, StateError
 from snapstore._identity import Identity
 from snapstore._layout import Layout
 from snapstore._numbers import wait_seconds
-from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, snapshot_id
+from snapstore._refs import SnapshotRef, excluded, namespace_key, ref_namespace, session_key, snapshot_id
 from snapstore._results import DeleteResult, Match, SaveResult
 from snapstore._tokens import TokensLike, as_token_array
 from snapstore.catalog.queries import Txn
@@ -343,6 +343,10 @@ class Store(StoreRestore, StoreReports, StoreNames, StoreBatches, StoreTransfer,
         """A capture chain for one turn: ``with store.turn(session=...) as t: t.capture(tokens, parts)``."""
         self._gate.check()
         self._repo.refuse_write("capture a turn")
+        namespace_key(namespace)  # each checked now, as the captures would check them
+        session_key(session)
+        if parent is not None and parent != "auto" and not isinstance(parent, SaveHandle):
+            snapshot_id(parent)  # a snapshot reference (another store's SaveHandle: at the capture)
         return Turn(self, session=session, namespace=namespace, parent=parent)
 
     def flush(self, timeout: float | None = None) -> FlushResult:

@@ -200,6 +200,9 @@ def test_helpers_and_batch_calls_refuse_wrong_types_with_snapstore_errors(store:
         (lambda: store.restore_many(None), ss.InvalidInputError),  # type: ignore[arg-type]
         (lambda: store.match(TOKENS, exclude=np.array(1)), ss.InvalidInputError),
         (lambda: store.load(TOKENS, allocate=None), ss.InvalidInputError),  # type: ignore[arg-type]
+        (lambda: store.turn(parent="bogus"), ss.InvalidInputError),  # at the turn, not its first capture
+        (lambda: store.turn(parent=1.5), ss.InvalidInputError),  # type: ignore[arg-type]
+        (lambda: store.turn(namespace=""), ss.InvalidInputError),
         (lambda: store.export(r, os.path.join(store._repo.root, "..", "x.snapx"), progress=5), ss.InvalidInputError),  # type: ignore[arg-type]
         (lambda: store.import_file("nowhere.snapx", progress="x"), ss.InvalidInputError),  # type: ignore[arg-type]
         (lambda: store.save(TOKENS, {**state, "attn.kv": _Sized("x")}), ss.LayoutError),
