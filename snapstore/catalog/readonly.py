@@ -29,7 +29,9 @@ def file_state(path: str) -> FileState:
 def file_uri(path: str) -> str:
     """An SQLite ``file:`` URI naming ``path`` byte for byte: a path that is not valid UTF-8 (a
     directory name in another encoding, kept by Python as surrogates) cannot be passed as text."""
-    return "file:" + urllib.parse.quote(os.fsencode(path))
+    quoted = urllib.parse.quote(os.fsencode(path))
+    # an absolute path after an empty authority ("file:///a", "file:////a" for "//a": never a host)
+    return ("file://" if quoted.startswith("/") else "file:") + quoted
 
 
 def readonly_source(path: str) -> tuple[str, FileState | None]:

@@ -47,6 +47,21 @@ def test_a_store_whose_path_is_not_utf8_opens_saves_restores_and_the_cli_reads_i
         assert b"Traceback" not in p.stderr and os.fsencode(root) in p.stdout + p.stderr
 
 
+@pytest.mark.parametrize("name", ["a?b", "c#d", "e%20f", "g h", "ü"])
+def test_store_paths_with_uri_characters_name_their_own_files(tmp_path: Any, name: str) -> None:
+    """The catalog is opened through an SQLite URI: characters a URI gives meaning to stay the path's own
+    (the catalog lands in the directory named, read and written alike), a leading "//" included."""
+    for root in (str(tmp_path / name / "s"), "/" + str(tmp_path / name / "t")):
+        state = make_state(LAYOUT, 40, seed=8)
+        with open_store(root) as s:
+            assert s.save(TOKENS, state).ok
+        assert os.path.isfile(os.path.join(root, "snapstore.db"))
+        with open_store(root, read_only=True) as s:
+            m = s.match(TOKENS)
+            assert m is not None and m.n_tokens == 40
+    assert sorted(os.listdir(tmp_path)) == [name]
+
+
 def test_an_empty_dir_option_is_refused_not_the_default_store(capsys: pytest.CaptureFixture[str]) -> None:
     """``--dir "$UNSET"`` named the shared default store (and `gc` would collect it)."""
     for argv in (["--dir", "", "gc", "--dry-run"], ["--dir", "", "--json", "stats"]):
