@@ -81,7 +81,9 @@ def optional_real(value: object, what: str, *, minimum: float | None = None, abo
 
 
 def wait_seconds(value: object, what: str = "timeout") -> float | None:
-    """A wait's timeout: None (no limit) or seconds >= 0 (InvalidInputError otherwise), capped at the
-    longest wait the platform takes (``threading.TIMEOUT_MAX``, ~49 days here): a longer one waits as long."""
+    """A wait's timeout: None or ``math.inf`` (no limit) or seconds >= 0 (InvalidInputError otherwise),
+    capped at the longest wait the platform takes (``threading.TIMEOUT_MAX``, ~49 days here)."""
+    if isinstance(value, float) and value == math.inf:
+        return None
     limit = optional_real(value, what, minimum=0.0, unit="seconds")
     return None if limit is None else min(limit, threading.TIMEOUT_MAX)

@@ -32,6 +32,8 @@ def page_bytes_of(pool: Any, index: int) -> np.ndarray:
 class PageReader:
     """A row-stream source over host pages: row ``r`` is the page at ``host_index(r)``."""
 
+    _snapstore_fills_out = True  # read_into writes every byte of out or raises (snapstore.parts.buffers.FILLS_OUT)
+
     def __init__(self, pool: Any, host_index: HostIndex, n_rows: int, row_bytes: int) -> None:
         self._pool = pool
         self._host_index = host_index

@@ -50,6 +50,8 @@ class TensorSource:
     current stream, at every read).
     """
 
+    _snapstore_fills_out = True  # read_into writes every byte of out or raises (snapstore.parts.buffers.FILLS_OUT)
+
     def __init__(self, tensor: torch.Tensor, token_dim: int | None = None, staging: Staging | None = None,
                  pad_rows: int | None = None, *, limit: int | None = None, stream: DeviceStream | None = None,
                  backend: DeviceBackend | None = None):

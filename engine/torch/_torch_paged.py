@@ -38,6 +38,8 @@ class TorchPagedRows:
     vLLM-style ``(2, n_blocks, block_size, heads, dim)`` pool has ``axes=(1, 2)``).
     """
 
+    _snapstore_fills_out = True  # read_into writes every byte of out or raises (snapstore.parts.buffers.FILLS_OUT)
+
     def __init__(self, pool: torch.Tensor, block_table: Sequence[int] | np.ndarray | torch.Tensor,
                  axes: Sequence[int] = (0, 1)):
         if not isinstance(pool, torch.Tensor):

@@ -4,6 +4,7 @@ directory must not migrate, switch to WAL or litter someone else's database)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from snapstore._errors import StoreFormatError
@@ -23,11 +24,16 @@ def foreign_file(path: str, application_id: int) -> bool:
     """:func:`foreign_connection` from the file's 100-byte SQLite header, before a store creates anything
     beside it (no connection, nothing written). False when unsure: a header not yet checkpointed from
     its WAL is judged by the connection's own check."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(100)
+    try:  # not through a link, never blocking on a FIFO (check_tree refused both a moment before)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
+    try:
+        head = os.pread(fd, 100, 0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
     if len(head) < 100 or not head.startswith(b"SQLite format 3\x00"):
         return False  # missing, empty, or not SQLite at all: the connection reports it
     app, version, schema_cookie = (int.from_bytes(head[i:i + 4], "big") for i in (68, 60, 40))

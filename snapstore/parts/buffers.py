@@ -34,7 +34,8 @@ from snapstore._layout import PartSpec, Rows, dtype_size
 from snapstore._numbers import integer
 from snapstore.parts.shape_checks import as_array, check_array, check_rows_of, needed_bytes, too_short
 
-__all__ = ["Destination", "PartReader", "PartSource", "PartWriter", "Source", "Sink", "as_sink", "as_source"]
+__all__ = ["FILLS_OUT", "Destination", "PartReader", "PartSource", "PartWriter", "Source", "Sink", "as_sink",
+           "as_source"]
 
 # What save() takes per part and restore() writes into: any object exposing the buffer protocol
 # (numpy array, memoryview, bytearray, a C-contiguous torch CPU tensor's numpy view) or a
@@ -116,8 +117,10 @@ class Source:
         elif self.reader is not None:
             reader = self.reader
             # ``out`` is a staging slot another save used: a reader that leaves bytes unwritten must store
-            # zeros there, never what an earlier save (another namespace's, maybe) left in the slot
-            np.frombuffer(out, dtype=np.uint8).fill(0)
+            # zeros there, never what an earlier save (another namespace's, maybe) left in the slot. The
+            # readers of this package and its adapters write every byte or raise (FILLS_OUT): not zeroed
+            if not getattr(reader, FILLS_OUT, False):
+                np.frombuffer(out, dtype=np.uint8).fill(0)
             self._reader_call(f"read_into({start}, <{len(out)} bytes>)", lambda: reader.read_into(start, out))
         else:
             assert self.arr is not None
@@ -287,6 +290,11 @@ def as_source(name: str, obj: Any, spec: PartSpec, rows: int) -> Source:
     if mv.nbytes < need:
         raise LayoutError(too_short(name, "buffer", mv.nbytes, need, spec))
     return Source(name, need, mv=mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+
+
+# A class attribute of a PartReader of this package or its adapters: its read_into writes every byte of
+# ``out`` or raises, so ``out`` is not zeroed first (a memset of each chunk, on the engine's path)
+FILLS_OUT = "_snapstore_fills_out"
 
 
 def _plain(name: str, obj: np.ndarray, what: str, err: type[LayoutError]) -> np.ndarray:

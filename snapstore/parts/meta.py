@@ -9,7 +9,7 @@ under a new part name, or keep a version field). The transformers integration do
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,8 +27,11 @@ class EngineMeta:
     """A fixed part ``name`` of ``len(fields)`` int64 values: ``pack`` for save, ``unpack`` after restore."""
 
     def __init__(self, fields: Sequence[str], name: str = "engine.meta", component: str | None = None):
-        if isinstance(fields, str) or not isinstance(fields, Sequence) or not fields:
-            raise InvalidInputError(f"fields must be a non-empty sequence of names, got {fields!r}")
+        if isinstance(fields, (str, bytes)) or not isinstance(fields, Iterable):
+            raise InvalidInputError(f"fields must be a non-empty sequence of names, got {fields!r:.80}")
+        fields = tuple(fields)
+        if not fields:
+            raise InvalidInputError("fields must be a non-empty sequence of names, got none")
         if len(set(fields)) != len(fields) or not all(isinstance(f, str) and f for f in fields):
             raise InvalidInputError(f"fields must be distinct non-empty strings, got {list(fields)!r}")
         if not isinstance(name, str) or not name:

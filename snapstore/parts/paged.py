@@ -91,6 +91,8 @@ class PagedRows:
     axes is refused, naming the axes that fit).
     """
 
+    _snapstore_fills_out = True  # read_into writes every byte of out or raises (snapstore.parts.buffers.FILLS_OUT)
+
     # the one reading of a pool's ``axes`` and of a block table, for a twin over another array type
     # (snapstore.engine.TorchPagedRows): ``PagedRows.pool_axes(ndim, axes)``, ``PagedRows.block_indices(table)``
     pool_axes = staticmethod(pool_axes)

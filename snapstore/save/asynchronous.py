@@ -100,11 +100,11 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """The SaveResult, waiting up to ``timeout`` seconds (TimeoutError); raises the save's error."""
-        return self._settled().result(wait_seconds(timeout))
+        return self._settled().result(_future_wait(timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (None when it succeeded), waiting like :meth:`result`."""
-        return self._settled().exception(wait_seconds(timeout))
+        return self._settled().exception(_future_wait(timeout))
 
     def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
         """Call ``fn(handle)`` once, when the save completes or fails (at once, here, if it already has).
@@ -307,3 +307,10 @@ def _settle(future: Future[SaveResult], fn: Callable[[], SaveResult]) -> None:
         if add_note is not None:
             add_note("where the save failed (" + threading.current_thread().name + "):\n" + text.rstrip())
         future.set_exception(e)
+
+
+def _future_wait(timeout: object) -> float | None:
+    """A SaveHandle wait's timeout (:func:`wait_seconds`); a negative one does not wait, as a Future's."""
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout < 0:
+        return 0.0
+    return wait_seconds(timeout)

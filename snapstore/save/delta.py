@@ -36,6 +36,8 @@ __all__ = ["RowsAbove", "copy_spans", "take"]
 class RowsAbove:
     """A row stream's bytes ``[base, nbytes)``, copied at the call; rows below are the parent's."""
 
+    _snapstore_fills_out = True  # read_into writes every byte of out or raises (snapstore.parts.buffers.FILLS_OUT)
+
     def __init__(self, nbytes: int, base: int, base_rows: int, buf: np.ndarray):
         self.nbytes, self.base, self.base_rows = nbytes, base, base_rows
         self._mv = buf.data  # one-dimensional bytes

@@ -128,12 +128,15 @@ def test_waits_take_any_timeout_and_refuse_what_is_not_one(store: ss.Store) -> N
     handle = store.save(TOKENS, state, wait=False)
     assert handle.result(timeout=1e300).ok  # before: OverflowError
     assert handle.exception(timeout=2**63) is None
-    assert store.flush(timeout=1e300)
-    for bad in ("1", -1, float("nan")):
+    assert store.flush(timeout=1e300) and store.flush(timeout=float("inf"))
+    assert handle.result(timeout=float("inf")).ok and handle.result(timeout=-1).ok  # negative: no wait, as a Future's
+    for bad in ("1", float("nan")):
         with pytest.raises(ss.InvalidInputError, match="timeout"):
             handle.result(timeout=bad)  # type: ignore[arg-type]
         with pytest.raises(ss.InvalidInputError, match="timeout"):
             store.flush(timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(ss.InvalidInputError, match="timeout"):
+        store.flush(timeout=-1)
     with pytest.raises(ss.InvalidInputError, match="callable"):
         handle.add_done_callback(5)  # type: ignore[arg-type]
 
@@ -208,6 +211,7 @@ def test_helpers_and_batch_calls_refuse_wrong_types_with_snapstore_errors(store:
         (lambda: ss.PagedRows(np.empty((4, 16, 8), dtype=object), [0]), ss.InvalidInputError),
         (lambda: EngineMeta(5), ss.InvalidInputError),  # type: ignore[arg-type]
         (lambda: EngineMeta(["a"]).pack("x"), ss.InvalidInputError),  # type: ignore[arg-type]
+        (lambda: EngineMeta([]), ss.InvalidInputError),
         (lambda: ss.Identity.from_dict(np.int64(3)), ss.ConfigError),  # type: ignore[arg-type]
         (lambda: ss.Budget.for_model(LAYOUT, conversations=1, tokens=10, disk_bytes=5), ss.ConfigError),
         (lambda: store.match_many(None), ss.InvalidInputError),  # type: ignore[arg-type]
@@ -230,6 +234,7 @@ def test_helpers_and_batch_calls_refuse_wrong_types_with_snapstore_errors(store:
     out = empty_like_state(state)
     store.restore(r, out)
     assert _exact(out, state, 40) and store.verify().ok
+    assert EngineMeta({"pos": 0, "seed": 1}.keys()).fields == ("pos", "seed")  # any iterable of names
 
 
 class _Sized:
