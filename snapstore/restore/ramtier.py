@@ -100,7 +100,7 @@ class RamTier:
         self._queue.clear()
         self._queued.clear()
         self._busy, self._thread = False, None
-        self._in_flight = _InFlight(self._lock)
+        self._in_flight.reset(self._lock)  # the same object: a restore in flight across the fork leaves on this lock
 
     def restoring(self) -> _InFlight:
         """Mark a restore in flight (a context manager): admission pauses (at the next piece) until none
@@ -337,6 +337,10 @@ class _InFlight:
     __slots__ = ("_lock", "active", "ended")
 
     def __init__(self, lock: threading.Lock) -> None:
+        self.reset(lock)
+
+    def reset(self, lock: threading.Lock) -> None:
+        """Count afresh under ``lock`` (a forked child's: the parent's restores and its lock are not there)."""
         self._lock = lock
         self.active = 0
         self.ended = 0
